@@ -1,0 +1,218 @@
+"""HF `config.json` → `ModelConfig`, for the families we run.
+
+Accepts both spellings seen in the wild (transformers 5 writes the first, published checkpoints
+often the second): `layer_types` | `full_attention_interval`; `rope_parameters{rope_theta,
+partial_rotary_factor}` | top-level `rope_theta`/`partial_rotary_factor`; `num_experts` |
+`num_local_experts`; `dtype` | `torch_dtype`. A VL checkpoint (`text_config` nested, tensors under
+`model.language_model.`) is read as its text model.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe")
+_TEXT_TYPES = {"qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    layer_types: tuple[str, ...]
+    rope_theta: float
+    partial_rotary_factor: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    # qwen3_next / qwen3_5: zero-centred norms `(1 + w)` and a sigmoid gate on attention output
+    zero_centered_norm: bool
+    attn_output_gate: bool
+    # MoE
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int  # 0: no shared expert
+    intermediate_size: int  # dense MLP layers (mlp_only_layers / decoder_sparse_step)
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+    # gated DeltaNet (linear attention)
+    linear_conv_kernel: int = 4
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_fused_qkvz: bool = False  # qwen3_next: in_proj_qkvz / in_proj_ba grouped per K-head
+    # checkpoint facts
+    weight_prefix: str = "model."
+    dtype: str = "bfloat16"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return "linear_attention" in self.layer_types
+
+    @property
+    def full_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def linear_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    def is_moe_layer(self, i: int) -> bool:
+        if self.num_experts <= 0 or i in self.mlp_only_layers:
+            return False
+        return (i + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def expert_bytes(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of one routed expert (gate + up + down)."""
+        el = torch.empty((), dtype=dtype or self.torch_dtype).element_size()
+        return 3 * self.hidden_size * self.moe_intermediate_size * el
+
+
+def _get(d: dict, *names: str, default: Any = None) -> Any:
+    for n in names:
+        if n in d and d[n] is not None:
+            return d[n]
+    return default
+
+
+def config_from_dict(raw: dict) -> ModelConfig:
+    raw = dict(raw)
+    prefix = "model."
+    model_type = raw.get("model_type", "")
+    if "text_config" in raw and isinstance(raw["text_config"], dict):
+        # VL checkpoint: the language model's tensors sit under model.language_model.
+        text = dict(raw["text_config"])
+        for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+            if k not in text and k in raw:
+                text[k] = raw[k]
+        raw, prefix = text, "model.language_model."
+        model_type = raw.get("model_type", model_type)
+    model_type = _TEXT_TYPES.get(model_type, model_type)
+    if model_type not in FAMILIES:
+        raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(FAMILIES)}")
+    hybrid = model_type in ("qwen3_next", "qwen3_5_moe")
+    try:
+        n_layers = int(raw["num_hidden_layers"])
+        hidden = int(raw["hidden_size"])
+        n_heads = int(raw["num_attention_heads"])
+    except KeyError as e:
+        raise ConfigError(f"config.json is missing required field {e.args[0]!r}") from None
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        if hybrid:
+            interval = int(raw.get("full_attention_interval", 4))
+            layer_types = [
+                "linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)
+            ]
+        else:
+            layer_types = ["full_attention"] * n_layers
+    if len(layer_types) != n_layers:
+        raise ConfigError(f"layer_types has {len(layer_types)} entries, num_hidden_layers={n_layers}")
+    for t in layer_types:
+        if t not in ("full_attention", "linear_attention"):
+            raise ConfigError(f"unknown layer type {t!r}")
+    rope = raw.get("rope_parameters") or {}
+    rope_scaling = raw.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or rope_scaling.get("rope_type") or rope_scaling.get("type")
+    if rope_type not in (None, "default", "mrope"):
+        raise ConfigError(f"rope type {rope_type!r} is not supported yet")
+    rope_theta = float(_get(rope, "rope_theta", default=_get(raw, "rope_theta", default=10000.0)))
+    prf = float(
+        _get(rope, "partial_rotary_factor", default=_get(raw, "partial_rotary_factor",
+             default=0.25 if hybrid else 1.0))
+    )
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    dtype = str(_get(raw, "dtype", "torch_dtype", default="bfloat16")).replace("torch.", "")
+    n_experts = int(_get(raw, "num_experts", "num_local_experts", default=0))
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=n_layers,
+        num_heads=n_heads,
+        num_kv_heads=int(_get(raw, "num_key_value_heads", default=n_heads)),
+        head_dim=int(_get(raw, "head_dim", default=hidden // n_heads)),
+        rms_norm_eps=float(_get(raw, "rms_norm_eps", default=1e-6)),
+        layer_types=tuple(layer_types),
+        rope_theta=rope_theta,
+        partial_rotary_factor=prf,
+        max_position_embeddings=int(_get(raw, "max_position_embeddings", default=32768)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        zero_centered_norm=hybrid,
+        attn_output_gate=hybrid,
+        num_experts=n_experts,
+        top_k=int(_get(raw, "num_experts_per_tok", default=0)),
+        moe_intermediate_size=int(_get(raw, "moe_intermediate_size", default=0)),
+        # qwen3_5_moe always renormalises (its config has no field for it)
+        norm_topk_prob=bool(raw.get("norm_topk_prob", model_type == "qwen3_5_moe")),
+        shared_expert_intermediate_size=int(_get(raw, "shared_expert_intermediate_size", default=0)),
+        intermediate_size=int(_get(raw, "intermediate_size", default=0)),
+        mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+        decoder_sparse_step=int(_get(raw, "decoder_sparse_step", default=1)),
+        linear_conv_kernel=int(_get(raw, "linear_conv_kernel_dim", default=4)),
+        linear_key_head_dim=int(_get(raw, "linear_key_head_dim", default=0)),
+        linear_value_head_dim=int(_get(raw, "linear_value_head_dim", default=0)),
+        linear_num_key_heads=int(_get(raw, "linear_num_key_heads", default=0)),
+        linear_num_value_heads=int(_get(raw, "linear_num_value_heads", default=0)),
+        linear_fused_qkvz=model_type == "qwen3_next",
+        weight_prefix=prefix,
+        dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16",
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        extra=raw,
+    )
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise ConfigError(f"no config.json in {model_dir}")
+    with open(path) as f:
+        return config_from_dict(json.load(f))
