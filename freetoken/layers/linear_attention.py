@@ -1,0 +1,91 @@
+"""Gated DeltaNet linear attention (qwen3_next / qwen3_5) with its causal depthwise conv.
+
+Weights in the qwen3_5 layout (qwen3_next's fused in_proj_qkvz/ba are converted at load):
+in_proj_qkv [2·Hk·dk + Hv·dv, H] rows [q all heads | k | v]; in_proj_z [Hv·dv, H];
+in_proj_b, in_proj_a [Hv, H]; conv1d [C, 1, Kc] over C = 2·Hk·dk + Hv·dv channels.
+Shapes below: T packed tokens, n one sequence's tokens, C conv channels, Kc conv kernel.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken.engine.forward_batch import ForwardBatch, StatePool
+from freetoken.layers.gated_delta import chunk_gated_delta, recurrent_gated_delta
+from freetoken.layers.norm import GatedRMSNorm
+from freetoken.models.config import ModelConfig
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kc = cfg.linear_conv_kernel
+        H = cfg.hidden_size
+        self.in_proj_qkv = nn.Linear(H, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(H, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(H, self.hv, bias=False)
+        self.in_proj_a = nn.Linear(H, self.hv, bias=False)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.zeros(self.conv_dim, 1, self.kc))
+        self.A_log = nn.Parameter(torch.zeros(self.hv))
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, H, bias=False)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: StatePool) -> torch.Tensor:
+        T = x.shape[0]
+        li = pool.layer_index[self.layer_id]
+        conv_pool, ssm_pool = pool.conv[li], pool.ssm[li]  # [S, C, Kc-1], [S, Hv, dk, dv]
+        mixed = self.in_proj_qkv(x)  # [T, C]
+        z = self.in_proj_z(x).view(T, self.hv, self.dv)  # [T, Hv, dv]
+        beta = torch.sigmoid(self.in_proj_b(x))  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [T, Hv]
+        w = self.conv1d.weight[:, 0, :]  # [C, Kc]
+
+        core = torch.empty(T, self.hv, self.dv, dtype=torch.float32, device=x.device)  # [T, Hv, dv]
+        cu = batch.cu
+        decode = [b for b in range(batch.num_seqs) if batch.new_lens[b] == 1]
+        if decode:
+            rows = torch.tensor([cu[b] for b in decode], device=x.device)  # [B]
+            slots = torch.tensor([batch.state_slots[b] for b in decode], device=x.device)  # [B]
+            window = torch.cat([conv_pool[slots], mixed[rows, :, None].to(conv_pool.dtype)], -1)  # [B,C,Kc]
+            conv_pool[slots] = window[..., 1:]
+            conv_out = F.silu((window.to(w.dtype) * w).sum(-1)).to(x.dtype)  # [B, C]
+            q, k, v = self._split(conv_out)
+            o, s = recurrent_gated_delta(q, k, v, g[rows], beta[rows], ssm_pool[slots])
+            ssm_pool[slots] = s
+            core[rows] = o
+        for b in range(batch.num_seqs):
+            if batch.new_lens[b] == 1:
+                continue
+            lo, hi, slot = cu[b], cu[b + 1], batch.state_slots[b]
+            xs = torch.cat([conv_pool[slot], mixed[lo:hi].t().to(conv_pool.dtype)], -1)  # [C, Kc-1+n]
+            conv_pool[slot] = xs[:, -(self.kc - 1):]
+            conv_out = F.silu(F.conv1d(xs[None].to(w.dtype), w[:, None, :],
+                                       groups=self.conv_dim))[0].t().to(x.dtype)  # [n, C]
+            q, k, v = self._split(conv_out)
+            o, s = chunk_gated_delta(q, k, v, g[lo:hi], beta[lo:hi], ssm_pool[slot])
+            ssm_pool[slot] = s
+            core[lo:hi] = o
+        y = self.norm(core.to(x.dtype), z)  # [T, Hv, dv]
+        return self.out_proj(y.reshape(T, self.value_dim))
+
+    def _split(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # conv_out [n, C] -> q, k [n, Hv, dk] (L2-normalised, each K-head serving Hv/Hk
+        # consecutive value heads), v [n, Hv, dv]
+        n = conv_out.shape[0]
+        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        r = self.hv // self.hk
+        q = _l2norm(q.float().view(n, self.hk, self.dk)).repeat_interleave(r, dim=1)
+        k = _l2norm(k.float().view(n, self.hk, self.dk)).repeat_interleave(r, dim=1)
+        return q, k, v.reshape(n, self.hv, self.dv)

@@ -1,0 +1,112 @@
+"""MoE block: softmax router → top-k (→ renormalise), routed experts, optional shared expert.
+
+Routed experts are held as per-layer banks (gate_up [E, 2I, H], rows [gate | up]; down
+[E, H, I]) behind an `ExpertBackend`, so the expert store / slot cache can replace the default
+all-resident `FusedExperts` without touching the model. Every backend returns the same thing:
+per (token, k) UNWEIGHTED expert outputs y [T, K, H]; the block merges `Σ_k w[t,k]·y[t,k]`
+itself, in one fixed order, so partial results from different devices merge exactly.
+
+Shapes: T tokens, H hidden, E experts, K top-k, I expert intermediate, U unique experts hit.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken.models.config import ModelConfig
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def expert_group_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """One expert on the tokens routed to it. x [n, H]; gate_up [2I, H]; down [H, I] -> [n, H]."""
+    gu = F.linear(x, gate_up)  # [n, 2I]
+    i = gu.shape[-1] // 2
+    return F.linear(F.silu(gu[:, :i]) * gu[:, i:], down)  # [n, H]
+
+
+def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None = None,
+                    bank_index: torch.Tensor | None = None) -> torch.Tensor:
+    """Fill y [T, K, H] for the (t, k) entries selected by `mask` [T, K] (all if None), reading
+    each expert's weights once for all its tokens. `bank_index` maps a logical expert id to its
+    row in gate_up/down (slot ids for a slot cache); identity if None."""
+    flat = topk_ids.reshape(-1)  # [T*K]
+    sel = torch.arange(flat.numel(), device=flat.device)
+    if mask is not None:
+        sel = sel[mask.reshape(-1)]
+    if sel.numel() == 0:
+        return y
+    order = sel[torch.argsort(flat[sel], stable=True)]  # entries grouped by expert
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)  # [U], [U]
+    K = topk_ids.shape[1]
+    y2 = y.view(-1, y.shape[-1])  # [T*K, H]
+    start = 0
+    for e, c in zip(experts.tolist(), counts.tolist()):
+        ent = order[start:start + c]  # [c] flat (t, k) entries routed to e
+        start += c
+        row = e if bank_index is None else int(bank_index[e])
+        y2[ent] = expert_group_forward(x[ent // K], gate_up[row], down[row]).to(y.dtype)
+    return y
+
+
+class FusedExperts(nn.Module):
+    """All routed experts resident on the compute device (the `fused` backend)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden, inter))
+
+    def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        T, K = topk_ids.shape
+        y = torch.zeros(T, K, x.shape[-1], dtype=x.dtype, device=x.device)  # [T, K, H]
+        return grouped_experts(x, topk_ids, self.gate_up_proj, self.down_proj, y)
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.top_k, self.renormalize = top_k, renormalize
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float)  # [T, E] fp32
+        w, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, K]
+        if self.renormalize:
+            w = w / w.sum(-1, keepdim=True)
+        return w.to(x.dtype), ids
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        H = cfg.hidden_size
+        self.gate = Router(H, cfg.num_experts, cfg.top_k, cfg.norm_topk_prob)
+        self.experts: nn.Module = FusedExperts(cfg.num_experts, H, cfg.moe_intermediate_size)
+        self.shared_expert: MLP | None = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+        self.route_hook = None  # callable(layer_id, topk_ids) for routing traces
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, ids = self.gate(x)  # [T, K], [T, K]
+        if self.route_hook is not None:
+            self.route_hook(self.layer_id, ids)
+        y = self.experts(self.layer_id, x, ids)  # [T, K, H] unweighted
+        out = (y * w[..., None]).sum(1)  # [T, H]
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

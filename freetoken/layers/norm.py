@@ -1,0 +1,40 @@
+"""RMSNorm variants of the Qwen families (dtype handling mirrors transformers exactly)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """`zero_centered`: y = norm(x) * (1 + w) computed in fp32 (qwen3_next / qwen3_5);
+    else y = w * norm(x) cast back to x's dtype first (qwen3_moe)."""
+
+    def __init__(self, dim: int, eps: float, zero_centered: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+        self.eps = eps
+        self.zero_centered = zero_centered
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (xf * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * xf.to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """Gated DeltaNet output norm: (w * norm(x)) * silu(z), plain weight."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dt = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * xf.to(dt)
+        return (y * F.silu(z.float())).to(dt)

@@ -1,0 +1,40 @@
+"""Build a model from a checkpoint directory: config → runtime tensors → module on device."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from freetoken.log import get_logger, kv
+from freetoken.models.config import ModelConfig, load_config
+from freetoken.models.qwen import QwenMoE
+
+log = get_logger("model")
+
+
+def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device | str,
+                dtype: torch.dtype) -> QwenMoE:
+    with torch.device("meta"):
+        model = QwenMoE(cfg)
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"weights do not match the model: missing={missing[:5]} "
+                         f"unexpected={unexpected[:5]}")
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype | None = None,
+               device: torch.device | str = "cpu", progress: bool = True) -> QwenMoE:
+    from freetoken.checkpoint.safetensors_reader import load_checkpoint
+
+    t0 = time.perf_counter()
+    cfg = load_config(model_dir)
+    dtype = dtype or (torch.float32 if str(device) == "cpu" else cfg.torch_dtype)
+    tensors = load_checkpoint(model_dir, cfg, dtype=dtype, device="cpu", progress=progress)
+    model = build_model(cfg, tensors, device, dtype)
+    n = sum(p.numel() for p in model.parameters())
+    log.info(kv("loaded", model=Path(model_dir).name, family=cfg.model_type, params=n,
+                dtype=str(dtype).replace("torch.", ""), device=device,
+                seconds=f"{time.perf_counter() - t0:.1f}"))
+    return model

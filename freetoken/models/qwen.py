@@ -1,0 +1,78 @@
+"""Qwen3-MoE, Qwen3-Next and Qwen3.5-MoE (text) as one decoder: per-layer full attention or gated
+DeltaNet, then a MoE block (or a dense MLP on `mlp_only_layers`). Parameter names equal the
+runtime tensor names produced by `freetoken.checkpoint.load_checkpoint`.
+
+Shapes: T packed new tokens, H hidden, V vocab, R rows whose logits are wanted.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from freetoken.engine.forward_batch import Caches, ForwardBatch
+from freetoken.layers.attention import Attention
+from freetoken.layers.linear_attention import GatedDeltaNet
+from freetoken.layers.moe import MLP, MoEBlock
+from freetoken.layers.norm import RMSNorm
+from freetoken.layers.rotary import Rotary
+from freetoken.models.config import ModelConfig
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int):
+        super().__init__()
+        self.is_linear = cfg.layer_types[i] == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg, i)
+        else:
+            self.self_attn = Attention(cfg, i)
+        self.mlp: nn.Module = (MoEBlock(cfg, i) if cfg.is_moe_layer(i)
+                               else MLP(cfg.hidden_size, cfg.intermediate_size))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                cfg.zero_centered_norm)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch, caches: Caches) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.is_linear:
+            assert caches.state is not None
+            h = self.linear_attn(h, batch, caches.state)
+        else:
+            h = self.self_attn(h, cos, sin, batch, caches.kv)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm)
+
+
+class QwenMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+
+    def output_embedding(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
+    def moe_blocks(self) -> list[MoEBlock]:
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoEBlock)]
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, caches: Caches) -> torch.Tensor:
+        """Runs the packed batch, writes its K/V and recurrent state, returns logits [R, V] fp32."""
+        x = self.model.embed_tokens(batch.input_ids)  # [T, H]
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)  # [T, rotary_dim]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, batch, caches)
+        h = self.model.norm(x[batch.logits_rows])  # [R, H]
+        return torch.nn.functional.linear(h, self.output_embedding()).float()  # [R, V]
