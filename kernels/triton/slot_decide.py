@@ -1,0 +1,140 @@
+"""Slot decision on the device: one Triton program decides one layer's step, all as data.
+
+Same contract as `freetoken.experts.residency.decide_reference` (read its module docstring):
+identical outputs and identical table updates, including tie-breaking. Outputs have fixed sizes
+and `num_fetch` may be a device tensor, so no value travels to the host and a decode step that
+calls this per layer can be captured in a CUDA graph.
+
+Layout of the work (a single program, `grid=(1,)`; the decision is tiny next to the experts):
+  phase 1  count routed entries per expert [E] and per resident slot of this layer [S] over
+           chunks of the T*K ids; sort composite keys (a total order, so sort == spec order):
+             miss key   = (T*K - count) * BLOCK_E + expert   -> first q = experts to fetch
+             victim key = (age + 1) * BLOCK_S + slot         -> first q = victim slots
+           store fetch lists, tick the clock, refresh hit slots.
+  phase 2  (after a block barrier) read the fetch lists back and rewrite the three tables.
+  phase 3  (after a barrier) slot_ids = expert_slot[layer*E + id] for every entry.
+The barriers make one phase's global stores visible to every thread of the program.
+Limits: one program holds next_pow2(S) keys in registers; fine up to S of a few thousand.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from freetoken.experts.residency import Decision, ResidencyTable, fetch_capacity
+
+_EXCLUDED = tl.constexpr(2**62)
+
+
+@triton.jit
+def _slot_decide_kernel(
+    ids_ptr, num_fetch_ptr, owner_ptr, eslot_ptr, last_ptr, clock_ptr,
+    slot_ids_ptr, cpu_ptr, fetch_e_ptr, fetch_s_ptr, counters_ptr,
+    layer, TK, E, S, F,
+    BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr,
+):
+    base = layer * E
+    e = tl.arange(0, BLOCK_E)  # [BE]
+    e_ok = e < E
+    s = tl.arange(0, BLOCK_S)  # [BS]
+    s_ok = s < S
+    owner = tl.load(owner_ptr + s, mask=s_ok, other=-1)  # [BS]
+    local = owner - base  # [BS] local expert id when this layer owns the slot
+    own_here = s_ok & (owner >= 0) & (local >= 0) & (local < E)  # [BS]
+
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)  # [BE] routed entries per expert
+    used = tl.zeros([BLOCK_S], dtype=tl.int32)  # [BS] routed entries per slot of this layer
+    for start in range(0, TK, BLOCK_TK):
+        o = start + tl.arange(0, BLOCK_TK)  # [BT]
+        x = tl.load(ids_ptr + o, mask=o < TK, other=-1)  # [BT], -1 = padding
+        counts += tl.sum((x[None, :] == e[:, None]).to(tl.int32), axis=1)
+        eq = (x[None, :] == local[:, None]) & own_here[:, None]  # [BS, BT]
+        used += tl.sum(eq.to(tl.int32), axis=1)
+
+    slot_of = tl.load(eslot_ptr + base + e, mask=e_ok, other=-1)  # [BE]
+    need = e_ok & (counts > 0)
+    hit = need & (slot_of >= 0)  # [BE]
+    miss = need & (slot_of < 0)  # [BE]
+    n_hit = tl.sum(hit.to(tl.int64), axis=0)
+    n_miss = tl.sum(miss.to(tl.int64), axis=0)
+    nf = tl.load(num_fetch_ptr).to(tl.int64)
+    q = tl.where(nf < 0, n_miss, tl.minimum(nf, n_miss))
+    q = tl.minimum(q, S - n_hit)
+
+    mkey = tl.where(miss, (TK - counts).to(tl.int64) * BLOCK_E + e, _EXCLUDED)  # [BE]
+    mkey = tl.sort(mkey)
+    tl.store(fetch_e_ptr + e, tl.where(e < q, mkey % BLOCK_E, -1), mask=e < F)
+
+    last = tl.load(last_ptr + s, mask=s_ok, other=-1)  # [BS]
+    age = tl.where(owner >= 0, last, -1)  # [BS]
+    candidate = s_ok & (used == 0)  # a slot of a hit is in use by this step
+    vkey = tl.where(candidate, (age + 1) * BLOCK_S + s, _EXCLUDED)  # [BS]
+    vkey = tl.sort(vkey)
+    tl.store(fetch_s_ptr + s, tl.where(s < q, vkey % BLOCK_S, -1), mask=s < F)
+
+    now = tl.load(clock_ptr) + 1
+    tl.store(clock_ptr, now)
+    tl.store(last_ptr + slot_of, tl.zeros([BLOCK_E], dtype=tl.int64) + now, mask=hit)
+    tl.store(counters_ptr + 0, n_hit)
+    tl.store(counters_ptr + 1, n_miss)
+    tl.store(counters_ptr + 2, q)
+    tl.debug_barrier()
+
+    f = tl.arange(0, BLOCK_F)  # [BF]
+    f_ok = f < q
+    fe = tl.load(fetch_e_ptr + f, mask=f_ok, other=0)  # [BF]
+    fs = tl.load(fetch_s_ptr + f, mask=f_ok, other=0)  # [BF]
+    old = tl.load(owner_ptr + fs, mask=f_ok, other=-1)  # [BF]
+    # old experts are resident and new ones are not, so these address sets never overlap
+    tl.store(eslot_ptr + old, tl.full([BLOCK_F], -1, tl.int64), mask=f_ok & (old >= 0))
+    tl.store(owner_ptr + fs, base + fe, mask=f_ok)
+    tl.store(eslot_ptr + base + fe, fs, mask=f_ok)
+    tl.store(last_ptr + fs, tl.zeros([BLOCK_F], dtype=tl.int64) + now, mask=f_ok)
+    tl.debug_barrier()
+
+    for start in range(0, TK, BLOCK_TK):
+        o = start + tl.arange(0, BLOCK_TK)  # [BT]
+        o_ok = o < TK
+        x = tl.load(ids_ptr + o, mask=o_ok, other=-1)  # [BT]
+        valid = o_ok & (x >= 0)
+        sl = tl.load(eslot_ptr + base + x, mask=valid, other=-1)  # [BT]
+        tl.store(slot_ids_ptr + o, sl, mask=o_ok)
+        tl.store(cpu_ptr + o, valid & (sl < 0), mask=o_ok)
+
+
+def _pow2(n: int) -> int:
+    return max(2, triton.next_power_of_2(max(1, n)))
+
+
+def slot_decide(
+    table: ResidencyTable, layer: int, topk_ids: Tensor, num_fetch: int | Tensor = -1
+) -> Decision:
+    """Launch the decision kernel for `topk_ids [T, K]`; updates `table` in place on its device.
+
+    `num_fetch` may be a python int or a 0-d/1-element int tensor on the table's device.
+    """
+    dev = table.device
+    E, S = table.num_experts, table.num_slots
+    ids = topk_ids.to(device=dev, dtype=torch.int64).contiguous()  # [T, K]
+    T, K = ids.shape
+    F = fetch_capacity(T, K, E, S)
+    if isinstance(num_fetch, Tensor):
+        nf = num_fetch.to(device=dev, dtype=torch.int64).reshape(1)  # [1]
+    else:
+        nf = torch.full((1,), int(num_fetch), dtype=torch.int64, device=dev)  # [1]
+    slot_ids = torch.empty((T, K), dtype=torch.int64, device=dev)  # [T, K]
+    cpu_mask = torch.empty((T, K), dtype=torch.bool, device=dev)  # [T, K]
+    fetch_e = torch.empty((F,), dtype=torch.int64, device=dev)  # [F]
+    fetch_s = torch.empty((F,), dtype=torch.int64, device=dev)  # [F]
+    counters = torch.empty((3,), dtype=torch.int64, device=dev)  # [3]
+    block_s = _pow2(S)
+    _slot_decide_kernel[(1,)](
+        ids, nf, table.slot_owner, table.expert_slot, table.slot_last_use, table.clock,
+        slot_ids, cpu_mask, fetch_e, fetch_s, counters,
+        layer, T * K, E, S, F,
+        BLOCK_TK=min(_pow2(T * K), 32), BLOCK_E=_pow2(E), BLOCK_S=block_s, BLOCK_F=_pow2(F),
+        num_warps=8 if block_s >= 2048 else 4,
+    )
+    return Decision(slot_ids, cpu_mask, fetch_e, fetch_s, counters)
