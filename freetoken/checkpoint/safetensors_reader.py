@@ -1,0 +1,214 @@
+"""Read an HF safetensors checkpoint (single file or sharded) into runtime-named tensors.
+
+Contract of `load_checkpoint`:
+* Every file is memory-mapped (`safe_open`); only headers are read until validation passes.
+* Validation comes first: every tensor `expected_tensors(cfg)` names must be present with its
+  shape, else `CheckpointError` naming the tensor, the expected and found shape and the file.
+  A layer's routed experts may be stored per expert (HF layout) or already fused as
+  `mlp.experts.gate_up_proj` [E, 2I, H] / `mlp.experts.down_proj` [E, H, I]. Tensors the model
+  does not use (`model.visual.*`, `mtp.*`, ...) are skipped with one log line.
+* Returned names: the prefix normalised to `model.`, `lm_head.weight` top-level, experts as one
+  bank per layer `model.layers.{i}.mlp.experts.gate_up_proj` [E, 2I, H] (rows 0..I-1 gate,
+  I..2I-1 up) and `...down_proj` [E, H, I]; qwen3_next linear attention converted to the qwen3_5
+  layout (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`). Every tensor has `dtype` and
+  lives on `device`. Tied embeddings add no `lm_head.weight`.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+from tqdm import tqdm
+
+from freetoken.checkpoint.convert import split_ba, split_qkvz
+from freetoken.log import get_logger, kv
+from freetoken.models.config import ModelConfig
+from freetoken.models.weights import (
+    Shape,
+    expected_tensors,
+    expert_bank_names,
+    fused_expert_tensors,
+    runtime_name,
+)
+
+log = get_logger("checkpoint")
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match the model config (or cannot be read)."""
+
+
+class TensorInfo(NamedTuple):
+    file: Path
+    shape: Shape
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shards named by the index, or the single file."""
+    d = Path(model_dir)
+    index = d / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"{index}: unreadable index ({e})") from None
+        files = [d / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.exists():
+                raise CheckpointError(f"{index} names shard {f.name}, which does not exist")
+        return files
+    if (d / SINGLE_FILE).exists():
+        return [d / SINGLE_FILE]
+    raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {d}")
+
+
+def scan_headers(files: list[Path]) -> dict[str, TensorInfo]:
+    """Name → (file, shape) from the safetensors headers only (no tensor data is read)."""
+    found: dict[str, TensorInfo] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for name in h.keys():
+                if name in found:
+                    raise CheckpointError(
+                        f"tensor {name} is stored twice: {found[name].file.name} and {f.name}"
+                    )
+                found[name] = TensorInfo(f, tuple(h.get_slice(name).get_shape()))
+    return found
+
+
+def resolve_expected(cfg: ModelConfig, found: dict[str, TensorInfo]) -> dict[str, Shape]:
+    """`expected_tensors(cfg)`, with a layer's per-expert names swapped for the fused banks
+    wherever the checkpoint stores that layer fused."""
+    expected = expected_tensors(cfg)
+    for i in cfg.moe_layers:
+        gate_up, down = expert_bank_names(cfg, i)
+        if gate_up not in found and down not in found:
+            continue
+        per_expert = f"{cfg.weight_prefix}layers.{i}.mlp.experts."
+        expected = {
+            k: v for k, v in expected.items()
+            if not (k.startswith(per_expert) and k[len(per_expert)].isdigit())
+        }
+        expected.update(fused_expert_tensors(cfg, i))
+    return expected
+
+
+def validate(
+    cfg: ModelConfig, found: dict[str, TensorInfo], where: Path
+) -> dict[str, Shape]:
+    """Check names and shapes; returns the expected set. Raises `CheckpointError` on the
+    first problem (with a count of the others), logs and ignores extra tensors."""
+    expected = resolve_expected(cfg, found)
+    missing = [n for n in expected if n not in found]
+    if missing:
+        name = missing[0]
+        more = f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else ""
+        raise CheckpointError(
+            f"tensor {name} is missing from the checkpoint in {where}: expected shape "
+            f"{list(expected[name])}, found none{more}"
+        )
+    for name, shape in expected.items():
+        info = found[name]
+        if info.shape != shape:
+            raise CheckpointError(
+                f"tensor {name} in {info.file}: expected shape {list(shape)}, found "
+                f"{list(info.shape)} (config {cfg.model_type}, {where})"
+            )
+    extra = [n for n in found if n not in expected]
+    if extra:
+        groups = Counter(".".join(n.split(".")[:2]) for n in extra)
+        log.info(kv("skip_unused", tensors=len(extra), groups=dict(groups.most_common(4))))
+    return expected
+
+
+class _Reader:
+    """Open handles to every shard; `get(name)` reads one tensor and casts/moves it."""
+
+    def __init__(self, stack: ExitStack, found: dict[str, TensorInfo], dtype: torch.dtype,
+                 device: torch.device, bar: Any) -> None:
+        self.found, self.dtype, self.device, self.bar = found, dtype, device, bar
+        files = {info.file for info in found.values()}
+        self.handles = {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in files}
+
+    def raw(self, name: str) -> Tensor:
+        t = self.handles[self.found[name].file].get_tensor(name)
+        self.bar.update(1)
+        return t
+
+    def get(self, name: str) -> Tensor:
+        return self.raw(name).to(device=self.device, dtype=self.dtype).contiguous()
+
+
+def _load_experts(cfg: ModelConfig, layer: int, rd: _Reader, out: dict[str, Tensor]) -> None:
+    """Per-layer expert banks. E experts, I moe intermediate, H hidden."""
+    disk_gate_up, disk_down = expert_bank_names(cfg, layer)
+    gate_up_name, down_name = expert_bank_names(cfg, layer, prefix="model.")
+    if disk_gate_up in rd.found:
+        out[gate_up_name] = rd.get(disk_gate_up)  # [E, 2I, H]
+        out[down_name] = rd.get(disk_down)  # [E, H, I]
+        return
+    E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    gate_up = torch.empty(E, 2 * I, H, dtype=rd.dtype, device=rd.device)  # [E, 2I, H]
+    down = torch.empty(E, H, I, dtype=rd.dtype, device=rd.device)  # [E, H, I]
+    p = f"{cfg.weight_prefix}layers.{layer}.mlp.experts."
+    for e in range(E):
+        gate_up[e, :I].copy_(rd.raw(f"{p}{e}.gate_proj.weight"))  # [I, H]
+        gate_up[e, I:].copy_(rd.raw(f"{p}{e}.up_proj.weight"))  # [I, H]
+        down[e].copy_(rd.raw(f"{p}{e}.down_proj.weight"))  # [H, I]
+    out[gate_up_name], out[down_name] = gate_up, down
+
+
+def _load_fused_linear_attn(cfg: ModelConfig, disk_prefix: str, rd: _Reader,
+                            out: dict[str, Tensor]) -> None:
+    rt = runtime_name(cfg, disk_prefix)
+    Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    qkv, z = split_qkvz(rd.raw(f"{disk_prefix}in_proj_qkvz.weight"), Hk, Hv,
+                        cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    b, a = split_ba(rd.raw(f"{disk_prefix}in_proj_ba.weight"), Hk, Hv)
+    for name, t in (("in_proj_qkv", qkv), ("in_proj_z", z), ("in_proj_b", b), ("in_proj_a", a)):
+        out[f"{rt}{name}.weight"] = t.to(device=rd.device, dtype=rd.dtype).contiguous()
+
+
+def load_checkpoint(
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+) -> dict[str, Tensor]:
+    """Validate, then read every tensor the model needs, in runtime names (module docstring)."""
+    model_dir = Path(model_dir)
+    files = checkpoint_files(model_dir)
+    found = scan_headers(files)
+    expected = validate(cfg, found, model_dir)
+    dev = torch.device(device)
+    out: dict[str, Tensor] = {}
+    handled: set[str] = set()
+    with ExitStack() as stack:
+        bar = stack.enter_context(tqdm(total=len(expected), desc="loading weights", unit="t",
+                                       disable=not progress, leave=False))
+        rd = _Reader(stack, {n: found[n] for n in expected}, dtype, dev, bar)
+        for i in cfg.moe_layers:
+            _load_experts(cfg, i, rd, out)
+            handled.update(n for n in expected if n.startswith(
+                f"{cfg.weight_prefix}layers.{i}.mlp.experts."))
+        if cfg.linear_fused_qkvz:
+            for i in cfg.linear_attention_layers:
+                lp = f"{cfg.weight_prefix}layers.{i}.linear_attn."
+                _load_fused_linear_attn(cfg, lp, rd, out)
+                handled.update((f"{lp}in_proj_qkvz.weight", f"{lp}in_proj_ba.weight"))
+        for name in expected:
+            if name not in handled:
+                out[runtime_name(cfg, name)] = rd.get(name)
+    log.info(kv("loaded", dir=model_dir, files=len(files), tensors=len(out), dtype=dtype,
+                device=dev, skipped=len(found) - len(expected)))
+    return out

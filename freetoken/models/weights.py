@@ -1,0 +1,130 @@
+"""Which tensors a checkpoint of each family holds on disk, and their shapes.
+
+Names are the HF safetensors names (per-expert layout, `cfg.weight_prefix` on everything but
+`lm_head.weight`), as `save_pretrained` in transformers 5 and the published Qwen checkpoints
+write them (MODEL_FACTS §2). The checkpoint reader validates against this before converting
+anything, and the runtime names derive from it (`runtime_name`).
+
+Legend: H hidden, E experts, I moe intermediate, D dense intermediate, S shared intermediate,
+hd head_dim, Hq/Hkv attention heads, Hk/Hv linear key/value heads, dk/dv their head dims.
+"""
+from __future__ import annotations
+
+from freetoken.models.config import ModelConfig
+
+Shape = tuple[int, ...]
+
+
+def _attention(cfg: ModelConfig, p: str) -> dict[str, Shape]:
+    H, hd = cfg.hidden_size, cfg.head_dim
+    q_rows = cfg.num_heads * hd * (2 if cfg.attn_output_gate else 1)  # per head [q | gate]
+    kv_rows = cfg.num_kv_heads * hd
+    out = {
+        f"{p}q_proj.weight": (q_rows, H),
+        f"{p}k_proj.weight": (kv_rows, H),
+        f"{p}v_proj.weight": (kv_rows, H),
+        f"{p}o_proj.weight": (H, cfg.num_heads * hd),
+        f"{p}q_norm.weight": (hd,),
+        f"{p}k_norm.weight": (hd,),
+    }
+    if cfg.attention_bias:
+        out.update({
+            f"{p}q_proj.bias": (q_rows,),
+            f"{p}k_proj.bias": (kv_rows,),
+            f"{p}v_proj.bias": (kv_rows,),
+            f"{p}o_proj.bias": (H,),
+        })
+    return out
+
+
+def _linear_attention(cfg: ModelConfig, p: str) -> dict[str, Shape]:
+    H, Hv, dv = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    key_dim, value_dim = cfg.linear_key_dim, cfg.linear_value_dim
+    out: dict[str, Shape] = {}
+    if cfg.linear_fused_qkvz:
+        # qwen3_next: rows grouped per K-head, [q_g | k_g | v_g | z_g] and [b_g | a_g]
+        out[f"{p}in_proj_qkvz.weight"] = (2 * key_dim + 2 * value_dim, H)
+        out[f"{p}in_proj_ba.weight"] = (2 * Hv, H)
+    else:
+        out[f"{p}in_proj_qkv.weight"] = (2 * key_dim + value_dim, H)  # [q all | k all | v all]
+        out[f"{p}in_proj_z.weight"] = (value_dim, H)
+        out[f"{p}in_proj_b.weight"] = (Hv, H)
+        out[f"{p}in_proj_a.weight"] = (Hv, H)
+    out.update({
+        f"{p}conv1d.weight": (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel),  # depthwise
+        f"{p}A_log": (Hv,),
+        f"{p}dt_bias": (Hv,),
+        f"{p}norm.weight": (dv,),
+        f"{p}out_proj.weight": (H, value_dim),
+    })
+    return out
+
+
+def _mlp(cfg: ModelConfig, layer: int, p: str) -> dict[str, Shape]:
+    H = cfg.hidden_size
+    if not cfg.is_moe_layer(layer):
+        D = cfg.intermediate_size
+        return {
+            f"{p}gate_proj.weight": (D, H),
+            f"{p}up_proj.weight": (D, H),
+            f"{p}down_proj.weight": (H, D),
+        }
+    E, I = cfg.num_experts, cfg.moe_intermediate_size
+    out: dict[str, Shape] = {f"{p}gate.weight": (E, H)}
+    for e in range(E):
+        out[f"{p}experts.{e}.gate_proj.weight"] = (I, H)
+        out[f"{p}experts.{e}.up_proj.weight"] = (I, H)
+        out[f"{p}experts.{e}.down_proj.weight"] = (H, I)
+    S = cfg.shared_expert_intermediate_size
+    if S > 0:
+        out.update({
+            f"{p}shared_expert.gate_proj.weight": (S, H),
+            f"{p}shared_expert.up_proj.weight": (S, H),
+            f"{p}shared_expert.down_proj.weight": (H, S),
+            f"{p}shared_expert_gate.weight": (1, H),
+        })
+    return out
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, Shape]:
+    """Every tensor name on disk for `cfg` and its shape, in a stable order.
+
+    Routed experts are listed per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`); a
+    checkpoint that stores them already fused is accepted by the reader (see
+    `fused_expert_tensors`). No `lm_head.weight` when the embeddings are tied.
+    """
+    pre, H = cfg.weight_prefix, cfg.hidden_size
+    out: dict[str, Shape] = {f"{pre}embed_tokens.weight": (cfg.vocab_size, H)}
+    for i, kind in enumerate(cfg.layer_types):
+        lp = f"{pre}layers.{i}."
+        out[f"{lp}input_layernorm.weight"] = (H,)
+        if kind == "linear_attention":
+            out.update(_linear_attention(cfg, f"{lp}linear_attn."))
+        else:
+            out.update(_attention(cfg, f"{lp}self_attn."))
+        out[f"{lp}post_attention_layernorm.weight"] = (H,)
+        out.update(_mlp(cfg, i, f"{lp}mlp."))
+    out[f"{pre}norm.weight"] = (H,)
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, H)
+    return out
+
+
+def expert_bank_names(cfg: ModelConfig, layer: int, prefix: str | None = None) -> tuple[str, str]:
+    """(gate_up_proj, down_proj) bank names of an MoE layer under `prefix` (default: on disk)."""
+    p = f"{cfg.weight_prefix if prefix is None else prefix}layers.{layer}.mlp.experts."
+    return f"{p}gate_up_proj", f"{p}down_proj"
+
+
+def fused_expert_tensors(cfg: ModelConfig, layer: int) -> dict[str, Shape]:
+    """The fused-bank alternative to a layer's per-expert tensors: [E, 2I, H] and [E, H, I]."""
+    E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    gate_up, down = expert_bank_names(cfg, layer)
+    return {gate_up: (E, 2 * I, H), down: (E, H, I)}
+
+
+def runtime_name(cfg: ModelConfig, disk_name: str) -> str:
+    """The runtime name of a non-expert disk tensor: the prefix normalised to `model.`."""
+    if disk_name.startswith(cfg.weight_prefix):
+        return "model." + disk_name[len(cfg.weight_prefix):]
+    return disk_name
