@@ -1,0 +1,347 @@
+// CPU SwiGLU expert kernel: per (token, k) unweighted outputs, weights read once per call.
+//
+// Shape legend: T tokens, K routed experts per token, E experts, H hidden, I intermediate,
+// n entries (t, k) routed to one expert.
+//   x [T, H] fp32, ids [T, K] int64, mask [T, K] uint8 (nullable),
+//   gate_up [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up), down [E, H, I]: both fp32 or bf16,
+//   out [T, K, H] fp32; rows of masked-out entries are not touched.
+//
+// Plain C ABI (called through ctypes so the GIL is released while it runs). The ISA is picked
+// at build time from flags the loader chooses after reading the CPU's features:
+//   avx512bf16: bf16 rows widened to fp32 + FMA for small n (bandwidth-bound decode: exact fp32
+//               activations), _mm512_dpbf16_ps on bf16 activations for n >= kDpMinTokens
+//               (compute-bound prefill-size groups);
+//   avx512 / avx2: widen + FMA;  scalar: plain loops (any CPU).
+// Work: phase 1 splits every routed expert's gate/up rows into blocks (one OpenMP item each:
+// the block is streamed once and dotted with all n token vectors, tiled so the rows stay in L1),
+// phase 2 does the same over down rows. Both phases share one parallel region.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+#include <omp.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512BF16__)
+#define FT_ISA "avx512bf16"
+#define FT_HAVE_DPBF16 1
+#else
+#define FT_ISA "avx512"
+#endif
+constexpr int VL = 16;
+constexpr int kHalfRows = 4;  // phase 1 tile: 4 gate + 4 up rows
+constexpr int kNtMax = 3;     // tokens per tile: 8 rows x 3 tokens = 24 accumulators of 32 zmm
+constexpr int kDownRows = 8;
+using V = __m512;
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+inline V vload(const uint16_t* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline V vload_tail(const float* p, int n) {
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), p);
+}
+inline V vload_tail(const uint16_t* p, int n) {
+  __m256i h = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1u), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(V a) { return _mm512_reduce_add_ps(a); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define FT_ISA "avx2"
+constexpr int VL = 8;
+constexpr int kHalfRows = 2;
+constexpr int kNtMax = 2;  // 4 rows x 2 tokens = 8 accumulators of 16 ymm
+constexpr int kDownRows = 4;
+using V = __m256;
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline V vload(const uint16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline V vload_tail(const float* p, int n) {
+  alignas(32) float b[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int i = 0; i < n; ++i) b[i] = p[i];
+  return _mm256_load_ps(b);
+}
+inline V vload_tail(const uint16_t* p, int n) {
+  alignas(16) uint16_t b[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int i = 0; i < n; ++i) b[i] = p[i];
+  return vload(b);
+}
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(V a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#else
+#define FT_ISA "scalar"
+constexpr int VL = 1;
+constexpr int kHalfRows = 2;
+constexpr int kNtMax = 2;
+constexpr int kDownRows = 4;
+using V = float;
+inline V vzero() { return 0.f; }
+inline V vload(const float* p) { return *p; }
+inline V vload(const uint16_t* p) { return bf16_to_f32(*p); }
+inline V vload_tail(const float* p, int) { return *p; }
+inline V vload_tail(const uint16_t* p, int) { return bf16_to_f32(*p); }
+inline V vfma(V a, V b, V c) { return a * b + c; }
+inline float vsum(V a) { return a; }
+#endif
+
+#ifdef FT_HAVE_DPBF16
+constexpr int kDpMinTokens = 4;
+#endif
+
+// res[r * NT + t] = rows[r][0:len] . xs[t][0:len]
+template <typename W, int NR, int NT>
+inline void dot_tile(const W* const* rows, const float* const* xs, int64_t len, float* res) {
+  V acc[NR][NT];
+#pragma GCC unroll 32
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) acc[r][t] = vzero();
+  int64_t j = 0;
+  for (; j + VL <= len; j += VL) {
+    V xv[NT];
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) xv[t] = vload(xs[t] + j);
+#pragma GCC unroll 32
+    for (int r = 0; r < NR; ++r) {
+      V w = vload(rows[r] + j);
+#pragma GCC unroll 8
+      for (int t = 0; t < NT; ++t) acc[r][t] = vfma(w, xv[t], acc[r][t]);
+    }
+  }
+  if (j < len) {
+    const int rem = static_cast<int>(len - j);
+    V xv[NT];
+    for (int t = 0; t < NT; ++t) xv[t] = vload_tail(xs[t] + j, rem);
+    for (int r = 0; r < NR; ++r) {
+      V w = vload_tail(rows[r] + j, rem);
+      for (int t = 0; t < NT; ++t) acc[r][t] = vfma(w, xv[t], acc[r][t]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) res[r * NT + t] = vsum(acc[r][t]);
+}
+
+#ifdef FT_HAVE_DPBF16
+// Same contract on bf16 activations: 32 bf16 products per instruction, fp32 accumulation.
+template <int NR, int NT>
+inline void dot_tile_dp(const uint16_t* const* rows, const uint16_t* const* xs, int64_t len,
+                        float* res) {
+  __m512 acc[NR][NT];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j < len; j += 32) {
+    const int64_t rem = len - j;
+    const __mmask32 m = rem >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1ull << rem) - 1);
+    __m512i xv[NT];
+    for (int t = 0; t < NT; ++t) xv[t] = _mm512_maskz_loadu_epi16(m, xs[t] + j);
+    for (int r = 0; r < NR; ++r) {
+      __m512i w = _mm512_maskz_loadu_epi16(m, rows[r] + j);
+      for (int t = 0; t < NT; ++t)
+        acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)w, (__m512bh)xv[t]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) res[r * NT + t] = _mm512_reduce_add_ps(acc[r][t]);
+}
+#endif
+
+// res[r * n + t] for NR rows and n token vectors, in token tiles of at most kNtMax.
+template <typename W, typename X, int NR>
+void dot_rows(const W* const* rows, const X* const* xs, int n, int64_t len, float* res) {
+  float tmp[NR * kNtMax];
+  for (int t0 = 0; t0 < n; t0 += kNtMax) {
+    const int nt = n - t0 < kNtMax ? n - t0 : kNtMax;
+    const X* const* xt = xs + t0;
+    if constexpr (std::is_same_v<X, float>) {
+      if (nt == 1) dot_tile<W, NR, 1>(rows, xt, len, tmp);
+      else if (nt == 2) dot_tile<W, NR, 2>(rows, xt, len, tmp);
+      else dot_tile<W, NR, kNtMax>(rows, xt, len, tmp);
+    } else if constexpr (std::is_same_v<W, uint16_t>) {
+#ifdef FT_HAVE_DPBF16
+      if (nt == 1) dot_tile_dp<NR, 1>(rows, xt, len, tmp);
+      else if (nt == 2) dot_tile_dp<NR, 2>(rows, xt, len, tmp);
+      else dot_tile_dp<NR, kNtMax>(rows, xt, len, tmp);
+#endif
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int t = 0; t < nt; ++t) res[r * n + t0 + t] = tmp[r * nt + t];
+  }
+}
+
+struct Group {
+  int64_t expert;
+  int64_t begin;  // into the grouped entry order
+  int n;
+  bool dp;  // use bf16 activations + dpbf16
+};
+
+template <typename W>
+void run(const float* x, int64_t T, int64_t H, const int64_t* ids, int64_t K,
+         const uint8_t* mask, const W* gate_up, const W* down, int64_t I, float* out,
+         const std::vector<Group>& groups, const std::vector<int64_t>& entries, int nth) {
+  const int64_t n_ent = static_cast<int64_t>(entries.size());
+  constexpr bool kBf16 = std::is_same_v<W, uint16_t>;
+  std::vector<const float*> xp(n_ent);  // per grouped entry: its token's x row
+  std::vector<float> act(n_ent * I);    // [n, I] silu(g) * u, grouped order
+  std::vector<const float*> ap(n_ent);
+  bool any_dp = false;
+  for (const Group& g : groups) any_dp = any_dp || g.dp;
+  std::vector<uint16_t> xb(any_dp ? n_ent * H : 0), ab(any_dp ? n_ent * I : 0);
+  std::vector<const uint16_t*> xbp(n_ent), abp(n_ent);
+  for (int64_t j = 0; j < n_ent; ++j) {
+    xp[j] = x + (entries[j] / K) * H;
+    ap[j] = act.data() + j * I;
+    if (any_dp) {
+      xbp[j] = xb.data() + j * H;
+      abp[j] = ab.data() + j * I;
+    }
+  }
+  for (const Group& g : groups)
+    if (g.dp)
+      for (int64_t j = g.begin; j < g.begin + g.n; ++j)
+        for (int64_t h = 0; h < H; ++h) xb[j * H + h] = f32_to_bf16(xp[j][h]);
+
+  constexpr int64_t kRb1 = 16;  // gate rows per phase-1 item (plus the matching up rows)
+  constexpr int64_t kRb2 = 32;  // down rows per phase-2 item
+  const int64_t nb1 = (I + kRb1 - 1) / kRb1, nb2 = (H + kRb2 - 1) / kRb2;
+  const int64_t items1 = static_cast<int64_t>(groups.size()) * nb1;
+  const int64_t items2 = static_cast<int64_t>(groups.size()) * nb2;
+
+#pragma omp parallel num_threads(nth)
+  {
+    std::vector<float> res(static_cast<size_t>(2 * kHalfRows + kDownRows) * kNtMax * 64 + 1);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items1; ++it) {
+      const Group& g = groups[it / nb1];
+      const int64_t r0 = (it % nb1) * kRb1, r1 = r0 + kRb1 < I ? r0 + kRb1 : I;
+      const W* base = gate_up + g.expert * 2 * I * H;
+      if (res.size() < static_cast<size_t>(2 * kHalfRows * g.n)) res.resize(2 * kHalfRows * g.n);
+      for (int64_t r = r0; r < r1;) {
+        const int hr = r1 - r >= kHalfRows ? kHalfRows : 1;
+        const W* rows[2 * kHalfRows];
+        for (int q = 0; q < hr; ++q) {
+          rows[q] = base + (r + q) * H;
+          rows[hr + q] = base + (I + r + q) * H;
+        }
+        const bool dp = kBf16 && g.dp;
+        if (hr == kHalfRows) {
+          if (dp) dot_rows<W, uint16_t, 2 * kHalfRows>(rows, xbp.data() + g.begin, g.n, H, res.data());
+          else dot_rows<W, float, 2 * kHalfRows>(rows, xp.data() + g.begin, g.n, H, res.data());
+        } else {
+          if (dp) dot_rows<W, uint16_t, 2>(rows, xbp.data() + g.begin, g.n, H, res.data());
+          else dot_rows<W, float, 2>(rows, xp.data() + g.begin, g.n, H, res.data());
+        }
+        for (int q = 0; q < hr; ++q)
+          for (int t = 0; t < g.n; ++t) {
+            const float gv = res[q * g.n + t], uv = res[(hr + q) * g.n + t];
+            const float a = gv / (1.f + std::exp(-gv)) * uv;
+            act[(g.begin + t) * I + r + q] = a;
+            if (dp) ab[(g.begin + t) * I + r + q] = f32_to_bf16(a);
+          }
+        r += hr;
+      }
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items2; ++it) {
+      const Group& g = groups[it / nb2];
+      const int64_t h0 = (it % nb2) * kRb2, h1 = h0 + kRb2 < H ? h0 + kRb2 : H;
+      const W* base = down + g.expert * H * I;
+      if (res.size() < static_cast<size_t>(kDownRows * g.n)) res.resize(kDownRows * g.n);
+      const bool dp = kBf16 && g.dp;
+      for (int64_t h = h0; h < h1;) {
+        const int nr = h1 - h >= kDownRows ? kDownRows : 1;
+        const W* rows[kDownRows];
+        for (int q = 0; q < nr; ++q) rows[q] = base + (h + q) * I;
+        if (nr == kDownRows) {
+          if (dp) dot_rows<W, uint16_t, kDownRows>(rows, abp.data() + g.begin, g.n, I, res.data());
+          else dot_rows<W, float, kDownRows>(rows, ap.data() + g.begin, g.n, I, res.data());
+        } else {
+          if (dp) dot_rows<W, uint16_t, 1>(rows, abp.data() + g.begin, g.n, I, res.data());
+          else dot_rows<W, float, 1>(rows, ap.data() + g.begin, g.n, I, res.data());
+        }
+        for (int q = 0; q < nr; ++q)
+          for (int t = 0; t < g.n; ++t) out[entries[g.begin + t] * H + h + q] = res[q * g.n + t];
+        h += nr;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* ft_cpu_isa() { return FT_ISA; }
+
+// Returns 0 on success, 1 if an expert id is out of [0, E), 2 on a bad dtype code.
+// wdtype: 0 = fp32 weights, 1 = bf16 weights. nthreads <= 0: OpenMP's default.
+int ft_cpu_experts(const float* x, int64_t T, int64_t H, const int64_t* ids, int64_t K,
+                   const uint8_t* mask, const void* gate_up, const void* down, int64_t E,
+                   int64_t I, int wdtype, float* out, int nthreads, int allow_dp) {
+  if (wdtype != 0 && wdtype != 1) return 2;
+  // Counting sort of the computed entries by expert: each expert's rows are read once.
+  std::vector<int32_t> count(E, 0);
+  for (int64_t j = 0; j < T * K; ++j) {
+    if (mask && !mask[j]) continue;
+    if (ids[j] < 0 || ids[j] >= E) return 1;
+    ++count[ids[j]];
+  }
+  std::vector<Group> groups;
+  std::vector<int64_t> start(E, 0);
+  int64_t pos = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    if (!count[e]) continue;
+    start[e] = pos;
+    bool dp = false;
+#ifdef FT_HAVE_DPBF16
+    dp = allow_dp && wdtype == 1 && count[e] >= kDpMinTokens;
+#endif
+    groups.push_back(Group{e, pos, count[e], dp});
+    pos += count[e];
+  }
+  std::vector<int64_t> entries(pos);
+  for (int64_t j = 0; j < T * K; ++j)
+    if (!mask || mask[j]) entries[start[ids[j]]++] = j;
+  if (groups.empty()) return 0;
+  const int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
+  if (wdtype == 1)
+    run<uint16_t>(x, T, H, ids, K, mask, static_cast<const uint16_t*>(gate_up),
+                  static_cast<const uint16_t*>(down), I, out, groups, entries, nth);
+  else
+    run<float>(x, T, H, ids, K, mask, static_cast<const float*>(gate_up),
+               static_cast<const float*>(down), I, out, groups, entries, nth);
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,157 @@
+"""CPU expert computation: per (token, k) unweighted SwiGLU expert outputs.
+
+Shape legend: T tokens, K routed experts per token, E experts, H hidden, I intermediate.
+
+Bank layout (the runtime layout of the host expert pool, DESIGN §4):
+  gate_up [E, 2I, H]  rows 0..I-1 = gate, rows I..2I-1 = up
+  down    [E, H, I]
+  y[t, k] = down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])),  e = topk_ids[t, k]
+
+The outputs are *unweighted*: the caller merges `sum_k w[t, k] * y[t, k]` itself, so partial
+sums computed on the GPU and on the CPU combine exactly. Entries whose `compute_mask` is False
+are not written (their `out` rows keep whatever they held; a fresh `out` starts at zero).
+
+Three implementations compute the same function:
+  cpu_experts_ref    float64 per-token loop; the oracle for tests.
+  cpu_experts_torch  grouped F.linear in the weights' dtype (torch's own bf16 path).
+  cpu_experts        the C++ kernel (kernels/cpu/expert_kernel.cpp) when it builds and the
+                     dtypes are supported, else cpu_experts_torch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from freetoken.log import get_logger, kv
+
+log = get_logger("experts")
+
+_KERNEL_WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _check_shapes(
+    x: Tensor, topk_ids: Tensor, gate_up: Tensor, down: Tensor, compute_mask: Tensor | None
+) -> tuple[int, int, int, int, int]:
+    """Validate shapes; returns (T, K, E, H, I)."""
+    if x.dim() != 2 or topk_ids.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
+        raise ValueError("expected x [T,H], topk_ids [T,K], gate_up [E,2I,H], down [E,H,I]")
+    t, h = x.shape
+    e, two_i, h2 = gate_up.shape
+    i = two_i // 2
+    if topk_ids.shape[0] != t or h2 != h or two_i != 2 * i or tuple(down.shape) != (e, h, i):
+        raise ValueError(
+            f"shape mismatch: x={tuple(x.shape)} topk_ids={tuple(topk_ids.shape)} "
+            f"gate_up={tuple(gate_up.shape)} down={tuple(down.shape)}"
+        )
+    k = topk_ids.shape[1]
+    if compute_mask is not None and tuple(compute_mask.shape) != (t, k):
+        raise ValueError(f"compute_mask {tuple(compute_mask.shape)} != {(t, k)}")
+    return t, k, e, h, i
+
+
+def _prepare_out(out: Tensor | None, t: int, k: int, h: int) -> Tensor:
+    if out is None:
+        return torch.zeros(t, k, h, dtype=torch.float32)
+    if tuple(out.shape) != (t, k, h) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 [{t},{k},{h}] tensor")
+    return out
+
+
+def cpu_experts_ref(
+    x: Tensor,
+    topk_ids: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    compute_mask: Tensor | None = None,
+) -> Tensor:
+    """Float64 per-(token, k) loop. Returns float64 [T, K, H]; unmasked entries are zero."""
+    t, k, _, h, i = _check_shapes(x, topk_ids, gate_up, down, compute_mask)
+    out = torch.zeros(t, k, h, dtype=torch.float64)  # [T, K, H]
+    xd = x.double()  # [T, H]
+    for ti in range(t):
+        for ki in range(k):
+            if compute_mask is not None and not bool(compute_mask[ti, ki]):
+                continue
+            e = int(topk_ids[ti, ki])
+            wgu = gate_up[e].double()  # [2I, H]
+            g = wgu[:i] @ xd[ti]  # [I]
+            u = wgu[i:] @ xd[ti]  # [I]
+            a = g * torch.sigmoid(g) * u  # [I]
+            out[ti, ki] = down[e].double() @ a  # [H]
+    return out
+
+
+def _groups(topk_ids: Tensor, compute_mask: Tensor | None) -> list[tuple[int, Tensor]]:
+    """Unique experts among computed entries, each with its flat (t*K + k) entry indices."""
+    flat_ids = topk_ids.reshape(-1)  # [T*K]
+    entries = torch.arange(flat_ids.numel())  # [T*K]
+    if compute_mask is not None:
+        keep = compute_mask.reshape(-1).bool()
+        flat_ids, entries = flat_ids[keep], entries[keep]
+    if flat_ids.numel() == 0:
+        return []
+    order = torch.argsort(flat_ids, stable=True)
+    ids_sorted, entries_sorted = flat_ids[order], entries[order]
+    uniq, counts = torch.unique_consecutive(ids_sorted, return_counts=True)
+    return list(zip(uniq.tolist(), torch.split(entries_sorted, counts.tolist())))
+
+
+def cpu_experts_torch(
+    x: Tensor,
+    topk_ids: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    compute_mask: Tensor | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """Grouped F.linear in the weights' dtype: each routed expert's weights are used once for
+    all tokens routed to it. Activations are cast to the weights' dtype (torch's bf16 path),
+    so bf16 weights give bf16-operand accuracy. Returns `out` (float32 [T, K, H])."""
+    t, k, e_count, h, i = _check_shapes(x, topk_ids, gate_up, down, compute_mask)
+    out = _prepare_out(out, t, k, h)
+    out_flat = out.view(t * k, h)  # [T*K, H]
+    wdt = gate_up.dtype
+    for e, entries in _groups(topk_ids, compute_mask):
+        if not 0 <= e < e_count:
+            raise IndexError(f"expert id {e} out of range [0, {e_count})")
+        xs = x[entries // k].to(wdt)  # [n, H]
+        gu = F.linear(xs, gate_up[e]).float()  # [n, 2I]
+        a = F.silu(gu[:, :i]) * gu[:, i:]  # [n, I]
+        out_flat[entries] = F.linear(a.to(down.dtype), down[e]).float()  # [n, H]
+    return out
+
+
+def cpu_experts(
+    x: Tensor,
+    topk_ids: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    compute_mask: Tensor | None = None,
+    out: Tensor | None = None,
+    num_threads: int | None = None,
+) -> Tensor:
+    """Unweighted expert outputs for every (t, k) with compute_mask True (all when None).
+
+    x float (any float dtype, used as float32), topk_ids integer [T, K] in [0, E), weights
+    bf16 or fp32 (both banks the same dtype). Returns float32 [T, K, H]: `out` when given (only
+    masked-in rows are written), else a new zero tensor. Uses the C++ kernel when it is
+    available for this CPU and dtype, else grouped F.linear. The GIL is released while the
+    kernel runs, so a Python thread can drive the GPU copy stream meanwhile.
+    """
+    from kernels.cpu.ext import load_kernel
+
+    t, k, _, h, _ = _check_shapes(x, topk_ids, gate_up, down, compute_mask)
+    kern = load_kernel()
+    usable = (
+        kern is not None
+        and gate_up.dtype in _KERNEL_WEIGHT_DTYPES
+        and down.dtype == gate_up.dtype
+        and gate_up.device.type == "cpu"
+    )
+    if not usable:
+        return cpu_experts_torch(x, topk_ids, gate_up, down, compute_mask, out)
+    assert kern is not None
+    out = _prepare_out(out, t, k, h)
+    kern.run(x, topk_ids, gate_up, down, compute_mask, out, num_threads)
+    return out

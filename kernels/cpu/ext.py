@@ -1,0 +1,174 @@
+"""Builds and loads the C++ expert kernel (kernels/cpu/expert_kernel.cpp), once per process.
+
+The source is compiled lazily at first use with torch.utils.cpp_extension.load (ninja, JIT),
+into `<cache>/freetoken/ext/<isa>/` so later processes reuse the build. The ISA is read from the
+CPU's feature flags and selects the compiler flags, hence the code path inside the source:
+`avx512bf16`, `avx512`, `avx2` or `scalar`. `FT_CPU_ISA` overrides it (one of those names, or
+`torch` to disable the kernel). If the build or load fails, `load_kernel()` returns None, logs
+the reason once, and callers use the torch path.
+
+The library exposes a plain C ABI called through ctypes: ctypes drops the GIL for the call, so
+the CPU branch can run while a Python thread drives the GPU copy stream.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from freetoken.log import get_logger, kv
+
+log = get_logger("experts")
+
+ISAS = ("avx512bf16", "avx512", "avx2", "scalar")
+_ISA_FLAGS: dict[str, list[str]] = {
+    "avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                   "-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "scalar": [],
+}
+_SOURCE = Path(__file__).with_name("expert_kernel.cpp")
+
+
+def cache_root() -> Path:
+    """`$XDG_CACHE_HOME/freetoken` (default `~/.cache/freetoken`)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "freetoken"
+
+
+def cpu_flags() -> set[str]:
+    """Feature flags of this CPU from /proc/cpuinfo (empty where it is unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def detect_isa(flags: set[str] | None = None) -> str:
+    """Best code path this CPU runs: the first of ISAS whose features are all present."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return "scalar"
+    f = cpu_flags() if flags is None else flags
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"} <= f
+    if avx512 and "avx512_bf16" in f:
+        return "avx512bf16"
+    if avx512:
+        return "avx512"
+    if {"avx2", "fma", "f16c"} <= f:
+        return "avx2"
+    return "scalar"
+
+
+class CpuKernel:
+    """A loaded build of the kernel for one ISA."""
+
+    def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
+        self.isa = isa
+        self._fn = lib.ft_cpu_experts
+        self._fn.restype = ctypes.c_int
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._fn.argtypes = [p, i64, i64, p, i64, p, p, p, i64, i64, ctypes.c_int, p,
+                             ctypes.c_int, ctypes.c_int]
+        lib.ft_cpu_isa.restype = ctypes.c_char_p
+        self.built_isa = lib.ft_cpu_isa().decode()
+
+    def run(
+        self,
+        x: Tensor,
+        topk_ids: Tensor,
+        gate_up: Tensor,
+        down: Tensor,
+        compute_mask: Tensor | None,
+        out: Tensor,
+        num_threads: int | None = None,
+        allow_dpbf16: bool = True,
+    ) -> None:
+        """Fill `out` [T, K, H] fp32 for masked-in entries. Shapes are checked by the caller;
+        the weights must be contiguous bf16 or fp32 of one dtype."""
+        t, h = x.shape
+        k = topk_ids.shape[1]
+        e, two_i, _ = gate_up.shape
+        xs = x.detach().to(torch.float32).contiguous()  # [T, H]
+        ids = topk_ids.to(torch.int64).contiguous()  # [T, K]
+        mask = None if compute_mask is None else compute_mask.to(torch.uint8).contiguous()
+        if not (gate_up.is_contiguous() and down.is_contiguous()):
+            raise ValueError("gate_up and down must be contiguous")
+        wcode = 1 if gate_up.dtype == torch.bfloat16 else 0
+        nth = num_threads if num_threads is not None else torch.get_num_threads()
+        rc = self._fn(
+            xs.data_ptr(), t, h, ids.data_ptr(), k,
+            None if mask is None else mask.data_ptr(),
+            gate_up.data_ptr(), down.data_ptr(), e, two_i // 2, wcode,
+            out.data_ptr(), nth, int(allow_dpbf16),
+        )
+        if rc == 1:
+            raise IndexError(f"expert id out of range [0, {e})")
+        if rc != 0:
+            raise RuntimeError(f"ft_cpu_experts failed rc={rc}")
+
+
+_lock = threading.Lock()
+_loaded: dict[str, CpuKernel | None] = {}
+
+
+def build(isa: str, verbose: bool = False) -> CpuKernel:
+    """Compile (or reuse the cached build) for `isa` and load it. Raises on failure."""
+    from torch.utils import cpp_extension
+
+    build_dir = cache_root() / "ext" / isa
+    build_dir.mkdir(parents=True, exist_ok=True)
+    path = cpp_extension.load(
+        name=f"ft_expert_kernel_{isa}",
+        sources=[str(_SOURCE)],
+        extra_cflags=["-O3", "-fopenmp", "-std=c++17", *_ISA_FLAGS[isa]],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=verbose,
+    )
+    return CpuKernel(ctypes.CDLL(str(path)), isa)
+
+
+def load_kernel(isa: str | None = None) -> CpuKernel | None:
+    """The kernel for `isa` (default: FT_CPU_ISA or this CPU's best), or None if unavailable.
+    Builds at most once per ISA and process; a failure is logged once and remembered."""
+    want = isa or os.environ.get("FT_CPU_ISA", "auto")
+    if want == "torch":
+        return None
+    if want == "auto":
+        want = detect_isa()
+    if want not in ISAS:
+        raise ValueError(f"unknown ISA {want!r}; expected one of {ISAS} or 'torch'")
+    with _lock:
+        if want in _loaded:
+            return _loaded[want]
+        try:
+            kern: CpuKernel | None = build(want)
+            log.info(kv("cpu_kernel_loaded", isa=want))
+        except Exception as e:  # noqa: BLE001 - any build/load failure means "use torch"
+            log.warning(kv("cpu_kernel_unavailable", isa=want, fallback="torch",
+                           reason=repr(e)[:300]))
+            kern = None
+        _loaded[want] = kern
+        return kern
