@@ -72,7 +72,7 @@ class KVPool:
         return 2 * len(cfg.full_attention_layers) * cfg.num_kv_heads * cfg.head_dim * el
 
 
-class StatePool:
+class StateTensors:
     """Recurrent state of every linear-attention layer, one slot per live sequence or snapshot.
 
     conv[l]: [num_slots, conv_dim, K-1] (model dtype) — the last K-1 conv inputs.
@@ -110,4 +110,4 @@ class StatePool:
 @dataclass
 class Caches:
     kv: KVPool
-    state: StatePool | None
+    state: StateTensors | None

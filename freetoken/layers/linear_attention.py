@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken.engine.forward_batch import ForwardBatch, StatePool
+from freetoken.engine.forward_batch import ForwardBatch, StateTensors
 from freetoken.layers.gated_delta import chunk_gated_delta, recurrent_gated_delta
 from freetoken.layers.norm import GatedRMSNorm
 from freetoken.models.config import ModelConfig
@@ -42,7 +42,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, H, bias=False)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: StatePool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: StateTensors) -> torch.Tensor:
         T = x.shape[0]
         li = pool.layer_index[self.layer_id]
         conv_pool, ssm_pool = pool.conv[li], pool.ssm[li]  # [S, C, Kc-1], [S, Hv, dk, dv]

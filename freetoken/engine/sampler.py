@@ -1,0 +1,45 @@
+"""Sampling: greedy, temperature, top-k, top-p, per-request seeded generators, min_tokens.
+
+Shapes: B rows (one per sequence), V vocab.
+"""
+from __future__ import annotations
+
+import torch
+
+from freetoken.engine.api import SamplingParams
+
+
+class RequestSampler:
+    """Per-request sampling state (its own torch.Generator so seeds reproduce under batching)."""
+
+    def __init__(self, params: SamplingParams, eos_ids: list[int], device: torch.device | str = "cpu"):
+        self.params = params
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        self._blocked = sorted(set(params.stop_token_ids) | set(eos_ids))
+        self.gen: torch.Generator | None = None
+        if params.temperature > 0:
+            self.gen = torch.Generator(device="cpu")
+            self.gen.manual_seed(params.seed if params.seed is not None
+                                 else int(torch.randint(0, 2**62, (1,)).item()))
+
+    def sample(self, logits: torch.Tensor, num_generated: int) -> int:
+        """logits [V] fp32 -> next token id."""
+        p = self.params
+        if self._blocked and (p.ignore_eos or num_generated < p.min_tokens):
+            logits = logits.clone()
+            logits[self._blocked] = float("-inf")
+        if p.temperature <= 0 or self.gen is None:
+            return int(torch.argmax(logits))
+        logits = logits / p.temperature  # [V]
+        if p.top_k and p.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)  # [V]
+        if p.top_p < 1.0:
+            sp, si = torch.sort(probs, descending=True)
+            keep = (sp.cumsum(0) - sp) < p.top_p  # always keeps the top token
+            probs = torch.zeros_like(probs).scatter(0, si[keep], sp[keep])
+        return int(torch.multinomial(probs.cpu(), 1, generator=self.gen))
+
+    def is_stop(self, token: int, num_generated: int) -> bool:
+        return token in self.stop_ids and num_generated >= self.params.min_tokens
