@@ -1,0 +1,137 @@
+"""Checkpoint (recurrent-state snapshot) placement policies, picked by name.
+
+Position semantics: a position `p` means "the state covering tokens `[0, p)`", i.e. the state
+after feeding `ids[:p]` and before feeding `ids[p]`. To take it, the scheduler ends a prefill
+chunk exactly at `p`, copies the working state into a fresh state slot and attaches it at the
+radix node ending at `p` (the KV of `ids[:p]` must be committed to the tree first). An
+`Anchor(position=p)` marks the first token of a block, so its snapshot is at the same `p`.
+
+`positions(prompt_len, anchors)` returns the prefill snapshot positions, sorted, unique, each in
+`[1, prompt_len - 1]`, each with a class. It always includes `prompt_len - 1` ("end" class unless
+a higher class lands there): an exact repeat of this prompt must recompute its last token to get
+logits, and this snapshot lets it recompute only that token. Positions at or below the prefix
+the request reused are already covered; the scheduler skips them.
+
+`on_finish(total_len)` returns the positions to snapshot when the request ends, where
+`total_len` is the number of tokens whose KV and state the request computed (prompt + output
+tokens fed back). `(total_len, "end")` is the request's own working state, donated without a
+copy; a next turn that extends the sequence resumes from it.
+
+Classes, from longest- to shortest-lived under state-pool pressure: `cut_point` (an anchor a
+harness adapter predicts to be the next edit point) > `anchor` = `interval` > `end`.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from freetoken.engine.api import Anchor
+
+CUT_POINT, ANCHOR, INTERVAL, END = "cut_point", "anchor", "interval", "end"
+CLASS_RANK: dict[str, int] = {END: 0, INTERVAL: 1, ANCHOR: 1, CUT_POINT: 2}
+
+
+def class_rank(cls: str) -> int:
+    if cls not in CLASS_RANK:
+        raise ValueError(f"unknown snapshot class {cls!r}; known: {sorted(CLASS_RANK)}")
+    return CLASS_RANK[cls]
+
+
+def _merge(points: list[tuple[int, str]], prompt_len: int) -> list[tuple[int, str]]:
+    """Keep positions in [1, prompt_len - 1], one per position (highest class), sorted."""
+    best: dict[int, str] = {}
+    for p, cls in points:
+        if 1 <= p <= prompt_len - 1 and (p not in best or class_rank(cls) > class_rank(best[p])):
+            best[p] = cls
+    return sorted(best.items())
+
+
+class CheckpointPolicy(ABC):
+    """Where to snapshot recurrent state. Stateless: one instance serves every request."""
+
+    name: str = ""
+
+    @abstractmethod
+    def positions(self, prompt_len: int, anchors: Sequence[Anchor]) -> list[tuple[int, str]]:
+        """Prefill snapshot positions `(p, class)`; see the module docstring."""
+
+    def on_finish(self, total_len: int) -> list[tuple[int, str]]:
+        """Snapshots to keep when the request ends: its final state, covering `[0, total_len)`."""
+        return [(total_len, END)] if total_len >= 1 else []
+
+
+_REGISTRY: dict[str, Callable[..., CheckpointPolicy]] = {}
+
+
+def register_policy(name: str) -> Callable[[type[CheckpointPolicy]], type[CheckpointPolicy]]:
+    def deco(cls: type[CheckpointPolicy]) -> type[CheckpointPolicy]:
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def create_policy(name: str, **kw: Any) -> CheckpointPolicy:
+    """`create_policy("semantic", max_per_request=8)`; unknown names raise `ValueError`."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown checkpoint policy {name!r}; known: {available_policies()}")
+    return _REGISTRY[name](**kw)
+
+
+def available_policies() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+@register_policy("end_only")
+class EndOnlyPolicy(CheckpointPolicy):
+    """Baseline: the end of prefill (`prompt_len - 1`) and the end of the request."""
+
+    def positions(self, prompt_len: int, anchors: Sequence[Anchor]) -> list[tuple[int, str]]:
+        return _merge([(prompt_len - 1, END)], prompt_len)
+
+
+@register_policy("interval")
+class IntervalPolicy(CheckpointPolicy):
+    """Baseline: every `every` tokens (`every, 2*every, ...`) plus the end points."""
+
+    def __init__(self, every: int = 2048) -> None:
+        if every < 1:
+            raise ValueError(f"interval policy needs every >= 1, got {every}")
+        self.every = every
+
+    def positions(self, prompt_len: int, anchors: Sequence[Anchor]) -> list[tuple[int, str]]:
+        pts = [(p, INTERVAL) for p in range(self.every, prompt_len, self.every)]
+        return _merge(pts + [(prompt_len - 1, END)], prompt_len)
+
+
+@register_policy("semantic")
+class SemanticPolicy(CheckpointPolicy):
+    """Default: snapshot at chat-template anchors where harnesses edit their context.
+
+    Anchors with `cut_point=True` (any kind) get class `cut_point`; other `head_end` and
+    `turn_start` anchors get class `anchor`; other kinds are ignored. At most `max_per_request`
+    anchor snapshots per request (the end point is extra), chosen in this order: cut points
+    deepest first, then `head_end` (shared by sub-agents and after compaction), then turn starts
+    deepest first (the deepest snapshot saves the most recompute next turn).
+    """
+
+    def __init__(self, max_per_request: int = 8) -> None:
+        if max_per_request < 0:
+            raise ValueError(f"max_per_request must be >= 0, got {max_per_request}")
+        self.max_per_request = max_per_request
+
+    def positions(self, prompt_len: int, anchors: Sequence[Anchor]) -> list[tuple[int, str]]:
+        ok = [a for a in anchors if 1 <= a.position <= prompt_len - 1]
+        cuts = sorted({a.position for a in ok if a.cut_point}, reverse=True)
+        heads = sorted({a.position for a in ok if not a.cut_point and a.kind == "head_end"},
+                       reverse=True)
+        turns = sorted({a.position for a in ok if not a.cut_point and a.kind == "turn_start"},
+                       reverse=True)
+        chosen: dict[int, str] = {}
+        for p, cls in [(p, CUT_POINT) for p in cuts] + [(p, ANCHOR) for p in heads + turns]:
+            if len(chosen) >= self.max_per_request:
+                break
+            chosen.setdefault(p, cls)
+        return _merge(list(chosen.items()) + [(prompt_len - 1, END)], prompt_len)
