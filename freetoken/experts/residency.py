@@ -79,11 +79,11 @@ class ResidencyTable:
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.device = torch.device(device)
-        i64 = dict(dtype=torch.int64, device=self.device)
-        self.slot_owner = torch.full((num_slots,), -1, **i64)  # [S]
-        self.expert_slot = torch.full((num_layers * num_experts,), -1, **i64)  # [L*E]
-        self.slot_last_use = torch.full((num_slots,), -1, **i64)  # [S]
-        self.clock = torch.zeros(1, **i64)  # [1]
+        i64, dev = torch.int64, self.device
+        self.slot_owner = torch.full((num_slots,), -1, dtype=i64, device=dev)  # [S]
+        self.expert_slot = torch.full((num_layers * num_experts,), -1, dtype=i64, device=dev)
+        self.slot_last_use = torch.full((num_slots,), -1, dtype=i64, device=dev)  # [S]
+        self.clock = torch.zeros(1, dtype=i64, device=dev)  # [1]
 
     @property
     def num_slots(self) -> int:

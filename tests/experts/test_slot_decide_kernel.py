@@ -15,9 +15,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from freetoken.experts.residency import ResidencyTable  # noqa: E402
-from tests.experts.invariants import check_decision, check_tables  # noqa: E402
-from tests.experts.test_residency import random_ids  # noqa: E402
+from freetoken.experts.residency import ResidencyTable
+from tests.experts.invariants import check_decision, check_tables
+from tests.experts.test_residency import random_ids
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,0 +1,120 @@
+"""GPU slot cache: the residency table plus the slot weight buffers it indexes.
+
+Contract: after `decide(layer, ids)` followed by `fill(layer, decision.fetch_experts,
+decision.fetch_slots, store)`, every entry with `slot_ids >= 0` finds exactly its expert's
+weights in `gate_up_slots[slot]` / `down_slots[slot]` (the host store is the source of truth; the
+cache changes speed, never results). `resize` keeps that true for every resident expert.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from freetoken.experts.residency import Decision, ResidencyTable
+from freetoken.log import get_logger, kv
+
+log = get_logger("experts")
+
+
+class ExpertBanks(Protocol):
+    """Host expert pool of one model: per MoE layer, banks in runtime layout."""
+
+    def gate_up(self, layer: int) -> Tensor:
+        """[E, 2I, H] gate and up projections of all experts of `layer`."""
+        ...
+
+    def down(self, layer: int) -> Tensor:
+        """[E, H, I] down projections of all experts of `layer`."""
+        ...
+
+
+class SlotCache:
+    """`S` expert slots on `device` shared by all layers, with a global LRU residency table.
+
+    S slots, I expert intermediate, H hidden. `gate_up_slots [S, 2I, H]`, `down_slots [S, H, I]`.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        num_slots: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cpu",
+        impl: str = "reference",
+    ) -> None:
+        self.table = ResidencyTable(num_layers, num_experts, num_slots, device)
+        self.hidden, self.intermediate, self.dtype = hidden, intermediate, dtype
+        self.impl = impl
+        self.gate_up_slots = self._alloc_gate_up(num_slots)  # [S, 2I, H]
+        self.down_slots = self._alloc_down(num_slots)  # [S, H, I]
+
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+    @property
+    def num_slots(self) -> int:
+        return self.table.num_slots
+
+    def slot_bytes(self) -> int:
+        """Bytes of one slot (gate_up + down of one expert)."""
+        elt = torch.empty(0, dtype=self.dtype).element_size()
+        return 3 * self.intermediate * self.hidden * elt
+
+    def _alloc_gate_up(self, n: int) -> Tensor:
+        shape = (n, 2 * self.intermediate, self.hidden)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _alloc_down(self, n: int) -> Tensor:
+        shape = (n, self.hidden, self.intermediate)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def decide(self, layer: int, topk_ids: Tensor, num_fetch: int | Tensor = -1) -> Decision:
+        """The layer's decision (see residency.py); call `fill` with its fetch lists next."""
+        return self.table.decide(layer, topk_ids, num_fetch, impl=self.impl)
+
+    def fill(self, layer: int, fetch_experts: Tensor, fetch_slots: Tensor, store: ExpertBanks) -> int:
+        """Copy the fetched experts of `layer` from `store` into their slots; returns q.
+
+        `fetch_experts [F]` / `fetch_slots [F]` are a decision's padded lists (-1 past q). This
+        host-driven copy reads q on the host (a sync); a graph-captured decode would gather from
+        pinned host memory in a kernel instead.
+        """
+        valid = fetch_slots >= 0  # [F]
+        experts = fetch_experts[valid].cpu()  # [q] host indices into the banks
+        slots = fetch_slots[valid].to(self.device)  # [q]
+        q = int(experts.numel())
+        if q:
+            gate_up = store.gate_up(layer)  # [E, 2I, H]
+            down = store.down(layer)  # [E, H, I]
+            self.gate_up_slots[slots] = gate_up[experts].to(self.device, self.dtype, non_blocking=True)
+            self.down_slots[slots] = down[experts].to(self.device, self.dtype, non_blocking=True)
+            log.debug(kv("fill", layer=layer, experts=experts.tolist(), slots=slots.tolist()))
+        return q
+
+    def resize(self, num_slots: int) -> None:
+        """Re-budget to `num_slots` slots at run time.
+
+        Shrink evicts least recently used experts first and compacts survivors into the kept
+        slots (their weights move with them); grow appends empty slots. Resident experts keep
+        correct weights either way; slot indices from earlier decisions are void afterwards.
+        """
+        old = self.num_slots
+        src, dst = self.table.resize(num_slots)  # [M], [M]
+        if num_slots < old:
+            self.gate_up_slots[dst] = self.gate_up_slots[src]
+            self.down_slots[dst] = self.down_slots[src]
+            self.gate_up_slots = self.gate_up_slots[:num_slots].clone()
+            self.down_slots = self.down_slots[:num_slots].clone()
+        elif num_slots > old:
+            gate_up, down = self._alloc_gate_up(num_slots), self._alloc_down(num_slots)
+            gate_up[:old] = self.gate_up_slots
+            down[:old] = self.down_slots
+            self.gate_up_slots, self.down_slots = gate_up, down
+        log.info(kv("slot_cache_resize", old=old, new=num_slots, moved=int(src.numel()),
+                    resident=self.table.resident_count()))
