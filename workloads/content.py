@@ -145,12 +145,12 @@ def email_body(rng: random.Random, topic: str) -> Iterator[str]:
     yield "Hi Dana,\n"
     while True:
         day, minute = rng.choice(("Tue", "Wed", "Thu")), rng.choice(("00", "30"))
-        yield rng.choice((f"Could we move the {topic} discussion to {day} at "
-                          f"{rng.randint(9, 16)}:{minute}?",
-                          f"The numbers for {rng.choice(TOPICS)} came in at "
-                          f"{rng.randint(10, 99)}k, {rng.randint(2, 30)}% over plan.",
-                          f"{person(rng)[0]} asked whether the {rng.choice(TOPICS)} still needs "
-                          f"sign-off before Friday.",
+        yield rng.choice(((f"Could we move the {topic} discussion to {day} at "
+                          f"{rng.randint(9, 16)}:{minute}?"),
+                          (f"The numbers for {rng.choice(TOPICS)} came in at "
+                          f"{rng.randint(10, 99)}k, {rng.randint(2, 30)}% over plan."),
+                          (f"{person(rng)[0]} asked whether the {rng.choice(TOPICS)} still needs "
+                          f"sign-off before Friday."),
                           "> " + sentence(rng), ""))
 
 

@@ -12,7 +12,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from workloads.content import (
-    grep_hits, ident, pytest_module, pytest_run, pytest_summary, python_source, sized)
+    grep_hits,
+    ident,
+    pytest_module,
+    pytest_run,
+    pytest_summary,
+    python_source,
+    sized,
+)
 
 
 @dataclass(frozen=True)

@@ -16,16 +16,16 @@ _RULES = ("Rules: show all intermediate steps; when a count is asked, describe t
           "the case split you rely on; when an expression is simplified, state the identity "
           "used. Do not stop early: an answer without a derivation earns no credit.")
 _PROBLEMS = (
-    "Let N be the number of ordered triples (a, b, c) of positive integers with a + b + c = {n} "
-    "and a, b, c each not divisible by {p}. Find the remainder when N is divided by 1000.",
-    "A sequence is defined by x_1 = {a}, x_2 = {b} and x_(k+2) = x_(k+1) + {c} x_k for k >= 1. "
-    "Find the remainder when x_{n} is divided by 1000.",
-    "In triangle ABC, AB = {a}, BC = {b} and CA = {c}. The incircle touches BC at D. Point E on "
-    "segment AD satisfies AE:ED = {p}:1. Find floor(1000 * BE^2 / CE^2) mod 1000.",
-    "Find the number of subsets S of {{1, 2, ..., {n}}} such that no two elements of S differ by "
-    "{p} or {c}. Give the remainder modulo 1000.",
-    "Let P(x) be the monic polynomial of degree {p} whose roots are the squares of the roots of "
-    "x^{p} - {a}x + {b}. Find |P({c})| mod 1000.",
+    ("Let N be the number of ordered triples (a, b, c) of positive integers with a + b + c = {n} "
+    "and a, b, c each not divisible by {p}. Find the remainder when N is divided by 1000."),
+    ("A sequence is defined by x_1 = {a}, x_2 = {b} and x_(k+2) = x_(k+1) + {c} x_k for k >= 1. "
+    "Find the remainder when x_{n} is divided by 1000."),
+    ("In triangle ABC, AB = {a}, BC = {b} and CA = {c}. The incircle touches BC at D. Point E on "
+    "segment AD satisfies AE:ED = {p}:1. Find floor(1000 * BE^2 / CE^2) mod 1000."),
+    ("Find the number of subsets S of {{1, 2, ..., {n}}} such that no two elements of S differ by "
+    "{p} or {c}. Give the remainder modulo 1000."),
+    ("Let P(x) be the monic polynomial of degree {p} whose roots are the squares of the roots of "
+    "x^{p} - {a}x + {b}. Find |P({c})| mod 1000."),
 )
 
 
