@@ -76,7 +76,7 @@ def scan_headers(files: list[Path]) -> dict[str, TensorInfo]:
     found: dict[str, TensorInfo] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as h:
-            for name in h.keys():
+            for name in h.keys():  # noqa: SIM118 (safe_open is not iterable)
                 if name in found:
                     raise CheckpointError(
                         f"tensor {name} is stored twice: {found[name].file.name} and {f.name}"
@@ -102,8 +102,17 @@ def resolve_expected(cfg: ModelConfig, found: dict[str, TensorInfo]) -> dict[str
     return expected
 
 
+def _where_missing(model_dir: Path, name: str) -> str:
+    """The file a missing tensor should have been in: its shard per the index, or the file."""
+    index = model_dir / INDEX_FILE
+    if index.exists():
+        shard = json.loads(index.read_text())["weight_map"].get(name)
+        return f"{model_dir / shard} (per {index.name})" if shard else str(index)
+    return str(model_dir / SINGLE_FILE)
+
+
 def validate(
-    cfg: ModelConfig, found: dict[str, TensorInfo], where: Path
+    cfg: ModelConfig, found: dict[str, TensorInfo], model_dir: Path
 ) -> dict[str, Shape]:
     """Check names and shapes; returns the expected set. Raises `CheckpointError` on the
     first problem (with a count of the others), logs and ignores extra tensors."""
@@ -113,7 +122,7 @@ def validate(
         name = missing[0]
         more = f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else ""
         raise CheckpointError(
-            f"tensor {name} is missing from the checkpoint in {where}: expected shape "
+            f"tensor {name} is missing from {_where_missing(model_dir, name)}: expected shape "
             f"{list(expected[name])}, found none{more}"
         )
     for name, shape in expected.items():
@@ -121,7 +130,7 @@ def validate(
         if info.shape != shape:
             raise CheckpointError(
                 f"tensor {name} in {info.file}: expected shape {list(shape)}, found "
-                f"{list(info.shape)} (config {cfg.model_type}, {where})"
+                f"{list(info.shape)} (config {cfg.model_type})"
             )
     extra = [n for n in found if n not in expected]
     if extra:

@@ -14,11 +14,11 @@ import sys
 sys.modules["fla"] = None  # type: ignore[assignment]
 sys.modules["causal_conv1d"] = None  # type: ignore[assignment]
 
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import json
+from pathlib import Path
+from typing import Any
 
-import torch  # noqa: E402
+import torch
 
 KINDS = (
     "qwen3_moe",
@@ -31,32 +31,32 @@ KINDS = (
 )
 
 # MODEL_FACTS §1 sizes: small enough that a forward pass takes milliseconds.
-_COMMON: dict[str, Any] = dict(
-    vocab_size=512,
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
-_LINEAR: dict[str, Any] = dict(
-    shared_expert_intermediate_size=32,
-    linear_conv_kernel_dim=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
-)
+_COMMON: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+_LINEAR: dict[str, Any] = {
+    "shared_expert_intermediate_size": 32,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+}
 
 
 def _make_model(kind: str) -> torch.nn.Module:
@@ -78,9 +78,9 @@ def _make_model(kind: str) -> torch.nn.Module:
     if kind == "qwen3_5_moe":
         return tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**_COMMON, **_LINEAR))
     if kind == "qwen3_5_moe_vl":
-        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
-                      temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64,
-                      num_position_embeddings=16)
+        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                  "patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2,
+                  "out_hidden_size": 64, "num_position_embeddings": 16}
         text = dict(_COMMON, **_LINEAR)
         cfg = tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, image_token_id=500,
                                   video_token_id=501, vision_start_token_id=502,
@@ -97,7 +97,7 @@ def _randomise_norms(model: torch.nn.Module, gen: torch.Generator) -> None:
     become noise. A loader that applied the wrong convention would then be visibly wrong.
     """
     for name, p in model.named_parameters():
-        if p.dim() != 1 or not (name.endswith("norm.weight") or name.endswith("dt_bias")):
+        if p.dim() != 1 or not (name.endswith(("norm.weight", "dt_bias"))):
             continue
         noise = torch.randn(p.shape, generator=gen) * 0.1
         p.copy_(noise + (1.0 if bool((p == 1).all()) else 0.0))
