@@ -1,0 +1,78 @@
+"""Error shapes of the two API families, and the one exception type handlers raise.
+
+Every error the server sends is an `APIError` rendered in the shape of the API family of the
+request path: OpenAI `{"error": {"message", "type", "param", "code"}}`, Anthropic
+`{"type": "error", "error": {"type", "message"}}`. The native `/ft/...` routes use the OpenAI
+shape. The same bodies are sent as an SSE `error` event once a stream has started.
+"""
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from freetoken.engine.api import AdmissionError
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+_OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error", 500: "server_error",
+                 503: "server_error"}
+
+
+class APIError(Exception):
+    """A request that gets an error answer: `status` is the HTTP status, `param` the offending
+    request field (dotted path) when there is one, `code` a stable machine-readable reason."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    @classmethod
+    def bad(cls, message: str, param: str | None = None, code: str = "invalid_request") -> APIError:
+        return cls(400, message, param, code)
+
+    @classmethod
+    def from_admission(cls, e: AdmissionError) -> APIError:
+        return cls(400, e.message, e.param, e.code)
+
+
+def family_of(path: str, headers: dict[str, str] | None = None) -> str:
+    """'anthropic' for /v1/messages* (or any path when the client speaks Anthropic, i.e. sends
+    `anthropic-version`), else 'openai' (native /ft/ routes share the OpenAI shape)."""
+    if path.startswith("/v1/messages"):
+        return "anthropic"
+    if headers is not None and "anthropic-version" in headers and not path.startswith("/ft/"):
+        return "anthropic"
+    return "openai"
+
+
+def error_body(family: str, err: APIError) -> dict:
+    if family == "anthropic":
+        etype = _ANTHROPIC_TYPES.get(err.status, "api_error" if err.status >= 500
+                                     else "invalid_request_error")
+        return {"type": "error", "error": {"type": etype, "message": err.message}}
+    etype = _OPENAI_TYPES.get(err.status, "server_error" if err.status >= 500
+                              else "invalid_request_error")
+    return {"error": {"message": err.message, "type": etype, "param": err.param,
+                      "code": err.code}}
+
+
+def error_response(family: str, err: APIError, headers: dict[str, str] | None = None
+                   ) -> JSONResponse:
+    return JSONResponse(error_body(family, err), status_code=err.status, headers=headers)
+
+
+def request_family(request: Request) -> str:
+    return family_of(request.url.path, {k.lower(): v for k, v in request.headers.items()})

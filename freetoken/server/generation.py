@@ -1,0 +1,157 @@
+"""From a tokenized prompt to a stream of parsed output events, shared by every route.
+
+`plan()` turns prompt ids + API sampling fields into an admitted `GenerateRequest` (max_tokens
+clamped to the context room, `engine.check` applied). `drive()` iterates the engine, feeds the
+token ids through an output parser (reasoning / text / tool calls), matches stop strings in the
+decoded text channel, and yields `Started`, parser events and one final `Finished`. Closing the
+`drive()` generator early closes the engine's generator, which aborts the request.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Protocol
+
+import anyio
+
+from freetoken.engine.api import AdmissionError, Anchor, EngineClient, GenerateRequest, SamplingParams
+from freetoken.log import get_logger, kv
+from freetoken.server.errors import APIError
+from freetoken.server.stops import StopMatcher
+from freetoken.server.validation import CommonParams
+
+log = get_logger("server")
+
+CLAMP_HEADER = "x-ft-max-tokens-clamped"
+REQUESTED_HEADER = "x-ft-max-tokens-requested"
+SESSION_HEADERS = ("x-claude-code-session-id", "x-session-id", "x-session-affinity")
+
+
+def new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+def session_key_from(headers: Any) -> str | None:
+    """The harness session header, in priority order (Claude Code, then OpenCode's)."""
+    for h in SESSION_HEADERS:
+        v = headers.get(h)
+        if v:
+            return str(v)[:256]
+    return None
+
+
+@dataclass
+class Plan:
+    req: GenerateRequest
+    prompt_len: int
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def plan(engine: EngineClient, input_ids: list[int], anchors: list[Anchor], p: CommonParams,
+         eos_ids: list[int], session_key: str | None, request_id: str,
+         prompt_param: str = "messages") -> Plan:
+    """Admit a request or raise APIError(400). `max_tokens` is a ceiling: clamped to the room
+    left in the context (reported in CLAMP_HEADER); absent, it is that room."""
+    n = len(input_ids)
+    if n == 0:
+        raise APIError.bad("the prompt is empty", prompt_param)
+    room = engine.max_context - n
+    if room <= 0:
+        raise APIError.bad(
+            f"the prompt is {n} tokens; this server's context is {engine.max_context} tokens, "
+            "which leaves no room to generate", prompt_param, "context_length_exceeded")
+    headers: dict[str, str] = {}
+    max_tokens = room if p.max_tokens is None else min(p.max_tokens, room)
+    if p.max_tokens is not None and max_tokens < p.max_tokens:
+        headers[CLAMP_HEADER] = str(max_tokens)
+        headers[REQUESTED_HEADER] = str(p.max_tokens)
+        log.debug(kv("clamp_max_tokens", request=request_id, requested=p.max_tokens,
+                     effective=max_tokens, prompt=n))
+    sampling = SamplingParams(
+        max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+        seed=p.seed, stop_token_ids=[] if p.ignore_eos else list(eos_ids),
+        ignore_eos=p.ignore_eos, min_tokens=min(p.min_tokens, max_tokens))
+    req = GenerateRequest(list(input_ids), sampling, list(anchors), session_key, request_id)
+    try:
+        sampling.validate()
+        engine.check(req)
+    except AdmissionError as e:
+        raise APIError.from_admission(e) from None
+    return Plan(req, n, headers)
+
+
+class Parser(Protocol):
+    def push(self, ids: list[int]) -> list[Any]: ...
+
+    def finish(self) -> list[Any]: ...
+
+
+@dataclass
+class Started:
+    """The engine's first event arrived: prompt processed (possibly partly from cache)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Finished:
+    """`reason`: 'stop' (end of turn / stop token), 'length', or 'stop_sequence' (then
+    `stop_sequence` is the matched string)."""
+
+    reason: str
+    stop_sequence: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+
+
+async def drive(engine: EngineClient, pl: Plan, parser: Parser, stops: list[str],
+                text_type: type, make_text: Any) -> AsyncIterator[Any]:
+    """Yield Started, parser events (text events of type `text_type` cut at stop strings,
+    rebuilt with `make_text(str)`), then Finished. Raises APIError(503) if the engine aborts."""
+    matcher = StopMatcher(stops)
+    gen = engine.generate(pl.req)
+    prompt_tokens, cached, out_tokens = pl.prompt_len, 0, 0
+    started = False
+    try:
+        async for ev in gen:
+            if not started:
+                started = True
+                prompt_tokens = ev.prompt_tokens or pl.prompt_len
+                cached = ev.cached_tokens
+                yield Started(prompt_tokens, cached)
+            ids = list(ev.token_ids)
+            out_tokens += len(ids)
+            if ev.finished and ev.matched_stop_id is not None and ids and ids[-1] == ev.matched_stop_id:
+                ids = ids[:-1]  # the end-of-turn token is counted, never shown
+            events = parser.push(ids) if ids else []
+            if ev.finished:
+                events += parser.finish()
+            for out in events:
+                if not isinstance(out, text_type):
+                    flushed = matcher.flush()
+                    if flushed:
+                        yield make_text(flushed)
+                    yield out
+                    continue
+                text, hit = matcher.push(out.text)
+                if text:
+                    yield make_text(text)
+                if hit is not None:
+                    log.debug(kv("stop_string", request=pl.req.request_id, stop=repr(hit)))
+                    yield Finished("stop_sequence", hit, prompt_tokens, cached, out_tokens)
+                    return
+            if ev.finished:
+                if ev.finish_reason == "abort":
+                    raise APIError(503, "the engine aborted this request", None, "engine_abort")
+                rest = matcher.flush()
+                if rest:
+                    yield make_text(rest)
+                reason = "length" if ev.finish_reason == "length" else "stop"
+                yield Finished(reason, None, prompt_tokens, cached, out_tokens)
+                return
+        raise APIError(500, "the engine stream ended without a finish event", None, "engine_error")
+    finally:
+        with anyio.CancelScope(shield=True):
+            await gen.aclose()  # type: ignore[attr-defined]

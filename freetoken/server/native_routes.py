@@ -1,0 +1,116 @@
+"""Native and control routes: /health, /v1/stats, and /ft/v1/generate.
+
+/ft/v1/generate is what the agent proxy sends our engine: token ids already rendered, anchors
+with predicted cut points, a session key. Body:
+`{"input_ids": [int], "sampling": {SamplingParams fields}, "anchors": [{"position", "kind",
+"role", "cut_point"}], "session_key": str}`. The answer is an SSE stream of
+`{"token_ids", "finished", "finish_reason", "prompt_tokens", "cached_tokens", "matched_stop_id"}`
+events, the last with `finished: true`. `max_tokens` is clamped like everywhere else; absent
+`stop_token_ids` default to the tokenizer's end-of-turn ids.
+"""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from freetoken.engine.api import Anchor
+from freetoken.log import get_logger, kv
+from freetoken.server.errors import APIError, error_body
+from freetoken.server.generation import Plan, new_id, plan, session_key_from
+from freetoken.server.sse import TICK, EventStreamResponse, sse, sse_comment, with_ticks
+from freetoken.server.state import ServerState
+from freetoken.server.validation import CommonParams, common_params, opt_dict, opt_str, read_json
+
+log = get_logger("server")
+KEEPALIVE_S = 10.0
+ANCHOR_KINDS = {"head_end", "turn_start", "think_start", "think_end", "tool_call_start",
+                "tool_result_start", "tool_result_end"}
+
+
+async def health(request: Request) -> Response:
+    st: ServerState = request.app.state.ft
+    return JSONResponse({"status": "ok", "model": st.engine.model_name,
+                         "max_context": st.engine.max_context})
+
+
+async def stats(request: Request) -> Response:
+    st: ServerState = request.app.state.ft
+    return JSONResponse(st.engine.stats())
+
+
+def _ids(v: Any, param: str, limit: int, allow_empty: bool) -> list[int]:
+    ok = isinstance(v, list) and (allow_empty or len(v) > 0) and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit for t in v)
+    if not ok:
+        raise APIError.bad(f"'{param}' must be a{'n' if allow_empty else ' non-empty'} array of "
+                           f"token ids in [0, {limit})", param)
+    return list(v)
+
+
+def _anchors(v: Any, n: int) -> list[Anchor]:
+    if v is None:
+        return []
+    if not isinstance(v, list):
+        raise APIError.bad("'anchors' must be an array", "anchors")
+    out = []
+    for i, a in enumerate(v):
+        p = f"anchors[{i}]"
+        pos = a.get("position") if isinstance(a, dict) else None
+        if (not isinstance(a, dict) or isinstance(pos, bool) or not isinstance(pos, int)
+                or not 0 <= pos <= n or a.get("kind") not in ANCHOR_KINDS):
+            raise APIError.bad(f"'{p}' must be {{position: int in [0, {n}], kind: one of "
+                               f"{sorted(ANCHOR_KINDS)}, role?, cut_point?}}", p)
+        role, cut = a.get("role"), a.get("cut_point", False)
+        if (role is not None and not isinstance(role, str)) or not isinstance(cut, bool):
+            raise APIError.bad(f"'{p}.role' must be a string and 'cut_point' a boolean", p)
+        out.append(Anchor(pos, a["kind"], role, cut))
+    return out
+
+
+def _native_plan(st: ServerState, body: dict, headers: Any) -> Plan:
+    limit = st.vocab_limit()
+    ids = _ids(body.get("input_ids"), "input_ids", limit, allow_empty=False)
+    s = opt_dict(body, "sampling") or {}
+    p: CommonParams = common_params(s, ("max_tokens",), "stop")
+    if s.get("stop_token_ids") is None:
+        stop_ids = list(st.tokenizer.eos_token_ids)
+    else:
+        stop_ids = _ids(s["stop_token_ids"], "sampling.stop_token_ids", limit, allow_empty=True)
+    key = opt_str(body, "session_key") or session_key_from(headers)
+    return plan(st.engine, ids, _anchors(body.get("anchors"), len(ids)), p, stop_ids, key,
+                new_id("ftgen-"), "input_ids")
+
+
+async def generate(request: Request) -> Response:
+    st: ServerState = request.app.state.ft
+    body = await read_json(request)
+    pl = _native_plan(st, body, request.headers)
+    log.info(kv("native_generate", request=pl.req.request_id, prompt=pl.prompt_len,
+                anchors=len(pl.req.anchors), session=pl.req.session_key))
+    return EventStreamResponse(_stream(st, pl), pl.headers, pl.req.request_id)
+
+
+async def _events(st: ServerState, pl: Plan) -> AsyncIterator[dict]:
+    gen = st.engine.generate(pl.req)
+    try:
+        async for ev in gen:
+            yield {"token_ids": list(ev.token_ids), "finished": ev.finished,
+                   "finish_reason": ev.finish_reason, "prompt_tokens": ev.prompt_tokens,
+                   "cached_tokens": ev.cached_tokens, "matched_stop_id": ev.matched_stop_id}
+            if ev.finished:
+                return
+    finally:
+        with anyio.CancelScope(shield=True):
+            await gen.aclose()  # type: ignore[attr-defined]
+
+
+async def _stream(st: ServerState, pl: Plan) -> AsyncIterator[str]:
+    try:
+        async for ev in with_ticks(_events(st, pl), KEEPALIVE_S):
+            yield sse_comment() if ev is TICK else sse(ev)
+    except Exception as e:
+        log.exception(kv("stream_error", request=pl.req.request_id))
+        yield sse(error_body("openai", APIError(500, f"internal error: {e!r}")), "error")

@@ -1,0 +1,147 @@
+"""Server-sent events: framing, a response that aborts its producer on client disconnect, and
+idle ticks for keep-alive pings.
+
+Disconnect contract: `EventStreamResponse` watches the ASGI receive channel while it streams;
+when the client goes away (or a send fails) it stops iterating and `aclose()`s the body
+iterator under a shield, so the `finally` blocks down the chain (our generation driver, then the
+engine's generator, which aborts the request and frees its memory) always run.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator, TypeVar
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from freetoken.log import get_logger, kv
+
+log = get_logger("server")
+T = TypeVar("T")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(data: Any, event: str | None = None) -> str:
+    """One SSE frame; `data` is JSON-encoded unless it is already a string."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False,
+                                                             separators=(",", ":"))
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n"
+
+
+def sse_comment(text: str = "keep-alive") -> str:
+    """An SSE comment line: ignored by every client parser, keeps proxies and idle timers happy."""
+    return f": {text}\n\n"
+
+
+class Tick:
+    """Marker yielded by `with_ticks` after `interval` seconds without an item."""
+
+
+TICK = Tick()
+
+
+async def _aclose(it: Any) -> None:
+    close = getattr(it, "aclose", None)
+    if close is not None:
+        await close()
+
+
+async def with_ticks(source: AsyncIterator[T], interval: float) -> AsyncIterator[T | Tick]:
+    """Yield the items of `source`, and `TICK` whenever `interval` seconds pass without one.
+
+    The pending `__anext__` runs as its own task so that waiting on it can time out without
+    cancelling it; on exit that task is cancelled and awaited before `source` is closed."""
+    it = source.__aiter__()
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(it.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield TICK
+                continue
+            task, pending = pending, None
+            try:
+                item = task.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        with anyio.CancelScope(shield=True):
+            if pending is not None:
+                pending.cancel()
+                try:
+                    await pending
+                except BaseException:  # noqa: BLE001 - the source's own cancellation/end
+                    pass
+            await _aclose(it)
+
+
+class EventStreamResponse(StreamingResponse):
+    """A text/event-stream response that closes its body iterator when the client leaves."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], headers: dict[str, str] | None = None,
+                 request_id: str = ""):
+        super().__init__(content, headers={**SSE_HEADERS, **(headers or {})},
+                         media_type=self.media_type)
+        self.request_id = request_id
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        disconnected = False
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                nonlocal disconnected
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        disconnected = True
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch)
+            try:
+                await self.stream_response(send)
+            except OSError:
+                disconnected = True
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await _aclose(self.body_iterator)
+                tg.cancel_scope.cancel()
+        if disconnected:
+            log.info(kv("client_disconnect", request=self.request_id))
+
+
+async def run_unless_disconnected(receive: Receive, work: Any) -> tuple[bool, Any]:
+    """Await coroutine `work` while watching for a client disconnect; on disconnect `work` is
+    cancelled (its finally blocks run, aborting the engine request). Returns (finished, result).
+    """
+    result: list[Any] = []
+    errors: list[Exception] = []
+    async with anyio.create_task_group() as tg:
+
+        async def run() -> None:
+            try:
+                result.append(await work)
+            except Exception as e:  # re-raised below, outside the task group
+                errors.append(e)
+            tg.cancel_scope.cancel()
+
+        async def watch() -> None:
+            while True:
+                if (await receive())["type"] == "http.disconnect":
+                    tg.cancel_scope.cancel()
+                    return
+
+        tg.start_soon(run)
+        tg.start_soon(watch)
+    if errors:
+        raise errors[0]
+    return (bool(result), result[0] if result else None)

@@ -1,0 +1,67 @@
+"""What every route needs: the engine, the tokenizer, the served names, and prompt rendering
+with its failure modes mapped to 400s."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jinja2
+from anyio import to_thread
+
+from freetoken.chat import ChatInputError, OutputParser, TemplateInput
+from freetoken.engine.api import EngineClient
+from freetoken.server.errors import APIError
+from freetoken.server.validation import req_str
+
+
+@dataclass
+class ServerState:
+    engine: EngineClient
+    tokenizer: Any  # freetoken.chat.ChatTokenizer
+    api_key: str | None
+    served_model_names: list[str]
+    strict_model: bool = False
+    parser_family: str = "qwen3"
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_model(self, body: dict) -> str:
+        """The requested model name (echoed in answers). Any name is served unless strict."""
+        name = req_str(body, "model")
+        if self.strict_model and name not in self.served_model_names:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves "
+                           f"{self.served_model_names}", "model", "model_not_found")
+        return name
+
+    def vocab_limit(self) -> int:
+        """Token ids must lie in [0, vocab_limit): the model's vocabulary when the engine
+        reports it (it is often padded past the tokenizer's), else the tokenizer's."""
+        model_vocab = getattr(self.engine, "vocab_size", None)
+        tok_vocab = int(getattr(self.tokenizer, "vocab_size", 0) or 0)
+        return max(int(model_vocab or 0), tok_vocab)
+
+    async def render(self, ti: TemplateInput, tools: list | None) -> Any:
+        """Render + tokenize in a worker thread (a 20k-token prompt takes tens of ms)."""
+
+        def work() -> Any:
+            try:
+                return self.tokenizer.apply(ti.messages, tools=tools,
+                                            enable_thinking=ti.enable_thinking)
+            except ChatInputError as e:
+                raise APIError.bad(e.message, e.param) from None
+            except jinja2.TemplateError as e:  # the template's raise_exception(): input it rejects
+                raise APIError.bad(f"the chat template rejected these messages: {e}",
+                                   "messages") from None
+
+        return await to_thread.run_sync(work)
+
+    def parser(self, thinking: bool, prompt: Any) -> Any:
+        return OutputParser(self.tokenizer, family=self.parser_family, thinking=thinking,
+                            starts_in_reasoning=bool(getattr(prompt, "opens_reasoning", False)))
+
+
+def to_template(fn: Any, body: dict) -> TemplateInput:
+    try:
+        return fn(body)
+    except ChatInputError as e:
+        raise APIError.bad(e.message, e.param) from None
