@@ -1,0 +1,134 @@
+"""AsyncEngine: EngineCore on a background thread, one asyncio queue per request.
+
+`generate()` is an async generator; closing it before the request finished (client
+disconnect, cancelled task) aborts the request in the core, which frees its KV and state.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import queue
+import threading
+import traceback
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from freetoken.engine.api import EngineEvent, GenerateRequest
+from freetoken.engine.core import EngineCore
+from freetoken.log import get_logger, kv
+
+log = get_logger("engine")
+_ids = itertools.count(1)
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, model_dir: Path, model_name: str):
+        self.core = core
+        self.model_dir = model_dir
+        self.model_name = model_name
+        self.max_context = core.max_context
+        self._inbox: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="ft-engine", daemon=True)
+        self._stop = False
+        self._thread.start()
+
+    # -- EngineClient ------------------------------------------------------------------------
+
+    def check(self, req: GenerateRequest) -> None:
+        self.core.check(req)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[EngineEvent]:
+        self.core.check(req)
+        if not req.request_id:
+            req.request_id = f"req-{next(_ids)}"
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def emit(ev: EngineEvent) -> None:
+            loop.call_soon_threadsafe(q.put_nowait, ev)
+
+        self._inbox.put(("add", req, emit))
+        done = False
+        try:
+            while True:
+                ev = await q.get()
+                if isinstance(ev, BaseException):
+                    raise ev
+                yield ev
+                if ev.finished:
+                    done = True
+                    return
+        finally:
+            if not done:
+                self._inbox.put(("abort", req.request_id, None))
+
+    def stats(self) -> dict:
+        return self.core.snapshot_stats()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._inbox.put(("stop", None, None))
+        self._thread.join(timeout=10)
+
+    # -- engine thread -----------------------------------------------------------------------
+
+    def _drain(self, block: bool) -> None:
+        try:
+            msg = self._inbox.get(block=block, timeout=0.5 if block else None)
+        except queue.Empty:
+            return
+        while True:
+            op, a, b = msg
+            if op == "add":
+                self._emitters[a.request_id] = b
+                try:
+                    self.core.add(a, b)
+                except Exception as e:  # admission raced with check: report, never crash
+                    b(e)
+            elif op == "abort":
+                self.core.abort(a)
+                self._emitters.pop(a, None)
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _loop(self) -> None:
+        self._emitters: dict = {}
+        while not self._stop:
+            self._drain(block=not self.core.has_work())
+            if not self.core.has_work():
+                continue
+            try:
+                self.core.step()
+            except Exception as e:  # a bug must fail the requests in flight, not the server
+                log.error(kv("step_failed", error=repr(e)) + "\n" + traceback.format_exc())
+                for r in list(self.core.sched.running) + list(self.core.sched.waiting):
+                    self.core.abort(r.rid)
+                    r.emit(RuntimeError(f"engine step failed: {e!r}"))  # type: ignore[arg-type]
+
+
+def build_engine(args: argparse.Namespace) -> AsyncEngine:
+    """From `ft serve` arguments: model path/demo, dtype, device, pool sizes."""
+    import torch
+
+    from freetoken.chat import ChatTokenizer
+    from freetoken.models.demo import resolve_model_path
+    from freetoken.models.loader import load_model
+
+    model_dir = resolve_model_path(getattr(args, "model", None) or "demo")
+    dtype = getattr(torch, args.dtype) if getattr(args, "dtype", None) else None
+    model = load_model(model_dir, dtype=dtype, device=getattr(args, "device", "cpu") or "cpu")
+    tok = ChatTokenizer.from_dir(model_dir)
+    core = EngineCore(
+        model, tok.eos_token_ids,
+        kv_tokens=getattr(args, "kv_tokens", None) or 32768,
+        state_slots=getattr(args, "state_slots", None) or 64,
+        max_running=getattr(args, "max_running", None) or 4,
+        chunk_tokens=getattr(args, "chunk_tokens", None) or 512,
+        max_context=getattr(args, "max_context", None),
+        policy=getattr(args, "checkpoint_policy", None) or "semantic",
+    )
+    name = "demo" if str(getattr(args, "model", "demo") or "demo") == "demo" else model_dir.name
+    return AsyncEngine(core, model_dir, name)

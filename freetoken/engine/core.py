@@ -1,0 +1,135 @@
+"""EngineCore: owns the model and the cache tensors; one `step()` = schedule, run, postprocess.
+
+Synchronous and single-threaded by design; `AsyncEngine` runs it on a background thread and
+bridges events to asyncio. Nothing here knows about HTTP.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from freetoken.engine.api import AdmissionError, EngineEvent, GenerateRequest
+from freetoken.engine.forward_batch import Caches, ForwardBatch, KVPool, StateTensors
+from freetoken.engine.sampler import RequestSampler
+from freetoken.engine.stats import EngineStats
+from freetoken.log import get_logger, kv
+from freetoken.models.qwen import QwenMoE
+from freetoken.scheduler.request import Request
+from freetoken.scheduler.scheduler import BatchItem, Scheduler
+
+log = get_logger("engine")
+
+
+class EngineCore:
+    def __init__(self, model: QwenMoE, eos_ids: list[int], kv_tokens: int = 32768,
+                 state_slots: int = 64, max_running: int = 4, chunk_tokens: int = 512,
+                 max_context: int | None = None, policy: str = "semantic"):
+        cfg = model.cfg
+        self.model, self.cfg, self.eos_ids = model, cfg, list(eos_ids)
+        w = model.model.embed_tokens.weight
+        self.device, self.dtype = w.device, w.dtype
+        state = StateTensors(cfg, state_slots, self.dtype, self.device) if cfg.is_hybrid else None
+        self.caches = Caches(KVPool(cfg, kv_tokens, self.dtype, self.device), state)
+        self.sched = Scheduler(kv_tokens, state_slots, state, max_running, chunk_tokens, policy)
+        # a lone request must always fit in the KV pool, so the context never exceeds it
+        self.max_context = min(max_context or cfg.max_position_embeddings, kv_tokens)
+        self.stats = EngineStats()
+        log.info(kv("ready", kv_tokens=kv_tokens, state_slots=state_slots if state else 0,
+                    max_running=max_running, chunk=chunk_tokens, max_context=self.max_context,
+                    kv_mb=KVPool.bytes_per_token(cfg, self.dtype) * kv_tokens // 2**20))
+
+    def check(self, req: GenerateRequest) -> None:
+        req.sampling.validate()
+        n = len(req.input_ids)
+        if n == 0:
+            raise AdmissionError("the prompt is empty", "messages")
+        if n + 1 > self.max_context:
+            raise AdmissionError(f"the prompt has {n} tokens; the context holds {self.max_context} "
+                                 f"(prompt plus at least one output token)", "messages",
+                                 "context_length_exceeded")
+        if n + req.sampling.max_tokens > self.max_context:
+            raise AdmissionError(f"prompt ({n}) + max_tokens ({req.sampling.max_tokens}) exceeds "
+                                 f"the context ({self.max_context})", "max_tokens",
+                                 "context_length_exceeded")
+        bad = [t for t in req.input_ids if not (0 <= t < self.cfg.vocab_size)]
+        if bad:
+            raise AdmissionError(f"token id {bad[0]} is outside the vocabulary "
+                                 f"[0, {self.cfg.vocab_size})", "input_ids")
+
+    def add(self, req: GenerateRequest, emit) -> None:  # noqa: ANN001
+        self.check(req)
+        r = Request(req, RequestSampler(req.sampling, self.eos_ids, self.device), emit)
+        self.sched.add(r)
+
+    def abort(self, rid: str) -> None:
+        self.sched.abort(rid)
+
+    def has_work(self) -> bool:
+        return self.sched.has_work()
+
+    def step(self) -> None:
+        items = self.sched.schedule()
+        if not items:
+            return
+        t0 = time.perf_counter()
+        logits = self.model(self._batch(items), self.caches)  # [R, V]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        row = 0
+        n_decode = sum(1 for i in items if i.n == 1)
+        self.stats.on_step(dt, prefill_tokens=sum(i.n for i in items) - n_decode,
+                           decode_tokens=n_decode)
+        for it in items:
+            self.sched.after_forward(it)
+            if it.wants_logits:
+                self._on_token(it, logits[row])
+                row += 1
+
+    def _batch(self, items: list[BatchItem]) -> ForwardBatch:
+        ids, pos, rows = [], [], []
+        for it in items:
+            r = it.req
+            ids.extend(r.ids[r.computed:r.computed + it.n])
+            pos.extend(range(r.computed, r.computed + it.n))
+            if it.wants_logits:
+                rows.append(len(ids) - 1)
+        d = self.device
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=d),
+            positions=torch.tensor(pos, dtype=torch.long, device=d),
+            new_lens=[it.n for it in items],
+            prefix_lens=[it.req.computed for it in items],
+            kv_slots=[it.req.row[: it.req.computed + it.n].to(d) for it in items],
+            state_slots=[it.req.state_slot for it in items] if self.caches.state else [],
+            logits_rows=torch.tensor(rows, dtype=torch.long, device=d),
+        )
+
+    def _on_token(self, it: BatchItem, logits: torch.Tensor) -> None:
+        r = it.req
+        tok = r.sampler.sample(logits, r.num_generated)
+        r.ids.append(tok)
+        r.num_generated += 1
+        first = r.t_first_token is None
+        if first:
+            r.t_first_token = time.perf_counter()
+            self.stats.on_first_token(r.t_first_token - r.t_arrival, r.prompt_len, r.cached_tokens)
+        reason = None
+        if r.sampler.is_stop(tok, r.num_generated):
+            reason = "stop"
+        elif r.num_generated >= r.req.sampling.max_tokens or len(r.ids) >= self.max_context:
+            reason = "length"
+        if reason:
+            self.sched.finish(r)
+            r.finished = True
+            log.info(kv("finish", rid=r.rid, prompt=r.prompt_len, cached=r.cached_tokens,
+                        generated=r.num_generated, reason=reason))
+        r.emit(EngineEvent([tok], finished=reason is not None, finish_reason=reason,
+                           prompt_tokens=r.prompt_len, cached_tokens=r.cached_tokens,
+                           matched_stop_id=tok if reason == "stop" else None))
+
+    def snapshot_stats(self) -> dict:
+        out = self.stats.summary()
+        out["cache"] = self.sched.stats()
+        return out

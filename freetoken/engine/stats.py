@@ -1,0 +1,53 @@
+"""Rolling engine statistics for /v1/stats: throughput, TTFT, cache hit ratio."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+
+class EngineStats:
+    def __init__(self, window_s: float = 60.0):
+        self.window_s = window_s
+        self._steps: deque[tuple[float, float, int, int]] = deque()  # (t, dt, prefill, decode)
+        self._ttft: deque[float] = deque(maxlen=256)
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.requests = 0
+        self._lock = threading.Lock()
+
+    def on_step(self, dt: float, prefill_tokens: int, decode_tokens: int) -> None:
+        now = time.time()
+        with self._lock:
+            self._steps.append((now, dt, prefill_tokens, decode_tokens))
+            while self._steps and self._steps[0][0] < now - self.window_s:
+                self._steps.popleft()
+
+    def on_first_token(self, ttft: float, prompt: int, cached: int) -> None:
+        with self._lock:
+            self._ttft.append(ttft)
+            self.prompt_tokens += prompt
+            self.cached_tokens += cached
+            self.requests += 1
+
+    def summary(self) -> dict:
+        with self._lock:
+            steps = list(self._steps)
+            ttft = sorted(self._ttft)
+        busy = sum(s[1] for s in steps)
+        pf = sum(s[2] for s in steps)
+        dc = sum(s[3] for s in steps)
+        dec_time = sum(s[1] for s in steps if s[2] == 0)
+        dec_tok = sum(s[3] for s in steps if s[2] == 0)
+        return {
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "cache_hit_ratio": round(self.cached_tokens / self.prompt_tokens, 4)
+            if self.prompt_tokens else 0.0,
+            "prefill_tokens_per_s": round(pf / busy, 2) if busy else 0.0,
+            "decode_tokens_per_s": round(dec_tok / dec_time, 2) if dec_time else 0.0,
+            "tokens_per_s_window": round((pf + dc) / busy, 2) if busy else 0.0,
+            "ttft_p50_s": round(ttft[len(ttft) // 2], 4) if ttft else None,
+            "ttft_mean_s": round(sum(ttft) / len(ttft), 4) if ttft else None,
+        }
