@@ -29,31 +29,12 @@ from typing import NamedTuple
 import torch
 
 from freetoken.cache.allocator import SlotAllocator
+from freetoken.cache.node import TreeNode, as_ids, common_len
 from freetoken.log import get_logger, kv
 
 log = get_logger("cache")
 
 _EMPTY = torch.empty(0, dtype=torch.long)
-
-
-class TreeNode:
-    """One radix edge. `depth` is the prefix length at the end of this node (root: 0)."""
-
-    __slots__ = ("children", "depth", "key", "last_access", "lock_ref", "parent", "uid", "value")
-
-    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None, depth: int,
-                 uid: int, now: int) -> None:
-        self.key = key
-        self.value = value  # [len(key)] KV slots
-        self.children: dict[int, TreeNode] = {}
-        self.parent = parent  # None for the root and for evicted (detached) nodes
-        self.lock_ref = 0  # number of locks on this node or on any descendant
-        self.last_access = now
-        self.uid = uid
-        self.depth = depth
-
-    def __repr__(self) -> str:
-        return f"TreeNode(uid={self.uid}, depth={self.depth}, len={len(self.key)}, lock={self.lock_ref})"
 
 
 class MatchResult(NamedTuple):
@@ -74,26 +55,6 @@ class Committed(NamedTuple):
     node: TreeNode
     prefix_len: int
     freed: int
-
-
-def as_ids(ids: Sequence[int] | torch.Tensor) -> list[int]:
-    return ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-
-
-def common_len(edge: list[int], key: list[int], off: int) -> int:
-    """Length of the common prefix of `edge` and `key[off:]`."""
-    m = min(len(edge), len(key) - off)
-    if edge[:m] == key[off : off + m]:  # one C-level compare for the common full-edge case
-        return m
-    j = 0
-    while j < m:  # chunked slice compares keep long prompts out of a per-token Python loop
-        e = min(j + 64, m)
-        if edge[j:e] != key[off + j : off + e]:
-            while edge[j] == key[off + j]:
-                j += 1
-            return j
-        j = e
-    return m
 
 
 class RadixCache:
@@ -168,8 +129,9 @@ class RadixCache:
         assert 0 < k < len(child.key)
         parent = child.parent
         assert parent is not None
-        up = TreeNode(child.key[:k], child.value[:k].clone(), parent, child.depth - len(child.key) + k,
-                      self._next_uid(), child.last_access)
+        depth = child.depth - len(child.key) + k
+        up = TreeNode(child.key[:k], child.value[:k].clone(), parent, depth, self._next_uid(),
+                      child.last_access)
         up.lock_ref = child.lock_ref  # every lock through child passes through up
         parent.children[up.key[0]] = up
         child.key = child.key[k:]
@@ -221,7 +183,8 @@ class RadixCache:
         """
         key = as_ids(ids)
         if node.depth != tree_len or not 0 <= tree_len <= len(key):
-            raise ValueError(f"commit: node ends at {node.depth}, tree_len={tree_len}, ids={len(key)}")
+            raise ValueError(
+                f"commit: node ends at {node.depth}, tree_len={tree_len}, ids={len(key)}")
         p = self.insert(key, slots)
         assert p >= tree_len, "a locked prefix cannot have left the tree"
         dup = slots[tree_len:p]  # [p - tree_len] caller-owned duplicates
@@ -284,7 +247,8 @@ class RadixCache:
         than asked only when nothing evictable is left. `evict(0)` is a no-op."""
         if num_tokens <= 0:
             return 0
-        heap = [(x.last_access, x.uid, x) for x in self.nodes() if not x.children and x.lock_ref == 0]
+        heap = [(x.last_access, x.uid, x) for x in self.nodes()
+                if not x.children and x.lock_ref == 0]
         heapq.heapify(heap)
         freed = nodes = 0
         while freed < num_tokens and heap:

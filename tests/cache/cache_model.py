@@ -1,0 +1,159 @@
+"""Independent reference for the radix caches: a flat dict of cached prefixes.
+
+The model knows nothing about nodes or edges. It keeps every cached prefix (a token tuple) with
+the KV slot of its last token, the logical time it was last touched, the snapshots by prefix,
+and the prefixes each simulated request holds locked. `check_*` functions compare the real
+tree against it after every operation.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from freetoken.cache import CLASS_RANK, HybridRadixCache, RadixCache, SlotAllocator, StatePool
+from freetoken.cache.node import TreeNode
+
+Prefix = tuple[int, ...]
+
+
+@dataclass
+class RefModel:
+    kv: dict[Prefix, int] = field(default_factory=dict)  # prefix -> KV slot of its last token
+    kt: dict[Prefix, int] = field(default_factory=dict)  # prefix -> last touch time
+    snaps: dict[Prefix, list] = field(default_factory=dict)  # prefix -> [slot, cls, time]
+    clock: int = 0
+    sclock: int = 0
+
+    def longest(self, ids: list[int]) -> int:
+        i = 0
+        while i < len(ids) and tuple(ids[: i + 1]) in self.kv:
+            i += 1
+        return i
+
+    def slots(self, ids: list[int], n: int) -> list[int]:
+        return [self.kv[tuple(ids[: i + 1])] for i in range(n)]
+
+    def touch(self, ids: list[int], n: int) -> None:
+        self.clock += 1
+        for i in range(1, n + 1):
+            self.kt[tuple(ids[:i])] = self.clock
+
+    def deepest_snapshot(self, ids: list[int], limit: int) -> int:
+        return max([p for p in range(1, limit + 1) if tuple(ids[:p]) in self.snaps], default=0)
+
+    def snapshot_victims(self, pinned: set[Prefix], n: int) -> list[Prefix]:
+        cands = sorted((CLASS_RANK[v[1]], v[2], p) for p, v in self.snaps.items()
+                       if p not in pinned)
+        return [p for _, _, p in cands[:n]]
+
+
+def node_prefix(node: TreeNode) -> Prefix:
+    parts: list[list[int]] = []
+    x: TreeNode | None = node
+    while x is not None and x.parent is not None:
+        parts.append(x.key)
+        x = x.parent
+    return tuple(t for part in reversed(parts) for t in part)
+
+
+def dump_tree(radix: RadixCache) -> tuple[dict[Prefix, int], dict[Prefix, int], list[TreeNode]]:
+    """Walk the tree, checking its structure; return prefix->slot, prefix->time, nodes."""
+    kv: dict[Prefix, int] = {}
+    kt: dict[Prefix, int] = {}
+    nodes: list[TreeNode] = []
+    stack: list[tuple[TreeNode, Prefix]] = [(radix.root, ())]
+    while stack:
+        node, pre = stack.pop()
+        for first, child in node.children.items():
+            assert child.parent is node, "broken parent pointer"
+            assert child.key and child.key[0] == first, "child keyed by the wrong token"
+            assert child.value.numel() == len(child.key), "value/key length mismatch"
+            assert child.depth == len(pre) + len(child.key), "wrong depth"
+            assert child.last_access <= node.last_access or node is radix.root, \
+                "ancestor older than descendant"
+            vals = child.value.tolist()
+            p = pre
+            for t, s in zip(child.key, vals):
+                p = p + (t,)
+                kv[p] = s
+                kt[p] = child.last_access
+            nodes.append(child)
+            stack.append((child, p))
+    return kv, kt, nodes
+
+
+def check_monotone(pairs: list[tuple[int, int]]) -> None:
+    """Reference times and real times must induce the same order (ties included)."""
+    pairs = sorted(set(pairs))
+    for (ra, ta), (rb, tb) in itertools.pairwise(pairs):
+        assert ra < rb, f"one reference time maps to two real times: {ra}->{ta},{tb}"
+        assert ta < tb, f"LRU order differs from reference: ref {ra}<{rb} but real {ta}>={tb}"
+
+
+def check_tree(radix: RadixCache, ref: RefModel, locks: list[Prefix]) -> list[TreeNode]:
+    """Content, prefix closure, LRU times, lock counts and size accounting."""
+    kv, kt, nodes = dump_tree(radix)
+    assert kv == ref.kv, f"tree content differs: extra {set(kv) - set(ref.kv)}, " \
+                         f"missing {set(ref.kv) - set(kv)}"
+    for p in kv:
+        assert len(p) == 1 or p[:-1] in kv, f"prefix closure broken at {p}"
+    check_monotone([(ref.kt[p], kt[p]) for p in kv])
+    ev = pr = 0
+    for node in nodes:
+        pre = node_prefix(node)
+        want = sum(1 for lk in locks if lk[: len(pre)] == pre and len(lk) >= len(pre))
+        assert node.lock_ref == want, f"lock_ref {node.lock_ref} != {want} at {pre}"
+        if node.lock_ref:
+            pr += len(node.key)
+        else:
+            ev += len(node.key)
+    assert (radix.evictable_size, radix.protected_size) == (ev, pr)
+    assert radix.total_size == len(kv)
+    return nodes
+
+
+def check_slots(alloc: SlotAllocator, held_by_tree: list[int], held_by_callers: list[int]) -> None:
+    """Conservation: free + tree + callers == every slot, each exactly once."""
+    free = alloc.free_slots()
+    everything = free + held_by_tree + held_by_callers
+    assert len(everything) == alloc.num_slots, (
+        f"{alloc.kind}: free {len(free)} + tree {len(held_by_tree)} + callers "
+        f"{len(held_by_callers)} != {alloc.num_slots}")
+    assert sorted(everything) == list(range(alloc.num_slots)), f"{alloc.kind} slot in two places"
+    assert all(alloc.is_free(s) for s in free)
+    assert not any(alloc.is_free(s) for s in held_by_tree + held_by_callers)
+
+
+def check_snapshots(cache: HybridRadixCache, ref: RefModel, pool: StatePool,
+                    working: list[int]) -> None:
+    real = {node_prefix(n): (s.slot, s.cls) for n, s in cache._snaps.items()}
+    assert real == {p: (v[0], v[1]) for p, v in ref.snaps.items()}, "snapshots differ"
+    for n in cache._snaps:
+        assert n.parent is not None, "snapshot on an evicted node"
+    check_monotone([(ref.snaps[node_prefix(n)][2], s.last_access) for n, s in cache._snaps.items()])
+    check_slots(pool, [v[0] for v in ref.snaps.values()], working)
+
+
+def check_eviction(ref: RefModel, real_kv: dict[Prefix, int], want: int,
+                   locked: set[Prefix]) -> set[Prefix]:
+    """Validate the prefixes the tree dropped against LRU-of-leaves; return them."""
+    assert set(real_kv) <= set(ref.kv), "eviction added prefixes"
+    removed = set(ref.kv) - set(real_kv)
+    if want <= 0:
+        assert not removed, "evicted without being asked to"
+        return removed
+    assert not removed & locked, "evicted a locked prefix"
+    for r in removed:  # whole subtrees go: nothing below an evicted prefix stays
+        assert not any(p[: len(r)] == r for p in real_kv), f"evicted {r} but kept an extension"
+    left = set(real_kv)
+    unlocked_left = left - locked
+    if len(removed) < want:
+        assert not unlocked_left, "stopped short while evictable prefixes remained"
+    if removed:
+        tmax = max(ref.kt[r] for r in removed)
+        parents = {p[:-1] for p in left}
+        leaves = [p for p in unlocked_left if p not in parents]
+        assert all(ref.kt[p] >= tmax for p in leaves), "evicted a newer leaf before an older one"
+        older = sum(1 for r in removed if ref.kt[r] < tmax)
+        assert older < want, "kept evicting after enough was freed"
+    return removed
