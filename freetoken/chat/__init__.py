@@ -1,0 +1,20 @@
+"""Chat layer: tokenizer + chat template, request mapping, anchors, detokenization, and
+streaming reasoning/tool-call parsing."""
+from freetoken.chat.anchors import AnchorTokens, detect_anchors
+from freetoken.chat.anthropic_map import anthropic_to_template
+from freetoken.chat.errors import ChatInputError
+from freetoken.chat.mapping import TemplateInput
+from freetoken.chat.openai_map import openai_to_template
+from freetoken.chat.tokenizer import ChatTokenizer, Prompt, qwen3_tokenizer_dir
+
+__all__ = [
+    "AnchorTokens",
+    "ChatInputError",
+    "ChatTokenizer",
+    "Prompt",
+    "TemplateInput",
+    "anthropic_to_template",
+    "detect_anchors",
+    "openai_to_template",
+    "qwen3_tokenizer_dir",
+]
