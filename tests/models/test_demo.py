@@ -1,0 +1,119 @@
+"""The demo checkpoint: deterministic, a valid qwen3_5_moe for transformers and for our reader."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from freetoken.checkpoint.safetensors_reader import load_checkpoint
+from freetoken.models.config import load_config
+from freetoken.models.demo import (
+    DEMO_NAME,
+    ModelPathError,
+    demo_model_dir,
+    resolve_model_path,
+    tokenizer_source_dir,
+)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return demo_model_dir(tmp_path_factory.mktemp("cache_a"))
+
+
+def test_build_is_atomic_and_cached(demo_dir: Path) -> None:
+    assert demo_dir.name == DEMO_NAME
+    assert [p.name for p in demo_dir.parent.iterdir()] == [DEMO_NAME]  # no temp dir left
+    mtime = (demo_dir / "model.safetensors").stat().st_mtime_ns
+    assert demo_model_dir(demo_dir.parent) == demo_dir
+    assert (demo_dir / "model.safetensors").stat().st_mtime_ns == mtime  # not rebuilt
+
+
+def test_build_is_byte_identical(demo_dir: Path, tmp_path: Path) -> None:
+    other = demo_model_dir(tmp_path)
+    assert other != demo_dir
+    assert _sha256(other / "model.safetensors") == _sha256(demo_dir / "model.safetensors")
+
+
+def test_config_parses_as_hybrid_qwen3_5_moe(demo_dir: Path) -> None:
+    cfg = load_config(demo_dir)
+    assert cfg.model_type == "qwen3_5_moe" and cfg.is_hybrid
+    assert cfg.layer_types.count("linear_attention") == 6
+    assert cfg.full_attention_layers == [3, 7]
+    assert cfg.vocab_size % 64 == 0 and 151669 <= cfg.vocab_size < 151669 + 64
+    assert (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (256, 4, 2, 64)
+    assert (cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size) == (32, 4, 128)
+    assert cfg.shared_expert_intermediate_size == 256 and cfg.norm_topk_prob
+    assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads) == (4, 8)
+    assert cfg.rope_theta == 1e7 and cfg.partial_rotary_factor == 0.25
+    assert cfg.weight_prefix == "model." and not cfg.linear_fused_qkvz
+    assert set(cfg.eos_token_ids) == {151645, 151643}
+    gen = json.loads((demo_dir / "generation_config.json").read_text())
+    assert set(gen["eos_token_id"]) == {151645, 151643}
+
+
+def test_tokenizer_files_are_the_real_qwen3_ones(demo_dir: Path) -> None:
+    from tokenizers import Tokenizer
+
+    src = tokenizer_source_dir()
+    for f in src.iterdir():
+        assert (demo_dir / f.name).read_bytes() == f.read_bytes(), f.name
+    tok = Tokenizer.from_file(str(demo_dir / "tokenizer.json"))
+    assert tok.token_to_id("<|im_end|>") == 151645 and tok.token_to_id("<|endoftext|>") == 151643
+    assert tok.get_vocab_size(with_added_tokens=True) <= load_config(demo_dir).vocab_size
+    tcfg = json.loads((demo_dir / "tokenizer_config.json").read_text())
+    assert "<|im_start|>" in tcfg["chat_template"] and "tool_call" in tcfg["chat_template"]
+
+
+def test_size_bound(demo_dir: Path) -> None:
+    total = sum(f.stat().st_size for f in demo_dir.iterdir())
+    assert total < 300e6
+    with open(demo_dir / "model.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    dtypes = {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+    assert dtypes == {"BF16"}
+
+
+def test_transformers_loads_it_exactly(demo_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(
+        demo_dir, dtype=torch.bfloat16, output_loading_info=True
+    )
+    assert type(model).__name__ == "Qwen3_5MoeForCausalLM"
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert not info["mismatched_keys"]
+    # the reader yields exactly transformers' parameters, values included
+    ours = load_checkpoint(demo_dir, load_config(demo_dir), torch.bfloat16, progress=False)
+    params = dict(model.named_parameters())
+    assert sorted(ours) == sorted(params)
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.7.self_attn.q_proj.weight",
+                 "model.layers.2.linear_attn.A_log", "lm_head.weight"):
+        assert torch.equal(ours[name], params[name]), name
+    a_log = ours["model.layers.2.linear_attn.A_log"].float()
+    assert bool(((a_log >= 0) & (a_log <= torch.log(torch.tensor(16.0)) + 1e-2)).all())
+
+
+def test_resolve_model_path(tmp_path: Path, demo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    # prebuilt cache: link the module's build instead of building again
+    (tmp_path / "xdg" / "freetoken" / "models").mkdir(parents=True)
+    (tmp_path / "xdg" / "freetoken" / "models" / DEMO_NAME).symlink_to(demo_dir)
+    assert resolve_model_path("demo") == tmp_path / "xdg" / "freetoken" / "models" / DEMO_NAME
+    assert resolve_model_path(None) == resolve_model_path("demo")
+    assert resolve_model_path(str(demo_dir)) == demo_dir
+    with pytest.raises(ModelPathError, match="neither 'demo' nor a checkpoint directory"):
+        resolve_model_path("Qwen/Qwen3-30B-A3B")
+    with pytest.raises(ModelPathError, match="no config.json"):
+        resolve_model_path(tmp_path)
