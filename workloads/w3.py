@@ -182,7 +182,9 @@ def _sub_agent(k: int, prompt: str, issue: Issue, seed: int, size: dict[str, Any
     """Sub-agent k: 4 tool steps and a final report; returns the session and its report."""
     tools = sh["sub_tools"] if size["sub_tools"] is None else shrink_tools(
         sh["sub_tools"], size["sub_tools"], size["desc"])
-    s = _Session(headers["X-Claude-Code-Session-Id"], f"S{k + 1}.", sh["sub_params"], system,
+    # Sub-agents send the parent's session header but are conversations of their own.
+    s = _Session(f"{headers['X-Claude-Code-Session-Id']}:sub{k + 1}", f"S{k + 1}.",
+                 sh["sub_params"], system,
                  tools, [{"role": "user", "content": [reminder, {"type": "text", "text": prompt}]},
                          {"role": "system", "content": shrink(sh["sub_skills"])}],
                  headers, "fanout", rng, size["sig"])
