@@ -147,9 +147,11 @@ class _Reader:
         self.found, self.dtype, self.device, self.bar = found, dtype, device, bar
         files = {info.file for info in found.values()}
         self.handles = {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in files}
+        self.done: set[str] = set()
 
     def raw(self, name: str) -> Tensor:
         t = self.handles[self.found[name].file].get_tensor(name)
+        self.done.add(name)
         self.bar.update(1)
         return t
 
@@ -201,22 +203,17 @@ def load_checkpoint(
     expected = validate(cfg, found, model_dir)
     dev = torch.device(device)
     out: dict[str, Tensor] = {}
-    handled: set[str] = set()
     with ExitStack() as stack:
         bar = stack.enter_context(tqdm(total=len(expected), desc="loading weights", unit="t",
                                        disable=not progress, leave=False))
         rd = _Reader(stack, {n: found[n] for n in expected}, dtype, dev, bar)
         for i in cfg.moe_layers:
             _load_experts(cfg, i, rd, out)
-            handled.update(n for n in expected if n.startswith(
-                f"{cfg.weight_prefix}layers.{i}.mlp.experts."))
         if cfg.linear_fused_qkvz:
             for i in cfg.linear_attention_layers:
-                lp = f"{cfg.weight_prefix}layers.{i}.linear_attn."
-                _load_fused_linear_attn(cfg, lp, rd, out)
-                handled.update((f"{lp}in_proj_qkvz.weight", f"{lp}in_proj_ba.weight"))
+                _load_fused_linear_attn(cfg, f"{cfg.weight_prefix}layers.{i}.linear_attn.", rd, out)
         for name in expected:
-            if name not in handled:
+            if name not in rd.done:  # everything not converted above is renamed as is
                 out[runtime_name(cfg, name)] = rd.get(name)
     log.info(kv("loaded", dir=model_dir, files=len(files), tensors=len(out), dtype=dtype,
                 device=dev, skipped=len(found) - len(expected)))
