@@ -60,3 +60,23 @@ def test_kernel_chunks_long_id_lists() -> None:
         for a, b in zip(r, k):
             assert a.tolist() == b.cpu().tolist()
         same_tables(ref, dev)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernel_realistic_shapes_gpu() -> None:
+    """Qwen3.6-sized pool (40 x 256, top-8) at 37% capacity, batch 4: GPU kernel == CPU reference."""
+    from freetoken.experts.routing import synthetic_trace
+
+    L, E, K, S, B = 40, 256, 8, 3789, 4
+    trace = torch.from_numpy(synthetic_trace(L, E, K, 12 * B, 0.583, seed=3))  # [steps, L, K]
+    ref, dev = ResidencyTable(L, E, S), ResidencyTable(L, E, S, device="cuda")
+    for step in range(12):
+        for layer in range(L):
+            ids = trace[step * B:(step + 1) * B, layer]  # [B, K]: a batch of 4 sequences
+            nf = 5 if layer % 3 == 0 else -1
+            r = ref.decide(layer, ids, nf)
+            k = dev.decide(layer, ids.cuda(), torch.tensor(nf, device="cuda"), impl="triton")
+            for name, a, b in zip(r._fields, r, k):
+                assert a.tolist() == b.cpu().tolist(), f"{step}/{layer}: {name} differs"
+    same_tables(ref, dev)
