@@ -37,6 +37,7 @@ class FakeEngine:
     per_event: int = 3
     delay_s: float = 0.0
     first_delay_s: float = 0.0
+    abort_after: int | None = None  # events before the engine itself aborts the request
     requests: list[GenerateRequest] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
@@ -44,6 +45,7 @@ class FakeEngine:
     def reset(self) -> None:
         self.script = lambda req: "Hello from the fake engine."
         self.per_event, self.delay_s, self.first_delay_s = 3, 0.0, 0.0
+        self.abort_after = None
         self.requests.clear()
         self.aborted.clear()
         self.finished.clear()
@@ -82,7 +84,11 @@ class FakeEngine:
         try:
             await asyncio.sleep(self.first_delay_s)
             emitted = 0
-            while True:
+            for step in range(1 << 30):
+                if step == self.abort_after:
+                    done = True
+                    yield EngineEvent([], True, "abort", len(req.input_ids), cached)
+                    return
                 n = min(self.per_event, len(out) - emitted, sp.max_tokens - emitted)
                 ids = out[emitted:emitted + n]
                 emitted += n
