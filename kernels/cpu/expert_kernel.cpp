@@ -118,9 +118,41 @@ inline float vsum(V a) { return a; }
 constexpr int kDpMinTokens = 4;
 #endif
 
+// Software prefetch of the next tile's rows while this tile streams: two contiguous blocks
+// (next gate rows, next up rows; or next down rows), spread evenly over this tile's iterations.
+// The hardware streamer stops at each 4 KB page and the rows of a tile are interleaved streams,
+// so without this a core keeps too few misses in flight to reach its share of DRAM bandwidth.
+struct Prefetch {
+  const char* p[2] = {nullptr, nullptr};
+  const char* end[2] = {nullptr, nullptr};
+  int per_iter = 0;
+  inline void step() {
+#if defined(__AVX2__) || defined(__AVX512F__)
+    for (int b = 0; b < 2; ++b)
+      for (int q = 0; q < per_iter && p[b] < end[b]; ++q, p[b] += 64)
+        _mm_prefetch(p[b], _MM_HINT_T0);
+#endif
+  }
+};
+
+int g_prefetch = 1;  // ft_cpu_set_prefetch: lines per iteration multiplier (0 = off)
+
+inline Prefetch make_prefetch(const void* a, const void* b, int64_t block_bytes, int64_t len) {
+  Prefetch pf;
+  const int64_t iters = (len + VL - 1) / VL;
+  if (block_bytes <= 0 || iters <= 0 || g_prefetch <= 0) return pf;
+  pf.p[0] = static_cast<const char*>(a);
+  pf.end[0] = a ? pf.p[0] + block_bytes : nullptr;
+  pf.p[1] = static_cast<const char*>(b);
+  pf.end[1] = b ? pf.p[1] + block_bytes : nullptr;
+  pf.per_iter = static_cast<int>((block_bytes / 64 + iters - 1) / iters);
+  return pf;
+}
+
 // res[r * NT + t] = rows[r][0:len] . xs[t][0:len]
 template <typename W, int NR, int NT>
-inline void dot_tile(const W* const* rows, const float* const* xs, int64_t len, float* res) {
+inline void dot_tile(const W* const* rows, const float* const* xs, int64_t len, float* res,
+                     Prefetch pf) {
   V acc[NR][NT];
 #pragma GCC unroll 32
   for (int r = 0; r < NR; ++r)
@@ -128,6 +160,7 @@ inline void dot_tile(const W* const* rows, const float* const* xs, int64_t len, 
     for (int t = 0; t < NT; ++t) acc[r][t] = vzero();
   int64_t j = 0;
   for (; j + VL <= len; j += VL) {
+    pf.step();
     V xv[NT];
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) xv[t] = vload(xs[t] + j);
@@ -155,13 +188,15 @@ inline void dot_tile(const W* const* rows, const float* const* xs, int64_t len, 
 // Same contract on bf16 activations: 32 bf16 products per instruction, fp32 accumulation.
 template <int NR, int NT>
 inline void dot_tile_dp(const uint16_t* const* rows, const uint16_t* const* xs, int64_t len,
-                        float* res) {
+                        float* res, Prefetch pf) {
   __m512 acc[NR][NT];
   for (int r = 0; r < NR; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
   int64_t j = 0;
   for (; j < len; j += 32) {
     const int64_t rem = len - j;
+    pf.step();
+    pf.step();
     const __mmask32 m = rem >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1ull << rem) - 1);
     __m512i xv[NT];
     for (int t = 0; t < NT; ++t) xv[t] = _mm512_maskz_loadu_epi16(m, xs[t] + j);
@@ -177,21 +212,23 @@ inline void dot_tile_dp(const uint16_t* const* rows, const uint16_t* const* xs, 
 #endif
 
 // res[r * n + t] for NR rows and n token vectors, in token tiles of at most kNtMax.
+// `pf` is applied during the first token tile only (later tiles re-read rows from L1/L2).
 template <typename W, typename X, int NR>
-void dot_rows(const W* const* rows, const X* const* xs, int n, int64_t len, float* res) {
+void dot_rows(const W* const* rows, const X* const* xs, int n, int64_t len, float* res,
+              Prefetch pf) {
   float tmp[NR * kNtMax];
-  for (int t0 = 0; t0 < n; t0 += kNtMax) {
+  for (int t0 = 0; t0 < n; t0 += kNtMax, pf = Prefetch()) {
     const int nt = n - t0 < kNtMax ? n - t0 : kNtMax;
     const X* const* xt = xs + t0;
     if constexpr (std::is_same_v<X, float>) {
-      if (nt == 1) dot_tile<W, NR, 1>(rows, xt, len, tmp);
-      else if (nt == 2) dot_tile<W, NR, 2>(rows, xt, len, tmp);
-      else dot_tile<W, NR, kNtMax>(rows, xt, len, tmp);
+      if (nt == 1) dot_tile<W, NR, 1>(rows, xt, len, tmp, pf);
+      else if (nt == 2) dot_tile<W, NR, 2>(rows, xt, len, tmp, pf);
+      else dot_tile<W, NR, kNtMax>(rows, xt, len, tmp, pf);
     } else if constexpr (std::is_same_v<W, uint16_t>) {
 #ifdef FT_HAVE_DPBF16
-      if (nt == 1) dot_tile_dp<NR, 1>(rows, xt, len, tmp);
-      else if (nt == 2) dot_tile_dp<NR, 2>(rows, xt, len, tmp);
-      else dot_tile_dp<NR, kNtMax>(rows, xt, len, tmp);
+      if (nt == 1) dot_tile_dp<NR, 1>(rows, xt, len, tmp, pf);
+      else if (nt == 2) dot_tile_dp<NR, 2>(rows, xt, len, tmp, pf);
+      else dot_tile_dp<NR, kNtMax>(rows, xt, len, tmp, pf);
 #endif
     }
     for (int r = 0; r < NR; ++r)
@@ -238,10 +275,15 @@ void run(const float* x, int64_t T, int64_t H, const int64_t* ids, int64_t K,
   const int64_t items1 = static_cast<int64_t>(groups.size()) * nb1;
   const int64_t items2 = static_cast<int64_t>(groups.size()) * nb2;
 
+  // Decode-size groups cost the same per item: static contiguous chunks, so each thread's
+  // next item is the memory its prefetch already ran into. Bigger groups: dynamic balance.
+  bool small = true;
+  for (const Group& g : groups) small = small && g.n <= kNtMax;
+  omp_set_schedule(small ? omp_sched_static : omp_sched_dynamic, small ? 0 : 1);
 #pragma omp parallel num_threads(nth)
   {
     std::vector<float> res(static_cast<size_t>(2 * kHalfRows + kDownRows) * kNtMax * 64 + 1);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(runtime)
     for (int64_t it = 0; it < items1; ++it) {
       const Group& g = groups[it / nb1];
       const int64_t r0 = (it % nb1) * kRb1, r1 = r0 + kRb1 < I ? r0 + kRb1 : I;
@@ -255,12 +297,15 @@ void run(const float* x, int64_t T, int64_t H, const int64_t* ids, int64_t K,
           rows[hr + q] = base + (I + r + q) * H;
         }
         const bool dp = kBf16 && g.dp;
+        const int64_t nxt = r + hr < I ? (I - r - hr < kHalfRows ? I - r - hr : kHalfRows) : 0;
+        const Prefetch pf = make_prefetch(base + (r + hr) * H, base + (I + r + hr) * H,
+                                          nxt * H * static_cast<int64_t>(sizeof(W)), H);
         if (hr == kHalfRows) {
-          if (dp) dot_rows<W, uint16_t, 2 * kHalfRows>(rows, xbp.data() + g.begin, g.n, H, res.data());
-          else dot_rows<W, float, 2 * kHalfRows>(rows, xp.data() + g.begin, g.n, H, res.data());
+          if (dp) dot_rows<W, uint16_t, 2 * kHalfRows>(rows, xbp.data() + g.begin, g.n, H, res.data(), pf);
+          else dot_rows<W, float, 2 * kHalfRows>(rows, xp.data() + g.begin, g.n, H, res.data(), pf);
         } else {
-          if (dp) dot_rows<W, uint16_t, 2>(rows, xbp.data() + g.begin, g.n, H, res.data());
-          else dot_rows<W, float, 2>(rows, xp.data() + g.begin, g.n, H, res.data());
+          if (dp) dot_rows<W, uint16_t, 2>(rows, xbp.data() + g.begin, g.n, H, res.data(), pf);
+          else dot_rows<W, float, 2>(rows, xp.data() + g.begin, g.n, H, res.data(), pf);
         }
         for (int q = 0; q < hr; ++q)
           for (int t = 0; t < g.n; ++t) {
@@ -272,7 +317,7 @@ void run(const float* x, int64_t T, int64_t H, const int64_t* ids, int64_t K,
         r += hr;
       }
     }
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(runtime)
     for (int64_t it = 0; it < items2; ++it) {
       const Group& g = groups[it / nb2];
       const int64_t h0 = (it % nb2) * kRb2, h1 = h0 + kRb2 < H ? h0 + kRb2 : H;
@@ -283,12 +328,15 @@ void run(const float* x, int64_t T, int64_t H, const int64_t* ids, int64_t K,
         const int nr = h1 - h >= kDownRows ? kDownRows : 1;
         const W* rows[kDownRows];
         for (int q = 0; q < nr; ++q) rows[q] = base + (h + q) * I;
+        const int64_t nxt = h + nr < H ? (H - h - nr < kDownRows ? H - h - nr : kDownRows) : 0;
+        const Prefetch pf = make_prefetch(base + (h + nr) * I, nullptr,
+                                          nxt * I * static_cast<int64_t>(sizeof(W)), I);
         if (nr == kDownRows) {
-          if (dp) dot_rows<W, uint16_t, kDownRows>(rows, abp.data() + g.begin, g.n, I, res.data());
-          else dot_rows<W, float, kDownRows>(rows, ap.data() + g.begin, g.n, I, res.data());
+          if (dp) dot_rows<W, uint16_t, kDownRows>(rows, abp.data() + g.begin, g.n, I, res.data(), pf);
+          else dot_rows<W, float, kDownRows>(rows, ap.data() + g.begin, g.n, I, res.data(), pf);
         } else {
-          if (dp) dot_rows<W, uint16_t, 1>(rows, abp.data() + g.begin, g.n, I, res.data());
-          else dot_rows<W, float, 1>(rows, ap.data() + g.begin, g.n, I, res.data());
+          if (dp) dot_rows<W, uint16_t, 1>(rows, abp.data() + g.begin, g.n, I, res.data(), pf);
+          else dot_rows<W, float, 1>(rows, ap.data() + g.begin, g.n, I, res.data(), pf);
         }
         for (int q = 0; q < nr; ++q)
           for (int t = 0; t < g.n; ++t) out[entries[g.begin + t] * H + h + q] = res[q * g.n + t];
@@ -303,6 +351,33 @@ void run(const float* x, int64_t T, int64_t H, const int64_t* ids, int64_t K,
 extern "C" {
 
 const char* ft_cpu_isa() { return FT_ISA; }
+
+// Benchmark knob: 0 disables the software prefetch of the next tile (for A/B timing).
+void ft_cpu_set_prefetch(int on) { g_prefetch = on; }
+
+// Host read-bandwidth probe: sums n floats with nthreads threads, each streaming one contiguous
+// slice once (the access pattern of the expert kernel, no arithmetic in the way).
+float ft_stream_sum(const float* p, int64_t n, int nthreads) {
+  const int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
+  float total = 0.f;
+#pragma omp parallel num_threads(nth) reduction(+ : total)
+  {
+    const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t b = n * tid / nt, e = n * (tid + 1) / nt;
+    V a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+    int64_t j = b;
+    for (; j + 4 * VL <= e; j += 4 * VL) {
+      a0 = vfma(vload(p + j), vload(p + j), a0);
+      a1 = vfma(vload(p + j + VL), vload(p + j + VL), a1);
+      a2 = vfma(vload(p + j + 2 * VL), vload(p + j + 2 * VL), a2);
+      a3 = vfma(vload(p + j + 3 * VL), vload(p + j + 3 * VL), a3);
+    }
+    float s = vsum(a0) + vsum(a1) + vsum(a2) + vsum(a3);
+    for (; j < e; ++j) s += p[j] * p[j];
+    total += s;
+  }
+  return total;
+}
 
 // Returns 0 on success, 1 if an expert id is out of [0, E), 2 on a bad dtype code.
 // wdtype: 0 = fp32 weights, 1 = bf16 weights. nthreads <= 0: OpenMP's default.

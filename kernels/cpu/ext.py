@@ -85,6 +85,7 @@ class CpuKernel:
 
     def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
         self.isa = isa
+        self._lib = lib
         self._fn = lib.ft_cpu_experts
         self._fn.restype = ctypes.c_int
         p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -92,6 +93,21 @@ class CpuKernel:
                              ctypes.c_int, ctypes.c_int]
         lib.ft_cpu_isa.restype = ctypes.c_char_p
         self.built_isa = lib.ft_cpu_isa().decode()
+        self._sum = lib.ft_stream_sum
+        self._sum.restype = ctypes.c_float
+        self._sum.argtypes = [p, i64, ctypes.c_int]
+
+    def set_prefetch(self, on: bool) -> None:
+        """Benchmark knob: software prefetch of the next tile (on by default)."""
+        self._lib.ft_cpu_set_prefetch(ctypes.c_int(int(on)))
+
+    def stream_sum(self, buf: Tensor, num_threads: int | None = None) -> float:
+        """Sum of squares of a contiguous float32 buffer, read once with all threads (the
+        host read-bandwidth probe)."""
+        if buf.dtype != torch.float32 or not buf.is_contiguous():
+            raise ValueError("stream_sum needs a contiguous float32 tensor")
+        nth = num_threads if num_threads is not None else torch.get_num_threads()
+        return float(self._sum(buf.data_ptr(), buf.numel(), nth))
 
     def run(
         self,

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu.ext import ISAS, CpuKernel, build, detect_isa
 from kernels.cpu.expert_ops import cpu_experts, cpu_experts_ref, cpu_experts_torch
+from kernels.cpu.ext import ISAS, CpuKernel, build, detect_isa
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -15,7 +15,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _case(seed: int, dtype: torch.dtype, t: int | None = None):
     """Random tiny problem: odd sizes (vector tails), duplicate experts in a row, random mask."""
     g = torch.Generator().manual_seed(seed)
-    ri = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))  # noqa: E731
+    ri = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))
     t = t if t is not None else ri(1, 9)
     k, e, h, i = ri(1, 5), ri(2, 7), ri(5, 70), ri(3, 40)
     x = torch.randn(t, h, generator=g)  # [T, H]

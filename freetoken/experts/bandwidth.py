@@ -1,0 +1,211 @@
+"""Bandwidth measurements behind the decode equation, and the cached machine profile.
+
+Shape legend: P experts in the measured pool, E experts per layer window, T tokens, K top-k,
+H hidden, I intermediate. S = 3 * H * I * element bytes per expert.
+
+B_H: the real CPU kernel (kernels.cpu.expert_ops) on *fresh* experts: each step routes into a new
+window of the pool, and the pool is far larger than the LLC, so weights come from DRAM.
+B_P: the real fill path: per-expert non_blocking copies from a pinned host pool into GPU slots
+on a copy stream, timed with CUDA events. Both, concurrently: a Python thread runs the CPU kernel
+(the GIL is released inside it) while the copy stream fills.
+Profiles are JSON under `$XDG_CACHE_HOME/freetoken/profiles/`, keyed by GPU, CPU, shape, dtype.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from freetoken.experts.policy import BandwidthProfile
+from freetoken.log import get_logger, kv
+from kernels.cpu.ext import cache_root, cpu_model, load_kernel
+
+log = get_logger("experts")
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+    layers: int
+
+    def expert_bytes(self, dtype: torch.dtype) -> int:
+        return 3 * self.hidden * self.inter * torch.empty(0, dtype=dtype).element_size()
+
+
+SHAPES: dict[str, ExpertShape] = {
+    "qwen3.6-35b-a3b": ExpertShape(hidden=2048, inter=512, experts=256, top_k=8, layers=40),
+}
+
+
+def make_pool(shape: ExpertShape, dtype: torch.dtype, pool_bytes: float,
+              pin: bool = False) -> tuple[Tensor, Tensor]:
+    """Random expert banks holding about `pool_bytes`: gate_up [P, 2I, H], down [P, H, I]."""
+    p = max(1, int(pool_bytes // shape.expert_bytes(dtype)))
+    h, i = shape.hidden, shape.inter
+    gate_up = torch.empty(p, 2 * i, h, dtype=dtype, pin_memory=pin)  # [P, 2I, H]
+    down = torch.empty(p, h, i, dtype=dtype, pin_memory=pin)  # [P, H, I]
+    gate_up.normal_(0, h**-0.5)  # random data, never zeros: zeros can run faster
+    down.normal_(0, i**-0.5)
+    return gate_up, down
+
+
+def fresh_routes(pool: int, window: int, tokens: int, top_k: int, steps: int,
+                 seed: int = 0) -> list[Tensor]:
+    """Per step [T, K] ids: each token picks K distinct experts of a window of `window` experts,
+    and every step moves to the next window (cycling through the pool)."""
+    g = torch.Generator().manual_seed(seed)
+    window = min(window, pool)
+    n_win = pool // window
+    k = min(top_k, window)
+    routes = []
+    for s in range(steps):
+        base = (s % n_win) * window
+        routes.append(torch.rand(tokens, window, generator=g).argsort(dim=1)[:, :k] + base)
+    return routes
+
+
+ExpertFn = Callable[[Tensor, Tensor, Tensor, Tensor], object]
+
+
+def time_experts(fn: ExpertFn, gate_up: Tensor, down: Tensor, routes: list[Tensor],
+                 warmup: int = 3) -> tuple[float, float]:
+    """Run fn(x, ids, gate_up, down) per route; returns (GB/s of unique expert bytes read,
+    median seconds per step). Warm-up steps use the route list's tail and are not timed."""
+    s_bytes = 3 * gate_up.shape[1] // 2 * gate_up.shape[2] * gate_up.element_size()
+    x = torch.randn(routes[0].shape[0], gate_up.shape[2])  # [T, H]
+    for ids in routes[-warmup:]:
+        fn(x, ids, gate_up, down)
+    times, total_bytes = [], 0
+    for ids in routes:
+        t0 = time.perf_counter()
+        fn(x, ids, gate_up, down)
+        times.append(time.perf_counter() - t0)
+        total_bytes += int(ids.unique().numel()) * s_bytes
+    times.sort()
+    return total_bytes / sum(times) / GB, times[len(times) // 2]
+
+
+def host_read_gbps(nbytes: float, repeats: int = 5, threads: int | None = None) -> float:
+    """Best of `repeats` all-thread read streams over a float32 buffer of `nbytes`."""
+    buf = torch.ones(int(nbytes // 4))
+    kern = load_kernel()
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        if kern is not None:
+            kern.stream_sum(buf, threads)
+        else:
+            buf.sum()
+        best = max(best, buf.numel() * 4 / (time.perf_counter() - t0) / GB)
+    return best
+
+
+def cpu_kernel_fn(threads: int | None = None) -> ExpertFn:
+    from kernels.cpu.expert_ops import cpu_experts
+
+    return lambda x, ids, gu, dn: cpu_experts(x, ids, gu, dn, num_threads=threads)
+
+
+def measure_b_h(shape: ExpertShape, dtype: torch.dtype, pool_bytes: float, steps: int,
+                threads: int | None = None) -> float:
+    """GB/s of the CPU kernel at batch 1 on fresh experts."""
+    gu, dn = make_pool(shape, dtype, pool_bytes)
+    routes = fresh_routes(gu.shape[0], shape.experts, 1, shape.top_k, steps)
+    return time_experts(cpu_kernel_fn(threads), gu, dn, routes)[0]
+
+
+class FillBench:
+    """Pinned host pool -> GPU slots, per-expert non_blocking copies on a copy stream."""
+
+    def __init__(self, shape: ExpertShape, dtype: torch.dtype, pool_bytes: float) -> None:
+        self.shape = shape
+        self.gu, self.dn = make_pool(shape, dtype, pool_bytes, pin=True)  # [P, ...] pinned
+        m = shape.top_k
+        self.slot_gu = torch.empty((m, *self.gu.shape[1:]), dtype=dtype, device="cuda")
+        self.slot_dn = torch.empty((m, *self.dn.shape[1:]), dtype=dtype, device="cuda")
+        self.stream = torch.cuda.Stream()
+        self.s_bytes = shape.expert_bytes(dtype)
+
+    def run(self, steps: int) -> float:
+        """GB/s over `steps` fills of top_k fresh experts each."""
+        routes = fresh_routes(self.gu.shape[0], self.shape.experts, 1, self.shape.top_k, steps, 1)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            start.record()
+            for ids in routes:
+                for j, e in enumerate(ids[0].tolist()):
+                    self.slot_gu[j].copy_(self.gu[e], non_blocking=True)
+                    self.slot_dn[j].copy_(self.dn[e], non_blocking=True)
+            end.record()
+        end.synchronize()
+        n = sum(int(r.numel()) for r in routes)
+        return n * self.s_bytes / (start.elapsed_time(end) / 1e3) / GB
+
+    def link_gbps(self) -> float:
+        """One large pinned copy (the whole pool's gate_up) into one device buffer."""
+        dst = torch.empty_like(self.gu, device="cuda")
+        dst.copy_(self.gu, non_blocking=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(self.gu, non_blocking=True)
+        torch.cuda.synchronize()
+        return self.gu.numel() * self.gu.element_size() / (time.perf_counter() - t0) / GB
+
+
+def measure_overlap(fill: FillBench, cpu_pool: tuple[Tensor, Tensor], steps: int,
+                    threads: int | None) -> tuple[float, float]:
+    """(B_P', B_H'): the fill loop on this thread while another thread runs the CPU kernel."""
+    gu, dn = cpu_pool
+    routes = fresh_routes(gu.shape[0], fill.shape.experts, 1, fill.shape.top_k, steps, 2)
+    result: dict[str, float] = {}
+    worker = threading.Thread(
+        target=lambda: result.setdefault(
+            "b_h", time_experts(cpu_kernel_fn(threads), gu, dn, routes, warmup=0)[0]))
+    worker.start()
+    b_p = fill.run(steps)
+    worker.join()
+    return b_p, result["b_h"]
+
+
+def profile_key(shape_name: str, dtype: torch.dtype) -> dict[str, str]:
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    return {"gpu": gpu, "cpu": cpu_model(), "shape": shape_name, "dtype": str(dtype)}
+
+
+def profile_path(key: dict[str, str]) -> Path:
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "profiles" / f"bw-{key['shape']}-{digest}.json"
+
+
+def save_profile(profile: BandwidthProfile) -> Path:
+    path = profile_path(profile.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(dataclasses.asdict(profile), indent=2, sort_keys=True))
+    tmp.replace(path)
+    log.info(kv("bw_profile_saved", path=path))
+    return path
+
+
+def load_profile(key: dict[str, str]) -> BandwidthProfile | None:
+    """The saved profile for exactly this key, or None (missing or unreadable)."""
+    path = profile_path(key)
+    try:
+        data = json.loads(path.read_text())
+        prof = BandwidthProfile(**data)
+    except (OSError, ValueError, TypeError) as e:
+        log.debug(kv("bw_profile_missing", path=path, reason=type(e).__name__))
+        return None
+    return prof if prof.key == key else None

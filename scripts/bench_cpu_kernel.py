@@ -1,0 +1,112 @@
+"""CPU expert kernel vs torch's bf16 path, on fresh experts, beside the host read ceiling.
+
+Ceiling: an all-thread read stream over --read-gb. Then for each T in --tokens: torch's grouped
+bf16 F.linear (cpu_experts_torch) and the C++ kernel (with and without its software prefetch),
+each on routes that move to a new window of --layer-experts experts every step, cycling through a
+pool of --pool-gb (far larger than the LLC, so weights come from DRAM). GB/s counts the unique
+expert bytes a step must read; us/layer is the median step.
+
+  python scripts/bench_cpu_kernel.py                      # the GPU machine (16 cores)
+  python scripts/bench_cpu_kernel.py --pool-gb 1 --read-gb 0.5 --seconds 0.5 --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from freetoken.experts import bandwidth as bw
+from kernels.cpu.expert_ops import cpu_experts_torch
+from kernels.cpu.ext import cpu_model, load_kernel
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", choices=sorted(bw.SHAPES), default="qwen3.6-35b-a3b")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--pool-gb", type=float, default=6.0)
+    p.add_argument("--read-gb", type=float, default=4.0)
+    p.add_argument("--tokens", default="1,2,4,8")
+    p.add_argument("--threads", default=str(os.cpu_count()),
+                   help="comma list; the first is used for the T sweep, the rest at T=1")
+    p.add_argument("--layer-experts", type=int, default=None, help="routing window (default E)")
+    p.add_argument("--seconds", type=float, default=1.5, help="timed seconds per row")
+    p.add_argument("--json", default=None, help="also write the rows here")
+    return p.parse_args()
+
+
+def main() -> int:
+    a = _args()
+    shape, dtype = bw.SHAPES[a.shape], getattr(torch, a.dtype)
+    threads = [int(v) for v in a.threads.split(",")]
+    tokens = [int(v) for v in a.tokens.split(",")]
+    window = a.layer_experts or shape.experts
+    kern = load_kernel()
+    print(f"[bench] cpu={cpu_model()!r} isa={kern.built_isa if kern else 'torch-only'} "
+          f"torch={torch.__version__} threads={threads}", flush=True)
+
+    torch.set_num_threads(threads[0])
+    print(f"[bench] host read ceiling over {a.read_gb:g} GB ...", flush=True)
+    ceiling = bw.host_read_gbps(a.read_gb * 1e9, threads=threads[0])
+    print(f"[bench] ceiling {ceiling:.1f} GB/s; building a {a.pool_gb:g} GB pool ...", flush=True)
+    t0 = time.perf_counter()
+    gu, dn = bw.make_pool(shape, dtype, a.pool_gb * 1e9)  # [P, 2I, H], [P, H, I]
+    print(f"[bench] pool: {gu.shape[0]} experts in {time.perf_counter() - t0:.1f}s", flush=True)
+
+    def kernel_fn(nth: int, prefetch: bool):
+        def fn(x, ids, g, d):
+            assert kern is not None
+            kern.set_prefetch(prefetch)
+            out = torch.empty(ids.shape[0], ids.shape[1], g.shape[2])
+            kern.run(x, ids, g, d, None, out, num_threads=nth)
+        return fn
+
+    configs: list[tuple[str, int, int, object]] = []
+    for t in tokens:
+        configs.append(("torch bf16 F.linear", t, threads[0], None))
+        if kern is not None:
+            configs.append(("kernel", t, threads[0], kernel_fn(threads[0], True)))
+            configs.append(("kernel no-prefetch", t, threads[0], kernel_fn(threads[0], False)))
+    for nth in threads[1:]:
+        if kern is not None:
+            configs.append(("kernel", 1, nth, kernel_fn(nth, True)))
+
+    rows = []
+    for seed, (name, t, nth, fn) in enumerate(configs, start=1):
+        torch.set_num_threads(nth)
+        call = fn or (lambda x, ids, g, d: cpu_experts_torch(x, ids, g, d))
+        calib = bw.fresh_routes(gu.shape[0], window, t, shape.top_k, 4, seed)
+        _, step_s = bw.time_experts(call, gu, dn, calib, warmup=1)
+        steps = int(min(4000, max(8, a.seconds / max(step_s, 1e-6))))
+        routes = bw.fresh_routes(gu.shape[0], window, t, shape.top_k, steps, seed + 1000)
+        gbps, med = bw.time_experts(call, gu, dn, routes)
+        uniq = sum(int(r.unique().numel()) for r in routes) / len(routes)
+        rows.append({"impl": name, "T": t, "threads": nth, "unique": uniq, "us": med * 1e6,
+                     "gbps": gbps, "pct": 100 * gbps / ceiling})
+        print(f"[bench] {name:<20} T={t:<2} thr={nth:<3} {gbps:6.1f} GB/s "
+              f"({100 * gbps / ceiling:5.1f}%)  {med * 1e6:8.0f} us/layer  steps={steps}",
+              flush=True)
+
+    base = {r["T"]: r["gbps"] for r in rows if r["impl"].startswith("torch")}
+    print(f"\nceiling (all-thread read stream): {ceiling:.1f} GB/s   shape={a.shape} "
+          f"dtype={a.dtype} expert={shape.expert_bytes(dtype) / 1e6:.2f} MB pool={a.pool_gb:g} GB")
+    print(f"{'impl':<22}{'T':>3}{'thr':>5}{'uniq':>7}{'us/layer':>10}{'GB/s':>8}"
+          f"{'% ceil':>8}{'x torch':>9}")
+    for r in rows:
+        sp = r["gbps"] / base[r["T"]] if r["T"] in base else float("nan")
+        print(f"{r['impl']:<22}{r['T']:>3}{r['threads']:>5}{r['unique']:>7.1f}{r['us']:>10.0f}"
+              f"{r['gbps']:>8.1f}{r['pct']:>8.1f}{sp:>9.2f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"ceiling": ceiling, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
