@@ -6,7 +6,12 @@ from pathlib import Path
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from freetoken.log import get_logger, kv
+
+if TYPE_CHECKING:
+    from freetoken.experts.setup import MoEOptions
 from freetoken.models.config import ModelConfig, load_config
 from freetoken.models.qwen import QwenMoE
 
@@ -25,14 +30,22 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: torc
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype | None = None,
-               device: torch.device | str = "cpu", progress: bool = True) -> QwenMoE:
+               device: torch.device | str = "cpu", progress: bool = True,
+               moe: "MoEOptions | None" = None, kv_reserve_bytes: int = 0) -> QwenMoE:
+    """Load a checkpoint. With `moe` (a non-fused backend) the routed experts go to the host
+    expert store and the slot cache; only the rest of the model moves to `device`.
+    The expert runtime is attached as `model.moe_runtime`."""
     from freetoken.checkpoint.safetensors_reader import load_checkpoint
+    from freetoken.experts.setup import MoEOptions, configure_experts
 
     t0 = time.perf_counter()
     cfg = load_config(model_dir)
     dtype = dtype or (torch.float32 if str(device) == "cpu" else cfg.torch_dtype)
     tensors = load_checkpoint(model_dir, cfg, dtype=dtype, device="cpu", progress=progress)
-    model = build_model(cfg, tensors, device, dtype)
+    model = build_model(cfg, tensors, "cpu", dtype)
+    del tensors
+    model.moe_runtime = configure_experts(model, moe or MoEOptions(), device, kv_reserve_bytes)
+    model = model.to(device)
     n = sum(p.numel() for p in model.parameters())
     log.info(kv("loaded", model=Path(model_dir).name, family=cfg.model_type, params=n,
                 dtype=str(dtype).replace("torch.", ""), device=device,

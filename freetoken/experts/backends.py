@@ -1,0 +1,144 @@
+"""Expert backends: where each routed (token, expert) pair is computed.
+
+All return per (token, k) UNWEIGHTED outputs y [T, K, H]; the MoE block merges them. Each
+(t, k) entry is computed by exactly one branch from the same weights and the same token group
+as under `fused`, so in fp32 every backend is bit-identical to `fused`.
+
+- offload: fetch every miss into the slot cache, compute everything from slots.
+- cpu:     compute every miss on the CPU from the host store (the cache is filled once, at
+           start, with whole layers in order — llama.cpp's static split — and never changes).
+- hybrid:  fetch q misses (q* from the bandwidth profile, at least one so the cache keeps
+           warming), compute the rest on the CPU concurrently; the CPU branch starts first.
+
+Shapes: T tokens, K top-k, H hidden, S slots.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from freetoken.experts.slot_cache import SlotCache
+from freetoken.experts.store import ExpertStore
+from freetoken.layers.moe import grouped_experts
+from freetoken.log import get_logger, kv
+
+log = get_logger("experts")
+
+
+def cpu_branch(x: Tensor, ids: Tensor, mask: Tensor, store: ExpertStore, layer: int) -> Tensor:
+    """y [T, K, H] (model dtype) for the masked entries, computed on the CPU from the store."""
+    xc, ic, mc = x.cpu(), ids.cpu(), mask.cpu()
+    gu, dn = store.gate_up(layer), store.down(layer)
+    if gu.dtype == torch.float32:
+        # fp32: the same grouped F.linear as `fused`, so results are bit-identical
+        y = torch.zeros(*ic.shape, xc.shape[-1], dtype=xc.dtype)
+        return grouped_experts(xc, ic, gu, dn, y, mask=mc)
+    from kernels.cpu.expert_ops import cpu_experts
+
+    return cpu_experts(xc, ic, gu, dn, compute_mask=mc).to(x.dtype)
+
+
+class MoEStats:
+    """Counters shared by the backends of one model (hit rate, bytes moved, CPU work)."""
+
+    def __init__(self) -> None:
+        self.hits = self.misses = self.fetched = self.cpu_experts = self.steps = 0
+        self.fetch_bytes = self.cpu_bytes = 0
+
+    def as_dict(self) -> dict:
+        routed = self.hits + self.misses
+        return {"hit_rate": round(self.hits / routed, 4) if routed else 0.0, "hits": self.hits,
+                "misses": self.misses, "fetched": self.fetched, "cpu_experts": self.cpu_experts,
+                "fetch_bytes": self.fetch_bytes, "cpu_bytes": self.cpu_bytes}
+
+
+class SlotExperts(nn.Module):
+    """One MoE layer's view of the shared slot cache. `num_fetch(m)` says how many of m misses
+    to fetch this step (-1 = all)."""
+
+    def __init__(self, moe_index: int, cache: SlotCache, store: ExpertStore, stats: MoEStats,
+                 num_fetch: Callable[[int], int], name: str):
+        super().__init__()
+        self.m, self.cache, self.store, self.stats = moe_index, cache, store, stats
+        self.num_fetch, self.name = num_fetch, name
+
+    def forward(self, layer: int, x: Tensor, topk_ids: Tensor) -> Tensor:
+        T, K = topk_ids.shape
+        misses = self._count_misses(topk_ids)
+        q = self.num_fetch(misses)
+        d = self.cache.decide(self.m, topk_ids, q)
+        hits, miss, fetched = (int(v) for v in d.counters.tolist())
+        st, eb = self.stats, self.store.expert_bytes
+        st.hits += hits
+        st.misses += miss
+        st.fetched += fetched
+        st.fetch_bytes += fetched * eb
+        n_cpu = miss - fetched
+        st.cpu_experts += n_cpu
+        st.cpu_bytes += n_cpu * eb
+        y = torch.zeros(T, K, x.shape[-1], dtype=x.dtype, device=x.device)  # [T, K, H]
+        result: dict[str, Tensor] = {}
+        worker = None
+        if n_cpu:
+            # CPU branch first: it runs while this thread fills slots and computes hits
+            def work() -> None:
+                result["y"] = cpu_branch(x, topk_ids, d.cpu_mask, self.store, self.m)
+
+            worker = threading.Thread(target=work, name="ft-cpu-experts")
+            worker.start()
+        self.cache.fill(self.m, d.fetch_experts, d.fetch_slots, self.store)
+        gpu_mask = d.slot_ids >= 0  # [T, K]
+        grouped_experts(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots, y,
+                        mask=gpu_mask)
+        if worker is not None:
+            worker.join()
+            cm = d.cpu_mask.to(x.device)
+            y[cm] = result["y"].to(x.device)[cm]
+        return y
+
+    def _count_misses(self, topk_ids: Tensor) -> int:
+        g = topk_ids.reshape(-1).unique() + self.m * self.store.num_experts
+        return int((self.cache.table.expert_slot[g.to(self.cache.device)] < 0).sum())
+
+
+class AutoGuard:
+    """`auto`: runs the profile's choice, then guards it on the live workload — after a warm-up
+    it times plain offload over the same number of decode steps and falls back to it if the
+    choice was slower."""
+
+    def __init__(self, choice: str, q_choice: Callable[[int], int], window: int = 32):
+        self.choice, self.q_choice, self.window = choice, q_choice, window
+        self.phase, self.steps, self.t0 = "choice", 0, 0.0
+        self.times: dict[str, float] = {}
+
+    def num_fetch(self, misses: int) -> int:
+        return self.q_choice(misses) if self.phase in ("choice", "settled") else -1
+
+    def on_step(self, decode: bool) -> None:
+        if self.phase == "settled" or not decode:
+            return
+        now = time.perf_counter()
+        if self.steps == 0:
+            self.t0 = now
+        self.steps += 1
+        if self.steps < self.window:
+            return
+        self.times[self.phase] = (now - self.t0) / self.window
+        self.steps = 0
+        if self.phase == "choice":
+            self.phase = "offload"
+            return
+        if self.times["offload"] < self.times["choice"]:
+            log.warning(kv("auto_fallback", chosen=self.choice, to="offload",
+                           chosen_ms=f"{self.times['choice'] * 1e3:.2f}",
+                           offload_ms=f"{self.times['offload'] * 1e3:.2f}"))
+            self.choice, self.q_choice = "offload", (lambda m: -1)
+        else:
+            log.info(kv("auto_keep", chosen=self.choice,
+                        chosen_ms=f"{self.times['choice'] * 1e3:.2f}",
+                        offload_ms=f"{self.times['offload'] * 1e3:.2f}"))
+        self.phase = "settled"

@@ -1,0 +1,140 @@
+"""Turn a loaded model (on the CPU) into one running the chosen expert backend.
+
+`configure_experts` moves every routed expert bank into the host `ExpertStore`, builds the
+shared `SlotCache` on the compute device, and swaps each MoE block's `experts` for a view of
+that cache. The caller then moves the rest of the model to the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from freetoken.experts.backends import AutoGuard, MoEStats, SlotExperts
+from freetoken.experts.policy import BandwidthProfile, q_star, recommend_backend
+from freetoken.experts.slot_cache import SlotCache
+from freetoken.experts.store import ExpertStore
+from freetoken.log import get_logger, kv
+from freetoken.models.qwen import QwenMoE
+
+log = get_logger("experts")
+BACKENDS = ("auto", "fused", "offload", "cpu", "hybrid")
+# DESIGN §9 figures, used only when no profile was measured on this machine
+_FALLBACK_BP, _FALLBACK_BH = 48.5, 88.0
+
+
+@dataclass
+class MoEOptions:
+    backend: str = "fused"
+    cache_size: int | None = None  # slots
+    cache_rate: float | None = None  # fraction of the pool
+    cache_mem: int | None = None  # bytes
+    kv_reserve_tokens: int = 8192
+    cpu_layers: int = 0  # the last N MoE layers always run on the CPU
+    hybrid_max_fetch: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--moe-backend must be one of {', '.join(BACKENDS)}")
+        if self.cache_rate is not None and not 0 < self.cache_rate <= 1:
+            raise ValueError("--moe-cache-rate must be in (0, 1]")
+
+
+@dataclass
+class MoERuntime:
+    backend: str
+    cache: SlotCache | None
+    store: ExpertStore | None
+    stats: MoEStats
+    guard: AutoGuard | None = None
+
+
+def _num_slots(opts: MoEOptions, pool: int, expert_bytes: int, device: torch.device,
+               kv_reserve_bytes: int) -> int:
+    if opts.cache_size is not None:
+        s = opts.cache_size
+    elif opts.cache_rate is not None:
+        s = int(round(opts.cache_rate * pool))
+    elif opts.cache_mem is not None:
+        s = opts.cache_mem // expert_bytes
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        s = (free - kv_reserve_bytes - (1 << 30)) // expert_bytes
+    else:
+        s = pool // 4
+    return max(1, min(int(s), pool))
+
+
+def find_profile(model: QwenMoE, dtype: torch.dtype) -> BandwidthProfile | None:
+    from freetoken.experts import bandwidth as bw
+
+    cfg = model.cfg
+    for name, sh in bw.SHAPES.items():
+        if (sh.hidden, sh.inter) == (cfg.hidden_size, cfg.moe_intermediate_size):
+            return bw.load_profile(bw.profile_key(name, dtype))
+    return bw.load_profile(bw.profile_key(f"{cfg.hidden_size}x{cfg.moe_intermediate_size}", dtype))
+
+
+def configure_experts(model: QwenMoE, opts: MoEOptions, device: torch.device | str,
+                      kv_reserve_bytes: int = 0, profile: BandwidthProfile | None = None
+                      ) -> MoERuntime:
+    device = torch.device(device)
+    stats = MoEStats()
+    if opts.backend == "fused":
+        return MoERuntime("fused", None, None, stats)
+    blocks = model.moe_blocks()
+    cfg = model.cfg
+    store = ExpertStore([b.experts.gate_up_proj.data for b in blocks],
+                        [b.experts.down_proj.data for b in blocks], pin=device.type == "cuda")
+    pool = store.num_layers * store.num_experts
+    slots = _num_slots(opts, pool, store.expert_bytes, device, kv_reserve_bytes)
+    cache = SlotCache(store.num_layers, store.num_experts, store.hidden, store.intermediate, slots,
+                      dtype=store.dtype, device=device,
+                      impl="triton" if device.type == "cuda" else "reference")
+    backend, guard = opts.backend, None
+    if profile is None and backend in ("auto", "hybrid"):
+        profile = find_profile(model, store.dtype)
+    if backend == "auto":
+        rate = slots / pool
+        backend = recommend_backend(profile, rate, cfg.top_k) if profile else "offload"
+        log.info(kv("auto_choice", backend=backend, cache_rate=f"{rate:.3f}",
+                    profile="measured" if profile else "none"))
+    b_p = (profile.b_p_overlap if profile and profile.has_overlap else
+           profile.b_p if profile and profile.b_p else _FALLBACK_BP)
+    b_h = (profile.b_h_overlap if profile and profile.has_overlap else
+           profile.b_h if profile else _FALLBACK_BH)
+    if backend == "hybrid" and profile is None:
+        log.warning(kv("no_bw_profile", using=f"B_P={_FALLBACK_BP} B_H={_FALLBACK_BH}",
+                       hint="run `ft bench bw`"))
+
+    def q_for(kind: str):  # noqa: ANN202
+        if kind == "offload":
+            return lambda m: -1
+        if kind == "cpu":
+            return lambda m: 0
+        return lambda m: q_star(m, b_p, b_h, opts.hybrid_max_fetch)
+
+    if opts.backend == "auto":
+        guard = AutoGuard(backend, q_for(backend))
+    for i, b in enumerate(blocks):
+        on_cpu = i >= len(blocks) - opts.cpu_layers
+        nf = (lambda m: 0) if on_cpu else (guard.num_fetch if guard else q_for(backend))
+        b.experts = SlotExperts(i, cache, store, stats, nf, backend)
+    if backend == "cpu":
+        _prefill_static(cache, store, slots)
+    log.info(kv("moe_backend", backend=backend, slots=slots, pool=pool,
+                rate=f"{slots / pool:.3f}", slot_mb=store.expert_bytes * slots // 2**20,
+                device=device, cpu_layers=opts.cpu_layers))
+    return MoERuntime(backend, cache, store, stats, guard)
+
+
+def _prefill_static(cache: SlotCache, store: ExpertStore, slots: int) -> None:
+    """`cpu` backend: fill the cache once with whole layers in order (a static split)."""
+    E = store.num_experts
+    for m in range(store.num_layers):
+        n = min(E, slots - m * E)
+        if n <= 0:
+            break
+        ids = torch.arange(n).view(1, n)
+        d = cache.decide(m, ids, -1)
+        cache.fill(m, d.fetch_experts, d.fetch_slots, store)

@@ -1,0 +1,46 @@
+"""Host expert pool: every routed expert of every MoE layer in the runtime bank layout — the
+source of truth. Banks are built in their final layout first and pinned afterwards (pinning an
+empty buffer and overwriting it would double peak memory and page-fault twice)."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from freetoken.log import get_logger, kv
+
+log = get_logger("experts")
+
+
+class ExpertStore:
+    """Banks indexed by MoE-layer index m (0..L-1, the order of `model.moe_blocks()`).
+    gate_up(m) [E, 2I, H]; down(m) [E, H, I]."""
+
+    def __init__(self, gate_up: list[Tensor], down: list[Tensor], pin: bool | None = None):
+        if pin is None:
+            pin = torch.cuda.is_available()
+        self._gate_up = [g.detach().cpu().contiguous() for g in gate_up]
+        self._down = [d.detach().cpu().contiguous() for d in down]
+        if pin:
+            self._gate_up = [g.pin_memory() for g in self._gate_up]
+            self._down = [d.pin_memory() for d in self._down]
+        self.pinned = pin
+        g0 = self._gate_up[0]
+        self.num_layers, self.num_experts = len(self._gate_up), g0.shape[0]
+        self.intermediate, self.hidden = g0.shape[1] // 2, g0.shape[2]
+        self.dtype = g0.dtype
+        log.info(kv("store", layers=self.num_layers, experts=self.num_experts,
+                    gb=f"{self.nbytes / 1e9:.2f}", pinned=pin, dtype=str(self.dtype)[6:]))
+
+    def gate_up(self, layer: int) -> Tensor:
+        return self._gate_up[layer]
+
+    def down(self, layer: int) -> Tensor:
+        return self._down[layer]
+
+    @property
+    def expert_bytes(self) -> int:
+        return 3 * self.hidden * self.intermediate * self._gate_up[0].element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.expert_bytes * self.num_layers * self.num_experts
