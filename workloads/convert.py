@@ -38,7 +38,8 @@ def anthropic_to_openai(body: dict[str, Any]) -> dict[str, Any]:
             if think:
                 a["reasoning_content"] = think
             calls = [{"id": b["id"], "type": "function", "function": {
-                "name": b["name"], "arguments": json.dumps(b["input"])}}
+                "name": b["name"], "arguments": json.dumps(b["input"], separators=(",", ":"),
+                                                           ensure_ascii=False)}}
                 for b in c if b["type"] == "tool_use"]
             if calls:
                 a["tool_calls"] = calls

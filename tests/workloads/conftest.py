@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fake_server import FakeServer  # noqa: E402
+from fake_server import FakeServer
 
 
 @pytest.fixture()

@@ -1,6 +1,7 @@
 """The runner against the fake server: forced lengths, cache growth, W3 overlap, the report."""
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 from fake_server import FakeServer
@@ -36,7 +37,7 @@ def test_all_workloads_replay_with_forced_lengths_and_report(fake_server: FakeSe
     for name in ("W2", "W3", "W4"):
         for session, turns in _by_session(results[name]).items():
             cached = [t.cached_tokens for t in turns]
-            assert all(b > a for a, b in zip(cached, cached[1:])), (name, session, cached)
+            assert all(b > a for a, b in itertools.pairwise(cached)), (name, session, cached)
             assert all(t.recomputed_tokens == t.prompt_tokens - t.cached_tokens for t in turns)
     served = {e["prompt"] for e in fake_server.log}
     assert {t.prompt_tokens for r in results.values() for t in r.turns} <= served
