@@ -2,17 +2,25 @@
 streaming reasoning/tool-call parsing."""
 from freetoken.chat.anchors import AnchorTokens, detect_anchors
 from freetoken.chat.anthropic_map import anthropic_to_template
+from freetoken.chat.detok import IncrementalDetokenizer
 from freetoken.chat.errors import ChatInputError
 from freetoken.chat.mapping import TemplateInput
 from freetoken.chat.openai_map import openai_to_template
+from freetoken.chat.output import OutEvent, OutputParser, ReasoningDelta, TextDelta, ToolCall
 from freetoken.chat.tokenizer import ChatTokenizer, Prompt, qwen3_tokenizer_dir
 
 __all__ = [
     "AnchorTokens",
     "ChatInputError",
     "ChatTokenizer",
+    "IncrementalDetokenizer",
+    "OutEvent",
+    "OutputParser",
     "Prompt",
+    "ReasoningDelta",
     "TemplateInput",
+    "TextDelta",
+    "ToolCall",
     "anthropic_to_template",
     "detect_anchors",
     "openai_to_template",
