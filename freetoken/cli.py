@@ -21,6 +21,7 @@ _COMMANDS = [
 _BENCH_COMMANDS = [
     "freetoken.engine.cli_bench_decode",
     "freetoken.experts.cli_bench",
+    "freetoken.experts.cli_bench_bw",
     "workloads.cli_bench",
 ]
 

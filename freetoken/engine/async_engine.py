@@ -111,15 +111,22 @@ class AsyncEngine:
 
 def build_engine(args: argparse.Namespace) -> AsyncEngine:
     """From `ft serve` arguments: model path/demo, dtype, device, pool sizes."""
-    import torch
-
     from freetoken.chat import ChatTokenizer
+    from freetoken.engine.forward_batch import KVPool
+    from freetoken.engine.options import moe_options, resolve_device, resolve_dtype
+    from freetoken.models.config import load_config
     from freetoken.models.demo import resolve_model_path
     from freetoken.models.loader import load_model
 
     model_dir = resolve_model_path(getattr(args, "model", None) or "demo")
-    dtype = getattr(torch, args.dtype) if getattr(args, "dtype", None) else None
-    model = load_model(model_dir, dtype=dtype, device=getattr(args, "device", "cpu") or "cpu")
+    device = resolve_device(getattr(args, "device", None))
+    dtype = resolve_dtype(getattr(args, "dtype", None))
+    moe = moe_options(args) if hasattr(args, "moe_backend") else None
+    reserve = 0
+    if moe is not None:
+        cfg = load_config(model_dir)
+        reserve = KVPool.bytes_per_token(cfg, dtype or cfg.torch_dtype) * moe.kv_reserve_tokens
+    model = load_model(model_dir, dtype=dtype, device=device, moe=moe, kv_reserve_bytes=reserve)
     tok = ChatTokenizer.from_dir(model_dir)
     core = EngineCore(
         model, tok.eos_token_ids,

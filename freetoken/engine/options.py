@@ -1,0 +1,67 @@
+"""Engine flags shared by `ft serve`, `ft agent-proxy --model` and benchmarks."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+_DTYPES = {"auto": None, "fp32": torch.float32, "float32": torch.float32,
+           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    if name not in _DTYPES:
+        raise SystemExit(f"--dtype must be one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def resolve_device(name: str | None) -> str:
+    if not name or name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def _size(text: str) -> int:
+    units = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    t = text.strip().lower().rstrip("b") if not text.lower().endswith("ib") else text.lower()
+    for u, f in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if t.endswith(u):
+            return int(float(t[: -len(u)]) * f)
+    return int(float(t))
+
+
+def add_moe_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("MoE experts")
+    g.add_argument("--moe-backend", default="fused",
+                   choices=["auto", "fused", "offload", "cpu", "hybrid"])
+    g.add_argument("--moe-cache-size", type=int, default=None, help="GPU expert slots")
+    g.add_argument("--moe-cache-rate", type=float, default=None, help="fraction of the pool")
+    g.add_argument("--moe-cache-mem", type=_size, default=None, help="bytes, e.g. 12GiB")
+    g.add_argument("--kv-reserve-tokens", type=int, default=8192,
+                   help="KV floor reserved before the expert cache takes the rest of VRAM")
+    g.add_argument("--moe-cpu-layers", type=int, default=0,
+                   help="the last N MoE layers always compute on the CPU")
+    g.add_argument("--moe-hybrid-max-fetch", type=int, default=None)
+
+
+def moe_options(args: argparse.Namespace):  # noqa: ANN201
+    from freetoken.experts.setup import MoEOptions
+
+    return MoEOptions(backend=args.moe_backend, cache_size=args.moe_cache_size,
+                      cache_rate=args.moe_cache_rate, cache_mem=args.moe_cache_mem,
+                      kv_reserve_tokens=args.kv_reserve_tokens, cpu_layers=args.moe_cpu_layers,
+                      hybrid_max_fetch=args.moe_hybrid_max_fetch)
+
+
+def add_cache_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("caches and scheduling")
+    g.add_argument("--state-slots", type=int, default=64,
+                   help="recurrent-state slots (working states + snapshots), hybrid models")
+    g.add_argument("--chunk-tokens", type=int, default=512, help="prefill token budget per step")
+    g.add_argument("--checkpoint-policy", default="semantic",
+                   choices=["semantic", "interval", "end_only"])
+    g.add_argument("--record-routing", default=None, metavar="FILE",
+                   help="write the routed expert ids of every step and layer to FILE at exit")
