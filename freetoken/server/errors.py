@@ -23,6 +23,8 @@ _ANTHROPIC_TYPES = {
     500: "api_error",
     503: "overloaded_error",
 }
+_OPENAI_PREFIXES = ("/v1/chat/", "/v1/completions", "/v1/models", "/v1/stats", "/ft/",
+                    "/health")
 _OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error", 500: "server_error",
                  503: "server_error"}
 
@@ -49,10 +51,12 @@ class APIError(Exception):
 
 
 def family_of(path: str, headers: dict[str, str] | None = None) -> str:
-    """'anthropic' for /v1/messages* (or any path when the client speaks Anthropic, i.e. sends
-    `anthropic-version`), else 'openai' (native /ft/ routes share the OpenAI shape)."""
+    """'anthropic' for /v1/messages*, 'openai' for the OpenAI and native (/ft/) routes; other
+    paths (unknown routes) follow the client: Anthropic when it sends `anthropic-version`."""
     if path.startswith("/v1/messages"):
         return "anthropic"
+    if path.startswith(_OPENAI_PREFIXES):
+        return "openai"
     if headers is not None and "anthropic-version" in headers and not path.startswith("/ft/"):
         return "anthropic"
     return "openai"
