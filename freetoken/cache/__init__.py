@@ -2,6 +2,7 @@
 snapshot placement policies. Pure bookkeeping over integer slot ids; the engine owns tensors."""
 from freetoken.cache.allocator import SlotAllocator
 from freetoken.cache.hybrid import HybridMatch, HybridRadixCache, Released, Snapshot
+from freetoken.cache.node import TreeNode
 from freetoken.cache.policy import (
     ANCHOR,
     CLASS_RANK,
@@ -17,7 +18,7 @@ from freetoken.cache.policy import (
     create_policy,
     register_policy,
 )
-from freetoken.cache.radix import Committed, MatchResult, RadixCache, TreeNode
+from freetoken.cache.radix import Committed, MatchResult, RadixCache
 from freetoken.cache.state_pool import StatePool
 
 __all__ = [

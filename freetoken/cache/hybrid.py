@@ -30,8 +30,9 @@ from typing import NamedTuple
 import torch
 
 from freetoken.cache.allocator import SlotAllocator
+from freetoken.cache.node import TreeNode, as_ids
 from freetoken.cache.policy import END, CheckpointPolicy, class_rank, create_policy
-from freetoken.cache.radix import Committed, RadixCache, TreeNode, as_ids
+from freetoken.cache.radix import Committed, RadixCache
 from freetoken.cache.state_pool import StatePool
 from freetoken.log import get_logger, kv
 
@@ -118,7 +119,7 @@ class HybridRadixCache:
         key = as_ids(ids)
         cap = max(len(key) - 1, 0)
         if not self.is_hybrid:
-            m = self.radix._match(key[:cap])
+            m = self.radix.lookup(key[:cap])
             kv_len = length = m.length
             state_len, node, slots, slot, cls = 0, m.node, m.slots, -1, None
         else:
@@ -188,7 +189,8 @@ class HybridRadixCache:
         `[0, len(ids))`) as a snapshot if given, unlock. If `snapshot_taken` is False the
         caller still owns `state_slot`."""
         c = self.commit(ids, slots, node, tree_len)
-        taken = state_slot is not None and self.attach_snapshot(c.node, state_slot, state_class)
+        taken = (state_slot is not None and c.node is not self.radix.root
+                 and self.attach_snapshot(c.node, state_slot, state_class))
         self.unlock(c.node)
         return Released(c.prefix_len, taken)
 
@@ -230,7 +232,7 @@ class HybridRadixCache:
         rank = class_rank(cls)
         if node is self.radix.root:
             raise ValueError("a snapshot at position 0 is the zero state; nothing to attach")
-        self.radix._path_to_root(node)  # raises on a detached (evicted) handle
+        self.radix.path_to_root(node)  # raises on a detached (evicted) handle
         if self.state_pool.is_free(state_slot):
             raise ValueError(f"state slot {state_slot} is not allocated")
         old = self._snaps.get(node)
@@ -254,7 +256,7 @@ class HybridRadixCache:
         if n + k < len(key) or not key:
             log.debug(kv("snapshot_skip", pos=len(key), kv=n + k, why="prefix_not_cached"))
             return False
-        node = path[-1] if partial is None else self.radix._split(partial, k)
+        node = path[-1] if partial is None else self.radix.split(partial, k)
         return self.attach_snapshot(node, state_slot, cls)
 
     def evict_states(self, n: int) -> int:

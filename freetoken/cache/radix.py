@@ -88,7 +88,7 @@ class RadixCache:
     def walk(self, key: list[int]) -> tuple[list[TreeNode], int, TreeNode | None, int]:
         """Read-only descent: `(path, n, partial, k)` where `path` are the fully matched nodes
         (ending at `n`) and `partial`, if not None, matches `k >= 1` more tokens of its edge."""
-        node, n, path = self.root, 0, []
+        node, n, path = self.root, 0, list[TreeNode]()
         while n < len(key):
             child = node.children.get(key[n])
             if child is None:
@@ -106,10 +106,11 @@ class RadixCache:
         for x in path:
             x.last_access = now
 
-    def _match(self, key: list[int]) -> MatchResult:
+    def lookup(self, key: list[int]) -> MatchResult:
+        """`match_prefix` without the log line (for callers that log their own decision)."""
         path, n, partial, k = self.walk(key)
         if partial is not None:
-            path.append(self._split(partial, k))
+            path.append(self.split(partial, k))
             n += k
         self.touch(path)
         node = path[-1] if path else self.root
@@ -119,11 +120,11 @@ class RadixCache:
     def match_prefix(self, ids: Sequence[int] | torch.Tensor) -> MatchResult:
         """Longest cached prefix of `ids`. Splits the node where the match ends inside an edge,
         so the returned node ends exactly at `length`; marks the matched path recently used."""
-        m = self._match(as_ids(ids))
+        m = self.lookup(as_ids(ids))
         log.debug(kv("match", tokens=len(ids), kv=m.length))
         return m
 
-    def _split(self, child: TreeNode, k: int) -> TreeNode:
+    def split(self, child: TreeNode, k: int) -> TreeNode:
         """Cut `child`'s edge after `k` tokens; return the new upper node. `child` keeps its
         identity (handles and locks held on it stay valid) and its end position."""
         assert 0 < k < len(child.key)
@@ -164,7 +165,7 @@ class RadixCache:
                 break
             k = common_len(child.key, key, n)
             if k < len(child.key):
-                child = self._split(child, k)
+                child = self.split(child, k)
             child.last_access = now
             n += k
             node = child
@@ -189,7 +190,7 @@ class RadixCache:
         assert p >= tree_len, "a locked prefix cannot have left the tree"
         dup = slots[tree_len:p]  # [p - tree_len] caller-owned duplicates
         self.allocator.free(dup)
-        m = self._match(key)
+        m = self.lookup(key)
         assert m.length == len(key)
         self.lock(m.node)
         self.unlock(node)
@@ -204,7 +205,8 @@ class RadixCache:
 
     # -- locks --------------------------------------------------------------------------------
 
-    def _path_to_root(self, node: TreeNode) -> list[TreeNode]:
+    def path_to_root(self, node: TreeNode) -> list[TreeNode]:
+        """`node` and its ancestors, root excluded; raises ValueError for an evicted handle."""
         path, x = [], node
         while x is not self.root:
             if x.parent is None:
@@ -215,14 +217,14 @@ class RadixCache:
 
     def lock(self, node: TreeNode) -> None:
         """Protect `node` and its ancestors from eviction (ref-counted; pair with `unlock`)."""
-        for x in self._path_to_root(node):
+        for x in self.path_to_root(node):
             if x.lock_ref == 0:
                 self.evictable_size -= len(x.key)
                 self.protected_size += len(x.key)
             x.lock_ref += 1
 
     def unlock(self, node: TreeNode) -> None:
-        path = self._path_to_root(node)
+        path = self.path_to_root(node)
         if any(x.lock_ref <= 0 for x in path):
             raise ValueError(f"unlock of an unlocked node {node!r}")
         for x in path:
