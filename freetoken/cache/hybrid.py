@@ -20,6 +20,14 @@ Snapshots are freed by `evict_states` (lowest class first, LRU within a class) a
 eviction removes their node. `lock(node)` also pins the snapshot at exactly `node`, so the
 `state_slot` of a match stays valid while its node is locked (copy it into the working slot,
 then the first `commit` moves the lock and the pin on).
+
+Scheduler flow for one request (`RadixCache`'s module docstring has the KV side):
+`m = match(ids)`; `lock(m.node)`; `row = cat(m.kv_slots, alloc_kv(len(ids) - m.length))`;
+`work = alloc_state()`; the engine loads `m.state_slot` into `work` (zeros if -1). For each
+policy position `p > m.length` (`policy.positions(len(ids), anchors)`): prefill up to `p`,
+`fresh = alloc_state()`, the engine copies `work -> fresh`, `c = commit(ids[:p], row[:p], node,
+tree_len)`, `attach_snapshot(c.node, fresh, cls)` (free `fresh` if False). At finish:
+`release(seq, row, node, tree_len, state_slot=work)` (free `work` if not taken).
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ Life of a request (what the scheduler does; who owns which slots):
 
 1. `m = cache.match_prefix(ids)`; `cache.lock(m.node)`. `m.slots` are tree-owned and safe to
    read only while some lock covers `m.node` (locked nodes and their ancestors are never
-   evicted). The request records `tree_len = m.length`.
+   evicted). The request records `tree_len = m.length`. (A scheduler uses
+   `HybridRadixCache.match` instead: it caps reuse at `len(ids) - 1` so logits can be computed.)
 2. `own = cache.alloc(len(ids) - m.length)` (evicts unlocked LRU leaves if the pool is short;
    `None` = cannot fit now). The request owns `own`; its slot row is `cat(m.slots, own)`.
 3. After a prefill chunk (optional) and at finish: `c = cache.commit(ids[:n], row[:n], node,
