@@ -97,8 +97,8 @@ async def messages(request: Request) -> Response:
     log.info(kv("messages", request=rid, prompt=pl.prompt_len,
                 max_tokens=pl.req.sampling.max_tokens, stream=stream, tools=len(ti.tools or []),
                 thinking=ti.enable_thinking, choice=choice))
-    events = drive(st.engine, pl, st.parser(ti.enable_thinking is not False, prompt),
-                   params.stops, TextDelta, TextDelta)
+    parser = st.parser(ti.enable_thinking is not False, prompt, ti.tools, "toolu_")
+    events = drive(st.engine, pl, parser, params.stops, TextDelta, TextDelta)
     base = {"id": rid, "type": "message", "role": "assistant", "model": model}
     if stream:
         return EventStreamResponse(_stream(events, base), pl.headers, rid)

@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from freetoken.chat.output import FAMILIES
 from freetoken.engine.api import EngineClient
 from freetoken.log import get_logger, kv
 from freetoken.server import anthropic_routes, native_routes, openai_routes
@@ -80,6 +81,8 @@ def create_app(engine: EngineClient, tokenizer: Any, *, api_key: str | None,
     `served_model_names` are listed by /v1/models (default: the engine's model name); any
     requested model name is answered unless `strict_model`, then unknown names get 404
     `model_not_found`. `parser_family` picks the reasoning/tool-call output parser."""
+    if parser_family not in FAMILIES:
+        raise ValueError(f"unknown parser family {parser_family!r}; known: {sorted(FAMILIES)}")
     names = list(served_model_names) or [engine.model_name]
     routes = [
         Route("/health", _endpoint(native_routes.health, open_route=True), methods=["GET"]),

@@ -84,8 +84,8 @@ async def chat_completions(request: Request) -> Response:
               session_key_from(request.headers), rid)
     log.info(kv("chat", request=rid, prompt=pl.prompt_len, max_tokens=pl.req.sampling.max_tokens,
                 stream=stream, tools=len(ti.tools or []), choice=choice))
-    events = drive(st.engine, pl, st.parser(ti.enable_thinking is not False, prompt),
-                   params.stops, TextDelta, TextDelta)
+    parser = st.parser(ti.enable_thinking is not False, prompt, ti.tools, "call_")
+    events = drive(st.engine, pl, parser, params.stops, TextDelta, TextDelta)
     base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": model}
     if stream:

@@ -2,6 +2,7 @@
 with its failure modes mapped to 400s."""
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,9 +56,12 @@ class ServerState:
 
         return await to_thread.run_sync(work)
 
-    def parser(self, thinking: bool, prompt: Any) -> Any:
+    def parser(self, thinking: bool, prompt: Any, tools: list | None, id_prefix: str) -> Any:
+        """The reasoning/tool-call parser of one response; tool-call ids get `id_prefix`
+        (`call_` for OpenAI, `toolu_` for Anthropic)."""
         return OutputParser(self.tokenizer, family=self.parser_family, thinking=thinking,
-                            starts_in_reasoning=bool(getattr(prompt, "opens_reasoning", False)))
+                            starts_in_reasoning=bool(getattr(prompt, "opens_reasoning", False)),
+                            tools=tools, id_factory=lambda _i: id_prefix + secrets.token_hex(12))
 
 
 def to_template(fn: Any, body: dict) -> TemplateInput:
