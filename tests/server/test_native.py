@@ -1,0 +1,85 @@
+"""/ft/v1/generate (token ids in, token-id events out), /health, /v1/stats, and `ft serve`
+argument parsing."""
+from __future__ import annotations
+
+import argparse
+
+import httpx
+import pytest
+
+from freetoken.server.cli_serve import register
+from tests.server.conftest import API_KEY, MAX_CONTEXT, FakeEngine, Server
+from tests.server.test_sse_contract import parse_sse
+
+H = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def test_generate_streams_token_ids(server: Server, engine: FakeEngine) -> None:
+    engine.script = lambda req: "native output here"
+    ids = engine.tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    body = {"input_ids": ids, "session_key": "s-9",
+            "sampling": {"max_tokens": 100, "temperature": 0.5, "top_k": 4},
+            "anchors": [{"position": 0, "kind": "turn_start", "role": "user", "cut_point": True}]}
+    r = httpx.post(server.url + "/ft/v1/generate", json=body, headers=H)
+    assert r.status_code == 200
+    evs = [d for n, d in parse_sse(r.text)]
+    got = [t for e in evs for t in e["token_ids"]]
+    eos = engine.tok.encode("<|im_end|>")[0]
+    assert got == engine.tok.encode("native output here") + [eos]
+    assert [e["finished"] for e in evs] == [False] * (len(evs) - 1) + [True]
+    assert evs[-1]["finish_reason"] == "stop" and evs[-1]["matched_stop_id"] == eos
+    assert all(e["prompt_tokens"] == len(ids) for e in evs)
+    req = engine.requests[-1]
+    assert req.input_ids == ids and req.session_key == "s-9"
+    assert (req.anchors[0].kind, req.anchors[0].cut_point) == ("turn_start", True)
+    assert req.sampling.top_k == 4 and req.sampling.stop_token_ids == engine.tok.eos_token_ids
+
+
+def test_generate_clamps_and_honours_stop_ids(server: Server, engine: FakeEngine) -> None:
+    engine.script = lambda req: "a b c d"
+    stop = engine.tok.encode(" c")[0]
+    r = httpx.post(server.url + "/ft/v1/generate", headers=H, json={
+        "input_ids": [1, 2, 3], "sampling": {"max_tokens": 10**12, "stop_token_ids": [stop]}})
+    assert r.headers["x-ft-max-tokens-clamped"] == str(MAX_CONTEXT - 3)
+    evs = [d for _, d in parse_sse(r.text)]
+    assert evs[-1]["matched_stop_id"] == stop and evs[-1]["token_ids"][-1] == stop
+
+
+@pytest.mark.parametrize("body", [
+    {"input_ids": []},
+    {"input_ids": "abc"},
+    {"input_ids": [1, -2]},
+    {"input_ids": [10**9]},
+    {"input_ids": [True]},
+    {"input_ids": [1], "sampling": {"max_tokens": 0}},
+    {"input_ids": [1], "sampling": {"stop_token_ids": ["x"]}},
+    {"input_ids": [1], "sampling": []},
+    {"input_ids": [1], "anchors": [{"position": 5, "kind": "head_end"}]},
+    {"input_ids": [1], "anchors": [{"position": 0, "kind": "elsewhere"}]},
+    {"input_ids": [1], "anchors": [{"position": 0, "kind": "head_end", "cut_point": "yes"}]},
+    {"input_ids": [1], "session_key": 5},
+], ids=lambda b: str(b)[:60])
+def test_generate_bad_input(server: Server, engine: FakeEngine, body: dict) -> None:
+    r = httpx.post(server.url + "/ft/v1/generate", json=body, headers=H)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert engine.requests == []
+
+
+def test_health_and_stats(server: Server, engine: FakeEngine) -> None:
+    h = httpx.get(server.url + "/health").json()
+    assert h == {"status": "ok", "model": "fake-qwen3", "max_context": MAX_CONTEXT}
+    httpx.post(server.url + "/v1/completions", headers=H,
+               json={"model": "m", "prompt": "x", "max_tokens": 2})
+    assert httpx.get(server.url + "/v1/stats", headers=H).json() == {"requests": 1, "aborted": 0}
+
+
+def test_cli_register_defaults() -> None:
+    p = argparse.ArgumentParser()
+    register(p.add_subparsers(dest="command"))
+    a = p.parse_args(["serve"])
+    assert (a.model, a.host, a.port, a.api_key, a.max_running, a.strict_model) == (
+        "demo", "127.0.0.1", 8000, None, 4, False)
+    a = p.parse_args(["serve", "--served-model-name", "a", "--served-model-name", "b",
+                      "--strict-model", "--kv-tokens", "1000", "--max-context", "512"])
+    assert a.served_model_name == ["a", "b"] and a.strict_model and a.kv_tokens == 1000
+    assert callable(a.func)
