@@ -19,6 +19,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--mem-gbps", type=float, default=None,
                    help="memory bandwidth for the floor (GB/s); omitted: no floor printed")
+    p.add_argument("--shape", default=None, help="a real shape (e.g. qwen3.6-35b-a3b) with "
+                   "--random-weights instead of --model")
+    p.add_argument("--layers", type=int, default=None, help="cut the shape to N layers")
+    p.add_argument("--random-weights", action="store_true")
+    p.add_argument("--backends", default="fused,offload,cpu,hybrid",
+                   help="comma list run in this process over one host store")
+    p.add_argument("--route-trace", default=None,
+                   help="replay decode routing from a trace (.npy [steps, L, N, K] or 'shared')")
+    from freetoken.engine.options import add_moe_args
+
+    add_moe_args(p)
     p.set_defaults(func=run)
 
 
@@ -38,6 +49,8 @@ def active_weight_bytes(model) -> int:  # noqa: ANN001
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.shape:
+        return run_shape(args)
     import torch
 
     from freetoken.engine.api import SamplingParams
@@ -68,4 +81,55 @@ def run(args: argparse.Namespace) -> int:
     if args.mem_gbps:
         floor = act / (args.mem_gbps * 1e9)
         print(f"floor:   {1 / floor:10.1f} tok/s  (active bytes / {args.mem_gbps} GB/s)")
+    return 0
+
+
+def run_shape(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    from freetoken.engine.bench_moe import TraceRouter, install_trace, run_backend
+    from freetoken.engine.options import moe_options, resolve_device, resolve_dtype
+    from freetoken.experts.store import ExpertStore
+    from freetoken.models.random_init import random_model
+    from freetoken.models.shapes import shape_config
+
+    if not args.random_weights:
+        raise SystemExit("--shape needs --random-weights (no checkpoint is read)")
+    cfg = shape_config(args.shape, args.layers)
+    device = torch.device(resolve_device(args.device if args.device != "cpu" else "auto"))
+    dtype = resolve_dtype(args.dtype) or torch.bfloat16
+    model = random_model(cfg, dtype, device)
+    blocks = model.moe_blocks()
+    store = ExpertStore([b.experts.gate_up_proj.data for b in blocks],
+                        [b.experts.down_proj.data for b in blocks], pin=device.type == "cuda")
+    for b in blocks:
+        b.experts.gate_up_proj = b.experts.down_proj = None  # the store holds the only copy
+    if args.route_trace:
+        path = args.route_trace
+        if path == "shared":  # a copy of ../shared/routing_traces travels with the repo
+            from pathlib import Path
+
+            import workloads
+
+            path = str(Path(workloads.__file__).parent / "data/routing_traces/decode_routing.npy")
+        install_trace(model, TraceRouter(np.load(path), cfg.num_experts, cfg.top_k))
+    opts = moe_options(args)
+    if opts.cache_size is None and opts.cache_rate is None and opts.cache_mem is None:
+        opts.cache_rate = 0.37
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=g).tolist()
+    print(f"shape={args.shape} layers={cfg.num_layers} experts={store.nbytes / 1e9:.1f} GB "
+          f"cache_rate={opts.cache_rate} device={device} trace={args.route_trace or 'random'}")
+    print(f"{'backend':8} {'tok/s':>8} {'hit':>6} {'fetch MB/tok':>13} {'cpu MB/tok':>11} "
+          f"{'GB/s moved':>11} {'floor tok/s':>12}")
+    for be in args.backends.split(","):
+        if be == "fused" and device.type == "cuda" and store.nbytes > 0.8 * torch.cuda.mem_get_info()[0]:
+            print(f"{be:8} skipped: the pool does not fit on the GPU")
+            continue
+        r = run_backend(model, store, be, opts, device, prompt, args.decode_tokens)
+        moved = (r.fetch_bytes_tok + r.cpu_bytes_tok) * r.tok_s / 1e9
+        floor = f"{r.floor_tok_s:12.1f}" if r.floor_tok_s else f"{'n/a':>12}"
+        print(f"{be:8} {r.tok_s:8.1f} {r.hit_rate:6.3f} {r.fetch_bytes_tok / 1e6:13.1f} "
+              f"{r.cpu_bytes_tok / 1e6:11.1f} {moved:11.2f} {floor}", flush=True)
     return 0

@@ -76,16 +76,19 @@ def find_profile(model: QwenMoE, dtype: torch.dtype) -> BandwidthProfile | None:
 
 
 def configure_experts(model: QwenMoE, opts: MoEOptions, device: torch.device | str,
-                      kv_reserve_bytes: int = 0, profile: BandwidthProfile | None = None
-                      ) -> MoERuntime:
+                      kv_reserve_bytes: int = 0, profile: BandwidthProfile | None = None,
+                      store: ExpertStore | None = None) -> MoERuntime:
+    """Install `opts.backend` on every MoE block. The banks come from the blocks' resident
+    `FusedExperts`, or from `store` when given (benchmarks switch backends over one store)."""
     device = torch.device(device)
     stats = MoEStats()
     if opts.backend == "fused":
-        return MoERuntime("fused", None, None, stats)
+        return MoERuntime("fused", None, store, stats)
     blocks = model.moe_blocks()
     cfg = model.cfg
-    store = ExpertStore([b.experts.gate_up_proj.data for b in blocks],
-                        [b.experts.down_proj.data for b in blocks], pin=device.type == "cuda")
+    if store is None:
+        store = ExpertStore([b.experts.gate_up_proj.data for b in blocks],
+                            [b.experts.down_proj.data for b in blocks], pin=device.type == "cuda")
     pool = store.num_layers * store.num_experts
     slots = _num_slots(opts, pool, store.expert_bytes, device, kv_reserve_bytes)
     cache = SlotCache(store.num_layers, store.num_experts, store.hidden, store.intermediate, slots,
