@@ -19,7 +19,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -29,7 +30,14 @@ from freetoken.log import get_logger, kv
 from freetoken.server import shapes
 from freetoken.server.errors import APIError, error_body
 from freetoken.server.generation import Finished, Started, drive, new_id, plan, session_key_from
-from freetoken.server.sse import TICK, EventStreamResponse, run_unless_disconnected, sse, sse_comment, with_ticks
+from freetoken.server.sse import (
+    TICK,
+    EventStreamResponse,
+    run_unless_disconnected,
+    sse,
+    sse_comment,
+    with_ticks,
+)
 from freetoken.server.state import ServerState, to_template
 from freetoken.server.validation import common_params, opt_bool, read_json
 

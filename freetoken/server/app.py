@@ -8,7 +8,8 @@ refuse all bad input first). Unknown routes get 404 and wrong methods 405, in th
 from __future__ import annotations
 
 import hmac
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException

@@ -9,12 +9,19 @@ decoded text channel, and yields `Started`, parser events and one final `Finishe
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, Protocol
 
 import anyio
 
-from freetoken.engine.api import AdmissionError, Anchor, EngineClient, GenerateRequest, SamplingParams
+from freetoken.engine.api import (
+    AdmissionError,
+    Anchor,
+    EngineClient,
+    GenerateRequest,
+    SamplingParams,
+)
 from freetoken.log import get_logger, kv
 from freetoken.server.errors import APIError
 from freetoken.server.stops import StopMatcher

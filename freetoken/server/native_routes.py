@@ -10,7 +10,8 @@ events, the last with `finished: true`. `max_tokens` is clamped like everywhere 
 """
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 from starlette.requests import Request

@@ -9,17 +9,31 @@ ceiling clamped to the context room (header `x-ft-max-tokens-clamped`). Only `n`
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from freetoken.chat import IncrementalDetokenizer, ReasoningDelta, TextDelta, ToolCall, openai_to_template
+from freetoken.chat import (
+    IncrementalDetokenizer,
+    ReasoningDelta,
+    TextDelta,
+    ToolCall,
+    openai_to_template,
+)
 from freetoken.log import get_logger, kv
 from freetoken.server import shapes
 from freetoken.server.errors import APIError, error_body
-from freetoken.server.generation import Finished, Started, drive, new_id, plan, session_key_from
-from freetoken.server.sse import TICK, EventStreamResponse, run_unless_disconnected, sse, sse_comment, with_ticks
+from freetoken.server.generation import Finished, drive, new_id, plan, session_key_from
+from freetoken.server.sse import (
+    TICK,
+    EventStreamResponse,
+    run_unless_disconnected,
+    sse,
+    sse_comment,
+    with_ticks,
+)
 from freetoken.server.state import ServerState, to_template
 from freetoken.server.validation import common_params, opt_bool, opt_dict, opt_int, read_json
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncIterator, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -77,7 +78,7 @@ async def with_ticks(source: AsyncIterator[T], interval: float) -> AsyncIterator
                 pending.cancel()
                 try:
                     await pending
-                except BaseException:  # noqa: BLE001 - the source's own cancellation/end
+                except BaseException:  # noqa: BLE001, S110 - its own cancellation or end
                     pass
             await _aclose(it)
 
@@ -130,7 +131,7 @@ async def run_unless_disconnected(receive: Receive, work: Any) -> tuple[bool, An
         async def run() -> None:
             try:
                 result.append(await work)
-            except Exception as e:  # re-raised below, outside the task group
+            except Exception as e:  # noqa: BLE001 - re-raised below, outside the task group
                 errors.append(e)
             tg.cancel_scope.cancel()
 

@@ -12,8 +12,8 @@ import asyncio
 import socket
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
 
 import pytest
 import uvicorn

@@ -44,8 +44,8 @@ def test_thinking_disabled(client: anthropic.Anthropic, engine: FakeEngine) -> N
 
 def test_stream_matches_non_stream(client: anthropic.Anthropic, engine: FakeEngine) -> None:
     engine.script = lambda req: TOOL_SCRIPT
-    kw = dict(model="m", max_tokens=500, tools=TOOLS,
-              messages=[{"role": "user", "content": "list"}])
+    kw: dict = {"model": "m", "max_tokens": 500, "tools": TOOLS,
+                "messages": [{"role": "user", "content": "list"}]}
     with client.messages.stream(**kw) as s:
         streamed = s.get_final_message()
     plain = client.messages.create(**kw)

@@ -148,7 +148,7 @@ def test_anthropic_bad_input(server: Server, engine: FakeEngine, case: str) -> N
 def test_auth(server: Server) -> None:
     body = {"model": "m", "messages": USER}
     r = httpx.post(server.url + "/v1/chat/completions", json=body)
-    assert_openai_error(r, 401)["code"] == "invalid_api_key"
+    assert assert_openai_error(r, 401)["code"] == "invalid_api_key"
     r = httpx.post(server.url + "/v1/chat/completions", json=body,
                    headers={"Authorization": "Bearer wrong"})
     assert_openai_error(r, 401)
@@ -174,7 +174,8 @@ def test_not_found_and_method(server: Server) -> None:
 
 def test_strict_model(tok: object) -> None:
     from freetoken.server import create_app
-    from tests.server.conftest import FakeEngine as FE, Server as S
+    from tests.server.conftest import FakeEngine as FE
+    from tests.server.conftest import Server as S
 
     s = S(create_app(FE(tok), tok, api_key=None, served_model_names=["only"], strict_model=True))
     try:

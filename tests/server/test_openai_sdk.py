@@ -116,7 +116,8 @@ def test_tool_choice_none_drops_tools(client: openai.OpenAI, engine: FakeEngine)
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_string(client: openai.OpenAI, engine: FakeEngine, stream: bool) -> None:
     engine.script = lambda req: "alpha beta STOP gamma delta epsilon"
-    kw = dict(model="m", messages=[{"role": "user", "content": "x"}], stop=["STOP", "zzz"])
+    kw: dict = {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                "stop": ["STOP", "zzz"]}
     if stream:
         chunks = list(client.chat.completions.create(stream=True, **kw))
         text = "".join(c.choices[0].delta.content or "" for c in chunks)

@@ -158,15 +158,14 @@ def test_disconnect_mid_stream_aborts(server: Server, engine: FakeEngine, path: 
             "messages": [{"role": "user", "content": "x"}]}
     if path == "/ft/v1/generate":
         body = {"input_ids": engine.tok.encode("hello"), "sampling": {"max_tokens": 1000}}
-    with httpx.Client(timeout=10) as c:
-        with c.stream("POST", server.url + path, json=body, headers=H) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            got = 0
-            for line in lines:
-                got += line.startswith("data:")
-                if got >= 5:
-                    break
+    with httpx.Client(timeout=10) as c, c.stream("POST", server.url + path, json=body,
+                                                 headers=H) as r:
+        assert r.status_code == 200
+        got = 0
+        for line in r.iter_lines():
+            got += line.startswith("data:")
+            if got >= 5:
+                break
     rid = engine.requests[-1].request_id
     assert _wait_for(lambda: rid in engine.aborted), "engine generator was not closed"
     assert rid not in engine.finished
@@ -202,3 +201,30 @@ def test_keepalive_comment_for_openai(server: Server, engine: FakeEngine,
                    json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]})
     names = [n for n, _ in parse_sse(r.text)]
     assert "#comment" in names and names[-1] is None
+
+
+def test_anthropic_clamp_header(server: Server, engine: FakeEngine) -> None:
+    r = httpx.post(server.url + "/v1/messages", headers=H, json={
+        "model": "m", "max_tokens": 64000, "stream": True,
+        "messages": [{"role": "user", "content": "x"}]})
+    room = engine.max_context - len(engine.requests[-1].input_ids)
+    assert r.headers["x-ft-max-tokens-clamped"] == str(room)
+    assert r.headers["x-ft-max-tokens-requested"] == "64000"
+    assert engine.requests[-1].sampling.max_tokens == room
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/chat/completions"])
+def test_unexpected_exception_is_a_shaped_500(server: Server, engine: FakeEngine, path: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(req: object) -> None:
+        raise RuntimeError("engine bug")
+
+    monkeypatch.setattr(engine, "check", boom)
+    r = httpx.post(server.url + path, headers=H, json={
+        "model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 500
+    j = r.json()
+    if path == "/v1/messages":
+        assert j["type"] == "error" and j["error"]["type"] == "api_error"
+    else:
+        assert j["error"]["type"] == "server_error" and "engine bug" in j["error"]["message"]
