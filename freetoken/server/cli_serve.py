@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from freetoken.log import get_logger, kv
 
@@ -28,7 +30,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="context length in tokens (default: the model's)")
     p.add_argument("--kv-tokens", type=int, default=None,
                    help="KV pool size in tokens (default: what memory allows)")
+    # The engine's own flag groups (MoE backend and expert cache, state slots, chunking,
+    # checkpoint policy), shared with `ft agent-proxy --model`; `build_engine` reads them.
+    from freetoken.engine.options import add_cache_args, add_moe_args
+
+    add_moe_args(p)
+    add_cache_args(p)
     p.set_defaults(func=run_serve)
+
+
+def parser_family_for(model_dir: Path) -> str:
+    """The output-parser family of a checkpoint: its `model_type` (the text model's, for a
+    multimodal config; `_text` suffix dropped) when the chat layer knows it, else 'qwen3'."""
+    from freetoken.chat.output import FAMILIES
+
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "qwen3"
+    mt = str(cfg.get("model_type", ""))
+    text_mt = str((cfg.get("text_config") or {}).get("model_type", ""))
+    for name in (mt, mt.removesuffix("_text"), text_mt.removesuffix("_text")):
+        if name in FAMILIES:
+            return name
+    return "qwen3"
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -42,8 +67,10 @@ def run_serve(args: argparse.Namespace) -> int:
     tokenizer = ChatTokenizer.from_dir(engine.model_dir)  # type: ignore[attr-defined]
     app = create_app(engine, tokenizer, api_key=args.api_key,
                      served_model_names=args.served_model_name or [engine.model_name],
-                     strict_model=args.strict_model)
-    log.info(kv("serve", host=args.host, port=args.port, model=engine.model_name))
+                     strict_model=args.strict_model,
+                     parser_family=parser_family_for(engine.model_dir))  # type: ignore[attr-defined]
+    log.info(kv("serve", host=args.host, port=args.port, model=engine.model_name,
+                max_context=engine.max_context))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                 timeout_keep_alive=75)
     return 0

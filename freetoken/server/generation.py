@@ -159,6 +159,8 @@ async def drive(engine: EngineClient, pl: Plan, parser: Parser, stops: list[str]
                 yield Finished(reason, None, prompt_tokens, cached, out_tokens)
                 return
         raise APIError(500, "the engine stream ended without a finish event", None, "engine_error")
+    except AdmissionError as e:  # admission raced with another request after check()
+        raise APIError.from_admission(e) from None
     finally:
         with anyio.CancelScope(shield=True):
             await gen.aclose()  # type: ignore[attr-defined]

@@ -83,3 +83,19 @@ def test_cli_register_defaults() -> None:
                       "--strict-model", "--kv-tokens", "1000", "--max-context", "512"])
     assert a.served_model_name == ["a", "b"] and a.strict_model and a.kv_tokens == 1000
     assert callable(a.func)
+
+
+def test_parser_family_for(tmp_path: object) -> None:
+    import json
+    from pathlib import Path
+
+    from freetoken.server.cli_serve import parser_family_for
+
+    d = Path(str(tmp_path))
+    assert parser_family_for(d) == "qwen3"  # no config.json
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe_text"}))
+    assert parser_family_for(d) == "qwen3_5_moe"
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3_next"}))
+    assert parser_family_for(d) == "qwen3_next"
+    (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert parser_family_for(d) == "qwen3"
