@@ -128,6 +128,10 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
         reserve = KVPool.bytes_per_token(cfg, dtype or cfg.torch_dtype) * moe.kv_reserve_tokens
     model = load_model(model_dir, dtype=dtype, device=device, moe=moe, kv_reserve_bytes=reserve)
     tok = ChatTokenizer.from_dir(model_dir)
+    if getattr(args, "record_routing", None):
+        from freetoken.experts.record import attach_recorder
+
+        attach_recorder(model, args.record_routing)
     core = EngineCore(
         model, tok.eos_token_ids,
         kv_tokens=getattr(args, "kv_tokens", None) or 32768,

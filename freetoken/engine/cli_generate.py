@@ -52,9 +52,9 @@ def run(args: argparse.Namespace) -> int:
     sampling.validate()
     recorder = None
     if args.record_routing:
-        from freetoken.experts.routing import RoutingRecorder
+        from freetoken.experts.record import attach_recorder
 
-        recorder = RoutingRecorder.attach(model)
+        recorder = attach_recorder(model)
     detok = IncrementalDetokenizer(tok)
     on_token = None if args.json else (lambda t: print(detok.push([t]), end="", flush=True))
     res = generate(model, ids, sampling, tok.eos_token_ids, on_token=on_token)
