@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import anthropic
 import pytest
-
-from tests.server.conftest import API_KEY, FakeEngine, Server
+from server_helpers import API_KEY, FakeEngine, Server
 
 TOOL_SCRIPT = ('<think>\nNeed the listing.\n</think>\n\nChecking.\n<tool_call>\n'
                '{"name": "Bash", "arguments": {"command": "ls -la"}}\n</tool_call>')

@@ -9,8 +9,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from tests.server.conftest import API_KEY, MAX_CONTEXT, FakeEngine, Server
+from server_helpers import API_KEY, MAX_CONTEXT, FakeEngine, Server
 
 OA = {"Authorization": f"Bearer {API_KEY}"}
 AN = {"x-api-key": API_KEY, "anthropic-version": "2023-06-01"}
@@ -173,9 +172,10 @@ def test_not_found_and_method(server: Server) -> None:
 
 
 def test_strict_model(tok: object) -> None:
+    from server_helpers import FakeEngine as FE
+    from server_helpers import Server as S
+
     from freetoken.server import create_app
-    from tests.server.conftest import FakeEngine as FE
-    from tests.server.conftest import Server as S
 
     s = S(create_app(FE(tok), tok, api_key=None, served_model_names=["only"], strict_model=True))
     try:

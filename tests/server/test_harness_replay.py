@@ -7,9 +7,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from tests.server.conftest import API_KEY, FakeEngine, Server
-from tests.server.test_sse_contract import parse_sse
+from server_helpers import API_KEY, FakeEngine, Server, parse_sse
 
 TRACES = Path("/work/shared/harness_traces")
 FILES = sorted(TRACES.glob("*/*.jsonl"))

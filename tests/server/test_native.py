@@ -6,10 +6,9 @@ import argparse
 
 import httpx
 import pytest
+from server_helpers import API_KEY, MAX_CONTEXT, FakeEngine, Server, parse_sse
 
 from freetoken.server.cli_serve import register
-from tests.server.conftest import API_KEY, MAX_CONTEXT, FakeEngine, Server
-from tests.server.test_sse_contract import parse_sse
 
 H = {"Authorization": f"Bearer {API_KEY}"}
 

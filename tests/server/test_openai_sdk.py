@@ -7,8 +7,7 @@ import json
 import httpx
 import openai
 import pytest
-
-from tests.server.conftest import API_KEY, MAX_CONTEXT, FakeEngine, Server
+from server_helpers import API_KEY, MAX_CONTEXT, FakeEngine, Server
 
 THINK_TOOL = ('<think>\nI should list the files.\n</think>\n\nLet me look.\n<tool_call>\n'
               '{"name": "list_files", "arguments": {"path": "."}}\n</tool_call>')

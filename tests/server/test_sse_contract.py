@@ -9,9 +9,9 @@ import time
 
 import httpx
 import pytest
+from server_helpers import API_KEY, FakeEngine, Server, parse_sse
 
 from freetoken.server import anthropic_routes, openai_routes
-from tests.server.conftest import API_KEY, FakeEngine, Server
 
 H = {"x-api-key": API_KEY, "anthropic-version": "2023-06-01"}
 SCRIPT = ('<think>\nA plan.\n</think>\n\nRunning it.\n<tool_call>\n{"name": "Bash", "arguments": '
@@ -19,26 +19,6 @@ SCRIPT = ('<think>\nA plan.\n</think>\n\nRunning it.\n<tool_call>\n{"name": "Bas
           '{"command": "pwd"}}\n</tool_call>')
 TOOLS = [{"name": "Bash", "input_schema": {"type": "object",
                                            "properties": {"command": {"type": "string"}}}}]
-
-
-def parse_sse(text: str) -> list[tuple[str | None, object]]:
-    """(event name, decoded data) per frame; comment-only frames come back as ('#comment', line)."""
-    out = []
-    for frame in text.split("\n\n"):
-        if not frame.strip():
-            continue
-        ev, data = None, []
-        for line in frame.split("\n"):
-            if line.startswith(":"):
-                out.append(("#comment", line))
-            elif line.startswith("event: "):
-                ev = line[7:]
-            elif line.startswith("data: "):
-                data.append(line[6:])
-        if data:
-            d = "\n".join(data)
-            out.append((ev, d if d == "[DONE]" else json.loads(d)))
-    return out
 
 
 def anthropic_stream(server: Server, body: dict, **kw: object) -> list:
