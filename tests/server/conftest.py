@@ -14,7 +14,6 @@ def tok() -> ChatTokenizer:
     return ChatTokenizer.from_dir(qwen3_tokenizer_dir())
 
 
-
 @pytest.fixture(scope="session")
 def engine(tok: ChatTokenizer) -> FakeEngine:
     return FakeEngine(tok)
