@@ -6,14 +6,16 @@ and `num_fetch` may be a device tensor, so no value travels to the host and a de
 calls this per layer can be captured in a CUDA graph.
 
 Layout of the work (a single program, `grid=(1,)`; the decision is tiny next to the experts):
-  phase 1  count routed entries per expert [E] and per resident slot of this layer [S] over
-           chunks of the T*K ids; sort composite keys (a total order, so sort == spec order):
+  phase 1  count routed entries per expert [E] over chunks of the T*K ids; sort the miss keys
+           (a composite key is a total order, so sort == spec order)
              miss key   = (T*K - count) * BLOCK_E + expert   -> first q = experts to fetch
-             victim key = (age + 1) * BLOCK_S + slot         -> first q = victim slots
-           store fetch lists, tick the clock, refresh hit slots.
-  phase 2  (after a block barrier) read the fetch lists back and rewrite the three tables.
-  phase 3  (after a barrier) slot_ids = expert_slot[layer*E + id] for every entry.
-The barriers make one phase's global stores visible to every thread of the program.
+           and refresh the hit slots' last_use to the new clock value.
+  phase 2  victim key = (age + 1) * BLOCK_S + slot over slots whose last_use != now (the hit
+           slots are exactly those) -> first q = victim slots; store the clock.
+  phase 3  read the fetch lists back and rewrite the three tables.
+  phase 4  slot_ids = expert_slot[layer*E + id] for every entry.
+A block barrier separates the phases so one phase's global stores are visible to every thread
+(and so no thread stores the clock before all have read it: the GPU test caught that race).
 Limits: one program holds next_pow2(S) keys in registers; fine up to S of a few thousand.
 """
 from __future__ import annotations
@@ -40,18 +42,12 @@ def _slot_decide_kernel(
     e_ok = e < E
     s = tl.arange(0, BLOCK_S)  # [BS]
     s_ok = s < S
-    owner = tl.load(owner_ptr + s, mask=s_ok, other=-1)  # [BS]
-    local = owner - base  # [BS] local expert id when this layer owns the slot
-    own_here = s_ok & (owner >= 0) & (local >= 0) & (local < E)  # [BS]
 
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)  # [BE] routed entries per expert
-    used = tl.zeros([BLOCK_S], dtype=tl.int32)  # [BS] routed entries per slot of this layer
     for start in range(0, TK, BLOCK_TK):
         o = start + tl.arange(0, BLOCK_TK)  # [BT]
         x = tl.load(ids_ptr + o, mask=o < TK, other=-1)  # [BT], -1 = padding
         counts += tl.sum((x[None, :] == e[:, None]).to(tl.int32), axis=1)
-        eq = (x[None, :] == local[:, None]) & own_here[:, None]  # [BS, BT]
-        used += tl.sum(eq.to(tl.int32), axis=1)
 
     slot_of = tl.load(eslot_ptr + base + e, mask=e_ok, other=-1)  # [BE]
     need = e_ok & (counts > 0)
@@ -66,17 +62,21 @@ def _slot_decide_kernel(
     mkey = tl.where(miss, (TK - counts).to(tl.int64) * BLOCK_E + e, _EXCLUDED)  # [BE]
     mkey = tl.sort(mkey)
     tl.store(fetch_e_ptr + e, tl.where(e < q, mkey % BLOCK_E, -1), mask=e < F)
+    # Refreshing the hit slots first marks them: after the barrier, last_use == now holds for
+    # exactly the slots this step uses (the clock only grows), which keeps them from eviction.
+    now = tl.load(clock_ptr) + 1
+    tl.store(last_ptr + slot_of, tl.zeros([BLOCK_E], dtype=tl.int64) + now, mask=hit)
+    tl.debug_barrier()
 
+    owner = tl.load(owner_ptr + s, mask=s_ok, other=-1)  # [BS]
     last = tl.load(last_ptr + s, mask=s_ok, other=-1)  # [BS]
     age = tl.where(owner >= 0, last, -1)  # [BS]
-    candidate = s_ok & (used == 0)  # a slot of a hit is in use by this step
+    candidate = s_ok & (last != now)
     vkey = tl.where(candidate, (age + 1) * BLOCK_S + s, _EXCLUDED)  # [BS]
     vkey = tl.sort(vkey)
     tl.store(fetch_s_ptr + s, tl.where(s < q, vkey % BLOCK_S, -1), mask=s < F)
-
-    now = tl.load(clock_ptr) + 1
+    # every thread has read the clock before the first barrier; only now may it move
     tl.store(clock_ptr, now)
-    tl.store(last_ptr + slot_of, tl.zeros([BLOCK_E], dtype=tl.int64) + now, mask=hit)
     tl.store(counters_ptr + 0, n_hit)
     tl.store(counters_ptr + 1, n_miss)
     tl.store(counters_ptr + 2, q)

@@ -80,3 +80,31 @@ def test_kernel_realistic_shapes_gpu() -> None:
             for name, a, b in zip(r._fields, r, k):
                 assert a.tolist() == b.cpu().tolist(), f"{step}/{layer}: {name} differs"
     same_tables(ref, dev)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decide_step_replays_from_cuda_graph() -> None:
+    """A whole decode step's decisions (every layer) captured once, replayed on new routing."""
+    from freetoken.experts.routing import synthetic_trace
+
+    L, E, K, S = 6, 64, 8, 100
+    trace = torch.from_numpy(synthetic_trace(L, E, K, 20, 0.5, seed=9))  # [steps, L, K]
+    warm = ResidencyTable(L, E, S, device="cuda")
+    for layer in range(L):  # compile outside the capture
+        warm.decide(layer, trace[0, layer][None].cuda(), 3, impl="triton")
+    ref, dev = ResidencyTable(L, E, S), ResidencyTable(L, E, S, device="cuda")
+    ids_in = torch.empty((L, 1, K), dtype=torch.int64, device="cuda")  # [L, T=1, K] static input
+    budget = torch.tensor(3, device="cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = [dev.decide(layer, ids_in[layer], budget, impl="triton") for layer in range(L)]
+    for step in range(20):
+        ids_in.copy_(trace[step][:, None])
+        graph.replay()
+        for layer in range(L):
+            r = ref.decide(layer, trace[step, layer][None], 3)
+            for name, a, b in zip(r._fields, r, out[layer]):
+                assert a.tolist() == b.cpu().tolist(), f"{step}/{layer}: {name} differs"
+    same_tables(ref, dev)
