@@ -28,6 +28,7 @@ class AsyncEngine:
         self.model_dir = model_dir
         self.model_name = model_name
         self.max_context = core.max_context
+        self.max_output_tokens: int | None = None  # server-side ceiling on max_tokens
         self._inbox: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="ft-engine", daemon=True)
         self._stop = False
@@ -142,4 +143,6 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
         policy=getattr(args, "checkpoint_policy", None) or "semantic",
     )
     name = "demo" if str(getattr(args, "model", "demo") or "demo") == "demo" else model_dir.name
-    return AsyncEngine(core, model_dir, name)
+    engine = AsyncEngine(core, model_dir, name)
+    engine.max_output_tokens = getattr(args, "max_output_tokens", None)
+    return engine

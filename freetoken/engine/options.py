@@ -61,6 +61,8 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--state-slots", type=int, default=64,
                    help="recurrent-state slots (working states + snapshots), hybrid models")
     g.add_argument("--chunk-tokens", type=int, default=512, help="prefill token budget per step")
+    g.add_argument("--max-output-tokens", type=int, default=None,
+                   help="clamp every request's max_tokens to N (reported in a response header)")
     g.add_argument("--checkpoint-policy", default="semantic",
                    choices=["semantic", "interval", "end_only"])
     g.add_argument("--record-routing", default=None, metavar="FILE",

@@ -58,7 +58,8 @@ def plan(engine: EngineClient, input_ids: list[int], anchors: list[Anchor], p: C
          eos_ids: list[int], session_key: str | None, request_id: str,
          prompt_param: str = "messages") -> Plan:
     """Admit a request or raise APIError(400). `max_tokens` is a ceiling: clamped to the room
-    left in the context (reported in CLAMP_HEADER); absent, it is that room."""
+    left in the context and to the server's output cap if it has one (reported in
+    CLAMP_HEADER); absent, it is that room."""
     n = len(input_ids)
     if n == 0:
         raise APIError.bad("the prompt is empty", prompt_param)
@@ -68,6 +69,9 @@ def plan(engine: EngineClient, input_ids: list[int], anchors: list[Anchor], p: C
             f"the prompt is {n} tokens; this server's context is {engine.max_context} tokens, "
             "which leaves no room to generate", prompt_param, "context_length_exceeded")
     headers: dict[str, str] = {}
+    cap = getattr(engine, "max_output_tokens", None)  # `ft serve --max-output-tokens`
+    if cap:
+        room = min(room, cap)
     max_tokens = room if p.max_tokens is None else min(p.max_tokens, room)
     if p.max_tokens is not None and max_tokens < p.max_tokens:
         headers[CLAMP_HEADER] = str(max_tokens)

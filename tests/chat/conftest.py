@@ -8,7 +8,7 @@ import pytest
 
 from freetoken.chat import ChatTokenizer, qwen3_tokenizer_dir
 
-TRACES = Path("/work/shared/harness_traces")
+TRACES = Path(__file__).parents[1] / "data" / "harness_traces"
 
 
 @pytest.fixture(scope="session")

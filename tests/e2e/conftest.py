@@ -35,7 +35,7 @@ def build_tiny_chat_model(out: Path) -> Path:
         num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
         linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=32,
         shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=8192, eos_token_id=[151645, 151643])
+        max_position_embeddings=262144, eos_token_id=[151645, 151643])
     Qwen3_5MoeForCausalLM(cfg).eval().save_pretrained(out)
     src = tokenizer_source_dir()
     for f in src.iterdir():
@@ -55,8 +55,8 @@ def live(tiny_chat_dir: Path):  # noqa: ANN201
     """(server, engine): a real engine behind the real app on a free port."""
     model = load_model(tiny_chat_dir, dtype=torch.float32, progress=False)
     tok = ChatTokenizer.from_dir(tiny_chat_dir)
-    core = EngineCore(model, tok.eos_token_ids, kv_tokens=16384, state_slots=48, max_running=4,
-                      chunk_tokens=256, max_context=8192)
+    core = EngineCore(model, tok.eos_token_ids, kv_tokens=280000, state_slots=48, max_running=4,
+                      chunk_tokens=1024, max_context=262144)
     engine = AsyncEngine(core, tiny_chat_dir, "tiny")
     server = Server(create_app(engine, tok, api_key=None, served_model_names=["tiny"],
                                parser_family="qwen3_5_moe"))

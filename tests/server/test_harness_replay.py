@@ -9,7 +9,7 @@ import httpx
 import pytest
 from server_helpers import API_KEY, FakeEngine, Server, parse_sse
 
-TRACES = Path("/work/shared/harness_traces")
+TRACES = Path(__file__).parents[1] / "data" / "harness_traces"
 FILES = sorted(TRACES.glob("*/*.jsonl"))
 DROP = {"host", "content-length", "connection", "accept-encoding"}
 REPLY_TEXT = "<think>\nThe plan.\n</think>\n\nHere is the answer."
