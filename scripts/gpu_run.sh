@@ -12,7 +12,7 @@ if [ -d .whl ]; then
 fi
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; lscpu | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-200;
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"; } > "$OUT/machine.txt" 2>&1
-ft() { python3 -m freetoken.cli "$@"; }
+FT="python3 -m freetoken.cli"
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/gpu tests/experts tests/engine \
     tests/kernels_cpu 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
@@ -20,10 +20,10 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 240 python3 scripts/bench_cpu_kernel.py --threads 16,12,8 --tokens 1,2,4,8 \
     --json "$OUT/cpu_kernel.json" 2>&1 | tee "$OUT/cpu_kernel.log"
-  timeout 180 ft bench bw --pool-gb 6 --seconds 2 2>&1 | tee "$OUT/bw.log"
+  timeout 180 $FT bench bw --pool-gb 6 --seconds 2 2>&1 | tee "$OUT/bw.log"
   for trace in random shared; do
     extra=(); [ "$trace" = shared ] && extra=(--route-trace shared)
-    timeout 420 ft bench decode --shape qwen3.6-35b-a3b --layers 20 --random-weights \
+    timeout 420 $FT bench decode --shape qwen3.6-35b-a3b --layers 20 --random-weights \
       --moe-cache-rate 0.37 --prompt-tokens 32 --decode-tokens 64 \
       --backends fused,offload,cpu,hybrid "${extra[@]}" 2>&1 | grep -v "random weights:" \
       | tee "$OUT/decode_$trace.log"

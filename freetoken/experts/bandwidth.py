@@ -54,10 +54,13 @@ def make_pool(shape: ExpertShape, dtype: torch.dtype, pool_bytes: float,
     """Random expert banks holding about `pool_bytes`: gate_up [P, 2I, H], down [P, H, I]."""
     p = max(1, int(pool_bytes // shape.expert_bytes(dtype)))
     h, i = shape.hidden, shape.inter
-    gate_up = torch.empty(p, 2 * i, h, dtype=dtype, pin_memory=pin)  # [P, 2I, H]
-    down = torch.empty(p, h, i, dtype=dtype, pin_memory=pin)  # [P, H, I]
-    gate_up.normal_(0, h**-0.5)  # random data, never zeros: zeros can run faster
-    down.normal_(0, i**-0.5)
+    from freetoken.experts.fill import random_fill_
+
+    # random data, never zeros (zeros can run faster); filled first, pinned afterwards
+    gate_up = random_fill_(torch.empty(p, 2 * i, h, dtype=dtype), h**-0.5, 1)  # [P, 2I, H]
+    down = random_fill_(torch.empty(p, h, i, dtype=dtype), i**-0.5, 2)  # [P, H, I]
+    if pin:
+        gate_up, down = gate_up.pin_memory(), down.pin_memory()
     return gate_up, down
 
 

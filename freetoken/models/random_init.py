@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
+from freetoken.experts.fill import random_fill_
 from freetoken.layers.moe import FusedExperts
 from freetoken.models.config import ModelConfig
 from freetoken.models.qwen import QwenMoE
@@ -28,6 +29,8 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | st
             t.fill_(1.0)
         elif "norm" in name:
             t.fill_(0.0 if cfg.zero_centered_norm else 1.0)
+        elif on == "cpu":
+            random_fill_(t, 0.02, seed=hash(name) % 2**31)
         else:
             t.normal_(0, 0.02)
         mod_name, _, attr = name.rpartition(".")
