@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (device tool): GPU tests, then the benchmarks of
-# docs/benchmarks.md. Writes logs under $OUT. Usage: OUT=/tmp/out scripts/gpu_run.sh [tests|bench|all]
+# docs/benchmarks.md. Writes logs under $OUT.
+# Usage: OUT=/tmp/out scripts/gpu_run.sh [stage ...]   stages: tests kernel bw decode (default: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ft-out}; mkdir -p "$OUT"
-what=${1:-all}
+stages=" ${*:-tests kernel bw decode} "
+has() { [[ "$stages" == *" $1 "* ]]; }
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -13,17 +15,21 @@ fi
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; lscpu | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-200;
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"; } > "$OUT/machine.txt" 2>&1
 FT="python3 -m freetoken.cli"
-if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/gpu tests/experts tests/engine \
+if has tests; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/experts tests/engine \
     tests/kernels_cpu 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
+if has kernel; then
   timeout 240 python3 scripts/bench_cpu_kernel.py --threads 16,12,8 --tokens 1,2,4,8 \
     --json "$OUT/cpu_kernel.json" 2>&1 | tee "$OUT/cpu_kernel.log"
+fi
+if has bw; then
   timeout 180 $FT bench bw --pool-gb 6 --seconds 2 2>&1 | tee "$OUT/bw.log"
+fi
+if has decode; then
   for trace in random shared; do
     extra=(); [ "$trace" = shared ] && extra=(--route-trace shared)
-    timeout 420 $FT bench decode --shape qwen3.6-35b-a3b --layers 20 --random-weights \
+    timeout 300 $FT bench decode --shape qwen3.6-35b-a3b --layers 20 --random-weights \
       --moe-cache-rate 0.37 --prompt-tokens 32 --decode-tokens 64 \
       --backends fused,offload,cpu,hybrid "${extra[@]}" 2>&1 | grep -v "random weights:" \
       | tee "$OUT/decode_$trace.log"
