@@ -33,8 +33,23 @@ def _register_all(modules: list[str], sub: argparse._SubParsersAction) -> None:
         except ModuleNotFoundError as e:
             if e.name == name:
                 continue
-            raise
+            # a third-party package is missing (e.g. a GPU image without starlette): keep every
+            # other command working and say what to install when this one is used
+            _unavailable(sub, name.rsplit(".", 1)[-1].removeprefix("cli_"), str(e.name))
+            continue
         mod.register(sub)
+
+
+def _unavailable(sub: argparse._SubParsersAction, command: str, missing: str) -> None:
+    def fail(_args: argparse.Namespace) -> int:
+        print(f"ft: this command needs the Python package {missing!r}; "
+              f"install FreeToken with its dependencies (pip install -e .)", file=sys.stderr)
+        return 2
+
+    p = sub.add_parser(command.replace("bench_", ""), help=f"(unavailable: needs {missing})",
+                       add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=fail)
 
 
 def build_parser() -> argparse.ArgumentParser:
