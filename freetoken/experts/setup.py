@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.experts.backends import AutoGuard, MoEStats, SlotExperts
-from freetoken.experts.policy import BandwidthProfile, q_star, recommend_backend
+from freetoken.experts.policy import (BandwidthProfile, q_star, q_star_overlapped,
+                                      recommend_backend)
 from freetoken.experts.slot_cache import SlotCache
 from freetoken.experts.store import ExpertStore
 from freetoken.log import get_logger, kv
@@ -102,10 +103,10 @@ def configure_experts(model: QwenMoE, opts: MoEOptions, device: torch.device | s
         backend = recommend_backend(profile, rate, cfg.top_k) if profile else "offload"
         log.info(kv("auto_choice", backend=backend, cache_rate=f"{rate:.3f}",
                     profile="measured" if profile else "none"))
-    b_p = (profile.b_p_overlap if profile and profile.has_overlap else
+    overlap = bool(profile and profile.has_overlap)
+    b_p = (profile.b_p_overlap if overlap else
            profile.b_p if profile and profile.b_p else _FALLBACK_BP)
-    b_h = (profile.b_h_overlap if profile and profile.has_overlap else
-           profile.b_h if profile else _FALLBACK_BH)
+    b_h = (profile.b_h_overlap if overlap else profile.b_h if profile else _FALLBACK_BH)
     if backend == "hybrid" and profile is None:
         log.warning(kv("no_bw_profile", using=f"B_P={_FALLBACK_BP} B_H={_FALLBACK_BH}",
                        hint="run `ft bench bw`"))
@@ -115,6 +116,8 @@ def configure_experts(model: QwenMoE, opts: MoEOptions, device: torch.device | s
             return lambda m: -1
         if kind == "cpu":
             return lambda m: 0
+        if overlap:  # the measured concurrent pair: q* = m·B_P'/(B_P' + B_H')
+            return lambda m: q_star_overlapped(m, b_p, b_h, opts.hybrid_max_fetch)
         return lambda m: q_star(m, b_p, b_h, opts.hybrid_max_fetch)
 
     if opts.backend == "auto":
