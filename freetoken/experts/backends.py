@@ -14,8 +14,8 @@ Shapes: T tokens, K top-k, H hidden, S slots.
 """
 from __future__ import annotations
 
-import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -27,6 +27,8 @@ from freetoken.layers.moe import grouped_experts
 from freetoken.log import get_logger, kv
 
 log = get_logger("experts")
+# one long-lived worker for the CPU branch (a thread per layer and step costs ~0.1 ms)
+_CPU_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
 
 
 def cpu_branch(x: Tensor, ids: Tensor, mask: Tensor, store: ExpertStore, layer: int) -> Tensor:
@@ -61,15 +63,19 @@ class SlotExperts(nn.Module):
     to fetch this step (-1 = all)."""
 
     def __init__(self, moe_index: int, cache: SlotCache, store: ExpertStore, stats: MoEStats,
-                 num_fetch: Callable[[int], int], name: str):
+                 num_fetch: Callable[[int], int], name: str, fixed_fetch: int | None = None):
         super().__init__()
         self.m, self.cache, self.store, self.stats = moe_index, cache, store, stats
         self.num_fetch, self.name = num_fetch, name
+        self.fixed_fetch = fixed_fetch  # offload (-1) and cpu (0) need no miss count: no sync
+        self.guard: AutoGuard | None = None  # `auto`: layer 0 marks decode step boundaries
 
     def forward(self, layer: int, x: Tensor, topk_ids: Tensor) -> Tensor:
         T, K = topk_ids.shape
-        misses = self._count_misses(topk_ids)
-        q = self.num_fetch(misses)
+        if self.guard is not None and self.m == 0:
+            self.guard.on_step(decode=T == 1)
+        q = (self.fixed_fetch if self.fixed_fetch is not None
+             else self.num_fetch(self._count_misses(topk_ids)))
         d = self.cache.decide(self.m, topk_ids, q)
         hits, miss, fetched = (int(v) for v in d.counters.tolist())
         st, eb = self.stats, self.store.expert_bytes
@@ -81,23 +87,17 @@ class SlotExperts(nn.Module):
         st.cpu_experts += n_cpu
         st.cpu_bytes += n_cpu * eb
         y = torch.zeros(T, K, x.shape[-1], dtype=x.dtype, device=x.device)  # [T, K, H]
-        result: dict[str, Tensor] = {}
-        worker = None
+        worker: Future | None = None
         if n_cpu:
             # CPU branch first: it runs while this thread fills slots and computes hits
-            def work() -> None:
-                result["y"] = cpu_branch(x, topk_ids, d.cpu_mask, self.store, self.m)
-
-            worker = threading.Thread(target=work, name="ft-cpu-experts")
-            worker.start()
+            worker = _CPU_POOL.submit(cpu_branch, x, topk_ids, d.cpu_mask, self.store, self.m)
         self.cache.fill(self.m, d.fetch_experts, d.fetch_slots, self.store)
         gpu_mask = d.slot_ids >= 0  # [T, K]
         grouped_experts(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots, y,
                         mask=gpu_mask)
         if worker is not None:
-            worker.join()
             cm = d.cpu_mask.to(x.device)
-            y[cm] = result["y"].to(x.device)[cm]
+            y[cm] = worker.result().to(x.device)[cm]
         return y
 
     def _count_misses(self, topk_ids: Tensor) -> int:

@@ -125,7 +125,10 @@ def configure_experts(model: QwenMoE, opts: MoEOptions, device: torch.device | s
     for i, b in enumerate(blocks):
         on_cpu = i >= len(blocks) - opts.cpu_layers
         nf = (lambda m: 0) if on_cpu else (guard.num_fetch if guard else q_for(backend))
-        b.experts = SlotExperts(i, cache, store, stats, nf, backend)
+        fixed = 0 if on_cpu or backend == "cpu" else (-1 if backend == "offload" and not guard
+                                                       else None)
+        b.experts = SlotExperts(i, cache, store, stats, nf, backend, fixed)
+        b.experts.guard = guard
     if backend == "cpu":
         _prefill_static(cache, store, slots)
     log.info(kv("moe_backend", backend=backend, slots=slots, pool=pool,

@@ -35,12 +35,36 @@ def expert_group_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
     return F.linear(F.silu(gu[:, :i]) * gu[:, i:], down)  # [n, H]
 
 
+# On CUDA, batches of at most this many (token, k) entries take the gathered path: a fixed
+# handful of kernels and no host sync, instead of ~10 launches per distinct expert.
+GATHER_MAX_ENTRIES = 64
+
+
+def gathered_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor,
+                     down: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """Decode-sized batches: gather each entry's expert weights and run two batched GEMVs.
+    Entries outside `mask` (or with id < 0) keep y's value. N = T*K entries."""
+    T, K = topk_ids.shape
+    keep = topk_ids >= 0 if mask is None else mask & (topk_ids >= 0)  # [T, K]
+    flat = topk_ids.clamp(min=0).reshape(-1)  # [N]
+    xs = x.repeat_interleave(K, dim=0)[:, :, None]  # [N, H, 1]
+    gu = torch.bmm(gate_up[flat], xs)[..., 0]  # [N, 2I]
+    i = gu.shape[-1] // 2
+    a = (F.silu(gu[:, :i]) * gu[:, i:])[:, :, None]  # [N, I, 1]
+    o = torch.bmm(down[flat], a)[..., 0].view(T, K, -1)  # [T, K, H]
+    y.copy_(torch.where(keep[..., None], o.to(y.dtype), y))
+    return y
+
+
 def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None = None,
                     bank_index: torch.Tensor | None = None) -> torch.Tensor:
     """Fill y [T, K, H] for the (t, k) entries selected by `mask` [T, K] (all if None), reading
     each expert's weights once for all its tokens. `bank_index` maps a logical expert id to its
     row in gate_up/down (slot ids for a slot cache); identity if None."""
+    if (x.is_cuda and bank_index is None and topk_ids.numel() <= GATHER_MAX_ENTRIES):
+        return gathered_experts(x, topk_ids, gate_up, down, y, mask)
     flat = topk_ids.reshape(-1)  # [T*K]
     sel = torch.arange(flat.numel(), device=flat.device)
     if mask is not None:

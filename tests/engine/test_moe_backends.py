@@ -64,3 +64,36 @@ def test_cpu_layers_and_greedy_generation(tiny_hf) -> None:
     E = m.moe_runtime.store.num_experts
     n_moe = m.moe_runtime.store.num_layers
     assert all(g < 0 or g // E < n_moe - 2 for g in owner.tolist())  # CPU layers never cached
+
+
+def test_auto_guard_falls_back_when_its_choice_is_slower(caplog) -> None:  # noqa: ANN001
+    import time
+
+    from freetoken.experts.backends import AutoGuard
+
+    g = AutoGuard("hybrid", lambda m: max(1, m // 2), window=4)
+    assert g.num_fetch(6) == 3
+    for _ in range(4):  # the chosen split: slow steps
+        g.on_step(decode=True)
+        time.sleep(0.004)
+    assert g.phase == "offload" and g.num_fetch(6) == -1  # now timing plain offload
+    with caplog.at_level("INFO", logger="ft.experts"):
+        for _ in range(5):
+            g.on_step(decode=True)
+    assert g.phase == "settled" and g.choice == "offload" and g.num_fetch(6) == -1
+    assert any("auto_fallback" in r.message for r in caplog.records)
+
+
+def test_auto_guard_keeps_a_faster_choice() -> None:
+    import time
+
+    from freetoken.experts.backends import AutoGuard
+
+    g = AutoGuard("hybrid", lambda m: 2, window=3)
+    for _ in range(4):
+        g.on_step(decode=True)
+    for _ in range(4):  # offload is the slow one here
+        g.on_step(decode=True)
+        time.sleep(0.004)
+    assert g.phase == "settled" and g.choice == "hybrid" and g.num_fetch(9) == 2
+    g.on_step(decode=False)  # prefill steps never count
