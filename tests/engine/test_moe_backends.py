@@ -97,3 +97,21 @@ def test_auto_guard_keeps_a_faster_choice() -> None:
         time.sleep(0.004)
     assert g.phase == "settled" and g.choice == "hybrid" and g.num_fetch(9) == 2
     g.on_step(decode=False)  # prefill steps never count
+
+
+def test_gathered_decode_path_matches_grouped() -> None:
+    """The CUDA decode path (gathered bmm, no host sync) against the grouped path, on CPU."""
+    from freetoken.layers.moe import gathered_experts, grouped_experts
+
+    g = torch.Generator().manual_seed(0)
+    E, H, I, T, K = 6, 32, 16, 3, 4
+    gu, dn = torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.randint(0, E, (T, K), generator=g)
+    ids[1, 2] = -1  # a CPU-flagged entry in slot terms
+    mask = torch.rand(T, K, generator=g) > 0.3
+    base = torch.full((T, K, H), 7.0)
+    want = grouped_experts(x, ids.clamp(min=0), gu, dn, base.clone(), mask=mask & (ids >= 0))
+    got = gathered_experts(x, ids, gu, dn, base.clone(), mask=mask)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.equal(got[~(mask & (ids >= 0))], base[~(mask & (ids >= 0))])
