@@ -113,5 +113,5 @@ def test_gathered_decode_path_matches_grouped() -> None:
     base = torch.full((T, K, H), 7.0)
     want = grouped_experts(x, ids.clamp(min=0), gu, dn, base.clone(), mask=mask & (ids >= 0))
     got = gathered_experts(x, ids, gu, dn, base.clone(), mask=mask)
-    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(got[~(mask & (ids >= 0))], base[~(mask & (ids >= 0))])
