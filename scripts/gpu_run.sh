@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (device tool): GPU tests, then the benchmarks of
 # docs/benchmarks.md. Writes logs under $OUT.
-# Usage: OUT=/tmp/out scripts/gpu_run.sh [stage ...]   stages: tests kernel bw decode (default: all)
+# Usage: OUT=/tmp/out scripts/gpu_run.sh [stage ...]   stages: tests gputests kernel bw decode
+# (default: tests kernel bw decode)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ft-out}; mkdir -p "$OUT"
@@ -18,6 +19,10 @@ FT="python3 -m freetoken.cli"
 if has tests; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/experts tests/engine \
     tests/kernels_cpu 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
+fi
+if has gputests; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -30 \
+    | tee "$OUT/gpu_only_tests.log"
 fi
 if has kernel; then
   timeout 240 python3 scripts/bench_cpu_kernel.py --threads 16,12,8 --tokens 1,2,4,8 \
