@@ -110,6 +110,31 @@ class AsyncEngine:
                     r.emit(RuntimeError(f"engine step failed: {e!r}"))  # type: ignore[arg-type]
 
 
+def default_kv_tokens(model, max_context: int, moe) -> int:  # noqa: ANN001
+    """KV pool size when `--kv-tokens` is not given: the whole context if memory allows.
+    CPU: at most a quarter of the available RAM. CUDA: 90% of the free memory after the weights,
+    or just the `--kv-reserve-tokens` floor when a slot cache took the rest of the VRAM."""
+    import os
+
+    import torch
+
+    from freetoken.engine.forward_batch import KVPool
+
+    w = model.model.embed_tokens.weight
+    per_tok = max(1, KVPool.bytes_per_token(model.cfg, w.dtype))
+    if w.device.type == "cuda":
+        if moe is not None and moe.backend != "fused":
+            budget = moe.kv_reserve_tokens * per_tok
+        else:
+            budget = int(torch.cuda.mem_get_info(w.device)[0] * 0.9)
+    else:
+        budget = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+    n = max(1024, min(max_context, budget // per_tok))
+    log.info(kv("kv_pool_size", tokens=n, max_context=max_context, bytes_per_token=per_tok,
+                mb=n * per_tok // 2**20))
+    return n
+
+
 def build_engine(args: argparse.Namespace) -> AsyncEngine:
     """From `ft serve` arguments: model path/demo, dtype, device, pool sizes."""
     from freetoken.chat import ChatTokenizer
@@ -133,9 +158,11 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
         from freetoken.experts.record import attach_recorder
 
         attach_recorder(model, args.record_routing)
+    max_context = getattr(args, "max_context", None) or model.cfg.max_position_embeddings
+    kv_tokens = getattr(args, "kv_tokens", None) or default_kv_tokens(model, max_context, moe)
     core = EngineCore(
         model, tok.eos_token_ids,
-        kv_tokens=getattr(args, "kv_tokens", None) or 32768,
+        kv_tokens=kv_tokens,
         state_slots=getattr(args, "state_slots", None) or 64,
         max_running=getattr(args, "max_running", None) or 4,
         chunk_tokens=getattr(args, "chunk_tokens", None) or 512,

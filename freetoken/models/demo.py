@@ -30,7 +30,7 @@ from freetoken.models.weights import expected_tensors
 
 log = get_logger("model")
 
-DEMO_NAME = "demo-qwen3_5_moe-v1"
+DEMO_NAME = "demo-qwen3_5_moe-v2"  # v2: 262144-token context, as Qwen3.6
 DEMO_SEED = 0
 IM_END, ENDOFTEXT = 151645, 151643
 INIT_STD = 0.02  # transformers' initializer_range
@@ -95,7 +95,7 @@ def demo_config(vocab_size: int) -> dict[str, Any]:
         "rms_norm_eps": 1e-6,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
                             "partial_rotary_factor": 0.25},
-        "max_position_embeddings": 32768,
+        "max_position_embeddings": 262144,
         "initializer_range": INIT_STD,
         "tie_word_embeddings": False,
         "use_cache": True,
@@ -165,7 +165,7 @@ def default_cache_dir() -> Path:
 
 
 def demo_model_dir(cache_dir: str | Path | None = None) -> Path:
-    """The demo checkpoint directory `<cache_dir>/demo-qwen3_5_moe-v1`, built on first use.
+    """The demo checkpoint directory `<cache_dir>/<DEMO_NAME>`, built on first use.
 
     `cache_dir` defaults to `$XDG_CACHE_HOME/freetoken/models` (or `~/.cache/...`). The build
     writes into a temporary sibling and renames it into place, so the directory either does not
