@@ -8,8 +8,9 @@ the request and frees everything it held.
 from __future__ import annotations
 
 import math
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import Protocol
 
 
 class AdmissionError(ValueError):

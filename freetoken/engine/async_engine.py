@@ -85,7 +85,7 @@ class AsyncEngine:
                 self._emitters[a.request_id] = b
                 try:
                     self.core.add(a, b)
-                except Exception as e:  # admission raced with check: report, never crash
+                except Exception as e:  # noqa: BLE001  (admission raced with check: report, never crash)
                     b(e)
             elif op == "abort":
                 self.core.abort(a)
@@ -103,14 +103,14 @@ class AsyncEngine:
                 continue
             try:
                 self.core.step()
-            except Exception as e:  # a bug must fail the requests in flight, not the server
+            except Exception as e:  # noqa: BLE001  (a bug fails the requests in flight, not the server)
                 log.error(kv("step_failed", error=repr(e)) + "\n" + traceback.format_exc())
                 for r in list(self.core.sched.running) + list(self.core.sched.waiting):
                     self.core.abort(r.rid)
                     r.emit(RuntimeError(f"engine step failed: {e!r}"))  # type: ignore[arg-type]
 
 
-def default_kv_tokens(model, max_context: int, moe) -> int:  # noqa: ANN001
+def default_kv_tokens(model, max_context: int, moe) -> int:
     """KV pool size when `--kv-tokens` is not given: the whole context if memory allows.
     CPU: at most a quarter of the available RAM. CUDA: 90% of the free memory after the weights,
     or just the `--kv-reserve-tokens` floor when a slot cache took the rest of the VRAM."""

@@ -52,7 +52,7 @@ def install_trace(model: QwenMoE, router: TraceRouter) -> None:
         gate = b.gate
         orig = gate.forward
 
-        def fwd(x: torch.Tensor, _i: int = i, _orig=orig) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+        def fwd(x: torch.Tensor, _i: int = i, _orig=orig) -> tuple[torch.Tensor, torch.Tensor]:
             w, ids = _orig(x)
             if x.shape[0] == 1:  # decode: replay; prefill keeps the random router
                 ids = router.ids(_i).to(ids.device)

@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def active_weight_bytes(model) -> int:  # noqa: ANN001
+def active_weight_bytes(model) -> int:
     """Bytes a single-token decode step reads: everything except unrouted experts and the
     embedding table (one row)."""
     cfg = model.cfg

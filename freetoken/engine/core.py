@@ -57,7 +57,7 @@ class EngineCore:
             raise AdmissionError(f"token id {bad[0]} is outside the vocabulary "
                                  f"[0, {self.cfg.vocab_size})", "input_ids")
 
-    def add(self, req: GenerateRequest, emit) -> None:  # noqa: ANN001
+    def add(self, req: GenerateRequest, emit) -> None:
         self.check(req)
         r = Request(req, RequestSampler(req.sampling, self.eos_ids, self.device), emit)
         self.sched.add(r)

@@ -38,7 +38,7 @@ class ForwardBatch:
 
     @staticmethod
     def single(ids: list[int], prefix_len: int, kv_slots: torch.Tensor, state_slot: int | None,
-               device: torch.device | str = "cpu", all_logits: bool = False) -> "ForwardBatch":
+               device: torch.device | str = "cpu", all_logits: bool = False) -> ForwardBatch:
         n = len(ids)
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=device),

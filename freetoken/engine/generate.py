@@ -3,8 +3,8 @@ oracle the batched engine is tested against (same model, no sharing, no scheduli
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -47,7 +47,7 @@ def add_moe_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-hybrid-max-fetch", type=int, default=None)
 
 
-def moe_options(args: argparse.Namespace):  # noqa: ANN201
+def moe_options(args: argparse.Namespace):
     from freetoken.experts.setup import MoEOptions
 
     return MoEOptions(backend=args.moe_backend, cache_size=args.moe_cache_size,

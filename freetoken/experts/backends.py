@@ -15,8 +15,8 @@ Shapes: T tokens, K top-k, H hidden, S slots.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 
 import torch
 from torch import Tensor, nn

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.experts.backends import AutoGuard, MoEStats, SlotExperts
-from freetoken.experts.policy import (BandwidthProfile, q_star, q_star_overlapped,
-                                      recommend_backend)
+from freetoken.experts.policy import BandwidthProfile, q_star, q_star_overlapped, recommend_backend
 from freetoken.experts.slot_cache import SlotCache
 from freetoken.experts.store import ExpertStore
 from freetoken.log import get_logger, kv
@@ -55,7 +54,7 @@ def _num_slots(opts: MoEOptions, pool: int, expert_bytes: int, device: torch.dev
     if opts.cache_size is not None:
         s = opts.cache_size
     elif opts.cache_rate is not None:
-        s = int(round(opts.cache_rate * pool))
+        s = round(opts.cache_rate * pool)
     elif opts.cache_mem is not None:
         s = opts.cache_mem // expert_bytes
     elif device.type == "cuda":
@@ -111,7 +110,7 @@ def configure_experts(model: QwenMoE, opts: MoEOptions, device: torch.device | s
         log.warning(kv("no_bw_profile", using=f"B_P={_FALLBACK_BP} B_H={_FALLBACK_BH}",
                        hint="run `ft bench bw`"))
 
-    def q_for(kind: str):  # noqa: ANN202
+    def q_for(kind: str):
         if kind == "offload":
             return lambda m: -1
         if kind == "cpu":

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-
-from typing import TYPE_CHECKING
 
 from freetoken.log import get_logger, kv
 
@@ -31,7 +30,7 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: torc
 
 def load_model(model_dir: str | Path, dtype: torch.dtype | None = None,
                device: torch.device | str = "cpu", progress: bool = True,
-               moe: "MoEOptions | None" = None, kv_reserve_bytes: int = 0) -> QwenMoE:
+               moe: MoEOptions | None = None, kv_reserve_bytes: int = 0) -> QwenMoE:
     """Load a checkpoint. With `moe` (a non-fused backend) the routed experts go to the host
     expert store and the slot cache; only the rest of the model moves to `device`.
     The expert runtime is attached as `model.moe_runtime`."""

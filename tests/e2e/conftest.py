@@ -10,18 +10,18 @@ from pathlib import Path
 sys.modules["fla"] = None  # type: ignore[assignment]
 sys.modules["causal_conv1d"] = None  # type: ignore[assignment]
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "server"))
-from server_helpers import Server  # noqa: E402
+from server_helpers import Server
 
-from freetoken.chat import ChatTokenizer  # noqa: E402
-from freetoken.engine.async_engine import AsyncEngine  # noqa: E402
-from freetoken.engine.core import EngineCore  # noqa: E402
-from freetoken.models.demo import tokenizer_source_dir  # noqa: E402
-from freetoken.models.loader import load_model  # noqa: E402
-from freetoken.server import create_app  # noqa: E402
+from freetoken.chat import ChatTokenizer
+from freetoken.engine.async_engine import AsyncEngine
+from freetoken.engine.core import EngineCore
+from freetoken.models.demo import tokenizer_source_dir
+from freetoken.models.loader import load_model
+from freetoken.server import create_app
 
 
 def build_tiny_chat_model(out: Path) -> Path:
@@ -51,7 +51,7 @@ def tiny_chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def live(tiny_chat_dir: Path):  # noqa: ANN201
+def live(tiny_chat_dir: Path):
     """(server, engine): a real engine behind the real app on a free port."""
     model = load_model(tiny_chat_dir, dtype=torch.float32, progress=False)
     tok = ChatTokenizer.from_dir(tiny_chat_dir)

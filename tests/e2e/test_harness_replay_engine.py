@@ -19,7 +19,7 @@ def _records(path: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("path", FILES, ids=[f.stem for f in FILES])
-def test_recorded_requests_get_well_formed_answers(live, path: Path) -> None:  # noqa: ANN001
+def test_recorded_requests_get_well_formed_answers(live, path: Path) -> None:
     server, engine = live
     engine.max_output_tokens = 4
     try:

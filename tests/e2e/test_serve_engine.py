@@ -11,7 +11,7 @@ import httpx
 import openai
 
 
-def _wait_idle(engine, timeout: float = 20.0) -> dict:  # noqa: ANN001
+def _wait_idle(engine, timeout: float = 20.0) -> dict:
     t0 = time.time()
     while time.time() - t0 < timeout:
         s = engine.stats()["cache"]
@@ -21,8 +21,8 @@ def _wait_idle(engine, timeout: float = 20.0) -> dict:  # noqa: ANN001
     raise AssertionError("engine did not go idle")
 
 
-def test_sdks_and_second_turn_reuses_prefix(live) -> None:  # noqa: ANN001
-    server, engine = live
+def test_sdks_and_second_turn_reuses_prefix(live) -> None:
+    server, _engine = live
     oa = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
     msgs = [{"role": "system", "content": "You are terse. " * 40},
             {"role": "user", "content": "Say something about caches."}]
@@ -48,7 +48,7 @@ def test_sdks_and_second_turn_reuses_prefix(live) -> None:  # noqa: ANN001
     assert final.usage.cache_read_input_tokens > 0  # shares the system prompt with turn 1
 
 
-def test_parallel_streams_interleave(live) -> None:  # noqa: ANN001
+def test_parallel_streams_interleave(live) -> None:
     server, engine = live
     _wait_idle(engine)
     n = 4
@@ -74,7 +74,7 @@ def test_parallel_streams_interleave(live) -> None:  # noqa: ANN001
     assert max(t[0] for t in streams) < min(t[-1] for t in streams)
 
 
-def test_disconnect_aborts_and_frees(live) -> None:  # noqa: ANN001
+def test_disconnect_aborts_and_frees(live) -> None:
     server, engine = live
     base = _wait_idle(engine)
     body = {"model": "m", "stream": True, "max_tokens": 4000, "ignore_eos": True,
@@ -103,7 +103,7 @@ def test_disconnect_aborts_and_frees(live) -> None:  # noqa: ANN001
     assert r.status_code == 200
 
 
-def test_over_long_prompt_is_rejected_at_once(live) -> None:  # noqa: ANN001
+def test_over_long_prompt_is_rejected_at_once(live) -> None:
     server, _ = live
     t0 = time.time()
     r = httpx.post(server.url + "/v1/messages", timeout=30, json={

@@ -3,6 +3,7 @@ recorded output length, cached tokens grow turn over turn within W2–W4 session
 sub-agents overlap in time, and the report with its plots is written."""
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -11,20 +12,20 @@ from workloads import build_workload, run_workload, write_report
 
 
 @pytest.fixture(scope="module")
-def results(live):  # noqa: ANN001, ANN201
+def results(live):
     server, _ = live
     return {name: run_workload(build_workload(name, scale="tiny"), server.url)
             for name in ("W1", "W2", "W3", "W4")}
 
 
-def test_every_turn_completes_with_recorded_length(results) -> None:  # noqa: ANN001
+def test_every_turn_completes_with_recorded_length(results) -> None:
     for name, res in results.items():
         assert res.ok, (name, [t.error for t in res.turns if t.error])
         for t in res.turns:
             assert t.output_tokens == t.expected_output_tokens, (name, t.turn_id)
 
 
-def test_cached_tokens_grow_within_sessions(results) -> None:  # noqa: ANN001
+def test_cached_tokens_grow_within_sessions(results) -> None:
     for name in ("W2", "W3", "W4"):
         by_session: dict[str, list] = {}
         for t in sorted(results[name].turns, key=lambda t: t.start):
@@ -32,19 +33,19 @@ def test_cached_tokens_grow_within_sessions(results) -> None:  # noqa: ANN001
         grew = 0
         for turns in by_session.values():
             cached = [t.cached_tokens or 0 for t in turns]
-            grew += sum(1 for a, b in zip(cached, cached[1:]) if b > a)
+            grew += sum(1 for a, b in itertools.pairwise(cached) if b > a)
             assert cached[-1] > 0 or len(turns) == 1, (name, cached)
         assert grew >= 1, name
 
 
-def test_w3_siblings_overlap(results) -> None:  # noqa: ANN001
+def test_w3_siblings_overlap(results) -> None:
     w3 = {t.turn_id: t for t in results["W3"].turns}
     s1, s2 = w3["S1.1"], w3["S2.1"]  # the two sub-agents' first requests, fanned out together
     assert s2.start < s1.end and s1.start < s2.end
     assert w3["M4"].start >= max(w3["S1.5"].end, w3["S2.5"].end)  # the parent waited for both
 
 
-def test_report_written(results, tmp_path: Path) -> None:  # noqa: ANN001
+def test_report_written(results, tmp_path: Path) -> None:
     report = write_report(results, tmp_path)
     assert report.exists() and "W4" in report.read_text()
     for png in ("decode_rate.png", "ttft.png", "cache.png"):

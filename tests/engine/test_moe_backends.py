@@ -12,7 +12,7 @@ from freetoken.experts.setup import MoEOptions
 from freetoken.models.loader import load_model
 
 
-def _logits(model, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
+def _logits(model, ids: list[int]) -> torch.Tensor:
     cfg = model.cfg
     c = Caches(KVPool(cfg, 128, torch.float32, "cpu"),
                StateTensors(cfg, 1, torch.float32, "cpu") if cfg.is_hybrid else None)
@@ -66,7 +66,7 @@ def test_cpu_layers_and_greedy_generation(tiny_hf) -> None:
     assert all(g < 0 or g // E < n_moe - 2 for g in owner.tolist())  # CPU layers never cached
 
 
-def test_auto_guard_falls_back_when_its_choice_is_slower(caplog) -> None:  # noqa: ANN001
+def test_auto_guard_falls_back_when_its_choice_is_slower(caplog) -> None:
     import time
 
     from freetoken.experts.backends import AutoGuard

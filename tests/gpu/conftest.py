@@ -4,7 +4,7 @@ import torch
 from tests.models.conftest import tiny_hf  # noqa: F401  (shared session fixture)
 
 
-def pytest_collection_modifyitems(config, items):  # noqa: ANN001, ARG001
+def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

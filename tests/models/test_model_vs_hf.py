@@ -15,7 +15,7 @@ KINDS = ["qwen3_moe", "qwen3_moe_dense_layers", "qwen3_moe_num_local_experts", "
          "qwen3_next_old_spelling", "qwen3_5_moe", "qwen3_5_moe_vl"]
 
 
-def _caches(model, n: int) -> Caches:  # noqa: ANN001
+def _caches(model, n: int) -> Caches:
     cfg = model.cfg
     return Caches(KVPool(cfg, n, torch.float32, "cpu"),
                   StateTensors(cfg, 2, torch.float32, "cpu") if cfg.is_hybrid else None)
