@@ -22,14 +22,17 @@ class RequestSampler:
             self.gen.manual_seed(params.seed if params.seed is not None
                                  else int(torch.randint(0, 2**62, (1,)).item()))
 
-    def sample(self, logits: torch.Tensor, num_generated: int) -> int:
-        """logits [V] fp32 -> next token id."""
+    def mask(self, logits: torch.Tensor, num_generated: int) -> torch.Tensor:
+        """Stop ids are forbidden while `min_tokens` is not reached, and always with ignore_eos."""
         p = self.params
         if self._blocked and (p.ignore_eos or num_generated < p.min_tokens):
             logits = logits.clone()
             logits[self._blocked] = float("-inf")
-        if p.temperature <= 0 or self.gen is None:
-            return int(torch.argmax(logits))
+        return logits
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The sampling distribution [V] (unnormalised after top-p) of temperature > 0."""
+        p = self.params
         logits = logits / p.temperature  # [V]
         if p.top_k and p.top_k < logits.shape[-1]:
             kth = torch.topk(logits, p.top_k).values[-1]
@@ -37,9 +40,16 @@ class RequestSampler:
         probs = torch.softmax(logits, dim=-1)  # [V]
         if p.top_p < 1.0:
             sp, si = torch.sort(probs, descending=True)
-            keep = (sp.cumsum(0) - sp) < p.top_p  # always keeps the top token
+            keep = (sp.cumsum(0) - sp) < p.top_p  # the smallest prefix reaching top_p
             probs = torch.zeros_like(probs).scatter(0, si[keep], sp[keep])
-        return int(torch.multinomial(probs.cpu(), 1, generator=self.gen))
+        return probs
+
+    def sample(self, logits: torch.Tensor, num_generated: int) -> int:
+        """logits [V] fp32 -> next token id."""
+        logits = self.mask(logits, num_generated)
+        if self.params.temperature <= 0 or self.gen is None:
+            return int(torch.argmax(logits))
+        return int(torch.multinomial(self.probs(logits).cpu(), 1, generator=self.gen))
 
     def is_stop(self, token: int, num_generated: int) -> bool:
         return token in self.stop_ids and num_generated >= self.params.min_tokens
