@@ -27,6 +27,7 @@ class Request:
     snap_points: list[tuple[int, str]] = field(default_factory=list)  # pending (pos, class)
     cached_tokens: int = 0
     reuse_reason: str = ""
+    waiting_for: str | None = None  # a sibling whose shared prefill this request waits for
     num_generated: int = 0
     finished: bool = False
     aborted: bool = False

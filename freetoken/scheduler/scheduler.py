@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from freetoken.cache import HybridRadixCache, SlotAllocator, StatePool, create_policy
@@ -129,9 +130,35 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------
 
+    # A waiting request whose prompt shares at least this many tokens with a running request's
+    # not-yet-computed prefill waits for it (sub-agent siblings fanned out together).
+    SIBLING_MIN_SHARED = 256
+
+    def _sibling_ahead(self, r: Request) -> Request | None:
+        """A running request still prefilling a long prefix `r` shares: admitting `r` now would
+        compute that prefix twice; once the sibling has passed it (and committed its KV and a
+        snapshot there), `r` reuses it."""
+        for o in self.running:
+            if o.computed >= o.prompt_len - 1:
+                continue
+            n = min(r.prompt_len, o.prompt_len)
+            a = np.asarray(r.ids[:n])
+            diff = np.flatnonzero(a != np.asarray(o.ids[:n]))
+            shared = int(diff[0]) if diff.size else n
+            if shared >= self.SIBLING_MIN_SHARED and o.computed < shared - 1:
+                return o
+        return None
+
     def schedule(self) -> list[BatchItem]:
         while self.waiting and len(self.running) < self.max_running:
             r = self.waiting[0]
+            sib = self._sibling_ahead(r)
+            if sib is not None:
+                if r.waiting_for != sib.rid:
+                    r.waiting_for = sib.rid
+                    log.info(kv("wait_for_sibling", rid=r.rid, sibling=sib.rid,
+                                sibling_computed=sib.computed))
+                break
             if not self._admit(r):
                 break
             self.waiting.popleft()
@@ -165,6 +192,10 @@ class Scheduler:
         """Advance `computed`; take a snapshot if the chunk ended at a snapshot point."""
         r = item.req
         r.computed += item.n
+        if self.state_tensors is None and item.n > 1:
+            # attention-only models can share KV at any prefix: publish each prefill chunk
+            c = self.cache.commit(r.ids[:r.computed], r.row[:r.computed], r.node, r.tree_len)
+            r.row, r.node, r.tree_len = c.slots, c.node, r.computed
         while r.snap_points and r.snap_points[0][0] <= r.computed:
             p, cls = r.snap_points.pop(0)
             if p == r.computed:

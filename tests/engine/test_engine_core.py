@@ -104,3 +104,21 @@ def test_abort_frees_everything(tiny_hf) -> None:
     assert s["kv_protected"] == 0 and s["running"] == 0
     assert core.sched.kv_alloc.num_used == s["kv_cached"]
     assert s["state_free"] + s["snapshots"] == s["state_slots"]
+
+
+def test_sibling_waits_for_shared_prefill_and_reuses_it(tiny_hf) -> None:
+    """Sub-agents fanned out together share a long head: the second one waits until the first
+    has computed (and snapshotted) it, then prefills only its own tail."""
+    for kind in ("qwen3_5_moe", "qwen3_moe"):
+        model = load_model(tiny_hf(kind), dtype=torch.float32, progress=False)
+        V = model.cfg.vocab_size
+        head = _prompt(V, 300, 40)
+        a, b = head + _prompt(V, 30, 41), head + _prompt(V, 25, 42)
+        anchors = [Anchor(300, "turn_start", "user")]
+        core = EngineCore(model, [], kv_tokens=2048, state_slots=16, chunk_tokens=64)
+        out = _run(core, [_req("a", a, 6, anchors), _req("b", b, 6, anchors)])
+        assert out["b"][0].cached_tokens >= 300 - 1, (kind, out["b"][0].cached_tokens)
+        for rid, p in (("a", a), ("b", b)):
+            want = generate(model, p, SamplingParams(max_tokens=6, temperature=0.0,
+                                                     ignore_eos=True), []).token_ids
+            assert _tokens(out[rid]) == want
