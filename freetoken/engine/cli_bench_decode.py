@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--mem-gbps", type=float, default=None,
-                   help="memory bandwidth for the floor (GB/s); omitted: no floor printed")
+                   help="memory bandwidth for the floor (GB/s); default on CPU: measured")
     p.add_argument("--shape", default=None, help="a real shape (e.g. qwen3.6-35b-a3b) with "
                    "--random-weights instead of --model")
     p.add_argument("--layers", type=int, default=None, help="cut the shape to N layers")
@@ -78,9 +78,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"prefill: {args.prompt_tokens / best.prefill_seconds:10.1f} tok/s ({args.prompt_tokens} tokens)")
     print(f"decode:  {best.decode_tps:10.1f} tok/s  ({args.decode_tokens} tokens; "
           f"{act / 1e6:.1f} MB active weights/token -> {act / step / 1e9:.2f} GB/s achieved)")
-    if args.mem_gbps:
-        floor = act / (args.mem_gbps * 1e9)
-        print(f"floor:   {1 / floor:10.1f} tok/s  (active bytes / {args.mem_gbps} GB/s)")
+    bw, how = args.mem_gbps, "given"
+    if bw is None and args.device == "cpu":
+        from freetoken.experts.bandwidth import host_read_gbps
+
+        bw, how = host_read_gbps(min(2e9, 4 * act)), "host read stream measured now"
+    if bw:
+        floor = act / (bw * 1e9)
+        print(f"floor:   {1 / floor:10.1f} tok/s  (active bytes / {bw:.1f} GB/s, {how})")
     return 0
 
 
