@@ -95,7 +95,7 @@ class EventStreamResponse(StreamingResponse):
         self.request_id = request_id
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        disconnected = False
+        disconnected = completed = False
         async with anyio.create_task_group() as tg:
 
             async def watch() -> None:
@@ -110,13 +110,14 @@ class EventStreamResponse(StreamingResponse):
             tg.start_soon(watch)
             try:
                 await self.stream_response(send)
+                completed = True  # a client that hangs up after the last event is no abort
             except OSError:
                 disconnected = True
             finally:
                 with anyio.CancelScope(shield=True):
                     await _aclose(self.body_iterator)
                 tg.cancel_scope.cancel()
-        if disconnected:
+        if disconnected and not completed:
             log.info(kv("client_disconnect", request=self.request_id))
 
 
