@@ -166,6 +166,8 @@ class Scheduler:
         items: list[BatchItem] = []
         budget = self.chunk_tokens
         for r in sorted(self.running, key=lambda r: r.remaining != 1):  # decodes first
+            if not any(x is r for x in self.running):
+                continue  # preempted by an allocation earlier in this loop
             if r.remaining == 1:
                 n = 1
             else:
