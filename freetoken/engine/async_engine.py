@@ -147,11 +147,15 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
     model_dir = resolve_model_path(getattr(args, "model", None) or "demo")
     device = resolve_device(getattr(args, "device", None))
     dtype = resolve_dtype(getattr(args, "dtype", None))
-    moe = moe_options(args) if hasattr(args, "moe_backend") else None
-    reserve = 0
-    if moe is not None:
+    moe, reserve = None, 0
+    if hasattr(args, "moe_backend"):
+        from freetoken.engine.options import default_backend
+
         cfg = load_config(model_dir)
-        reserve = KVPool.bytes_per_token(cfg, dtype or cfg.torch_dtype) * moe.kv_reserve_tokens
+        wdt = dtype or (cfg.torch_dtype if device != "cpu" else __import__("torch").float32)
+        backend = args.moe_backend or default_backend(cfg, wdt, device, args.kv_reserve_tokens)
+        moe = moe_options(args, backend)
+        reserve = KVPool.bytes_per_token(cfg, wdt) * moe.kv_reserve_tokens
     model = load_model(model_dir, dtype=dtype, device=device, moe=moe, kv_reserve_bytes=reserve)
     tok = ChatTokenizer.from_dir(model_dir)
     if getattr(args, "record_routing", None):

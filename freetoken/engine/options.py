@@ -35,8 +35,9 @@ def _size(text: str) -> int:
 
 def add_moe_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("MoE experts")
-    g.add_argument("--moe-backend", default="fused",
-                   choices=["auto", "fused", "offload", "cpu", "hybrid"])
+    g.add_argument("--moe-backend", default=None,
+                   choices=["auto", "fused", "offload", "cpu", "hybrid"],
+                   help="default: fused when every expert fits on the device, else auto")
     g.add_argument("--moe-cache-size", type=int, default=None, help="GPU expert slots")
     g.add_argument("--moe-cache-rate", type=float, default=None, help="fraction of the pool")
     g.add_argument("--moe-cache-mem", type=_size, default=None, help="bytes, e.g. 12GiB")
@@ -47,10 +48,29 @@ def add_moe_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-hybrid-max-fetch", type=int, default=None)
 
 
-def moe_options(args: argparse.Namespace):
+def default_backend(cfg, dtype: torch.dtype, device: str, kv_reserve_tokens: int) -> str:
+    """`fused` when all experts, the other weights and the KV floor fit in 90% of free device
+    memory (always on the CPU, where the experts are in host RAM either way); else `auto`."""
+    if not device.startswith("cuda"):
+        return "fused"
+    from freetoken.engine.forward_batch import KVPool
+    from freetoken.log import get_logger, kv
+
+    el = torch.empty((), dtype=dtype).element_size()
+    experts = cfg.expert_bytes(dtype) * cfg.num_experts * len(cfg.moe_layers)
+    dense = (2 * cfg.vocab_size * cfg.hidden_size + 40 * cfg.hidden_size**2 * cfg.num_layers) * el
+    need = experts + dense + KVPool.bytes_per_token(cfg, dtype) * kv_reserve_tokens
+    free = torch.cuda.mem_get_info(torch.device(device))[0]
+    choice = "fused" if need < 0.9 * free else "auto"
+    get_logger("experts").info(kv("default_backend", choice=choice, need_gb=f"{need / 1e9:.1f}",
+                                  free_gb=f"{free / 1e9:.1f}"))
+    return choice
+
+
+def moe_options(args: argparse.Namespace, backend: str | None = None):
     from freetoken.experts.setup import MoEOptions
 
-    return MoEOptions(backend=args.moe_backend, cache_size=args.moe_cache_size,
+    return MoEOptions(backend=backend or args.moe_backend or "fused", cache_size=args.moe_cache_size,
                       cache_rate=args.moe_cache_rate, cache_mem=args.moe_cache_mem,
                       kv_reserve_tokens=args.kv_reserve_tokens, cpu_layers=args.moe_cpu_layers,
                       hybrid_max_fetch=args.moe_hybrid_max_fetch)
