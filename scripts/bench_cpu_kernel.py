@@ -39,6 +39,11 @@ def _args() -> argparse.Namespace:
     p.add_argument("--layer-experts", type=int, default=None, help="routing window (default E)")
     p.add_argument("--seconds", type=float, default=1.5, help="timed seconds per row")
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--sweep-all", action="store_true",
+                   help="run the T sweep at every thread count (default: the first only)")
+    p.add_argument("--no-torch", action="store_true", help="skip the torch rows")
+    p.add_argument("--no-prefetch-rows", action="store_true",
+                   help="skip the kernel rows with software prefetch off")
     return p.parse_args()
 
 
@@ -52,9 +57,11 @@ def main() -> int:
     print(f"[bench] cpu={cpu_model()!r} isa={kern.built_isa if kern else 'torch-only'} "
           f"torch={torch.__version__} threads={threads}", flush=True)
 
-    torch.set_num_threads(threads[0])
-    print(f"[bench] host read ceiling over {a.read_gb:g} GB ...", flush=True)
-    ceiling = bw.host_read_gbps(a.read_gb * 1e9, threads=threads[0])
+    # the ceiling is the all-thread stream: the most threads asked for
+    torch.set_num_threads(max(threads))
+    print(f"[bench] host read ceiling over {a.read_gb:g} GB, {max(threads)} threads ...",
+          flush=True)
+    ceiling = bw.host_read_gbps(a.read_gb * 1e9, threads=max(threads))
     print(f"[bench] ceiling {ceiling:.1f} GB/s; building a {a.pool_gb:g} GB pool ...", flush=True)
     t0 = time.perf_counter()
     gu, dn = bw.make_pool(shape, dtype, a.pool_gb * 1e9)  # [P, 2I, H], [P, H, I]
@@ -70,13 +77,17 @@ def main() -> int:
 
     configs: list[tuple[str, int, int, object]] = []
     for t in tokens:
-        configs.append(("torch bf16 F.linear", t, threads[0], None))
+        if not a.no_torch:
+            configs.append(("torch bf16 F.linear", t, threads[0], None))
         if kern is not None:
             configs.append(("kernel", t, threads[0], kernel_fn(threads[0], True)))
-            configs.append(("kernel no-prefetch", t, threads[0], kernel_fn(threads[0], False)))
+            if not a.no_prefetch_rows:
+                configs.append(("kernel no-prefetch", t, threads[0],
+                                kernel_fn(threads[0], False)))
     for nth in threads[1:]:
         if kern is not None:
-            configs.append(("kernel", 1, nth, kernel_fn(nth, True)))
+            for t in tokens if a.sweep_all else [1]:
+                configs.append(("kernel", t, nth, kernel_fn(nth, True)))
 
     rows = []
     for seed, (name, t, nth, fn) in enumerate(configs, start=1):
