@@ -8,7 +8,7 @@ recurrent-state slot per sequence, read at the start of the chunk and overwritte
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,21 @@ class ForwardBatch:
     kv_slots: list[torch.Tensor]  # B × [prefix+new] int64 slot of every position
     state_slots: list[int]  # [B] recurrent-state slot (hybrid models; else empty)
     logits_rows: torch.Tensor  # [R] rows of the packed stream whose logits are wanted
+    _dev: dict = field(default_factory=dict, repr=False)  # per-step index tensors, built once
+
+    def decode_index(self, device: torch.device) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """Sequences feeding one token (decode rows): their batch indices, packed rows [D] and
+        state slots [D] on `device`. Built once per step and shared by every linear-attention
+        layer: a host-to-device copy per layer would synchronise the GPU each time."""
+        if "decode" not in self._dev:
+            cu = self.cu
+            seqs = [b for b in range(self.num_seqs) if self.new_lens[b] == 1]
+            idx = torch.tensor([[cu[b] for b in seqs],
+                                [self.state_slots[b] for b in seqs] if self.state_slots
+                                else [0] * len(seqs)], dtype=torch.long)
+            idx = idx.to(device, non_blocking=True) if device.type == "cuda" else idx
+            self._dev["decode"] = (seqs, idx[0], idx[1])
+        return self._dev["decode"]
 
     @property
     def num_seqs(self) -> int:

@@ -77,7 +77,11 @@ class SlotExperts(nn.Module):
         q = (self.fixed_fetch if self.fixed_fetch is not None
              else self.num_fetch(self._count_misses(topk_ids)))
         d = self.cache.decide(self.m, topk_ids, q)
-        hits, miss, fetched = (int(v) for v in d.counters.tolist())
+        # one device-to-host read for the counters and both fetch lists (a single sync)
+        F = d.fetch_experts.numel()
+        host = torch.cat([d.counters, d.fetch_experts, d.fetch_slots]).cpu()  # [3 + 2F]
+        hits, miss, fetched = (int(v) for v in host[:3].tolist())
+        fetch_experts, fetch_slots = host[3:3 + F], host[3 + F:]
         st, eb = self.stats, self.store.expert_bytes
         st.hits += hits
         st.misses += miss
@@ -91,7 +95,7 @@ class SlotExperts(nn.Module):
         if n_cpu:
             # CPU branch first: it runs while this thread fills slots and computes hits
             worker = _CPU_POOL.submit(cpu_branch, x, topk_ids, d.cpu_mask, self.store, self.m)
-        self.cache.fill(self.m, d.fetch_experts, d.fetch_slots, self.store)
+        self.cache.fill(self.m, fetch_experts, fetch_slots, self.store)
         gpu_mask = d.slot_ids >= 0  # [T, K]
         grouped_experts(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots, y,
                         mask=gpu_mask)

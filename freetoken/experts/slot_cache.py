@@ -86,16 +86,18 @@ class SlotCache:
         pinned host memory in a kernel instead.
         """
         valid = fetch_slots >= 0  # [F]
-        experts = fetch_experts[valid].cpu()  # [q] host indices into the banks
-        slots = fetch_slots[valid].to(self.device)  # [q]
-        q = int(experts.numel())
-        if q:
-            gate_up = store.gate_up(layer)  # [E, 2I, H]
-            down = store.down(layer)  # [E, H, I]
-            self.gate_up_slots[slots] = gate_up[experts].to(self.device, self.dtype, non_blocking=True)
-            self.down_slots[slots] = down[experts].to(self.device, self.dtype, non_blocking=True)
-            log.debug(kv("fill", layer=layer, experts=experts.tolist(), slots=slots.tolist()))
-        return q
+        experts = fetch_experts[valid].tolist()  # [q] host indices into the banks
+        slots = fetch_slots[valid].tolist()  # [q]
+        gate_up = store.gate_up(layer)  # [E, 2I, H]
+        down = store.down(layer)  # [E, H, I]
+        # one DMA per bank row straight from the (pinned) store: gathering the rows into a
+        # temporary first would be a CPU memcpy into pageable memory at a fraction of the link
+        for e, s in zip(experts, slots):
+            self.gate_up_slots[s].copy_(gate_up[e], non_blocking=True)
+            self.down_slots[s].copy_(down[e], non_blocking=True)
+        if experts:
+            log.debug(kv("fill", layer=layer, experts=experts, slots=slots))
+        return len(experts)
 
     def resize(self, num_slots: int) -> None:
         """Re-budget to `num_slots` slots at run time.

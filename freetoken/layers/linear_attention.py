@@ -54,10 +54,8 @@ class GatedDeltaNet(nn.Module):
 
         core = torch.empty(T, self.hv, self.dv, dtype=torch.float32, device=x.device)  # [T, Hv, dv]
         cu = batch.cu
-        decode = [b for b in range(batch.num_seqs) if batch.new_lens[b] == 1]
+        decode, rows, slots = batch.decode_index(x.device)  # [D] packed rows, [D] state slots
         if decode:
-            rows = torch.tensor([cu[b] for b in decode], device=x.device)  # [B]
-            slots = torch.tensor([batch.state_slots[b] for b in decode], device=x.device)  # [B]
             window = torch.cat([conv_pool[slots], mixed[rows, :, None].to(conv_pool.dtype)], -1)  # [B,C,Kc]
             conv_pool[slots] = window[..., 1:]
             conv_out = F.silu((window.to(w.dtype) * w).sum(-1)).to(x.dtype)  # [B, C]
