@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
 #include <type_traits>
 #include <vector>
 #include <omp.h>
@@ -133,9 +134,41 @@ struct Prefetch {
         _mm_prefetch(p[b], _MM_HINT_T0);
 #endif
   }
+  inline void step(int64_t) { step(); }
+};
+
+// Decode path prefetch: one cursor per thread walking that thread's whole read sequence (its
+// contiguous row blocks of every expert, phase 1 then phase 2) a fixed distance ahead of the
+// rows it is reading; step(bytes) issues one line per 64 bytes consumed. It runs across block,
+// expert and phase boundaries, so the first rows of the next block are already on their way.
+int64_t g_pf_dist = 4096;  // bytes ahead (ft_cpu_set_prefetch_distance)
+
+struct Stream {
+  const char* const* seg_b = nullptr;
+  const char* const* seg_e = nullptr;
+  int nseg = 0, i = 0;
+  const char* p = nullptr;
+  int64_t credit = 0;
+  inline void step(int64_t bytes) {
+#if defined(__AVX2__) || defined(__AVX512F__)
+    credit += bytes;
+    while (credit >= 64) {
+      while (p >= seg_e[i]) {
+        if (i + 1 >= nseg) { credit = 0; return; }
+        p = seg_b[++i];
+      }
+      _mm_prefetch(p, _MM_HINT_T0);
+      p += 64;
+      credit -= 64;
+    }
+#else
+    (void)bytes;
+#endif
+  }
 };
 
 int g_prefetch = 1;  // ft_cpu_set_prefetch: lines per iteration multiplier (0 = off)
+int g_contig = 1;    // ft_cpu_set_contig: 0 = decode groups use the interleaved-tile path
 
 inline Prefetch make_prefetch(const void* a, const void* b, int64_t block_bytes, int64_t len) {
   Prefetch pf;
@@ -150,9 +183,9 @@ inline Prefetch make_prefetch(const void* a, const void* b, int64_t block_bytes,
 }
 
 // res[r * NT + t] = rows[r][0:len] . xs[t][0:len]
-template <typename W, int NR, int NT>
+template <typename W, int NR, int NT, typename PF = Prefetch>
 inline void dot_tile(const W* const* rows, const float* const* xs, int64_t len, float* res,
-                     Prefetch pf) {
+                     PF& pf) {
   V acc[NR][NT];
 #pragma GCC unroll 32
   for (int r = 0; r < NR; ++r)
@@ -160,7 +193,7 @@ inline void dot_tile(const W* const* rows, const float* const* xs, int64_t len, 
     for (int t = 0; t < NT; ++t) acc[r][t] = vzero();
   int64_t j = 0;
   for (; j + VL <= len; j += VL) {
-    pf.step();
+    pf.step(static_cast<int64_t>(NR * VL * sizeof(W)));
     V xv[NT];
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) xv[t] = vload(xs[t] + j);
@@ -188,7 +221,7 @@ inline void dot_tile(const W* const* rows, const float* const* xs, int64_t len, 
 // Same contract on bf16 activations: 32 bf16 products per instruction, fp32 accumulation.
 template <int NR, int NT>
 inline void dot_tile_dp(const uint16_t* const* rows, const uint16_t* const* xs, int64_t len,
-                        float* res, Prefetch pf) {
+                        float* res, Prefetch& pf) {
   __m512 acc[NR][NT];
   for (int r = 0; r < NR; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -243,6 +276,106 @@ struct Group {
   bool dp;  // use bf16 activations + dpbf16
 };
 
+// dot_tile over NT = n (1..kNtMax) token vectors.
+template <typename W, int NR>
+inline void dot_tile_n(const W* const* rows, const float* const* xs, int n, int64_t len,
+                       float* res, Stream& pf) {
+  if (n == 1) dot_tile<W, NR, 1>(rows, xs, len, res, pf);
+  else if (n == 2) dot_tile<W, NR, 2>(rows, xs, len, res, pf);
+  else dot_tile<W, NR, kNtMax>(rows, xs, len, res, pf);
+}
+
+// res[(r - r0) * n + t] = rows r0..r1-1 of `base` (row length len) . xs[t], for t < n, in the
+// order the rows lie in memory: tiles of kSeqRows consecutive rows, then single rows.
+constexpr int kSeqRows = 2 * kHalfRows;
+template <typename W>
+inline void dot_block(const W* base, int64_t r0, int64_t r1, int64_t len,
+                      const float* const* xs, int n, float* res, Stream& pf) {
+  int64_t r = r0;
+  for (; r + kSeqRows <= r1; r += kSeqRows) {
+    const W* rows[kSeqRows];
+    for (int q = 0; q < kSeqRows; ++q) rows[q] = base + (r + q) * len;
+    dot_tile_n<W, kSeqRows>(rows, xs, n, len, res + (r - r0) * n, pf);
+  }
+  for (; r < r1; ++r) {
+    const W* row = base + r * len;
+    dot_tile_n<W, 1>(&row, xs, n, len, res + (r - r0) * n, pf);
+  }
+}
+
+// Decode-size groups (every n <= kNtMax, fp32 activations): each thread owns one contiguous
+// block of gate rows, the matching up rows and one contiguous block of down rows of every
+// expert, and reads them in address order (gate block, up block, next expert, ...; then the
+// down blocks), so a core streams a few long sequential regions with its Stream prefetch
+// running ahead through all of them. One barrier between the phases.
+template <typename W>
+void run_small(int64_t H, int64_t I, float* out, const std::vector<Group>& groups,
+               const std::vector<int64_t>& entries, const std::vector<const float*>& xp,
+               const std::vector<const float*>& ap, float* act, const W* gate_up,
+               const W* down, int nth) {
+  const int ng = static_cast<int>(groups.size());
+  int nmax = 1;
+  for (const Group& g : groups) nmax = g.n > nmax ? g.n : nmax;
+#pragma omp parallel num_threads(nth)
+  {
+    const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    // row ranges in units of kSeqRows so every thread's tiles are full
+    const int64_t u1 = (I + kSeqRows - 1) / kSeqRows, u2 = (H + kSeqRows - 1) / kSeqRows;
+    const int64_t a0 = std::min<int64_t>(I, u1 * tid / nt * kSeqRows);
+    const int64_t a1 = std::min<int64_t>(I, u1 * (tid + 1) / nt * kSeqRows);
+    const int64_t c0 = std::min<int64_t>(H, u2 * tid / nt * kSeqRows);
+    const int64_t c1 = std::min<int64_t>(H, u2 * (tid + 1) / nt * kSeqRows);
+    constexpr int64_t sw = static_cast<int64_t>(sizeof(W));
+    std::vector<const char*> sb, se;
+    sb.reserve(3 * ng);
+    se.reserve(3 * ng);
+    auto add = [&](const W* p, int64_t elems) {
+      if (elems <= 0) return;
+      sb.push_back(reinterpret_cast<const char*>(p));
+      se.push_back(reinterpret_cast<const char*>(p + elems));
+    };
+    for (const Group& g : groups) {
+      const W* base = gate_up + g.expert * 2 * I * H;
+      add(base + a0 * H, (a1 - a0) * H);
+      add(base + (I + a0) * H, (a1 - a0) * H);
+    }
+    for (const Group& g : groups) add(down + g.expert * H * I + c0 * I, (c1 - c0) * I);
+    Stream pf;
+    if (!sb.empty() && g_prefetch > 0) {
+      pf.seg_b = sb.data();
+      pf.seg_e = se.data();
+      pf.nseg = static_cast<int>(sb.size());
+      pf.p = sb[0];
+      pf.step(g_pf_dist);
+    }
+    std::vector<float> gres(static_cast<size_t>(std::max<int64_t>(a1 - a0, 1) * nmax));
+    std::vector<float> ures(gres.size());
+    std::vector<float> dres(static_cast<size_t>(std::max<int64_t>(c1 - c0, 1) * nmax));
+    if (a1 > a0)
+      for (const Group& g : groups) {
+        const W* base = gate_up + g.expert * 2 * I * H;
+        const float* const* xs = xp.data() + g.begin;
+        dot_block<W>(base, a0, a1, H, xs, g.n, gres.data(), pf);
+        dot_block<W>(base, I + a0, I + a1, H, xs, g.n, ures.data(), pf);
+        for (int64_t r = a0; r < a1; ++r)
+          for (int t = 0; t < g.n; ++t) {
+            const float gv = gres[(r - a0) * g.n + t], uv = ures[(r - a0) * g.n + t];
+            act[(g.begin + t) * I + r] = gv / (1.f + std::exp(-gv)) * uv;
+          }
+      }
+#pragma omp barrier
+    if (c1 > c0)
+      for (const Group& g : groups) {
+        dot_block<W>(down + g.expert * H * I, c0, c1, I, ap.data() + g.begin, g.n, dres.data(),
+                     pf);
+        for (int t = 0; t < g.n; ++t) {
+          float* o = out + entries[g.begin + t] * H;
+          for (int64_t h = c0; h < c1; ++h) o[h] = dres[(h - c0) * g.n + t];
+        }
+      }
+  }
+}
+
 template <typename W>
 void run(const float* x, int64_t T, int64_t H, const int64_t* ids, int64_t K,
          const uint8_t* mask, const W* gate_up, const W* down, int64_t I, float* out,
@@ -264,6 +397,12 @@ void run(const float* x, int64_t T, int64_t H, const int64_t* ids, int64_t K,
       abp[j] = ab.data() + j * I;
     }
   }
+  bool small = !any_dp;
+  for (const Group& g : groups) small = small && g.n <= kNtMax;
+  if (small && g_contig) {
+    run_small<W>(H, I, out, groups, entries, xp, ap, act.data(), gate_up, down, nth);
+    return;
+  }
   for (const Group& g : groups)
     if (g.dp)
       for (int64_t j = g.begin; j < g.begin + g.n; ++j)
@@ -277,8 +416,6 @@ void run(const float* x, int64_t T, int64_t H, const int64_t* ids, int64_t K,
 
   // Decode-size groups cost the same per item: static contiguous chunks, so each thread's
   // next item is the memory its prefetch already ran into. Bigger groups: dynamic balance.
-  bool small = true;
-  for (const Group& g : groups) small = small && g.n <= kNtMax;
   omp_set_schedule(small ? omp_sched_static : omp_sched_dynamic, small ? 0 : 1);
 #pragma omp parallel num_threads(nth)
   {
@@ -354,6 +491,11 @@ const char* ft_cpu_isa() { return FT_ISA; }
 
 // Benchmark knob: 0 disables the software prefetch of the next tile (for A/B timing).
 void ft_cpu_set_prefetch(int on) { g_prefetch = on; }
+
+// Benchmark knobs: prefetch distance (bytes ahead) of the decode path, and 0 to send decode
+// groups through the interleaved-tile path instead of the per-thread contiguous blocks.
+void ft_cpu_set_prefetch_distance(int64_t bytes) { g_pf_dist = bytes > 0 ? bytes : 0; }
+void ft_cpu_set_contig(int on) { g_contig = on; }
 
 // Host read-bandwidth probe: sums n floats with nthreads threads, each streaming one contiguous
 // slice once (the access pattern of the expert kernel, no arithmetic in the way).
