@@ -113,11 +113,9 @@ def run_shape(args: argparse.Namespace) -> int:
     if args.route_trace:
         path = args.route_trace
         if path == "shared":  # a copy of ../shared/routing_traces travels with the repo
-            from pathlib import Path
+            from freetoken.experts.routing import SHARED_TRACE_DIR
 
-            import workloads
-
-            path = str(Path(workloads.__file__).parent / "data/routing_traces/decode_routing.npy")
+            path = str(SHARED_TRACE_DIR / "decode_routing.npy")
         install_trace(model, TraceRouter(np.load(path), cfg.num_experts, cfg.top_k))
     opts = moe_options(args)
     if opts.cache_size is None and opts.cache_rate is None and opts.cache_mem is None:

@@ -4,7 +4,7 @@ File format (`.npz`, written by `RoutingRecorder.save`, one decoded sequence):
   decode       uint8 (E <= 256) or int16 `[steps, L, K]`: expert ids chosen at each decode step
   prefill      optional, same dtype, `[L, T, K]`: expert ids of the prompt's T tokens
   num_experts  int64 scalar; top_k int64 scalar
-The shared traces (/work/shared/routing_traces: decode_routing.npy `[steps, L, N, K]`,
+The shared traces (a copy of ../shared/routing_traces in workloads/data: decode_routing.npy `[steps, L, N, K]`,
 prefill_routing.npy `[L, N, T, K]`) load into the same in-memory form, `RoutingTrace`, which is
 sequence-major: decode `[N, steps, L, K]`, prefill `[N, L, T, K]` (or None).
 """
@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 from torch import Tensor
 
-SHARED_TRACE_DIR = Path("/work/shared/routing_traces")
+# A copy of ../shared/routing_traces (a trained router's routing) travels with the package.
+SHARED_TRACE_DIR = Path(__file__).resolve().parents[2] / "workloads" / "data" / "routing_traces"
 
 # Synthetic routing: per-layer popularity ~ 1/(rank+1)**ZIPF_EXPONENT, and each expert of the
 # previous step is kept with probability `locality`. SYNTH_LOCALITY_QWEN36 is the locality at which
