@@ -8,6 +8,8 @@ expert bytes a step must read; us/layer is the median step.
 
   python scripts/bench_cpu_kernel.py                      # the GPU machine (16 cores)
   python scripts/bench_cpu_kernel.py --pool-gb 1 --read-gb 0.5 --seconds 0.5 --threads 2
+  python scripts/bench_cpu_kernel.py --threads 16,8 --tokens 1,4 --sweep-all --no-torch \
+      --interleaved-rows                                  # new vs old decode layout, A/B
 """
 from __future__ import annotations
 
@@ -44,6 +46,11 @@ def _args() -> argparse.Namespace:
     p.add_argument("--no-torch", action="store_true", help="skip the torch rows")
     p.add_argument("--no-prefetch-rows", action="store_true",
                    help="skip the kernel rows with software prefetch off")
+    p.add_argument("--interleaved-rows", action="store_true",
+                   help="also time the previous decode layout (interleaved tiles, all threads "
+                        "on every expert) beside the per-thread contiguous blocks")
+    p.add_argument("--pf-dist", type=int, default=None,
+                   help="decode-path prefetch distance in bytes (default: the kernel's)")
     return p.parse_args()
 
 
@@ -67,10 +74,14 @@ def main() -> int:
     gu, dn = bw.make_pool(shape, dtype, a.pool_gb * 1e9)  # [P, 2I, H], [P, H, I]
     print(f"[bench] pool: {gu.shape[0]} experts in {time.perf_counter() - t0:.1f}s", flush=True)
 
-    def kernel_fn(nth: int, prefetch: bool):
+    if kern is not None and a.pf_dist is not None:
+        kern.set_prefetch_distance(a.pf_dist)
+
+    def kernel_fn(nth: int, prefetch: bool, contig: bool = True):
         def fn(x, ids, g, d):
             assert kern is not None
             kern.set_prefetch(prefetch)
+            kern.set_contig(contig)
             out = torch.empty(ids.shape[0], ids.shape[1], g.shape[2])
             kern.run(x, ids, g, d, None, out, num_threads=nth)
         return fn
@@ -81,6 +92,9 @@ def main() -> int:
             configs.append(("torch bf16 F.linear", t, threads[0], None))
         if kern is not None:
             configs.append(("kernel", t, threads[0], kernel_fn(threads[0], True)))
+            if a.interleaved_rows:
+                configs.append(("kernel interleaved", t, threads[0],
+                                kernel_fn(threads[0], True, False)))
             if not a.no_prefetch_rows:
                 configs.append(("kernel no-prefetch", t, threads[0],
                                 kernel_fn(threads[0], False)))
@@ -88,6 +102,8 @@ def main() -> int:
         if kern is not None:
             for t in tokens if a.sweep_all else [1]:
                 configs.append(("kernel", t, nth, kernel_fn(nth, True)))
+                if a.interleaved_rows:
+                    configs.append(("kernel interleaved", t, nth, kernel_fn(nth, True, False)))
 
     rows = []
     for seed, (name, t, nth, fn) in enumerate(configs, start=1):

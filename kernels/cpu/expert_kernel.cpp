@@ -141,7 +141,7 @@ struct Prefetch {
 // contiguous row blocks of every expert, phase 1 then phase 2) a fixed distance ahead of the
 // rows it is reading; step(bytes) issues one line per 64 bytes consumed. It runs across block,
 // expert and phase boundaries, so the first rows of the next block are already on their way.
-int64_t g_pf_dist = 4096;  // bytes ahead (ft_cpu_set_prefetch_distance)
+int64_t g_pf_dist = 32768;  // bytes ahead (ft_cpu_set_prefetch_distance)
 
 struct Stream {
   const char* const* seg_b = nullptr;
@@ -151,13 +151,14 @@ struct Stream {
   int64_t credit = 0;
   inline void step(int64_t bytes) {
 #if defined(__AVX2__) || defined(__AVX512F__)
+    if (nseg == 0) return;
     credit += bytes;
     while (credit >= 64) {
       while (p >= seg_e[i]) {
         if (i + 1 >= nseg) { credit = 0; return; }
         p = seg_b[++i];
       }
-      _mm_prefetch(p, _MM_HINT_T0);
+      _mm_prefetch(p, _MM_HINT_T1);  // to L2: more lines in flight than L1 allows
       p += 64;
       credit -= 64;
     }

@@ -101,6 +101,15 @@ class CpuKernel:
         """Benchmark knob: software prefetch of the next tile (on by default)."""
         self._lib.ft_cpu_set_prefetch(ctypes.c_int(int(on)))
 
+    def set_prefetch_distance(self, nbytes: int) -> None:
+        """Benchmark knob: how far ahead (bytes) the decode path prefetches."""
+        self._lib.ft_cpu_set_prefetch_distance(ctypes.c_int64(int(nbytes)))
+
+    def set_contig(self, on: bool) -> None:
+        """Benchmark knob: decode-size groups on per-thread contiguous row blocks (default) or
+        on the interleaved-tile path."""
+        self._lib.ft_cpu_set_contig(ctypes.c_int(int(on)))
+
     def stream_sum(self, buf: Tensor, num_threads: int | None = None) -> float:
         """Sum of squares of a contiguous float32 buffer, read once with all threads (the
         host read-bandwidth probe)."""

@@ -132,3 +132,23 @@ def test_every_code_path_this_cpu_runs(isa: str) -> None:
             return out
 
         _check_against_ref(fn, seed, dtype, t=9 if seed == 22 else None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("t", [1, 3])
+def test_kernel_decode_blocks_any_thread_count(kernel: CpuKernel, dtype: torch.dtype,
+                                               threads: int, t: int) -> None:
+    """Decode-size groups (per-thread contiguous row blocks): every thread count, including
+    more threads than row blocks, and row counts that are not a multiple of the tile."""
+    for seed in (30, 31, 32):
+        def fn(x, ids, gu, dn, mask, out):
+            kernel.run(x, ids, gu, dn, mask, out, num_threads=threads, allow_dpbf16=False)
+            return out
+
+        _check_against_ref(fn, seed, dtype, t=t)
+        if dtype == torch.bfloat16:  # exact widening: fp32 accuracy
+            x, ids, gu, dn, _ = _case(seed, dtype, t)
+            out = torch.zeros(x.shape[0], ids.shape[1], x.shape[1])
+            kernel.run(x, ids, gu, dn, None, out, num_threads=threads, allow_dpbf16=False)
+            assert _rel(out, cpu_experts_ref(x, ids, gu, dn)) < 1e-5
