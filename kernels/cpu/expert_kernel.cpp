@@ -19,6 +19,9 @@
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
+#include <atomic>
+#include <memory>
+#include <thread>
 #include <type_traits>
 #include <vector>
 #include <omp.h>
@@ -277,38 +280,64 @@ struct Group {
   bool dp;  // use bf16 activations + dpbf16
 };
 
-// dot_tile over NT = n (1..kNtMax) token vectors.
-template <typename W, int NR>
-inline void dot_tile_n(const W* const* rows, const float* const* xs, int n, int64_t len,
-                       float* res, Stream& pf) {
-  if (n == 1) dot_tile<W, NR, 1>(rows, xs, len, res, pf);
-  else if (n == 2) dot_tile<W, NR, 2>(rows, xs, len, res, pf);
-  else dot_tile<W, NR, kNtMax>(rows, xs, len, res, pf);
+// res[t] = row[0:len] . xs[t][0:len] for NT tokens, U accumulators per token: one row read
+// start to end (a purely sequential stream), the activations re-read from L1.
+template <typename W, int NT, int U>
+inline void dot_row_seq(const W* row, const float* const* xs, int64_t len, float* res,
+                        Stream& pf) {
+  V acc[NT][U];
+#pragma GCC unroll 8
+  for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) acc[t][u] = vzero();
+  int64_t j = 0;
+  for (; j + U * VL <= len; j += U * VL) {
+    pf.step(static_cast<int64_t>(U * VL * sizeof(W)));
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) {
+      const V w = vload(row + j + u * VL);
+#pragma GCC unroll 8
+      for (int t = 0; t < NT; ++t) acc[t][u] = vfma(w, vload(xs[t] + j + u * VL), acc[t][u]);
+    }
+  }
+  for (; j + VL <= len; j += VL) {
+    const V w = vload(row + j);
+    for (int t = 0; t < NT; ++t) acc[t][0] = vfma(w, vload(xs[t] + j), acc[t][0]);
+  }
+  if (j < len) {
+    const int rem = static_cast<int>(len - j);
+    const V w = vload_tail(row + j, rem);
+    for (int t = 0; t < NT; ++t) acc[t][0] = vfma(w, vload_tail(xs[t] + j, rem), acc[t][0]);
+  }
+  for (int t = 0; t < NT; ++t) {
+    float sum = 0.f;
+    for (int u = 0; u < U; ++u) sum += vsum(acc[t][u]);
+    res[t] = sum;
+  }
 }
 
-// res[(r - r0) * n + t] = rows r0..r1-1 of `base` (row length len) . xs[t], for t < n, in the
-// order the rows lie in memory: tiles of kSeqRows consecutive rows, then single rows.
-constexpr int kSeqRows = 2 * kHalfRows;
+// res[(r - r0) * n + t] = rows r0..r1-1 of `base` (row length len) . xs[t], for t < n
+// (n <= kNtMax), one row after another in address order.
 template <typename W>
 inline void dot_block(const W* base, int64_t r0, int64_t r1, int64_t len,
                       const float* const* xs, int n, float* res, Stream& pf) {
-  int64_t r = r0;
-  for (; r + kSeqRows <= r1; r += kSeqRows) {
-    const W* rows[kSeqRows];
-    for (int q = 0; q < kSeqRows; ++q) rows[q] = base + (r + q) * len;
-    dot_tile_n<W, kSeqRows>(rows, xs, n, len, res + (r - r0) * n, pf);
-  }
-  for (; r < r1; ++r) {
+  for (int64_t r = r0; r < r1; ++r) {
     const W* row = base + r * len;
-    dot_tile_n<W, 1>(&row, xs, n, len, res + (r - r0) * n, pf);
+    float* o = res + (r - r0) * n;
+    if (n == 1) dot_row_seq<W, 1, 4>(row, xs, len, o, pf);
+    else if (n == 2) dot_row_seq<W, 2, 2>(row, xs, len, o, pf);
+    else dot_row_seq<W, kNtMax, 2>(row, xs, len, o, pf);
   }
 }
+
+constexpr int64_t kRowUnit = 8;
 
 // Decode-size groups (every n <= kNtMax, fp32 activations): each thread owns one contiguous
 // block of gate rows, the matching up rows and one contiguous block of down rows of every
 // expert, and reads them in address order (gate block, up block, next expert, ...; then the
 // down blocks), so a core streams a few long sequential regions with its Stream prefetch
-// running ahead through all of them. One barrier between the phases.
+// running ahead through all of them. No barrier: phase 2 of an expert waits only for that
+// expert's phase 1.
 template <typename W>
 void run_small(int64_t H, int64_t I, float* out, const std::vector<Group>& groups,
                const std::vector<int64_t>& entries, const std::vector<const float*>& xp,
@@ -317,15 +346,20 @@ void run_small(int64_t H, int64_t I, float* out, const std::vector<Group>& group
   const int ng = static_cast<int>(groups.size());
   int nmax = 1;
   for (const Group& g : groups) nmax = g.n > nmax ? g.n : nmax;
+  // done[g]: threads that finished phase 1 of group g. Phase 2 of a group waits for its own
+  // count only (all threads do phase 1 in the same group order, so by the time a thread reaches
+  // phase 2 the first groups are long done): no barrier across the whole call.
+  std::unique_ptr<std::atomic<int>[]> done(new std::atomic<int>[ng > 0 ? ng : 1]);
+  for (int g = 0; g < ng; ++g) done[g].store(0, std::memory_order_relaxed);
 #pragma omp parallel num_threads(nth)
   {
     const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
-    // row ranges in units of kSeqRows so every thread's tiles are full
-    const int64_t u1 = (I + kSeqRows - 1) / kSeqRows, u2 = (H + kSeqRows - 1) / kSeqRows;
-    const int64_t a0 = std::min<int64_t>(I, u1 * tid / nt * kSeqRows);
-    const int64_t a1 = std::min<int64_t>(I, u1 * (tid + 1) / nt * kSeqRows);
-    const int64_t c0 = std::min<int64_t>(H, u2 * tid / nt * kSeqRows);
-    const int64_t c1 = std::min<int64_t>(H, u2 * (tid + 1) / nt * kSeqRows);
+    // row ranges in units of kRowUnit rows (whole pages for 2048-wide bf16 rows)
+    const int64_t u1 = (I + kRowUnit - 1) / kRowUnit, u2 = (H + kRowUnit - 1) / kRowUnit;
+    const int64_t a0 = std::min<int64_t>(I, u1 * tid / nt * kRowUnit);
+    const int64_t a1 = std::min<int64_t>(I, u1 * (tid + 1) / nt * kRowUnit);
+    const int64_t c0 = std::min<int64_t>(H, u2 * tid / nt * kRowUnit);
+    const int64_t c1 = std::min<int64_t>(H, u2 * (tid + 1) / nt * kRowUnit);
     constexpr int64_t sw = static_cast<int64_t>(sizeof(W));
     std::vector<const char*> sb, se;
     sb.reserve(3 * ng);
@@ -352,8 +386,9 @@ void run_small(int64_t H, int64_t I, float* out, const std::vector<Group>& group
     std::vector<float> gres(static_cast<size_t>(std::max<int64_t>(a1 - a0, 1) * nmax));
     std::vector<float> ures(gres.size());
     std::vector<float> dres(static_cast<size_t>(std::max<int64_t>(c1 - c0, 1) * nmax));
-    if (a1 > a0)
-      for (const Group& g : groups) {
+    for (int gi = 0; gi < ng; ++gi) {
+      const Group& g = groups[gi];
+      if (a1 > a0) {
         const W* base = gate_up + g.expert * 2 * I * H;
         const float* const* xs = xp.data() + g.begin;
         dot_block<W>(base, a0, a1, H, xs, g.n, gres.data(), pf);
@@ -364,9 +399,17 @@ void run_small(int64_t H, int64_t I, float* out, const std::vector<Group>& group
             act[(g.begin + t) * I + r] = gv / (1.f + std::exp(-gv)) * uv;
           }
       }
-#pragma omp barrier
+      done[gi].fetch_add(1, std::memory_order_release);
+    }
     if (c1 > c0)
-      for (const Group& g : groups) {
+      for (int gi = 0; gi < ng; ++gi) {
+        const Group& g = groups[gi];
+        for (int spin = 0; done[gi].load(std::memory_order_acquire) < nt; ++spin) {
+          if (spin > 4096) std::this_thread::yield();  // oversubscribed: let the others run
+#if defined(__AVX2__) || defined(__AVX512F__)
+          else _mm_pause();
+#endif
+        }
         dot_block<W>(down + g.expert * H * I, c0, c1, I, ap.data() + g.begin, g.n, dres.data(),
                      pf);
         for (int t = 0; t < g.n; ++t) {
