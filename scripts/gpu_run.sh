@@ -25,8 +25,9 @@ if has gputests; then
     | tee "$OUT/gpu_only_tests.log"
 fi
 if has kernel; then
-  timeout 240 python3 scripts/bench_cpu_kernel.py --threads 16,12,8 --tokens 1,2,4,8 \
-    --json "$OUT/cpu_kernel.json" 2>&1 | tee "$OUT/cpu_kernel.log"
+  OMP_PROC_BIND=close OMP_PLACES=cores timeout 240 python3 scripts/bench_cpu_kernel.py \
+    --threads 16,12,8 --tokens 1,2,4,8 --interleaved-rows --json "$OUT/cpu_kernel.json" 2>&1 \
+    | tee "$OUT/cpu_kernel.log"
 fi
 if has bw; then
   timeout 180 $FT bench bw --pool-gb 6 --seconds 2 2>&1 | tee "$OUT/bw.log"
