@@ -82,21 +82,18 @@ class AsyncEngine:
         while True:
             op, a, b = msg
             if op == "add":
-                self._emitters[a.request_id] = b
                 try:
                     self.core.add(a, b)
                 except Exception as e:  # noqa: BLE001  (admission raced with check: report, never crash)
                     b(e)
             elif op == "abort":
                 self.core.abort(a)
-                self._emitters.pop(a, None)
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
     def _loop(self) -> None:
-        self._emitters: dict = {}
         while not self._stop:
             self._drain(block=not self.core.has_work())
             if not self.core.has_work():
