@@ -16,6 +16,7 @@ import sys
 _COMMANDS = [
     "freetoken.engine.cli_generate",
     "freetoken.server.cli_serve",
+    "freetoken.server.cli_ctl",
     "freetoken.proxy.cli_proxy",
 ]
 _BENCH_COMMANDS = [

@@ -11,8 +11,10 @@ import itertools
 import queue
 import threading
 import traceback
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any, TypeVar
 
 from freetoken.engine.api import EngineEvent, GenerateRequest
 from freetoken.engine.core import EngineCore
@@ -20,6 +22,7 @@ from freetoken.log import get_logger, kv
 
 log = get_logger("engine")
 _ids = itertools.count(1)
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -67,6 +70,16 @@ class AsyncEngine:
     def stats(self) -> dict:
         return self.core.snapshot_stats()
 
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run `fn(*args, **kwargs)` on the engine thread between two steps (a safe point for
+        anything that changes the engine's buffers) and return its result or raise its error."""
+        fut: Future = Future()
+        self._inbox.put(("call", (fn, args, kwargs), fut))
+        return await asyncio.wrap_future(fut)
+
+    async def resize_experts(self, **spec: Any) -> dict:
+        return await self.call(self.core.resize_experts, **spec)
+
     def shutdown(self) -> None:
         self._stop = True
         self._inbox.put(("stop", None, None))
@@ -88,6 +101,12 @@ class AsyncEngine:
                     b(e)
             elif op == "abort":
                 self.core.abort(a)
+            elif op == "call":
+                fn, args, kwargs = a
+                try:
+                    b.set_result(fn(*args, **kwargs))
+                except Exception as e:  # noqa: BLE001  (handed to the caller)
+                    b.set_exception(e)
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:

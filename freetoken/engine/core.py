@@ -21,6 +21,10 @@ from freetoken.scheduler.scheduler import BatchItem, Scheduler
 log = get_logger("engine")
 
 
+class ResizeError(RuntimeError):
+    """A run-time re-budget could not allocate; the previous cache is still serving."""
+
+
 class EngineCore:
     def __init__(self, model: QwenMoE, eos_ids: list[int], kv_tokens: int = 32768,
                  state_slots: int = 64, max_running: int = 4, chunk_tokens: int = 512,
@@ -129,7 +133,44 @@ class EngineCore:
                            prompt_tokens=r.prompt_len, cached_tokens=r.cached_tokens,
                            matched_stop_id=tok if reason == "stop" else None))
 
+    def resize_experts(self, slots: int | None = None, rate: float | None = None,
+                       mem: int | None = None) -> dict:
+        """Re-budget the GPU expert cache without a restart. Runs between steps (the engine
+        thread's safe point). All or nothing: a failed allocation leaves the old cache serving
+        and raises `ResizeError`."""
+        rt = getattr(self.model, "moe_runtime", None)
+        if rt is None or rt.cache is None:
+            raise AdmissionError("this server runs without an expert slot cache "
+                                 "(--moe-backend fused); nothing to re-budget", "slots")
+        pool = rt.store.num_layers * rt.store.num_experts
+        given = [v for v in (slots, rate, mem) if v is not None]
+        if len(given) != 1:
+            raise AdmissionError("give exactly one of slots, rate, mem", "slots")
+        if rate is not None:
+            n = round(rate * pool) if 0 < rate <= 1 else -1
+        elif mem is not None:
+            n = min(pool, mem // rt.store.expert_bytes) if mem > 0 else -1  # a budget: clamp
+        else:
+            n = slots if isinstance(slots, int) else -1
+        if not 1 <= n <= pool:
+            raise AdmissionError(f"the cache must hold between 1 and {pool} slots (got {n})",
+                                 "slots")
+        old = rt.cache.num_slots
+        try:
+            rt.cache.resize(n)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            log.warning(kv("experts_resize_failed", old=old, asked=n, error=type(e).__name__))
+            raise ResizeError(f"could not allocate {n} slots ({e}); still serving with {old}")
+        log.info(kv("experts_resized", old=old, new=n, pool=pool))
+        return {"slots": n, "previous": old, "pool": pool, "rate": round(n / pool, 4),
+                "resident": rt.cache.table.resident_count(),
+                "slot_bytes": rt.store.expert_bytes}
+
     def snapshot_stats(self) -> dict:
         out = self.stats.summary()
         out["cache"] = self.sched.stats()
+        rt = getattr(self.model, "moe_runtime", None)
+        if rt is not None and rt.cache is not None:
+            out["experts"] = {"backend": rt.backend, "slots": rt.cache.num_slots,
+                              **rt.stats.as_dict()}
         return out

@@ -100,23 +100,27 @@ class SlotCache:
         return len(experts)
 
     def resize(self, num_slots: int) -> None:
-        """Re-budget to `num_slots` slots at run time.
+        """Re-budget to `num_slots` slots at run time, all or nothing.
 
-        Shrink evicts least recently used experts first and compacts survivors into the kept
-        slots (their weights move with them); grow appends empty slots. Resident experts keep
-        correct weights either way; slot indices from earlier decisions are void afterwards.
+        The new buffers are allocated before anything changes, so an allocation failure (a GPU
+        out of memory) raises with the cache exactly as it was. Shrink evicts the least recently
+        used experts first and compacts survivors into the kept slots (their weights move with
+        them); grow adds empty slots. Resident experts keep correct weights either way; slot
+        indices from earlier decisions are void afterwards. Peak memory is old + new buffers.
         """
         old = self.num_slots
-        src, dst = self.table.resize(num_slots)  # [M], [M]
-        if num_slots < old:
-            self.gate_up_slots[dst] = self.gate_up_slots[src]
-            self.down_slots[dst] = self.down_slots[src]
-            self.gate_up_slots = self.gate_up_slots[:num_slots].clone()
-            self.down_slots = self.down_slots[:num_slots].clone()
-        elif num_slots > old:
-            gate_up, down = self._alloc_gate_up(num_slots), self._alloc_down(num_slots)
-            gate_up[:old] = self.gate_up_slots
-            down[:old] = self.down_slots
-            self.gate_up_slots, self.down_slots = gate_up, down
+        if num_slots == old:
+            return
+        if num_slots < 1:
+            raise ValueError("a slot cache needs at least one slot")
+        gate_up, down = self._alloc_gate_up(num_slots), self._alloc_down(num_slots)  # may raise
+        keep = min(old, num_slots)
+        src, dst = self.table.resize(num_slots)  # [M], [M] survivor moves (shrink only)
+        gate_up[:keep] = self.gate_up_slots[:keep]
+        down[:keep] = self.down_slots[:keep]
+        if src.numel():
+            gate_up[dst] = self.gate_up_slots[src]
+            down[dst] = self.down_slots[src]
+        self.gate_up_slots, self.down_slots = gate_up, down
         log.info(kv("slot_cache_resize", old=old, new=num_slots, moved=int(src.numel()),
                     resident=self.table.resident_count()))

@@ -96,6 +96,8 @@ def create_app(engine: EngineClient, tokenizer: Any, *, api_key: str | None,
         Route("/v1/messages/count_tokens", _endpoint(anthropic_routes.count_tokens),
               methods=["POST"]),
         Route("/ft/v1/generate", _endpoint(native_routes.generate), methods=["POST"]),
+        Route("/ft/v1/control/experts", _endpoint(native_routes.control_experts),
+              methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error,
                                                        Exception: _unhandled})

@@ -1,4 +1,8 @@
-"""Native and control routes: /health, /v1/stats, and /ft/v1/generate.
+"""Native and control routes: /health, /v1/stats, /ft/v1/generate, /ft/v1/control/experts.
+
+/ft/v1/control/experts re-budgets the GPU expert cache of a running server: `{"slots": N}`,
+`{"rate": 0.37}` or `{"mem": bytes}`, applied by the engine thread between two steps, all or
+nothing (a failed allocation answers 409 and the previous cache keeps serving).
 
 /ft/v1/generate is what the agent proxy sends our engine: token ids already rendered, anchors
 with predicted cut points, a session key. Body:
@@ -40,6 +44,32 @@ async def health(request: Request) -> Response:
 async def stats(request: Request) -> Response:
     st: ServerState = request.app.state.ft
     return JSONResponse(st.engine.stats())
+
+
+async def control_experts(request: Request) -> Response:
+    from freetoken.engine.api import AdmissionError
+    from freetoken.engine.core import ResizeError
+
+    st: ServerState = request.app.state.ft
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise APIError.bad("the body must be a JSON object")
+    spec = {k: body[k] for k in ("slots", "rate", "mem") if k in body}
+    for k, v in spec.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (k != "rate"
+                                                                         and isinstance(v, float)):
+            raise APIError.bad(f"'{k}' must be a {'number' if k == 'rate' else 'integer'}", k)
+    resize = getattr(st.engine, "resize_experts", None)
+    if resize is None:
+        raise APIError(404, "this engine has no expert cache control", None, "not_supported")
+    try:
+        out = await resize(**spec)
+    except AdmissionError as e:
+        raise APIError.from_admission(e) from None
+    except ResizeError as e:
+        raise APIError(409, str(e), "slots", "allocation_failed") from None
+    log.info(kv("control_experts", **out))
+    return JSONResponse(out)
 
 
 def _ids(v: Any, param: str, limit: int, allow_empty: bool) -> list[int]:

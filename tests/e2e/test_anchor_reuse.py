@@ -34,7 +34,7 @@ def _cached(r: httpx.Response, path: str) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("trace", ["openclaw/ocl_try1", "claude_code/cc_try1"])
-def test_each_step_reuses_the_previous_prompt(live, trace: str) -> None:  # noqa: ANN001
+def test_each_step_reuses_the_previous_prompt(live, trace: str) -> None:
     server, engine = live
     engine.max_output_tokens = 2
     try:

@@ -16,7 +16,7 @@ PATHS = ["/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens", "/
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=BODY, path=st.sampled_from(PATHS))
-def test_fuzz_real_engine_never_5xx(live, body: dict, path: str) -> None:  # noqa: ANN001
+def test_fuzz_real_engine_never_5xx(live, body: dict, path: str) -> None:
     server, engine = live
     engine.max_output_tokens = 3  # valid bodies may ask for 10**20 tokens of a random model
     try:

@@ -1,0 +1,44 @@
+"""`ft ctl`: control a running `ft serve` (re-budget the GPU expert cache, read stats)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("ctl", help="control a running server")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--api-key", default=None)
+    sub = p.add_subparsers(dest="ctl_command", required=True)
+    e = sub.add_parser("experts", help="re-budget the GPU expert cache without a restart")
+    g = e.add_mutually_exclusive_group(required=True)
+    g.add_argument("--slots", type=int)
+    g.add_argument("--rate", type=float, help="fraction of the expert pool")
+    g.add_argument("--mem", type=int, help="bytes")
+    e.set_defaults(func=_experts)
+    s = sub.add_parser("stats", help="print /v1/stats")
+    s.set_defaults(func=_stats)
+
+
+def _headers(args: argparse.Namespace) -> dict[str, str]:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
+def _experts(args: argparse.Namespace) -> int:
+    import httpx
+
+    body = {k: getattr(args, k) for k in ("slots", "rate", "mem") if getattr(args, k) is not None}
+    r = httpx.post(args.url + "/ft/v1/control/experts", json=body, headers=_headers(args),
+                   timeout=600)
+    print(json.dumps(r.json(), indent=1))
+    return 0 if r.status_code == 200 else 1
+
+
+def _stats(args: argparse.Namespace) -> int:
+    import httpx
+
+    r = httpx.get(args.url + "/v1/stats", headers=_headers(args), timeout=30)
+    print(json.dumps(r.json(), indent=1))
+    return 0 if r.status_code == 200 else 1
+
+
