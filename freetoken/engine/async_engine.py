@@ -153,6 +153,8 @@ def default_kv_tokens(model, max_context: int, moe) -> int:
 
 def build_engine(args: argparse.Namespace) -> AsyncEngine:
     """From `ft serve` arguments: model path/demo, dtype, device, pool sizes."""
+    import torch
+
     from freetoken.chat import ChatTokenizer
     from freetoken.engine.forward_batch import KVPool
     from freetoken.engine.options import moe_options, resolve_device, resolve_dtype
@@ -168,7 +170,7 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
         from freetoken.engine.options import default_backend
 
         cfg = load_config(model_dir)
-        wdt = dtype or (cfg.torch_dtype if device != "cpu" else __import__("torch").float32)
+        wdt = dtype or (cfg.torch_dtype if device != "cpu" else torch.float32)
         backend = args.moe_backend or default_backend(cfg, wdt, device, args.kv_reserve_tokens)
         moe = moe_options(args, backend)
         reserve = KVPool.bytes_per_token(cfg, wdt) * moe.kv_reserve_tokens

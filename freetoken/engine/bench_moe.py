@@ -8,7 +8,6 @@ from a trace (`--route-trace`) to model a trained router's locality.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,9 +78,7 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEOptio
     sp = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
     generate(model, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), [])
     s0 = dict(rt.stats.__dict__) if rt else None
-    t0 = time.perf_counter()
     res = generate(model, prompt, sp, [])
-    _ = time.perf_counter() - t0
     steps = max(1, len(res.token_ids) - 1)
     hit = fb = cb = 0.0
     floor = None

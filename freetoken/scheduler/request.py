@@ -4,7 +4,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
+import numpy as np
 import torch
 
 from freetoken.engine.api import EngineEvent, GenerateRequest
@@ -37,6 +39,11 @@ class Request:
     @property
     def rid(self) -> str:
         return self.req.request_id
+
+    @cached_property
+    def prompt_array(self) -> np.ndarray:
+        """The prompt as an array, for prefix comparisons repeated while a request waits."""
+        return np.asarray(self.req.input_ids)
 
     @property
     def remaining(self) -> int:

@@ -142,8 +142,7 @@ class Scheduler:
             if o.computed >= o.prompt_len - 1:
                 continue
             n = min(r.prompt_len, o.prompt_len)
-            a = np.asarray(r.ids[:n])
-            diff = np.flatnonzero(a != np.asarray(o.ids[:n]))
+            diff = np.flatnonzero(r.prompt_array[:n] != o.prompt_array[:n])
             shared = int(diff[0]) if diff.size else n
             if shared >= self.SIBLING_MIN_SHARED and o.computed < shared - 1:
                 return o

@@ -3,6 +3,8 @@ refused with a 400, and a failed allocation (a GPU out of memory) answers 409 wi
 cache still serving — the upstream bug where a live rebuild OOMed and left the server stuck."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -43,7 +45,7 @@ def _tokens(url: str) -> list[int]:
     out = []
     for line in r.text.splitlines():
         if line.startswith("data: {"):
-            out += __import__("json").loads(line[6:])["token_ids"]
+            out += json.loads(line[6:])["token_ids"]
     return out
 
 
