@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (device tool): GPU tests, then the benchmarks of
 # docs/benchmarks.md. Writes logs under $OUT.
-# Usage: OUT=/tmp/out scripts/gpu_run.sh [stage ...]   stages: tests gputests kernel bw decode
+# Usage: OUT=/tmp/out scripts/gpu_run.sh [stage ...]
+#   stages: tests gputests kernel ksweep bw decode
 # (default: tests kernel bw decode)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +14,8 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
 fi
-{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; lscpu | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-200;
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; lscpu | grep -E "Model name|^CPU\(s\)|Thread|Core|Socket|NUMA|L3|MHz|Flags" | cut -c1-200;
+  echo "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)"; free -g;
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"; } > "$OUT/machine.txt" 2>&1
 FT="python3 -m freetoken.cli"
 if has tests; then
@@ -24,10 +26,20 @@ if has gputests; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -30 \
     | tee "$OUT/gpu_only_tests.log"
 fi
+KB="python3 scripts/bench_cpu_kernel.py --seconds 1.0"
 if has kernel; then
-  OMP_PROC_BIND=close OMP_PLACES=cores timeout 240 python3 scripts/bench_cpu_kernel.py \
+  OMP_PROC_BIND=close OMP_PLACES=cores timeout 240 $KB \
     --threads 16,12,8 --tokens 1,2,4,8 --interleaved-rows --json "$OUT/cpu_kernel.json" 2>&1 \
     | tee "$OUT/cpu_kernel.log"
+fi
+if has ksweep; then
+  # prefetch distance x target x threads at T=1; then huge pages; then a pinned pool
+  { OMP_PROC_BIND=close OMP_PLACES=cores timeout 200 $KB --threads 16,12 --tokens 1 --no-torch \
+      --no-prefetch-rows --pf-sweep 0,16384,32768,65536,131072 --hint-sweep t1,t2,t0
+    THP_MEM_ALLOC_ENABLE=1 OMP_PROC_BIND=close OMP_PLACES=cores timeout 100 $KB --threads 16 \
+      --tokens 1,4 --no-torch --no-prefetch-rows --pf-sweep 0,32768,131072
+    OMP_PROC_BIND=close OMP_PLACES=cores timeout 100 $KB --threads 16 --tokens 1,4 --no-torch \
+      --no-prefetch-rows --pin --pf-sweep 0,32768,131072; } 2>&1 | tee "$OUT/cpu_kernel_sweep.log"
 fi
 if has bw; then
   timeout 180 $FT bench bw --pool-gb 6 --seconds 2 2>&1 | tee "$OUT/bw.log"

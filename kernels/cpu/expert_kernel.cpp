@@ -145,6 +145,20 @@ struct Prefetch {
 // rows it is reading; step(bytes) issues one line per 64 bytes consumed. It runs across block,
 // expert and phase boundaries, so the first rows of the next block are already on their way.
 int64_t g_pf_dist = 32768;  // bytes ahead (ft_cpu_set_prefetch_distance)
+int g_pf_hint = 1;          // 0 = T0, 1 = T1 (to L2), 2 = T2, 3 = NTA (ft_cpu_set_prefetch_hint)
+
+inline void prefetch_line(const char* p) {
+#if defined(__AVX2__) || defined(__AVX512F__)
+  switch (g_pf_hint) {
+    case 0: _mm_prefetch(p, _MM_HINT_T0); break;
+    case 2: _mm_prefetch(p, _MM_HINT_T2); break;
+    case 3: _mm_prefetch(p, _MM_HINT_NTA); break;
+    default: _mm_prefetch(p, _MM_HINT_T1);  // to L2: more lines in flight than L1 allows
+  }
+#else
+  (void)p;
+#endif
+}
 
 struct Stream {
   const char* const* seg_b = nullptr;
@@ -161,7 +175,7 @@ struct Stream {
         if (i + 1 >= nseg) { credit = 0; return; }
         p = seg_b[++i];
       }
-      _mm_prefetch(p, _MM_HINT_T1);  // to L2: more lines in flight than L1 allows
+      prefetch_line(p);
       p += 64;
       credit -= 64;
     }
@@ -540,19 +554,33 @@ void ft_cpu_set_prefetch(int on) { g_prefetch = on; }
 // groups through the interleaved-tile path instead of the per-thread contiguous blocks.
 void ft_cpu_set_prefetch_distance(int64_t bytes) { g_pf_dist = bytes > 0 ? bytes : 0; }
 void ft_cpu_set_contig(int on) { g_contig = on; }
+void ft_cpu_set_prefetch_hint(int hint) { g_pf_hint = hint >= 0 && hint <= 3 ? hint : 1; }
 
 // Host read-bandwidth probe: sums n floats with nthreads threads, each streaming one contiguous
-// slice once (the access pattern of the expert kernel, no arithmetic in the way).
-float ft_stream_sum(const float* p, int64_t n, int nthreads) {
+// slice once (the access pattern of the expert kernel, no arithmetic in the way). pf_dist > 0
+// adds the decode path's software prefetch that far ahead (the hardware streamer alone can
+// leave bandwidth unused, so the ceiling is the better of the two).
+float ft_stream_sum(const float* p, int64_t n, int nthreads, int64_t pf_dist) {
   const int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
   float total = 0.f;
 #pragma omp parallel num_threads(nth) reduction(+ : total)
   {
     const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t b = n * tid / nt, e = n * (tid + 1) / nt;
+    const char* seg_b = reinterpret_cast<const char*>(p + b);
+    const char* seg_e = reinterpret_cast<const char*>(p + e);
+    Stream pf;
+    if (pf_dist > 0 && e > b) {
+      pf.seg_b = &seg_b;
+      pf.seg_e = &seg_e;
+      pf.nseg = 1;
+      pf.p = seg_b;
+      pf.step(pf_dist);
+    }
     V a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
     int64_t j = b;
     for (; j + 4 * VL <= e; j += 4 * VL) {
+      pf.step(4 * VL * static_cast<int64_t>(sizeof(float)));
       a0 = vfma(vload(p + j), vload(p + j), a0);
       a1 = vfma(vload(p + j + VL), vload(p + j + VL), a1);
       a2 = vfma(vload(p + j + 2 * VL), vload(p + j + 2 * VL), a2);

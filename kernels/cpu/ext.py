@@ -33,6 +33,7 @@ _ISA_FLAGS: dict[str, list[str]] = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "scalar": [],
 }
+PREFETCH_HINTS = ("t0", "t1", "t2", "nta")  # order = the kernel's hint codes
 _SOURCE = Path(__file__).with_name("expert_kernel.cpp")
 
 
@@ -95,7 +96,7 @@ class CpuKernel:
         self.built_isa = lib.ft_cpu_isa().decode()
         self._sum = lib.ft_stream_sum
         self._sum.restype = ctypes.c_float
-        self._sum.argtypes = [p, i64, ctypes.c_int]
+        self._sum.argtypes = [p, i64, ctypes.c_int, i64]
 
     def set_prefetch(self, on: bool) -> None:
         """Benchmark knob: software prefetch of the next tile (on by default)."""
@@ -105,18 +106,24 @@ class CpuKernel:
         """Benchmark knob: how far ahead (bytes) the decode path prefetches."""
         self._lib.ft_cpu_set_prefetch_distance(ctypes.c_int64(int(nbytes)))
 
+    def set_prefetch_hint(self, hint: str) -> None:
+        """Benchmark knob: the decode path's prefetch target, one of PREFETCH_HINTS."""
+        self._lib.ft_cpu_set_prefetch_hint(ctypes.c_int(PREFETCH_HINTS.index(hint)))
+
     def set_contig(self, on: bool) -> None:
         """Benchmark knob: decode-size groups on per-thread contiguous row blocks (default) or
         on the interleaved-tile path."""
         self._lib.ft_cpu_set_contig(ctypes.c_int(int(on)))
 
-    def stream_sum(self, buf: Tensor, num_threads: int | None = None) -> float:
+    def stream_sum(self, buf: Tensor, num_threads: int | None = None,
+                   prefetch_bytes: int = 0) -> float:
         """Sum of squares of a contiguous float32 buffer, read once with all threads (the
-        host read-bandwidth probe)."""
+        host read-bandwidth probe); `prefetch_bytes` > 0 adds software prefetch that far
+        ahead."""
         if buf.dtype != torch.float32 or not buf.is_contiguous():
             raise ValueError("stream_sum needs a contiguous float32 tensor")
         nth = num_threads if num_threads is not None else torch.get_num_threads()
-        return float(self._sum(buf.data_ptr(), buf.numel(), nth))
+        return float(self._sum(buf.data_ptr(), buf.numel(), nth, int(prefetch_bytes)))
 
     def run(
         self,
