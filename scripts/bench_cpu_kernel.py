@@ -1,7 +1,8 @@
 """CPU expert kernel vs torch's bf16 path, on fresh experts, beside the host read ceiling.
 
 Ceiling: an all-thread read stream over --read-gb (best of plain and software-prefetched
-passes), measured before and after the rows; rows are held against the higher. Then for each T in --tokens: torch's grouped
+passes). The rows run in --rounds rounds, each opened by a ceiling stream, so drift of the
+machine's bandwidth lands on all rows alike; the table holds medians over rounds. Then for each T in --tokens: torch's grouped
 bf16 F.linear (cpu_experts_torch) and the C++ kernel (with and without its software prefetch),
 each on routes that move to a new window of --layer-experts experts every step, cycling through a
 pool of --pool-gb (far larger than the LLC, so weights come from DRAM). GB/s counts the unique
@@ -40,7 +41,10 @@ def _args() -> argparse.Namespace:
     p.add_argument("--threads", default=str(os.cpu_count()),
                    help="comma list; the first is used for the T sweep, the rest at T=1")
     p.add_argument("--layer-experts", type=int, default=None, help="routing window (default E)")
-    p.add_argument("--seconds", type=float, default=1.5, help="timed seconds per row")
+    p.add_argument("--seconds", type=float, default=1.5,
+                   help="timed seconds per row, over all rounds")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds over all rows, each opened by a ceiling stream; medians reported")
     p.add_argument("--json", default=None, help="also write the rows here")
     p.add_argument("--sweep-all", action="store_true",
                    help="run the T sweep at every thread count (default: the first only)")
@@ -123,43 +127,59 @@ def main() -> int:
                     configs.append((f"kernel {hint} pf={dist // 1024}K", 1, nth,
                                     kernel_fn(nth, dist > 0, True, dist, hint)))
 
-    rows = []
-    for seed, (name, t, nth, fn) in enumerate(configs, start=1):
+    # Rounds: every config once per round, each round opening with a ceiling stream, so drift
+    # of the machine's bandwidth (other tenants) lands on all rows alike; medians over rounds.
+    steps_of: dict[int, int] = {}
+    for i, (name, t, nth, fn) in enumerate(configs):
         torch.set_num_threads(nth)
         call = fn or (lambda x, ids, g, d: cpu_experts_torch(x, ids, g, d))
-        calib = bw.fresh_routes(gu.shape[0], window, t, shape.top_k, 4, seed)
+        calib = bw.fresh_routes(gu.shape[0], window, t, shape.top_k, 4, i)
         _, step_s = bw.time_experts(call, gu, dn, calib, warmup=1)
-        steps = int(min(4000, max(8, a.seconds / max(step_s, 1e-6))))
-        routes = bw.fresh_routes(gu.shape[0], window, t, shape.top_k, steps, seed + 1000)
-        gbps, med = bw.time_experts(call, gu, dn, routes)
-        uniq = sum(int(r.unique().numel()) for r in routes) / len(routes)
-        rows.append({"impl": name, "T": t, "threads": nth, "unique": uniq, "us": med * 1e6,
-                     "gbps": gbps, "pct": 100 * gbps / ceiling})
-        print(f"[bench] {name:<20} T={t:<2} thr={nth:<3} {gbps:6.1f} GB/s "
-              f"({100 * gbps / ceiling:5.1f}%)  {med * 1e6:8.0f} us/layer  steps={steps}",
-              flush=True)
+        steps_of[i] = int(min(4000, max(8, a.seconds / a.rounds / max(step_s, 1e-6))))
+    ceilings: list[float] = [ceiling]
+    got: dict[int, list[tuple[float, float, float]]] = {i: [] for i in range(len(configs))}
+    for rnd in range(a.rounds):
+        if rnd:
+            torch.set_num_threads(max(threads))
+            ceilings.append(bw.host_read_gbps(a.read_gb * 1e9, repeats=2, threads=max(threads)))
+        for i, (name, t, nth, fn) in enumerate(configs):
+            torch.set_num_threads(nth)
+            call = fn or (lambda x, ids, g, d: cpu_experts_torch(x, ids, g, d))
+            routes = bw.fresh_routes(gu.shape[0], window, t, shape.top_k, steps_of[i],
+                                     1000 * rnd + i)
+            gbps, med = bw.time_experts(call, gu, dn, routes)
+            uniq = sum(int(r.unique().numel()) for r in routes) / len(routes)
+            got[i].append((gbps, med, uniq))
+            print(f"[bench] round {rnd + 1}/{a.rounds} {name:<20} T={t:<2} thr={nth:<3} "
+                  f"{gbps:6.1f} GB/s {med * 1e6:8.0f} us/layer  steps={steps_of[i]}", flush=True)
+        print(f"[bench] round {rnd + 1}/{a.rounds} ceiling {ceilings[-1]:.1f} GB/s", flush=True)
 
-    # the machine's bandwidth drifts (other tenants): measure the ceiling again after the rows
-    # and hold every row against the higher of the two
-    torch.set_num_threads(max(threads))
-    again = bw.host_read_gbps(a.read_gb * 1e9, threads=max(threads))
-    print(f"[bench] ceiling again after the rows: {again:.1f} GB/s", flush=True)
-    first, ceiling = ceiling, max(ceiling, again)
-    for r in rows:
-        r["pct"] = 100 * r["gbps"] / ceiling
+    def median(v: list[float]) -> float:
+        v = sorted(v)
+        return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+    ceiling = median(ceilings)
+    rows = []
+    for i, (name, t, nth, _) in enumerate(configs):
+        g = [x[0] for x in got[i]]
+        rows.append({"impl": name, "T": t, "threads": nth, "unique": median([x[2] for x in got[i]]),
+                     "us": median([x[1] for x in got[i]]) * 1e6, "gbps": median(g),
+                     "gbps_min": min(g), "gbps_max": max(g), "pct": 100 * median(g) / ceiling})
     base = {r["T"]: r["gbps"] for r in rows if r["impl"].startswith("torch")}
-    print(f"\nceiling (all-thread read stream, best of before {first:.1f} and after "
-          f"{again:.1f}): {ceiling:.1f} GB/s   shape={a.shape} "
-          f"dtype={a.dtype} expert={shape.expert_bytes(dtype) / 1e6:.2f} MB pool={a.pool_gb:g} GB")
-    print(f"{'impl':<22}{'T':>3}{'thr':>5}{'uniq':>7}{'us/layer':>10}{'GB/s':>8}"
+    print(f"\nceiling (all-thread read stream, median of {len(ceilings)} rounds; range "
+          f"{min(ceilings):.1f}-{max(ceilings):.1f}): {ceiling:.1f} GB/s   shape={a.shape} "
+          f"dtype={a.dtype} expert={shape.expert_bytes(dtype) / 1e6:.2f} MB pool={a.pool_gb:g} GB"
+          f"{' pinned' if a.pin else ''}{' THP' if os.environ.get('THP_MEM_ALLOC_ENABLE') else ''}")
+    print(f"{'impl':<22}{'T':>3}{'thr':>5}{'uniq':>7}{'us/layer':>10}{'GB/s':>8}{'range':>13}"
           f"{'% ceil':>8}{'x torch':>9}")
     for r in rows:
         sp = r["gbps"] / base[r["T"]] if r["T"] in base else float("nan")
+        rng = f"{r['gbps_min']:.0f}-{r['gbps_max']:.0f}"
         print(f"{r['impl']:<22}{r['T']:>3}{r['threads']:>5}{r['unique']:>7.1f}{r['us']:>10.0f}"
-              f"{r['gbps']:>8.1f}{r['pct']:>8.1f}{sp:>9.2f}")
+              f"{r['gbps']:>8.1f}{rng:>13}{r['pct']:>8.1f}{sp:>9.2f}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"ceiling": ceiling, "ceiling_before": first,
-                                             "ceiling_after": again, "pin": a.pin,
+        Path(a.json).write_text(json.dumps({"ceiling": ceiling, "ceilings": ceilings,
+                                             "pin": a.pin,
                                              "thp": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
                                              "rows": rows}, indent=2))
     return 0

@@ -2,7 +2,7 @@
 # One call on the GPU machine (device tool): GPU tests, then the benchmarks of
 # docs/benchmarks.md. Writes logs under $OUT.
 # Usage: OUT=/tmp/out scripts/gpu_run.sh [stage ...]
-#   stages: tests gputests kernel ksweep bw decode
+#   stages: tests gputests kernel kunbound ksweep bw decode
 # (default: tests kernel bw decode)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,11 +26,16 @@ if has gputests; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -30 \
     | tee "$OUT/gpu_only_tests.log"
 fi
-KB="python3 scripts/bench_cpu_kernel.py --seconds 1.0"
+KB="python3 scripts/bench_cpu_kernel.py --seconds 1.5 --rounds 3"
 if has kernel; then
   OMP_PROC_BIND=close OMP_PLACES=cores timeout 240 $KB \
     --threads 16,12,8 --tokens 1,2,4,8 --interleaved-rows --json "$OUT/cpu_kernel.json" 2>&1 \
     | tee "$OUT/cpu_kernel.log"
+fi
+if has kunbound; then
+  # the same kernel without thread binding (as `ft serve` runs unless the user binds)
+  timeout 150 $KB --threads 16,12 --tokens 1,4 --no-torch --no-prefetch-rows \
+    --json "$OUT/cpu_kernel_unbound.json" 2>&1 | tee "$OUT/cpu_kernel_unbound.log"
 fi
 if has ksweep; then
   # prefetch distance x target x threads at T=1; then huge pages; then a pinned pool

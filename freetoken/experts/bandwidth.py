@@ -67,15 +67,26 @@ def make_pool(shape: ExpertShape, dtype: torch.dtype, pool_bytes: float,
 def fresh_routes(pool: int, window: int, tokens: int, top_k: int, steps: int,
                  seed: int = 0) -> list[Tensor]:
     """Per step [T, K] ids: each token picks K distinct experts of a window of `window` experts,
-    and every step moves to the next window (cycling through the pool)."""
+    and every step moves to the next window (cycling through the pool). At T=1 the picks walk a
+    shuffled order of each window, so an expert is read again only after every other expert of
+    its window: no step finds its weights still in the last-level cache (hundreds of MB on
+    server parts) from a recent step."""
     g = torch.Generator().manual_seed(seed)
     window = min(window, pool)
     n_win = pool // window
     k = min(top_k, window)
+    orders = [torch.randperm(window, generator=g) for _ in range(n_win)]
+    cursor = [0] * n_win
     routes = []
     for s in range(steps):
-        base = (s % n_win) * window
-        routes.append(torch.rand(tokens, window, generator=g).argsort(dim=1)[:, :k] + base)
+        w = s % n_win
+        base = w * window
+        if tokens == 1:
+            idx = (cursor[w] + torch.arange(k)) % window
+            cursor[w] = (cursor[w] + k) % window
+            routes.append(orders[w][idx].unsqueeze(0) + base)
+        else:
+            routes.append(torch.rand(tokens, window, generator=g).argsort(dim=1)[:, :k] + base)
     return routes
 
 
