@@ -63,6 +63,10 @@ def _args() -> argparse.Namespace:
     p.add_argument("--hint-sweep", default=None, metavar="H1,H2,...",
                    help="... with each of these prefetch targets (default: --hint), at every "
                         "thread count of --threads")
+    p.add_argument("--timing", action="store_true",
+                   help="record where each decode-path call's time goes (adds a few us/call)")
+    p.add_argument("--steal-rows", action="store_true",
+                   help="also time the decode layout with work stealing off")
     p.add_argument("--pin", action="store_true",
                    help="pin the pool (page-locked, as the runtime store is when a GPU is present)")
     return p.parse_args()
@@ -90,15 +94,27 @@ def main() -> int:
           f"{time.perf_counter() - t0:.1f}s", flush=True)
 
     def kernel_fn(nth: int, prefetch: bool, contig: bool = True, dist: int = a.pf_dist,
-                  hint: str = a.hint):
+                  hint: str = a.hint, steal: bool = True):
         def fn(x, ids, g, d):
             assert kern is not None
             kern.set_prefetch(prefetch)
             kern.set_contig(contig)
             kern.set_prefetch_distance(dist)
             kern.set_prefetch_hint(hint)
+            kern.set_steal(steal)
             out = torch.empty(ids.shape[0], ids.shape[1], g.shape[2])
+            if not a.timing:
+                kern.run(x, ids, g, d, None, out, num_threads=nth)
+                return
+            t0 = time.perf_counter_ns()
             kern.run(x, ids, g, d, None, out, num_threads=nth)
+            call = time.perf_counter_ns() - t0
+            tm = kern.last_timing()
+            if tm:  # decode path: (call, max entry, median end, max end, units stolen), ns
+                ends = sorted(r[2] for r in tm)
+                fn.timing.append((call, max(r[0] for r in tm), ends[len(ends) // 2], ends[-1],
+                                  sum(r[3] for r in tm)))
+        fn.timing = []
         return fn
 
     configs: list[tuple[str, int, int, object]] = []
@@ -113,6 +129,9 @@ def main() -> int:
             if not a.no_prefetch_rows:
                 configs.append(("kernel no-prefetch", t, threads[0],
                                 kernel_fn(threads[0], False)))
+            if a.steal_rows:
+                configs.append(("kernel no-steal", t, threads[0],
+                                kernel_fn(threads[0], True, steal=False)))
     for nth in threads[1:]:
         if kern is not None:
             for t in tokens if a.sweep_all else [1]:
@@ -177,6 +196,21 @@ def main() -> int:
         rng = f"{r['gbps_min']:.0f}-{r['gbps_max']:.0f}"
         print(f"{r['impl']:<22}{r['T']:>3}{r['threads']:>5}{r['unique']:>7.1f}{r['us']:>10.0f}"
               f"{r['gbps']:>8.1f}{rng:>13}{r['pct']:>8.1f}{sp:>9.2f}")
+    if a.timing:
+        print("\nwhere a decode-path call's time goes (means over all timed calls, us): entry = "
+              "until the last thread entered the parallel region; end = a thread finishing its "
+              "last unit")
+        print(f"{'impl':<22}{'T':>3}{'thr':>5}{'call':>8}{'entry':>8}{'median end':>12}"
+              f"{'last end':>10}{'stolen':>8}")
+    for i, (name, t, nth, fn) in enumerate(configs):
+        tm = getattr(fn, "timing", None)
+        if not tm:
+            continue
+        m = [sum(r[k] for r in tm) / len(tm) for k in range(5)]
+        rows[i]["timing_us"] = {"call": m[0] / 1e3, "entry": m[1] / 1e3, "median_end": m[2] / 1e3,
+                                "last_end": m[3] / 1e3, "stolen_units": m[4]}
+        print(f"{name:<22}{t:>3}{nth:>5}{m[0] / 1e3:>8.0f}{m[1] / 1e3:>8.1f}{m[2] / 1e3:>12.0f}"
+              f"{m[3] / 1e3:>10.0f}{m[4]:>8.1f}")
     if a.json:
         Path(a.json).write_text(json.dumps({"ceiling": ceiling, "ceilings": ceilings,
                                              "pin": a.pin,

@@ -2,7 +2,7 @@
 # One call on the GPU machine (device tool): GPU tests, then the benchmarks of
 # docs/benchmarks.md. Writes logs under $OUT.
 # Usage: OUT=/tmp/out scripts/gpu_run.sh [stage ...]
-#   stages: tests gputests kernel kunbound ksweep bw decode
+#   stages: tests gputests kernel kdiag kunbound ksweep bw decode
 # (default: tests kernel bw decode)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,12 +29,17 @@ fi
 KB="python3 scripts/bench_cpu_kernel.py --seconds 1.5 --rounds 3"
 if has kernel; then
   OMP_PROC_BIND=close OMP_PLACES=cores timeout 240 $KB \
-    --threads 16,12,8 --tokens 1,2,4,8 --interleaved-rows --json "$OUT/cpu_kernel.json" 2>&1 \
-    | tee "$OUT/cpu_kernel.log"
+    --threads 16,12,8 --tokens 1,2,4,8 --interleaved-rows --steal-rows \
+    --json "$OUT/cpu_kernel.json" 2>&1 | tee "$OUT/cpu_kernel.log"
+fi
+if has kdiag; then
+  # where a decode-size call's time goes: thread entry, median and last thread end, stealing
+  OMP_PROC_BIND=close OMP_PLACES=cores timeout 120 $KB --threads 16 --tokens 1,2 --no-torch \
+    --no-prefetch-rows --steal-rows --timing 2>&1 | tee "$OUT/cpu_kernel_timing.log"
 fi
 if has kunbound; then
   # the same kernel without thread binding (as `ft serve` runs unless the user binds)
-  timeout 150 $KB --threads 16,12 --tokens 1,4 --no-torch --no-prefetch-rows \
+  timeout 150 $KB --threads 16,12 --tokens 1,4 --no-torch --no-prefetch-rows --steal-rows \
     --json "$OUT/cpu_kernel_unbound.json" 2>&1 | tee "$OUT/cpu_kernel_unbound.log"
 fi
 if has ksweep; then

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
+#include <chrono>
 #include <atomic>
 #include <memory>
 #include <thread>
@@ -344,14 +345,66 @@ inline void dot_block(const W* base, int64_t r0, int64_t r1, int64_t len,
   }
 }
 
-constexpr int64_t kRowUnit = 8;
+constexpr int64_t kRowUnit = 8;  // static split granularity (8 rows: whole pages at H=2048 bf16)
+constexpr int64_t kUnit1 = 8;    // phase-1 work unit: 8 gate rows + the matching 8 up rows
+constexpr int64_t kUnit2 = 32;   // phase-2 work unit: 32 down rows
 
-// Decode-size groups (every n <= kNtMax, fp32 activations): each thread owns one contiguous
+int g_steal = 1;  // ft_cpu_set_steal: 0 = each thread does exactly its static share
+
+// Per-call timing of the decode path, for ft_cpu_last_timing: per thread, ns from the call's
+// entry to its entry into the parallel region, to its own phase-1 units done, to its last unit;
+// and the number of units it stole.
+constexpr int kMaxTimed = 256;
+double g_tm[kMaxTimed][4];
+int g_tm_threads = 0;
+std::chrono::steady_clock::time_point g_call_t0;
+
+inline double ns_since_call() {
+  return std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - g_call_t0)
+      .count();
+}
+
+// A thread's units: the owner takes from the front, idle threads steal from the back; both
+// ends live in one 64-bit word (front low, back high), so each unit is taken exactly once.
+struct alignas(64) Deque {
+  std::atomic<uint64_t> s{0};
+  void reset(uint32_t n) { s.store(static_cast<uint64_t>(n) << 32, std::memory_order_release); }
+  int64_t take_front() {
+    uint64_t v = s.load(std::memory_order_acquire);
+    while ((v & 0xffffffffu) < (v >> 32))
+      if (s.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel))
+        return static_cast<int64_t>(v & 0xffffffffu);
+    return -1;
+  }
+  int64_t take_back() {
+    uint64_t v = s.load(std::memory_order_acquire);
+    while ((v & 0xffffffffu) < (v >> 32))
+      if (s.compare_exchange_weak(v, v - (uint64_t{1} << 32), std::memory_order_acq_rel))
+        return static_cast<int64_t>(v >> 32) - 1;
+    return -1;
+  }
+};
+
+struct alignas(64) RowCount {
+  std::atomic<int64_t> v{0};
+};
+
+inline void cpu_relax() {
+#if defined(__AVX2__) || defined(__AVX512F__)
+  _mm_pause();
+#endif
+}
+
+// Decode-size groups (every n <= kNtMax, fp32 activations). Each thread owns one contiguous
 // block of gate rows, the matching up rows and one contiguous block of down rows of every
-// expert, and reads them in address order (gate block, up block, next expert, ...; then the
-// down blocks), so a core streams a few long sequential regions with its Stream prefetch
-// running ahead through all of them. No barrier: phase 2 of an expert waits only for that
-// expert's phase 1.
+// expert (its static share), cut into units, and reads them in address order with its Stream
+// prefetch running ahead through all of them, so a core streams a few long sequential regions.
+// A call lasts as long as its slowest thread, and at decode sizes (~0.5 ms) a core that gets
+// less of the memory bandwidth for a moment decides that: threads that finish their share steal
+// units from the back of the others' (phase-1 units first). Phase 2 of an expert waits only for
+// that expert's gate/up rows (a row count per expert, no barrier), helping with phase-1 units
+// while it waits. Each output row is still computed by one dot product, so results do not
+// depend on who computed what.
 template <typename W>
 void run_small(int64_t H, int64_t I, float* out, const std::vector<Group>& groups,
                const std::vector<int64_t>& entries, const std::vector<const float*>& xp,
@@ -360,24 +413,34 @@ void run_small(int64_t H, int64_t I, float* out, const std::vector<Group>& group
   const int ng = static_cast<int>(groups.size());
   int nmax = 1;
   for (const Group& g : groups) nmax = g.n > nmax ? g.n : nmax;
-  // done[g]: threads that finished phase 1 of group g. Phase 2 of a group waits for its own
-  // count only (all threads do phase 1 in the same group order, so by the time a thread reaches
-  // phase 2 the first groups are long done): no barrier across the whole call.
-  std::unique_ptr<std::atomic<int>[]> done(new std::atomic<int>[ng > 0 ? ng : 1]);
-  for (int g = 0; g < ng; ++g) done[g].store(0, std::memory_order_relaxed);
+  std::unique_ptr<RowCount[]> done(new RowCount[ng > 0 ? ng : 1]);  // phase-1 rows finished
+  std::unique_ptr<Deque[]> dq1(new Deque[nth]), dq2(new Deque[nth]);
+  const int64_t u1 = (I + kRowUnit - 1) / kRowUnit, u2 = (H + kRowUnit - 1) / kRowUnit;
+  // static share of thread t of nt: rows [r0, r1) of `len` split in kRowUnit units
+  auto share = [](int64_t units, int64_t len, int64_t t, int64_t nt, int64_t& r0, int64_t& r1) {
+    r0 = std::min<int64_t>(len, units * t / nt * kRowUnit);
+    r1 = std::min<int64_t>(len, units * (t + 1) / nt * kRowUnit);
+  };
+  auto chunks = [](int64_t r0, int64_t r1, int64_t unit) {
+    return r1 > r0 ? (r1 - r0 + unit - 1) / unit : 0;
+  };
+  const bool steal = g_steal != 0;
+  const bool timed = nth <= kMaxTimed;
 #pragma omp parallel num_threads(nth)
   {
     const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
-    // row ranges in units of kRowUnit rows (whole pages for 2048-wide bf16 rows)
-    const int64_t u1 = (I + kRowUnit - 1) / kRowUnit, u2 = (H + kRowUnit - 1) / kRowUnit;
-    const int64_t a0 = std::min<int64_t>(I, u1 * tid / nt * kRowUnit);
-    const int64_t a1 = std::min<int64_t>(I, u1 * (tid + 1) / nt * kRowUnit);
-    const int64_t c0 = std::min<int64_t>(H, u2 * tid / nt * kRowUnit);
-    const int64_t c1 = std::min<int64_t>(H, u2 * (tid + 1) / nt * kRowUnit);
-    constexpr int64_t sw = static_cast<int64_t>(sizeof(W));
+    const double t_enter = timed ? ns_since_call() : 0.0;
+    int64_t a0, a1, c0, c1;
+    share(u1, I, tid, nt, a0, a1);
+    share(u2, H, tid, nt, c0, c1);
+    const int64_t ch1 = chunks(a0, a1, kUnit1), ch2 = chunks(c0, c1, kUnit2);
+    dq1[tid].reset(static_cast<uint32_t>(ng * ch1));
+    dq2[tid].reset(static_cast<uint32_t>(ng * ch2));
+    // the owner's read sequence, in unit order: per expert, per unit its gate rows then its
+    // up rows; then per expert its down rows (contiguous across that expert's units)
     std::vector<const char*> sb, se;
-    sb.reserve(3 * ng);
-    se.reserve(3 * ng);
+    sb.reserve(2 * ng * ch1 + ng);
+    se.reserve(sb.capacity());
     auto add = [&](const W* p, int64_t elems) {
       if (elems <= 0) return;
       sb.push_back(reinterpret_cast<const char*>(p));
@@ -385,8 +448,11 @@ void run_small(int64_t H, int64_t I, float* out, const std::vector<Group>& group
     };
     for (const Group& g : groups) {
       const W* base = gate_up + g.expert * 2 * I * H;
-      add(base + a0 * H, (a1 - a0) * H);
-      add(base + (I + a0) * H, (a1 - a0) * H);
+      for (int64_t r = a0; r < a1; r += kUnit1) {
+        const int64_t n = std::min(kUnit1, a1 - r) * H;
+        add(base + r * H, n);
+        add(base + (I + r) * H, n);
+      }
     }
     for (const Group& g : groups) add(down + g.expert * H * I + c0 * I, (c1 - c0) * I);
     Stream pf;
@@ -397,40 +463,122 @@ void run_small(int64_t H, int64_t I, float* out, const std::vector<Group>& group
       pf.p = sb[0];
       pf.step(g_pf_dist);
     }
-    std::vector<float> gres(static_cast<size_t>(std::max<int64_t>(a1 - a0, 1) * nmax));
+    std::vector<float> gres(static_cast<size_t>(std::max(kUnit1, kUnit2) * nmax));
     std::vector<float> ures(gres.size());
-    std::vector<float> dres(static_cast<size_t>(std::max<int64_t>(c1 - c0, 1) * nmax));
-    for (int gi = 0; gi < ng; ++gi) {
+
+    // unit u of thread v's phase-1 deque -> (group, rows)
+    auto p1_unit = [&](int64_t v, int64_t u, int& gi, int64_t& r0, int64_t& r1) {
+      int64_t b0, b1;
+      share(u1, I, v, nt, b0, b1);
+      const int64_t c = chunks(b0, b1, kUnit1);
+      gi = static_cast<int>(u / c);
+      r0 = b0 + (u % c) * kUnit1;
+      r1 = std::min(b1, r0 + kUnit1);
+    };
+    auto p2_unit = [&](int64_t v, int64_t u, int& gi, int64_t& r0, int64_t& r1) {
+      int64_t b0, b1;
+      share(u2, H, v, nt, b0, b1);
+      const int64_t c = chunks(b0, b1, kUnit2);
+      gi = static_cast<int>(u / c);
+      r0 = b0 + (u % c) * kUnit2;
+      r1 = std::min(b1, r0 + kUnit2);
+    };
+    auto do_p1 = [&](int gi, int64_t r0, int64_t r1, Stream& s) {
       const Group& g = groups[gi];
-      if (a1 > a0) {
-        const W* base = gate_up + g.expert * 2 * I * H;
-        const float* const* xs = xp.data() + g.begin;
-        dot_block<W>(base, a0, a1, H, xs, g.n, gres.data(), pf);
-        dot_block<W>(base, I + a0, I + a1, H, xs, g.n, ures.data(), pf);
-        for (int64_t r = a0; r < a1; ++r)
-          for (int t = 0; t < g.n; ++t) {
-            const float gv = gres[(r - a0) * g.n + t], uv = ures[(r - a0) * g.n + t];
-            act[(g.begin + t) * I + r] = gv / (1.f + std::exp(-gv)) * uv;
-          }
-      }
-      done[gi].fetch_add(1, std::memory_order_release);
-    }
-    if (c1 > c0)
-      for (int gi = 0; gi < ng; ++gi) {
-        const Group& g = groups[gi];
-        for (int spin = 0; done[gi].load(std::memory_order_acquire) < nt; ++spin) {
-          if (spin > 4096) std::this_thread::yield();  // oversubscribed: let the others run
-#if defined(__AVX2__) || defined(__AVX512F__)
-          else _mm_pause();
-#endif
-        }
-        dot_block<W>(down + g.expert * H * I, c0, c1, I, ap.data() + g.begin, g.n, dres.data(),
-                     pf);
+      const W* base = gate_up + g.expert * 2 * I * H;
+      const float* const* xs = xp.data() + g.begin;
+      dot_block<W>(base, r0, r1, H, xs, g.n, gres.data(), s);
+      dot_block<W>(base, I + r0, I + r1, H, xs, g.n, ures.data(), s);
+      for (int64_t r = r0; r < r1; ++r)
         for (int t = 0; t < g.n; ++t) {
-          float* o = out + entries[g.begin + t] * H;
-          for (int64_t h = c0; h < c1; ++h) o[h] = dres[(h - c0) * g.n + t];
+          const float gv = gres[(r - r0) * g.n + t], uv = ures[(r - r0) * g.n + t];
+          act[(g.begin + t) * I + r] = gv / (1.f + std::exp(-gv)) * uv;
+        }
+      done[gi].v.fetch_add(r1 - r0, std::memory_order_release);
+    };
+    auto do_p2 = [&](int gi, int64_t r0, int64_t r1, Stream& s) {
+      const Group& g = groups[gi];
+      dot_block<W>(down + g.expert * H * I, r0, r1, I, ap.data() + g.begin, g.n, gres.data(), s);
+      for (int t = 0; t < g.n; ++t) {
+        float* o = out + entries[g.begin + t] * H;
+        for (int64_t h = r0; h < r1; ++h) o[h] = gres[(h - r0) * g.n + t];
+      }
+    };
+    // a stolen unit gets its own short prefetch stream over its rows
+    int64_t stolen = 0;
+    auto steal_p1 = [&]() -> bool {
+      for (int64_t k = 1; k < nt; ++k) {
+        const int64_t v = (tid + k) % nt;
+        const int64_t u = dq1[v].take_back();
+        if (u < 0) continue;
+        ++stolen;
+        int gi;
+        int64_t r0, r1;
+        p1_unit(v, u, gi, r0, r1);
+        const W* base = gate_up + groups[gi].expert * 2 * I * H;
+        const char* b[2] = {reinterpret_cast<const char*>(base + r0 * H),
+                            reinterpret_cast<const char*>(base + (I + r0) * H)};
+        const char* e[2] = {reinterpret_cast<const char*>(base + r1 * H),
+                            reinterpret_cast<const char*>(base + (I + r1) * H)};
+        Stream s;
+        s.seg_b = b; s.seg_e = e; s.nseg = g_prefetch > 0 ? 2 : 0; s.p = b[0];
+        s.step(g_pf_dist);
+        do_p1(gi, r0, r1, s);
+        return true;
+      }
+      return false;
+    };
+    auto wait_ready = [&](int gi) {
+      for (int spin = 0; done[gi].v.load(std::memory_order_acquire) < I; ++spin) {
+        if (steal && steal_p1()) continue;
+        if (spin > 4096) std::this_thread::yield();  // oversubscribed: let the others run
+        else cpu_relax();
+      }
+    };
+
+    int64_t u;
+    while ((u = dq1[tid].take_front()) >= 0) {
+      int gi;
+      int64_t r0, r1;
+      p1_unit(tid, u, gi, r0, r1);
+      do_p1(gi, r0, r1, pf);
+    }
+    const double t_p1 = timed ? ns_since_call() : 0.0;
+    while ((u = dq2[tid].take_front()) >= 0) {
+      int gi;
+      int64_t r0, r1;
+      p2_unit(tid, u, gi, r0, r1);
+      wait_ready(gi);
+      do_p2(gi, r0, r1, pf);
+    }
+    if (steal) {
+      while (steal_p1()) {
+      }
+      for (int64_t k = 1; k < nt; ++k) {
+        const int64_t v = (tid + k) % nt;
+        while ((u = dq2[v].take_back()) >= 0) {
+          ++stolen;
+          int gi;
+          int64_t r0, r1;
+          p2_unit(v, u, gi, r0, r1);
+          wait_ready(gi);
+          const W* base = down + groups[gi].expert * H * I;
+          const char* b[1] = {reinterpret_cast<const char*>(base + r0 * I)};
+          const char* e[1] = {reinterpret_cast<const char*>(base + r1 * I)};
+          Stream s;
+          s.seg_b = b; s.seg_e = e; s.nseg = g_prefetch > 0 ? 1 : 0; s.p = b[0];
+          s.step(g_pf_dist);
+          do_p2(gi, r0, r1, s);
         }
       }
+    }
+    if (timed) {
+      g_tm[tid][0] = t_enter;
+      g_tm[tid][1] = t_p1;
+      g_tm[tid][2] = ns_since_call();
+      g_tm[tid][3] = static_cast<double>(stolen);
+      if (tid == 0) g_tm_threads = static_cast<int>(nt);
+    }
   }
 }
 
@@ -554,6 +702,17 @@ void ft_cpu_set_prefetch(int on) { g_prefetch = on; }
 // groups through the interleaved-tile path instead of the per-thread contiguous blocks.
 void ft_cpu_set_prefetch_distance(int64_t bytes) { g_pf_dist = bytes > 0 ? bytes : 0; }
 void ft_cpu_set_contig(int on) { g_contig = on; }
+void ft_cpu_set_steal(int on) { g_steal = on; }
+
+// Timing of the last decode-path call: fills out[4 * t + k] (k: region entry, own phase-1
+// units done, last unit done, all in ns from the call's entry; units stolen) for each thread t;
+// returns the thread count (0 when the last call did not take the decode path).
+int ft_cpu_last_timing(double* out, int cap) {
+  const int n = g_tm_threads < cap ? g_tm_threads : cap;
+  for (int t = 0; t < n; ++t)
+    for (int k = 0; k < 4; ++k) out[4 * t + k] = g_tm[t][k];
+  return n;
+}
 void ft_cpu_set_prefetch_hint(int hint) { g_pf_hint = hint >= 0 && hint <= 3 ? hint : 1; }
 
 // Host read-bandwidth probe: sums n floats with nthreads threads, each streaming one contiguous
@@ -599,6 +758,8 @@ int ft_cpu_experts(const float* x, int64_t T, int64_t H, const int64_t* ids, int
                    const uint8_t* mask, const void* gate_up, const void* down, int64_t E,
                    int64_t I, int wdtype, float* out, int nthreads, int allow_dp) {
   if (wdtype != 0 && wdtype != 1) return 2;
+  g_call_t0 = std::chrono::steady_clock::now();
+  g_tm_threads = 0;
   // Counting sort of the computed entries by expert: each expert's rows are read once.
   std::vector<int32_t> count(E, 0);
   for (int64_t j = 0; j < T * K; ++j) {

@@ -110,6 +110,20 @@ class CpuKernel:
         """Benchmark knob: the decode path's prefetch target, one of PREFETCH_HINTS."""
         self._lib.ft_cpu_set_prefetch_hint(ctypes.c_int(PREFETCH_HINTS.index(hint)))
 
+    def set_steal(self, on: bool) -> None:
+        """Benchmark knob: decode-path threads that finish their share steal the others'
+        remaining units (on by default)."""
+        self._lib.ft_cpu_set_steal(ctypes.c_int(int(on)))
+
+    def last_timing(self) -> list[tuple[float, float, float, int]]:
+        """Per thread of the last decode-path call: ns from the call's entry to its region
+        entry, to its own phase-1 units done, to its last unit done; units it stole ([] when
+        the call took another path)."""
+        buf = (ctypes.c_double * (4 * 256))()
+        n = self._lib.ft_cpu_last_timing(buf, 256)
+        return [(buf[4 * t], buf[4 * t + 1], buf[4 * t + 2], int(buf[4 * t + 3]))
+                for t in range(n)]
+
     def set_contig(self, on: bool) -> None:
         """Benchmark knob: decode-size groups on per-thread contiguous row blocks (default) or
         on the interleaved-tile path."""

@@ -152,3 +152,36 @@ def test_kernel_decode_blocks_any_thread_count(kernel: CpuKernel, dtype: torch.d
             out = torch.zeros(x.shape[0], ids.shape[1], x.shape[1])
             kernel.run(x, ids, gu, dn, None, out, num_threads=threads, allow_dpbf16=False)
             assert _rel(out, cpu_experts_ref(x, ids, gu, dn)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [2, 5, 13])
+@pytest.mark.parametrize("t", [1, 2, 3])
+def test_decode_stealing_does_not_change_results(kernel: CpuKernel, dtype: torch.dtype,
+                                                 threads: int, t: int) -> None:
+    """Threads that finish early steal the others' units; each output row is still one dot
+    product, so results are bit-identical with stealing off, at any (over)subscription, and
+    match the float64 reference. The per-thread timing of the call is reported."""
+    g = torch.Generator().manual_seed(40 + t)
+    e, k, h, i = 11, 8, 200, 72  # several units per thread and expert, partial last units
+    x = torch.randn(t, h, generator=g)
+    gu = (torch.randn(e, 2 * i, h, generator=g) / h**0.5).to(dtype)
+    dn = (torch.randn(e, h, i, generator=g) / i**0.5).to(dtype)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])  # [T, K]
+    outs = []
+    try:
+        for steal in (False, True, True):
+            kernel.set_steal(steal)
+            out = torch.full((t, k, h), float("nan"))
+            kernel.run(x, ids, gu, dn, None, out, num_threads=threads, allow_dpbf16=False)
+            outs.append(out)
+            timing = kernel.last_timing()
+            assert len(timing) == threads
+            for enter, p1, end, stolen in timing:
+                assert 0 <= enter <= p1 <= end and stolen >= 0
+            if not steal:
+                assert all(row[3] == 0 for row in timing)
+    finally:
+        kernel.set_steal(True)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert _rel(outs[0], cpu_experts_ref(x, ids, gu, dn)) < 1e-5
