@@ -2,7 +2,7 @@
 # One call on the GPU machine (device tool): GPU tests, then the benchmarks of
 # docs/benchmarks.md. Writes logs under $OUT.
 # Usage: OUT=/tmp/out scripts/gpu_run.sh [stage ...]
-#   stages: tests gputests kernel kdiag kunbound ksweep bw decode
+#   stages: tests gputests kernel kdiag kunbound ksweep bw decode profile
 # (default: tests kernel bw decode)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -62,4 +62,8 @@ if has decode; then
       --backends fused,offload,cpu,hybrid "${extra[@]}" 2>&1 | grep -v "random weights:" \
       | tee "$OUT/decode_$trace.log"
   done
+fi
+if has profile; then
+  timeout 240 python3 scripts/profile_decode.py --layers 8 --backends fused,offload,hybrid \
+    --tokens 16 2>&1 | grep -v "^USDT\|^STAGE" | tee "$OUT/profile_decode.log"
 fi

@@ -1,0 +1,77 @@
+"""Where a decode step's time goes, per expert backend: torch.profiler over a few decode tokens
+of the real shape with random weights (the model of `ft bench decode --shape`), printing the
+ops by self CPU time and the CUDA time beside them. For finding host overhead, not for figures.
+
+  python scripts/profile_decode.py --layers 4 --backends fused,offload --tokens 16
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from freetoken.engine.api import SamplingParams
+from freetoken.engine.generate import generate
+from freetoken.experts.setup import MoEOptions, configure_experts
+from freetoken.experts.store import ExpertStore
+from freetoken.layers.moe import FusedExperts
+from freetoken.models.random_init import random_model
+from freetoken.models.shapes import shape_config
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", default="qwen3.6-35b-a3b")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--backends", default="fused,offload")
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--rows", type=int, default=25)
+    a = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = shape_config(a.shape, a.layers)
+    model = random_model(cfg, torch.bfloat16, device)
+    blocks = model.moe_blocks()
+    store = ExpertStore([b.experts.gate_up_proj.data for b in blocks],
+                        [b.experts.down_proj.data for b in blocks], pin=device.type == "cuda")
+    for b in blocks:
+        b.experts = None
+    prompt = list(range(100, 132))
+    for be in a.backends.split(","):
+        if be == "fused":
+            for m, b in enumerate(blocks):
+                fe = FusedExperts(1, 1, 1)
+                fe.gate_up_proj = torch.nn.Parameter(store.gate_up(m).to(device), requires_grad=False)
+                fe.down_proj = torch.nn.Parameter(store.down(m).to(device), requires_grad=False)
+                b.experts = fe
+        else:
+            configure_experts(model, MoEOptions(backend=be, cache_rate=0.37), device, store=store)
+        sp = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
+        generate(model, prompt, sp, [])  # warm-up
+        t0 = time.perf_counter()
+        res = generate(model, prompt, sp, [])
+        wall = time.perf_counter() - t0
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=acts) as prof:
+            generate(model, prompt, sp, [])
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        print(f"\n=== {be}: {res.decode_tps:.1f} decode tok/s ({a.layers} layers; "
+              f"{wall:.2f}s for {a.tokens} tokens incl. prefill) ===", flush=True)
+        sort = "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=a.rows, max_name_column_width=48))
+        if be == "fused":
+            for b in blocks:
+                b.experts = None
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
