@@ -93,7 +93,7 @@ def run_shape(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from freetoken.engine.bench_moe import TraceRouter, install_trace, run_backend
+    from freetoken.engine.bench_moe import RunResult, TraceRouter, install_trace, run_backend
     from freetoken.engine.options import moe_options, resolve_device, resolve_dtype
     from freetoken.experts.store import ExpertStore
     from freetoken.models.random_init import random_model
@@ -124,13 +124,28 @@ def run_shape(args: argparse.Namespace) -> int:
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=g).tolist()
     print(f"shape={args.shape} layers={cfg.num_layers} experts={store.nbytes / 1e9:.1f} GB "
           f"cache_rate={opts.cache_rate} device={device} trace={args.route_trace or 'random'}")
+    # Rounds over all backends in turn, best round kept per backend: the first decode of a
+    # fresh process can run at a third of its later speed (seen on the H200 host), whichever
+    # backend goes first, so one pass in a fixed order would rank the backends by their order.
+    backends = args.backends.split(",")
+    best: dict[str, RunResult] = {}
+    for rnd in range(max(1, args.repeats)):
+        for be in backends:
+            if (be == "fused" and device.type == "cuda"
+                    and store.nbytes > 0.8 * torch.cuda.mem_get_info()[0]):
+                continue
+            r = run_backend(model, store, be, opts, device, prompt, args.decode_tokens)
+            print(f"[bench] round {rnd + 1}: {be} {r.tok_s:.1f} tok/s", flush=True)
+            if be not in best or r.tok_s > best[be].tok_s:
+                best[be] = r
+    print(f"best of {max(1, args.repeats)} rounds per backend")
     print(f"{'backend':8} {'tok/s':>8} {'hit':>6} {'fetch MB/tok':>13} {'cpu MB/tok':>11} "
           f"{'GB/s moved':>11} {'floor tok/s':>12}")
-    for be in args.backends.split(","):
-        if be == "fused" and device.type == "cuda" and store.nbytes > 0.8 * torch.cuda.mem_get_info()[0]:
+    for be in backends:
+        r = best.get(be)
+        if r is None:
             print(f"{be:8} skipped: the pool does not fit on the GPU")
             continue
-        r = run_backend(model, store, be, opts, device, prompt, args.decode_tokens)
         moved = (r.fetch_bytes_tok + r.cpu_bytes_tok) * r.tok_s / 1e9
         floor = f"{r.floor_tok_s:12.1f}" if r.floor_tok_s else f"{'n/a':>12}"
         print(f"{be:8} {r.tok_s:8.1f} {r.hit_rate:6.3f} {r.fetch_bytes_tok / 1e6:13.1f} "
