@@ -46,6 +46,9 @@ def add_moe_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-cpu-layers", type=int, default=0,
                    help="the last N MoE layers always compute on the CPU")
     g.add_argument("--moe-hybrid-max-fetch", type=int, default=None)
+    g.add_argument("--moe-cpu-threads", type=int, default=None,
+                   help="threads of the CPU expert branch (default: every core the process "
+                        "may use, less one when a GPU is driven from the main thread)")
 
 
 def default_backend(cfg, dtype: torch.dtype, device: str, kv_reserve_tokens: int) -> str:
@@ -73,7 +76,8 @@ def moe_options(args: argparse.Namespace, backend: str | None = None):
     return MoEOptions(backend=backend or args.moe_backend or "fused", cache_size=args.moe_cache_size,
                       cache_rate=args.moe_cache_rate, cache_mem=args.moe_cache_mem,
                       kv_reserve_tokens=args.kv_reserve_tokens, cpu_layers=args.moe_cpu_layers,
-                      hybrid_max_fetch=args.moe_hybrid_max_fetch)
+                      hybrid_max_fetch=args.moe_hybrid_max_fetch,
+                      cpu_threads=getattr(args, "moe_cpu_threads", None))
 
 
 def add_cache_args(p: argparse.ArgumentParser) -> None:

@@ -31,7 +31,8 @@ log = get_logger("experts")
 _CPU_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
 
 
-def cpu_branch(x: Tensor, ids: Tensor, mask: Tensor, store: ExpertStore, layer: int) -> Tensor:
+def cpu_branch(x: Tensor, ids: Tensor, mask: Tensor, store: ExpertStore, layer: int,
+               num_threads: int | None = None) -> Tensor:
     """y [T, K, H] (model dtype) for the masked entries, computed on the CPU from the store."""
     xc, ic, mc = x.cpu(), ids.cpu(), mask.cpu()
     gu, dn = store.gate_up(layer), store.down(layer)
@@ -41,7 +42,7 @@ def cpu_branch(x: Tensor, ids: Tensor, mask: Tensor, store: ExpertStore, layer: 
         return grouped_experts(xc, ic, gu, dn, y, mask=mc)
     from kernels.cpu.expert_ops import cpu_experts
 
-    return cpu_experts(xc, ic, gu, dn, compute_mask=mc).to(x.dtype)
+    return cpu_experts(xc, ic, gu, dn, compute_mask=mc, num_threads=num_threads).to(x.dtype)
 
 
 class MoEStats:
@@ -63,11 +64,13 @@ class SlotExperts(nn.Module):
     to fetch this step (-1 = all)."""
 
     def __init__(self, moe_index: int, cache: SlotCache, store: ExpertStore, stats: MoEStats,
-                 num_fetch: Callable[[int], int], name: str, fixed_fetch: int | None = None):
+                 num_fetch: Callable[[int], int], name: str, fixed_fetch: int | None = None,
+                 cpu_threads: int | None = None):
         super().__init__()
         self.m, self.cache, self.store, self.stats = moe_index, cache, store, stats
         self.num_fetch, self.name = num_fetch, name
         self.fixed_fetch = fixed_fetch  # offload (-1) and cpu (0) need no miss count: no sync
+        self.cpu_threads = cpu_threads  # CPU branch threads (None: torch's thread count)
         self.guard: AutoGuard | None = None  # `auto`: layer 0 marks decode step boundaries
 
     def forward(self, layer: int, x: Tensor, topk_ids: Tensor) -> Tensor:
@@ -94,7 +97,8 @@ class SlotExperts(nn.Module):
         worker: Future | None = None
         if n_cpu:
             # CPU branch first: it runs while this thread fills slots and computes hits
-            worker = _CPU_POOL.submit(cpu_branch, x, topk_ids, d.cpu_mask, self.store, self.m)
+            worker = _CPU_POOL.submit(cpu_branch, x, topk_ids, d.cpu_mask, self.store, self.m,
+                                      self.cpu_threads)
         self.cache.fill(self.m, fetch_experts, fetch_slots, self.store)
         gpu_mask = d.slot_ids >= 0  # [T, K]
         grouped_experts(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots, y,

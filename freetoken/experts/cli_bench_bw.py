@@ -23,7 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
     p.add_argument("--pool-gb", type=float, default=4.0,
                    help="host pool per measurement; must be far larger than the LLC")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU kernel threads (default: what the CPU branch of `ft serve` uses: "
+                        "torch's thread count, less one core when a GPU is present)")
     p.add_argument("--no-save", action="store_true")
     p.set_defaults(func=run)
 
@@ -38,22 +40,36 @@ def _pct(v: float | None, ceil: float | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     shape, dtype = bw.SHAPES[args.shape], _DTYPES[args.dtype]
+    if args.threads is None:
+        from freetoken.experts.setup import default_cpu_threads
+
+        args.threads = default_cpu_threads("cuda" if torch.cuda.is_available() else "cpu")
     s_bytes = shape.expert_bytes(dtype)
     pool = args.pool_gb * 1e9
     print(f"[bw] shape={args.shape} dtype={args.dtype} expert={s_bytes / 1e6:.2f} MB "
-          f"pool={args.pool_gb:g} GB threads={args.threads or torch.get_num_threads()}", flush=True)
+          f"pool={args.pool_gb:g} GB threads={args.threads}", flush=True)
 
     print("[bw] host read ceiling ...", flush=True)
-    host_read = bw.host_read_gbps(min(pool, 4e9), threads=args.threads)
+    host_read = bw.host_read_gbps(min(pool, 4e9),  # the machine's: every thread
+                                   threads=max(args.threads, torch.get_num_threads()))
 
     print("[bw] B_H: CPU kernel, batch 1, fresh experts ...", flush=True)
     cpu_pool = bw.make_pool(shape, dtype, pool)
     fn = bw.cpu_kernel_fn(args.threads)
-    calib = bw.fresh_routes(cpu_pool[0].shape[0], shape.experts, 1, shape.top_k, 5, 7)
-    _, step_s = bw.time_experts(fn, *cpu_pool, calib, warmup=1)
+    n_pool = cpu_pool[0].shape[0]
+    # one untimed pass over the whole pool first (a fresh pool's first reads ran slower on the
+    # H200 host), then the median of three windows: the host's bandwidth drifts with its
+    # other tenants, and B_H steers `auto` and every floor
+    warm = bw.fresh_routes(n_pool, shape.experts, 1, shape.top_k, n_pool // shape.top_k + 1, 7)
+    _, step_s = bw.time_experts(fn, *cpu_pool, warm, warmup=0)
     steps = _steps_for(args.seconds, step_s)
-    routes = bw.fresh_routes(cpu_pool[0].shape[0], shape.experts, 1, shape.top_k, steps)
-    b_h, _ = bw.time_experts(fn, *cpu_pool, routes)
+    windows = sorted(
+        bw.time_experts(fn, *cpu_pool, bw.fresh_routes(n_pool, shape.experts, 1, shape.top_k,
+                                                       max(3, steps // 3), w))[0]
+        for w in range(3))
+    b_h = windows[1]
+    print(f"[bw] B_H windows: {', '.join(f'{v:.1f}' for v in windows)} GB/s (median kept)",
+          flush=True)
 
     b_p = link = b_p_o = b_h_o = None
     if torch.cuda.is_available():

@@ -6,6 +6,7 @@ that cache. The caller then moves the rest of the model to the device.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -32,8 +33,11 @@ class MoEOptions:
     kv_reserve_tokens: int = 8192
     cpu_layers: int = 0  # the last N MoE layers always run on the CPU
     hybrid_max_fetch: int | None = None
+    cpu_threads: int | None = None  # CPU branch threads (None: default_cpu_threads)
 
     def __post_init__(self) -> None:
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError("--moe-cpu-threads must be at least 1")
         if self.backend not in BACKENDS:
             raise ValueError(f"--moe-backend must be one of {', '.join(BACKENDS)}")
         if self.cache_rate is not None and not 0 < self.cache_rate <= 1:
@@ -121,19 +125,37 @@ def configure_experts(model: QwenMoE, opts: MoEOptions, device: torch.device | s
 
     if opts.backend == "auto":
         guard = AutoGuard(backend, q_for(backend))
+    cpu_threads = opts.cpu_threads or default_cpu_threads(device)
     for i, b in enumerate(blocks):
         on_cpu = i >= len(blocks) - opts.cpu_layers
         nf = (lambda m: 0) if on_cpu else (guard.num_fetch if guard else q_for(backend))
         fixed = 0 if on_cpu or backend == "cpu" else (-1 if backend == "offload" and not guard
                                                        else None)
-        b.experts = SlotExperts(i, cache, store, stats, nf, backend, fixed)
+        b.experts = SlotExperts(i, cache, store, stats, nf, backend, fixed, cpu_threads)
         b.experts.guard = guard
     if backend == "cpu":
         _prefill_static(cache, store, slots)
     log.info(kv("moe_backend", backend=backend, slots=slots, pool=pool,
                 rate=f"{slots / pool:.3f}", slot_mb=store.expert_bytes * slots // 2**20,
-                device=device, cpu_layers=opts.cpu_layers))
+                device=device, cpu_layers=opts.cpu_layers, cpu_threads=cpu_threads))
     return MoERuntime(backend, cache, store, stats, guard)
+
+
+def default_cpu_threads(device: torch.device | str) -> int:
+    """Threads for the CPU expert branch: torch's thread count (OMP_NUM_THREADS, else the
+    cores), and with a GPU at most every core this process may run on less one, since the main
+    thread drives the GPU meanwhile. The branch is one parallel call per layer that lasts as
+    long as its slowest thread, so a kernel thread sharing a core with the thread that launches
+    GPU work and fills slots (hybrid runs both at once) stalls the whole call for a scheduler
+    time slice."""
+    n = torch.get_num_threads()
+    if torch.device(device).type == "cuda":
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+        n = min(n, cores - 1)
+    return max(1, n)
 
 
 def _prefill_static(cache: SlotCache, store: ExpertStore, slots: int) -> None:

@@ -115,3 +115,35 @@ def test_gathered_decode_path_matches_grouped() -> None:
     got = gathered_experts(x, ids, gu, dn, base.clone(), mask=mask)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(got[~(mask & (ids >= 0))], base[~(mask & (ids >= 0))])
+
+
+def test_cpu_branch_thread_count(tiny_hf, monkeypatch) -> None:
+    """--moe-cpu-threads reaches the CPU kernel of every layer; the default is torch's thread
+    count, capped at the cores less one when a GPU is driven from the main thread."""
+    import kernels.cpu.expert_ops as ops
+    from freetoken.experts import setup
+
+    seen: list[int | None] = []
+    real = ops.cpu_experts
+
+    def spy(*a, num_threads=None, **k):
+        seen.append(num_threads)
+        return real(*a, num_threads=num_threads, **k)
+
+    monkeypatch.setattr(ops, "cpu_experts", spy)
+    d = tiny_hf("qwen3_5_moe")
+    m = load_model(d, dtype=torch.bfloat16, progress=False,
+                   moe=MoEOptions(backend="cpu", cache_size=2, cpu_threads=3))
+    _logits(m, list(range(5, 50)))
+    assert seen and set(seen) == {3}
+
+    monkeypatch.setattr(setup.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(setup.torch, "get_num_threads", lambda: 16)
+    assert setup.default_cpu_threads("cpu") == 16
+    assert setup.default_cpu_threads("cuda") == 15
+    monkeypatch.setattr(setup.torch, "get_num_threads", lambda: 4)
+    assert setup.default_cpu_threads("cuda") == 4
+    monkeypatch.setattr(setup.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert setup.default_cpu_threads("cuda") == 1
+    with pytest.raises(ValueError, match="moe-cpu-threads"):
+        MoEOptions(backend="cpu", cpu_threads=0)
