@@ -16,10 +16,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from freetoken.engine.api import SamplingParams
+from freetoken.engine.bench_moe import drop_fused, install_backend
 from freetoken.engine.generate import generate
-from freetoken.experts.setup import MoEOptions, configure_experts
+from freetoken.experts.setup import MoEOptions
 from freetoken.experts.store import ExpertStore
-from freetoken.layers.moe import FusedExperts
 from freetoken.models.random_init import random_model
 from freetoken.models.shapes import shape_config
 
@@ -42,14 +42,7 @@ def main() -> int:
         b.experts = None
     prompt = list(range(100, 132))
     for be in a.backends.split(","):
-        if be == "fused":
-            for m, b in enumerate(blocks):
-                fe = FusedExperts(1, 1, 1)
-                fe.gate_up_proj = torch.nn.Parameter(store.gate_up(m).to(device), requires_grad=False)
-                fe.down_proj = torch.nn.Parameter(store.down(m).to(device), requires_grad=False)
-                b.experts = fe
-        else:
-            configure_experts(model, MoEOptions(backend=be, cache_rate=0.37), device, store=store)
+        install_backend(model, store, be, MoEOptions(cache_rate=0.37), device)
         sp = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
         generate(model, prompt, sp, [])  # warm-up
         t0 = time.perf_counter()
@@ -67,9 +60,7 @@ def main() -> int:
         sort = "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=a.rows, max_name_column_width=48))
         if be == "fused":
-            for b in blocks:
-                b.experts = None
-            torch.cuda.empty_cache() if device.type == "cuda" else None
+            drop_fused(model, device)
     return 0
 
 

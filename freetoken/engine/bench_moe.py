@@ -15,7 +15,7 @@ import torch
 
 from freetoken.engine.api import SamplingParams
 from freetoken.engine.generate import generate
-from freetoken.experts.setup import MoEOptions, configure_experts, find_profile
+from freetoken.experts.setup import MoEOptions, MoERuntime, configure_experts, find_profile
 from freetoken.experts.store import ExpertStore
 from freetoken.layers.moe import FusedExperts
 from freetoken.models.qwen import QwenMoE
@@ -62,19 +62,32 @@ def install_trace(model: QwenMoE, router: TraceRouter) -> None:
         gate.forward = fwd  # type: ignore[method-assign]
 
 
-def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEOptions,
-                device: torch.device, prompt: list[int], n_tokens: int) -> RunResult:
-    blocks = model.moe_blocks()
+def install_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEOptions,
+                    device: torch.device) -> MoERuntime | None:
+    """Give every MoE block of `model` the experts of `backend` over `store`: `fused` copies
+    every bank to the device (undo with drop_fused); the others configure the slot cache."""
     if backend == "fused":
-        for m, b in enumerate(blocks):
+        for m, b in enumerate(model.moe_blocks()):
             fe = FusedExperts(1, 1, 1)
             fe.gate_up_proj = torch.nn.Parameter(store.gate_up(m).to(device), requires_grad=False)
             fe.down_proj = torch.nn.Parameter(store.down(m).to(device), requires_grad=False)
             b.experts = fe
-        rt = None
-    else:
-        o = MoEOptions(**{**opts.__dict__, "backend": backend})
-        rt = configure_experts(model, o, device, store=store)
+        return None
+    return configure_experts(model, MoEOptions(**{**opts.__dict__, "backend": backend}), device,
+                             store=store)
+
+
+def drop_fused(model: QwenMoE, device: torch.device) -> None:
+    """Release the device copies `install_backend(..., "fused", ...)` made."""
+    for b in model.moe_blocks():
+        b.experts = FusedExperts(1, 1, 1)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEOptions,
+                device: torch.device, prompt: list[int], n_tokens: int) -> RunResult:
+    rt = install_backend(model, store, backend, opts, device)
     sp = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
     generate(model, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), [])
     s0 = dict(rt.stats.__dict__) if rt else None
@@ -94,7 +107,5 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEOptio
             t = max(fb / bp, cb / bh) if backend == "hybrid" else fb / bp + cb / bh
             floor = 1.0 / t if t > 0 else None
     if backend == "fused":
-        for b in blocks:
-            b.experts = FusedExperts(1, 1, 1)  # drop the GPU copies
-        torch.cuda.empty_cache() if device.type == "cuda" else None
+        drop_fused(model, device)
     return RunResult(backend, res.decode_tps, hit, fb, cb, floor)

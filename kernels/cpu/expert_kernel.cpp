@@ -466,22 +466,21 @@ void run_small(int64_t H, int64_t I, float* out, const std::vector<Group>& group
     std::vector<float> gres(static_cast<size_t>(std::max(kUnit1, kUnit2) * nmax));
     std::vector<float> ures(gres.size());
 
-    // unit u of thread v's phase-1 deque -> (group, rows)
-    auto p1_unit = [&](int64_t v, int64_t u, int& gi, int64_t& r0, int64_t& r1) {
+    // unit u of thread v's deque -> (group, rows): `units`/`len` as in share(), `unit` rows
+    auto unit_rows = [&](int64_t units, int64_t len, int64_t unit, int64_t v, int64_t u,
+                         int& gi, int64_t& r0, int64_t& r1) {
       int64_t b0, b1;
-      share(u1, I, v, nt, b0, b1);
-      const int64_t c = chunks(b0, b1, kUnit1);
+      share(units, len, v, nt, b0, b1);
+      const int64_t c = chunks(b0, b1, unit);
       gi = static_cast<int>(u / c);
-      r0 = b0 + (u % c) * kUnit1;
-      r1 = std::min(b1, r0 + kUnit1);
+      r0 = b0 + (u % c) * unit;
+      r1 = std::min(b1, r0 + unit);
+    };
+    auto p1_unit = [&](int64_t v, int64_t u, int& gi, int64_t& r0, int64_t& r1) {
+      unit_rows(u1, I, kUnit1, v, u, gi, r0, r1);
     };
     auto p2_unit = [&](int64_t v, int64_t u, int& gi, int64_t& r0, int64_t& r1) {
-      int64_t b0, b1;
-      share(u2, H, v, nt, b0, b1);
-      const int64_t c = chunks(b0, b1, kUnit2);
-      gi = static_cast<int>(u / c);
-      r0 = b0 + (u % c) * kUnit2;
-      r1 = std::min(b1, r0 + kUnit2);
+      unit_rows(u2, H, kUnit2, v, u, gi, r0, r1);
     };
     auto do_p1 = [&](int gi, int64_t r0, int64_t r1, Stream& s) {
       const Group& g = groups[gi];
