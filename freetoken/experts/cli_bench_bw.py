@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     prof = BandwidthProfile(
         key=bw.profile_key(args.shape, dtype), b_h=b_h, b_p=b_p, b_p_overlap=b_p_o,
         b_h_overlap=b_h_o, host_read=host_read, link=link, expert_bytes=s_bytes,
-        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), cpu_threads=args.threads,
     )
     _print_table(prof)
     if not args.no_save:

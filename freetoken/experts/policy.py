@@ -24,7 +24,8 @@ class BandwidthProfile:
     b_p: pinned host-to-GPU fill rate in expert-sized copies (None without a GPU).
     b_h: CPU expert kernel rate at batch 1 on fresh (DRAM-resident) experts.
     b_p_overlap / b_h_overlap: the same two while running concurrently (None if not measured).
-    host_read / link: ceilings (a plain all-thread read stream; one large pinned copy).
+    host_read / link: ceilings (an all-thread read stream; one large pinned copy).
+    cpu_threads: the CPU kernel's thread count behind b_h and b_h_overlap (0: not recorded).
     """
 
     key: dict[str, str]
@@ -36,6 +37,7 @@ class BandwidthProfile:
     link: float | None = None
     expert_bytes: int = 0
     measured_at: str = ""
+    cpu_threads: int = 0
 
     @property
     def has_overlap(self) -> bool:

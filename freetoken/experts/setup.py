@@ -126,6 +126,12 @@ def configure_experts(model: QwenMoE, opts: MoEOptions, device: torch.device | s
     if opts.backend == "auto":
         guard = AutoGuard(backend, q_for(backend))
     cpu_threads = opts.cpu_threads or default_cpu_threads(device)
+    if (profile is not None and profile.cpu_threads and backend in ("hybrid", "cpu")
+            and cpu_threads != profile.cpu_threads):
+        # B_H scales with the threads behind it: q* and the floors lean on the profile's
+        log.warning(kv("bw_profile_threads_differ", profile_threads=profile.cpu_threads,
+                       cpu_threads=cpu_threads,
+                       hint=f"run `ft bench bw --threads {cpu_threads}`"))
     for i, b in enumerate(blocks):
         on_cpu = i >= len(blocks) - opts.cpu_layers
         nf = (lambda m: 0) if on_cpu else (guard.num_fetch if guard else q_for(backend))

@@ -147,3 +147,20 @@ def test_cpu_branch_thread_count(tiny_hf, monkeypatch) -> None:
     assert setup.default_cpu_threads("cuda") == 1
     with pytest.raises(ValueError, match="moe-cpu-threads"):
         MoEOptions(backend="cpu", cpu_threads=0)
+
+
+def test_profile_thread_mismatch_is_logged(tiny_hf, caplog) -> None:
+    """B_H was measured with some thread count; a CPU branch run with another count gets a
+    q* from the wrong B_H, and says so in one log line."""
+    from freetoken.experts.policy import BandwidthProfile
+    from freetoken.experts.setup import configure_experts
+
+    d = tiny_hf("qwen3_5_moe")
+    prof = BandwidthProfile(key={}, b_h=80.0, b_p=50.0, cpu_threads=8)
+    caplog.set_level("INFO", logger="ft.experts")
+    for threads, warned in ((3, True), (8, False)):
+        caplog.clear()
+        m = load_model(d, dtype=torch.float32, progress=False)
+        configure_experts(m, MoEOptions(backend="hybrid", cache_size=4, cpu_threads=threads),
+                          "cpu", profile=prof)
+        assert ("bw_profile_threads_differ" in caplog.text) == warned
