@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.engine.forward_batch import ForwardBatch, KVPool
+from freetoken.layers.linear import Linear
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import apply_rotary
 from freetoken.models.config import ModelConfig
@@ -23,10 +24,10 @@ class Attention(nn.Module):
         self.gated = cfg.attn_output_gate
         q_out = self.hq * self.d * (2 if self.gated else 1)
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.hk * self.d, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.hk * self.d, bias=bias)
-        self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=bias)
+        self.q_proj = Linear(cfg.hidden_size, q_out, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, self.hk * self.d, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, self.hk * self.d, bias=bias)
+        self.o_proj = Linear(self.hq * self.d, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, cfg.zero_centered_norm)
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, cfg.zero_centered_norm)
         self.scale = self.d ** -0.5

@@ -13,6 +13,7 @@ from torch import nn
 
 from freetoken.engine.forward_batch import ForwardBatch, StateTensors
 from freetoken.layers.gated_delta import chunk_gated_delta, recurrent_gated_delta
+from freetoken.layers.linear import Linear
 from freetoken.layers.norm import GatedRMSNorm
 from freetoken.models.config import ModelConfig
 
@@ -31,16 +32,16 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kc = cfg.linear_conv_kernel
         H = cfg.hidden_size
-        self.in_proj_qkv = nn.Linear(H, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(H, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(H, self.hv, bias=False)
-        self.in_proj_a = nn.Linear(H, self.hv, bias=False)
+        self.in_proj_qkv = Linear(H, self.conv_dim, bias=False)
+        self.in_proj_z = Linear(H, self.value_dim, bias=False)
+        self.in_proj_b = Linear(H, self.hv, bias=False)
+        self.in_proj_a = Linear(H, self.hv, bias=False)
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.zeros(self.conv_dim, 1, self.kc))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, H, bias=False)
+        self.out_proj = Linear(self.value_dim, H, bias=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: StateTensors) -> torch.Tensor:
         T = x.shape[0]

@@ -14,15 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetoken.layers.linear import Linear
 from freetoken.models.config import ModelConfig
 
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -122,7 +123,7 @@ class MoEBlock(nn.Module):
         self.shared_expert: MLP | None = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+            self.shared_expert_gate = Linear(H, 1, bias=False)
         self.route_hook = None  # callable(layer_id, topk_ids) for routing traces
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from freetoken.layers.moe import MLP, MoEBlock
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import Rotary
 from freetoken.models.config import ModelConfig
+from kernels.cpu.linear_ops import small_linear
 
 
 class DecoderLayer(nn.Module):
@@ -58,7 +59,7 @@ class QwenMoE(nn.Module):
         self.cfg = cfg
         self.model = Backbone(cfg)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # weight only
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
 
     def output_embedding(self) -> torch.Tensor:
@@ -75,4 +76,4 @@ class QwenMoE(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, batch, caches)
         h = self.model.norm(x[batch.logits_rows])  # [R, H]
-        return torch.nn.functional.linear(h, self.output_embedding()).float()  # [R, V]
+        return small_linear(h, self.output_embedding()).float()  # [R, V]

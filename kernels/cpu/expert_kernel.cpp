@@ -688,6 +688,68 @@ void run(const float* x, int64_t T, int64_t H, const int64_t* ids, int64_t K,
   }
 }
 
+// y[t, n] = x[t, :] . w[n, :] for a few rows x (decode-size), the weight read once: each
+// thread streams a contiguous block of rows with its prefetch cursor ahead, cut into units that
+// idle threads steal from the back (the work-stealing scheme of run_small, one phase). Token
+// tiles after the first re-read a row from L1.
+template <typename W>
+void linear_small(const float* x, int64_t T, int64_t K, const W* w, int64_t N, float* y,
+                  int nth) {
+  constexpr int64_t kUnit = 32;  // rows per unit
+  const int64_t nunits = (N + kUnit - 1) / kUnit;
+  std::unique_ptr<Deque[]> dq(new Deque[nth]);
+  std::vector<const float*> xs(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) xs[t] = x + t * K;
+#pragma omp parallel num_threads(nth)
+  {
+    const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    auto first_unit = [&](int64_t v) { return nunits * v / nt; };
+    const int64_t u0 = first_unit(tid), u1 = first_unit(tid + 1);
+    dq[tid].reset(static_cast<uint32_t>(u1 - u0));
+    const char* seg_b = reinterpret_cast<const char*>(w + std::min(N, u0 * kUnit) * K);
+    const char* seg_e = reinterpret_cast<const char*>(w + std::min(N, u1 * kUnit) * K);
+    Stream pf;
+    if (seg_e > seg_b && g_prefetch > 0) {
+      pf.seg_b = &seg_b;
+      pf.seg_e = &seg_e;
+      pf.nseg = 1;
+      pf.p = seg_b;
+      pf.step(g_pf_dist);
+    }
+    float res[kNtMax];
+    Stream none;  // later token tiles: the row is in L1 already
+    auto do_unit = [&](int64_t u, Stream& s) {
+      const int64_t r0 = u * kUnit, r1 = std::min(N, r0 + kUnit);
+      for (int64_t r = r0; r < r1; ++r) {
+        const W* row = w + r * K;
+        for (int64_t t0 = 0; t0 < T; t0 += kNtMax) {
+          const int64_t n = std::min<int64_t>(kNtMax, T - t0);
+          Stream& st = t0 == 0 ? s : none;
+          if (n == 1) dot_row_seq<W, 1, 4>(row, xs.data() + t0, K, res, st);
+          else if (n == 2) dot_row_seq<W, 2, 2>(row, xs.data() + t0, K, res, st);
+          else dot_row_seq<W, kNtMax, 2>(row, xs.data() + t0, K, res, st);
+          for (int64_t t = 0; t < n; ++t) y[(t0 + t) * N + r] = res[t];
+        }
+      }
+    };
+    int64_t i;
+    while ((i = dq[tid].take_front()) >= 0) do_unit(u0 + i, pf);
+    if (g_steal)
+      for (int64_t k = 1; k < nt; ++k) {
+        const int64_t v = (tid + k) % nt;
+        while ((i = dq[v].take_back()) >= 0) {
+          const int64_t u = first_unit(v) + i;
+          const char* b = reinterpret_cast<const char*>(w + u * kUnit * K);
+          const char* e = reinterpret_cast<const char*>(w + std::min(N, (u + 1) * kUnit) * K);
+          Stream s;
+          s.seg_b = &b; s.seg_e = &e; s.nseg = g_prefetch > 0 ? 1 : 0; s.p = b;
+          s.step(g_pf_dist);
+          do_unit(u, s);
+        }
+      }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -749,6 +811,20 @@ float ft_stream_sum(const float* p, int64_t n, int nthreads, int64_t pf_dist) {
     total += s;
   }
   return total;
+}
+
+// y [T, N] fp32 = x [T, K] fp32 . w [N, K]^T (no bias), the weight fp32 (wdtype 0) or bf16
+// (wdtype 1), contiguous. Returns 0, or 2 on a bad dtype code.
+int ft_cpu_linear(const float* x, int64_t T, int64_t K, const void* w, int wdtype, int64_t N,
+                  float* y, int nthreads) {
+  if (wdtype != 0 && wdtype != 1) return 2;
+  if (T <= 0 || N <= 0) return 0;
+  const int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
+  if (wdtype == 1)
+    linear_small<uint16_t>(x, T, K, static_cast<const uint16_t*>(w), N, y, nth);
+  else
+    linear_small<float>(x, T, K, static_cast<const float*>(w), N, y, nth);
+  return 0;
 }
 
 // Returns 0 on success, 1 if an expert id is out of [0, E), 2 on a bad dtype code.

@@ -94,6 +94,9 @@ class CpuKernel:
                              ctypes.c_int, ctypes.c_int]
         lib.ft_cpu_isa.restype = ctypes.c_char_p
         self.built_isa = lib.ft_cpu_isa().decode()
+        self._lin = lib.ft_cpu_linear
+        self._lin.restype = ctypes.c_int
+        self._lin.argtypes = [p, i64, i64, p, ctypes.c_int, i64, p, ctypes.c_int]
         self._sum = lib.ft_stream_sum
         self._sum.restype = ctypes.c_float
         self._sum.argtypes = [p, i64, ctypes.c_int, i64]
@@ -128,6 +131,17 @@ class CpuKernel:
         """Benchmark knob: decode-size groups on per-thread contiguous row blocks (default) or
         on the interleaved-tile path."""
         self._lib.ft_cpu_set_contig(ctypes.c_int(int(on)))
+
+    def linear(self, x: Tensor, weight: Tensor, out: Tensor, num_threads: int | None = None
+               ) -> None:
+        """out [T, N] fp32 = x [T, K] fp32 @ weight [N, K].T, weight contiguous fp32 or bf16.
+        Shapes and dtypes are checked by the caller (kernels.cpu.linear_ops)."""
+        nth = num_threads if num_threads is not None else torch.get_num_threads()
+        rc = self._lin(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(),
+                       1 if weight.dtype == torch.bfloat16 else 0, weight.shape[0],
+                       out.data_ptr(), nth)
+        if rc != 0:
+            raise RuntimeError(f"ft_cpu_linear failed rc={rc}")
 
     def stream_sum(self, buf: Tensor, num_threads: int | None = None,
                    prefetch_bytes: int = 0) -> float:
