@@ -2,7 +2,7 @@
 # One call on the GPU machine (device tool): GPU tests, then the benchmarks of
 # docs/benchmarks.md. Writes logs under $OUT.
 # Usage: OUT=/tmp/out scripts/gpu_run.sh [stage ...]
-#   stages: tests gputests kernel kdiag kunbound ksweep bw decode profile
+#   stages: tests gputests kernel kdiag kunbound ksweep linear bw decode profile
 # (default: tests kernel bw decode)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +50,10 @@ if has ksweep; then
       --tokens 1,4 --no-torch --no-prefetch-rows --pf-sweep 0,32768,131072
     OMP_PROC_BIND=close OMP_PLACES=cores timeout 100 $KB --threads 16 --tokens 1,4 --no-torch \
       --no-prefetch-rows --pin --pf-sweep 0,32768,131072; } 2>&1 | tee "$OUT/cpu_kernel_sweep.log"
+fi
+if has linear; then
+  OMP_PROC_BIND=close OMP_PLACES=cores timeout 120 python3 scripts/bench_cpu_linear.py 2>&1 \
+    | tee "$OUT/cpu_linear.log"
 fi
 if has bw; then
   timeout 180 $FT bench bw --pool-gb 6 --seconds 2 2>&1 | tee "$OUT/bw.log"

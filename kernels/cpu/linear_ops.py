@@ -13,13 +13,16 @@ from torch import Tensor
 
 # Below this the ctypes call and thread team cost more than torch's GEMV loses.
 MIN_WEIGHT_BYTES = 1 << 20
-# Above this many rows the product is a GEMM, and torch's blocked kernels win.
-MAX_ROWS = 16
+# Above this many rows the product is a GEMM, and torch's blocked kernels win: measured on
+# the dev machine (scripts/bench_cpu_linear.py), fp32 weights still gain 1.1-3.8x at 16 rows;
+# bf16 weights gain 1.3-3.2x at 2 rows, break even at 3 and lose at 8 (torch's bf16 GEMM
+# uses the dot-product instructions this path does not).
+MAX_ROWS = {torch.float32: 16, torch.bfloat16: 2}
 
 
 def small_linear(x: Tensor, weight: Tensor, num_threads: int | None = None) -> Tensor:
     """F.linear(x, weight) (no bias) for x [..., K]; through the kernel when x and weight are
-    on the CPU, x has at most MAX_ROWS rows, the weight is contiguous fp32 or bf16 of at least
+    on the CPU, x has at most MAX_ROWS[weight dtype] rows, the weight is contiguous fp32 or bf16 of at least
     MIN_WEIGHT_BYTES and the kernel is available; else torch. The result has x's dtype,
     accumulated in fp32."""
     if weight.numel() * weight.element_size() < MIN_WEIGHT_BYTES or x.device.type != "cpu":
@@ -29,8 +32,8 @@ def small_linear(x: Tensor, weight: Tensor, num_threads: int | None = None) -> T
     rows = x.numel() // x.shape[-1] if x.dim() else 0
     usable = (
         weight.device.type == "cpu"
-        and 0 < rows <= MAX_ROWS and x.shape[-1] == weight.shape[-1] and weight.dim() == 2
-        and weight.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous()
+        and weight.dtype in MAX_ROWS and 0 < rows <= MAX_ROWS[weight.dtype]
+        and x.shape[-1] == weight.shape[-1] and weight.dim() == 2 and weight.is_contiguous()
         and x.dtype in (torch.float32, torch.bfloat16)
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     )

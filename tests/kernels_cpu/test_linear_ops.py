@@ -17,8 +17,13 @@ def small_threshold(monkeypatch):
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16])
 @pytest.mark.parametrize("threads", [1, 2, 5])
-def test_matches_float64_reference(wdtype: torch.dtype, rows: int, threads: int) -> None:
+def test_matches_float64_reference(wdtype: torch.dtype, rows: int, threads: int,
+                                   monkeypatch) -> None:
     build(detect_isa())
+    monkeypatch.setattr(lo, "MAX_ROWS", {torch.float32: 16, torch.bfloat16: 16})
+    called = []
+    real = lo.F.linear
+    monkeypatch.setattr(lo.F, "linear", lambda *a: called.append(1) or real(*a))
     g = torch.Generator().manual_seed(rows * 10 + threads)
     k, n = 67, 1000 + rows  # vector tails; units of 32 rows with a partial last one
     x = torch.randn(rows, k, generator=g)
@@ -26,6 +31,7 @@ def test_matches_float64_reference(wdtype: torch.dtype, rows: int, threads: int)
     got = lo.small_linear(x, w, num_threads=threads)
     ref = x.double() @ w.double().T
     assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert not called, "the kernel path must have run"
     assert float((got.double() - ref).norm() / ref.norm()) < 1e-6
 
 
@@ -43,7 +49,8 @@ def test_torch_fallbacks(monkeypatch) -> None:
     torch's result exactly."""
     g = torch.Generator().manual_seed(4)
     w = torch.randn(64, 48, generator=g)
-    for x, weight in ((torch.randn(lo.MAX_ROWS + 1, 48, generator=g), w),
+    for x, weight in ((torch.randn(lo.MAX_ROWS[torch.float32] + 1, 48, generator=g), w),
+                      (torch.randn(3, 48, generator=g).to(torch.bfloat16), w.to(torch.bfloat16)),
                       (torch.randn(2, 48, generator=g), w.T.contiguous().T)):
         assert torch.equal(lo.small_linear(x, weight), F.linear(x, weight))
     monkeypatch.setattr(lo, "MIN_WEIGHT_BYTES", 1 << 30)
