@@ -14,6 +14,7 @@ from freetoken.layers.linear import Linear
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import apply_rotary
 from freetoken.models.config import ModelConfig
+from kernels.cpu.attention_ops import cpu_decode_attention
 
 
 class Attention(nn.Module):
@@ -53,6 +54,11 @@ class Attention(nn.Module):
             slots = batch.kv_slots[b]  # [p + n]
             k_pool[slots[p:]] = k[lo:hi].to(k_pool.dtype)
             v_pool[slots[p:]] = v[lo:hi].to(v_pool.dtype)
+            if hi - lo == 1:  # decode row on the CPU at length: read the pool in place
+                o1 = cpu_decode_attention(q[lo], k_pool, v_pool, slots, self.scale)
+                if o1 is not None:
+                    out[lo] = o1.to(out.dtype)
+                    continue
             out[lo:hi] = self._attend(q[lo:hi], k_pool[slots], v_pool[slots], p)
         o = out.reshape(T, self.hq * self.d)
         if gate is not None:

@@ -73,6 +73,9 @@ inline V vload_tail(const uint16_t* p, int n) {
 }
 inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(V a) { return _mm512_reduce_add_ps(a); }
+inline V vset1(float f) { return _mm512_set1_ps(f); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a); }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define FT_ISA "avx2"
 constexpr int VL = 8;
@@ -97,6 +100,9 @@ inline V vload_tail(const uint16_t* p, int n) {
   return vload(b);
 }
 inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V vset1(float f) { return _mm256_set1_ps(f); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline void vstore(float* p, V a) { _mm256_storeu_ps(p, a); }
 inline float vsum(V a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -117,6 +123,9 @@ inline V vload_tail(const float* p, int) { return *p; }
 inline V vload_tail(const uint16_t* p, int) { return bf16_to_f32(*p); }
 inline V vfma(V a, V b, V c) { return a * b + c; }
 inline float vsum(V a) { return a; }
+inline V vset1(float f) { return f; }
+inline V vmul(V a, V b) { return a * b; }
+inline void vstore(float* p, V a) { *p = a; }
 #endif
 
 #ifdef FT_HAVE_DPBF16
@@ -750,6 +759,123 @@ void linear_small(const float* x, int64_t T, int64_t K, const W* w, int64_t N, f
   }
 }
 
+// v[i] = exp(v[i] - shift) for i < n <= 16 (every v[i] - shift <= 0), returning their sum.
+// AVX-512: 2^(x log2 e) split into an integer power (scalef) and a degree-6 polynomial of the
+// fraction in [-1/2, 1/2] (relative error ~1e-7); elsewhere std::exp.
+inline float exp_shifted(float* v, int n, float shift) {
+#if defined(__AVX512F__)
+  const __mmask16 mk = static_cast<__mmask16>((1u << n) - 1u);
+  __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(mk, v), _mm512_set1_ps(shift));
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, k);
+  __m512 p = _mm512_set1_ps(1.5403530393381608e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  const __m512 e = _mm512_scalef_ps(p, k);
+  _mm512_mask_storeu_ps(v, mk, e);
+  return _mm512_mask_reduce_add_ps(mk, e);
+#else
+  float sum = 0.f;
+  for (int i = 0; i < n; ++i) {
+    v[i] = std::exp(v[i] - shift);
+    sum += v[i];
+  }
+  return sum;
+#endif
+}
+
+// Decode attention over a paged K/V pool, read in place: one query row per sequence attends to
+// the keys and values at `slots` ([L] pool rows of [Hk, D]), softmax(q.k * scale) . v, for
+// Hq query heads sharing Hk KV heads (GQA). The slots are split over threads; each keeps an
+// online softmax (running max, sum and weighted V) per head and the partials merge at the end
+// (flash-decoding). Each K/V row is read once for all query heads of its group, a block of
+// kAttnBlock slots at a time, the rows kAttnAhead slots on prefetched into L2 (slots need not be
+// contiguous). D % VL == 0.
+constexpr int64_t kAttnBlock = 16;  // slots per online-softmax update
+constexpr int64_t kAttnAhead = 48;  // prefetch distance in slots (16-96 measured alike)
+
+template <typename W>
+void decode_attention(const float* q, const W* kp, const W* vp, const int64_t* slots, int64_t L,
+                      int64_t Hq, int64_t Hk, int64_t D, float scale, float* out, int nth) {
+  const int64_t rep = Hq / Hk, row = Hk * D, nv = D / VL;
+  nth = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nth, (L + 63) / 64)));
+  std::vector<float> part_m(nth * Hq, -INFINITY), part_l(nth * Hq, 0.f), part_o(nth * Hq * D, 0.f);
+#pragma omp parallel num_threads(nth)
+  {
+    const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t j0 = L * tid / nt, j1 = L * (tid + 1) / nt;
+    float* m = part_m.data() + tid * Hq;
+    float* l = part_l.data() + tid * Hq;
+    float* acc = part_o.data() + tid * Hq * D;
+    std::vector<float> qs(Hq * D);
+    for (int64_t i = 0; i < Hq * D; ++i) qs[i] = q[i] * scale;
+    const int64_t row_bytes = row * static_cast<int64_t>(sizeof(W));
+    // blocks of kAttnBlock slots: all scores of the block first, then one running-max update
+    // and one pass over the accumulator per head and vector column
+    float sc[kAttnBlock];
+    for (int64_t j = j0; j < j1; j += kAttnBlock) {
+      const int64_t nb = std::min<int64_t>(kAttnBlock, j1 - j);
+      for (int64_t g = 0; g < Hk; ++g) {
+        for (int64_t h = g * rep; h < (g + 1) * rep; ++h) {
+          const float* qh = qs.data() + h * D;
+          float bmax = -INFINITY;
+          for (int64_t b = 0; b < nb; ++b) {
+#if defined(__AVX2__) || defined(__AVX512F__)
+            if (h == 0 && j + b + kAttnAhead < j1) {  // rows kAttnAhead slots on, spread evenly
+              const char* pk = reinterpret_cast<const char*>(kp + slots[j + b + kAttnAhead] * row);
+              const char* pv = reinterpret_cast<const char*>(vp + slots[j + b + kAttnAhead] * row);
+              for (int64_t off = 0; off < row_bytes; off += 64) {
+                _mm_prefetch(pk + off, _MM_HINT_T1);
+                _mm_prefetch(pv + off, _MM_HINT_T1);
+              }
+            }
+#endif
+            const W* kg = kp + slots[j + b] * row + g * D;
+            V a = vzero();
+            for (int64_t c = 0; c < nv; ++c) a = vfma(vload(kg + c * VL), vload(qh + c * VL), a);
+            sc[b] = vsum(a);
+            bmax = std::max(bmax, sc[b]);
+          }
+          const float mnew = std::max(m[h], bmax);
+          const float corr = std::exp(m[h] - mnew);  // 0 on the first block (m = -inf)
+          const float psum = exp_shifted(sc, static_cast<int>(nb), mnew);
+          l[h] = l[h] * corr + psum;
+          m[h] = mnew;
+          float* o = acc + h * D;
+          const V vc = vset1(corr);
+          for (int64_t c = 0; c < nv; ++c) {
+            V a = vmul(vload(o + c * VL), vc);
+            for (int64_t b = 0; b < nb; ++b)
+              a = vfma(vload(vp + slots[j + b] * row + g * D + c * VL), vset1(sc[b]), a);
+            vstore(o + c * VL, a);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t h = 0; h < Hq; ++h) {  // merge the per-thread partials
+    float mx = -INFINITY;
+    for (int t = 0; t < nth; ++t) mx = std::max(mx, part_m[t * Hq + h]);
+    float denom = 0.f;
+    float* o = out + h * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+    for (int t = 0; t < nth; ++t) {
+      if (part_l[t * Hq + h] == 0.f) continue;  // a thread that saw no slots
+      const float w = std::exp(part_m[t * Hq + h] - mx);
+      denom += part_l[t * Hq + h] * w;
+      const float* po = part_o.data() + (t * Hq + h) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += po[d] * w;
+    }
+    for (int64_t d = 0; d < D; ++d) o[d] /= denom;
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -824,6 +950,27 @@ int ft_cpu_linear(const float* x, int64_t T, int64_t K, const void* w, int wdtyp
     linear_small<uint16_t>(x, T, K, static_cast<const uint16_t*>(w), N, y, nth);
   else
     linear_small<float>(x, T, K, static_cast<const float*>(w), N, y, nth);
+  return 0;
+}
+
+// out [Hq, D] fp32: decode attention of one query q [Hq, D] fp32 over the pool rows `slots`
+// [L] of k_pool, v_pool [S, Hk, D] (fp32: kvdtype 0; bf16: 1). Returns 0; 2 on a bad dtype;
+// 3 when D is not a multiple of the vector width or Hq is not a multiple of Hk (the caller
+// takes another path).
+int ft_decode_attention(const float* q, const void* k_pool, const void* v_pool, int kvdtype,
+                        const int64_t* slots, int64_t L, int64_t Hq, int64_t Hk, int64_t D,
+                        float scale, float* out, int nthreads) {
+  if (kvdtype != 0 && kvdtype != 1) return 2;
+  if (D % VL != 0 || Hk <= 0 || Hq % Hk != 0 || L <= 0) return 3;
+  const int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
+  if (kvdtype == 1)
+    decode_attention<uint16_t>(q, static_cast<const uint16_t*>(k_pool),
+                               static_cast<const uint16_t*>(v_pool), slots, L, Hq, Hk, D, scale,
+                               out, nth);
+  else
+    decode_attention<float>(q, static_cast<const float*>(k_pool),
+                            static_cast<const float*>(v_pool), slots, L, Hq, Hk, D, scale, out,
+                            nth);
   return 0;
 }
 

@@ -97,6 +97,10 @@ class CpuKernel:
         self._lin = lib.ft_cpu_linear
         self._lin.restype = ctypes.c_int
         self._lin.argtypes = [p, i64, i64, p, ctypes.c_int, i64, p, ctypes.c_int]
+        self._attn = lib.ft_decode_attention
+        self._attn.restype = ctypes.c_int
+        self._attn.argtypes = [p, p, p, ctypes.c_int, p, i64, i64, i64, i64, ctypes.c_float, p,
+                               ctypes.c_int]
         self._sum = lib.ft_stream_sum
         self._sum.restype = ctypes.c_float
         self._sum.argtypes = [p, i64, ctypes.c_int, i64]
@@ -142,6 +146,22 @@ class CpuKernel:
                        out.data_ptr(), nth)
         if rc != 0:
             raise RuntimeError(f"ft_cpu_linear failed rc={rc}")
+
+    def decode_attention(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, slots: Tensor,
+                         scale: float, out: Tensor, num_threads: int | None = None) -> bool:
+        """out [Hq, D] fp32 = attention of q [Hq, D] fp32 over the pool rows `slots` [L] int64
+        of k_pool, v_pool [S, Hk, D] (contiguous, fp32 or bf16). False when the kernel does not
+        take this shape (D not a multiple of its vector width): the caller uses torch."""
+        nth = num_threads if num_threads is not None else torch.get_num_threads()
+        rc = self._attn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+                        1 if k_pool.dtype == torch.bfloat16 else 0, slots.data_ptr(),
+                        slots.shape[0], q.shape[0], k_pool.shape[1], q.shape[1],
+                        ctypes.c_float(scale), out.data_ptr(), nth)
+        if rc == 3:
+            return False
+        if rc != 0:
+            raise RuntimeError(f"ft_decode_attention failed rc={rc}")
+        return True
 
     def stream_sum(self, buf: Tensor, num_threads: int | None = None,
                    prefetch_bytes: int = 0) -> float:

@@ -132,6 +132,23 @@ def test_every_code_path_this_cpu_runs(isa: str) -> None:
             return out
 
         _check_against_ref(fn, seed, dtype, t=9 if seed == 22 else None)
+    # the same build's plain linear and in-place decode attention
+    g = torch.Generator().manual_seed(23)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = torch.randn(3, 40, generator=g), torch.randn(70, 40, generator=g).to(dtype)
+        out = torch.empty(3, 70)
+        kern.linear(x, w, out, num_threads=2)
+        torch.testing.assert_close(out.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-5)
+        k = torch.randn(50, 2, 32, generator=g).to(dtype)
+        v = torch.randn(50, 2, 32, generator=g).to(dtype)
+        q, slots = torch.randn(4, 32, generator=g), torch.randperm(50, generator=g)[:37]
+        o = torch.empty(4, 32)
+        assert kern.decode_attention(q, k, v, slots, 0.2, o, num_threads=2)
+        kk = k[slots].double().repeat_interleave(2, dim=1)  # [L, Hq, D]
+        vv = v[slots].double().repeat_interleave(2, dim=1)
+        p = (torch.einsum("hd,lhd->hl", q.double(), kk) * 0.2).softmax(-1)
+        torch.testing.assert_close(o.double(), torch.einsum("hl,lhd->hd", p, vv), rtol=1e-5,
+                                   atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -88,3 +88,33 @@ def test_stops_on_eos(tiny_hf) -> None:
     stopped = generate(ours, ids, SamplingParams(max_tokens=8, temperature=0.0), eos_ids=[eos])
     assert stopped.finish_reason == "stop"
     assert stopped.token_ids == free.token_ids[: free.token_ids.index(eos) + 1]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_5_moe"])
+def test_long_context_decode_matches_transformers(tiny_hf, kind: str, monkeypatch) -> None:
+    """Decode rows past kernels.cpu.attention_ops.MIN_KEYS read K/V in place from scattered
+    pool slots (the C++ decode-attention kernel); their logits still match transformers."""
+    import kernels.cpu.attention_ops as ao
+
+    calls: list[int] = []
+    real = ao.cpu_decode_attention
+
+    def spy(*a, **k):
+        r = real(*a, **k)
+        calls.append(r is not None)
+        return r
+
+    monkeypatch.setattr("freetoken.layers.attention.cpu_decode_attention", spy)
+    d = tiny_hf(kind)
+    ours, ref = load_model(d, dtype=torch.float32, progress=False), hf_reference(d)
+    n = ao.MIN_KEYS + 40
+    ids = _prompt(ours.cfg.vocab_size, n, seed=3)
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0, -8:]  # [8, V]
+    c = _caches(ours, 2 * n)
+    slots = torch.randperm(2 * n, generator=torch.Generator().manual_seed(0))[:n]  # scattered
+    ours(ForwardBatch.single(ids[:-8], 0, slots[: n - 8], 0), c)
+    got = [ours(ForwardBatch.single([ids[t]], t, slots[: t + 1], 0), c) for t in range(n - 8, n)]
+    assert any(calls), "the in-place kernel must have served the long decode rows"
+    got_t = torch.cat(got)
+    assert (got_t - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())
