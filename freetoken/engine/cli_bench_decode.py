@@ -72,12 +72,19 @@ def run(args: argparse.Namespace) -> int:
         if best is None or res.decode_tps > best.decode_tps:
             best = res
     assert best is not None
-    act = active_weight_bytes(model)
+    from freetoken.engine.forward_batch import KVPool
+
+    weights = active_weight_bytes(model)
+    # every decode step also reads the K/V of its whole context (mean context over the run)
+    kv = int(KVPool.bytes_per_token(model.cfg, model.model.norm.weight.dtype)
+             * (args.prompt_tokens + args.decode_tokens / 2))
+    act = weights + kv
     step = 1.0 / best.decode_tps if best.decode_tps else float("inf")
     print(f"model={args.model} device={args.device} dtype={model.model.norm.weight.dtype}")
     print(f"prefill: {args.prompt_tokens / best.prefill_seconds:10.1f} tok/s ({args.prompt_tokens} tokens)")
     print(f"decode:  {best.decode_tps:10.1f} tok/s  ({args.decode_tokens} tokens; "
-          f"{act / 1e6:.1f} MB active weights/token -> {act / step / 1e9:.2f} GB/s achieved)")
+          f"{weights / 1e6:.1f} MB active weights + {kv / 1e6:.1f} MB K/V per token -> "
+          f"{act / step / 1e9:.2f} GB/s achieved)")
     bw, how = args.mem_gbps, "given"
     if bw is None and args.device == "cpu":
         from freetoken.experts.bandwidth import host_read_gbps
