@@ -39,7 +39,7 @@ def cpu_branch(x: Tensor, ids: Tensor, mask: Tensor, store: ExpertStore, layer: 
     if gu.dtype == torch.float32:
         # fp32: the same grouped F.linear as `fused`, so results are bit-identical
         y = torch.zeros(*ic.shape, xc.shape[-1], dtype=xc.dtype)
-        return grouped_experts(xc, ic, gu, dn, y, mask=mc)
+        return grouped_experts(xc, ic, gu, dn, y, mask=mc, num_threads=num_threads)
     from kernels.cpu.expert_ops import cpu_experts
 
     return cpu_experts(xc, ic, gu, dn, compute_mask=mc, num_threads=num_threads).to(x.dtype)

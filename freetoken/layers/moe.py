@@ -60,12 +60,26 @@ def gathered_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Ten
 
 def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None = None,
-                    bank_index: torch.Tensor | None = None) -> torch.Tensor:
+                    bank_index: torch.Tensor | None = None, num_threads: int | None = None
+                    ) -> torch.Tensor:
     """Fill y [T, K, H] for the (t, k) entries selected by `mask` [T, K] (all if None), reading
     each expert's weights once for all its tokens. `bank_index` maps a logical expert id to its
-    row in gate_up/down (slot ids for a slot cache); identity if None."""
+    row in gate_up/down (slot ids for a slot cache); identity if None. `num_threads`: the C++
+    kernel's threads for a decode row on the CPU (None: torch's thread count)."""
     if (x.is_cuda and bank_index is None and topk_ids.numel() <= GATHER_MAX_ENTRIES):
         return gathered_experts(x, topk_ids, gate_up, down, y, mask)
+    if x.device.type == "cpu" and x.shape[0] == 1 and bank_index is None:
+        # One decode row on the CPU: one call of the C++ expert kernel instead of ~25 torch ops
+        # per layer. Every backend computes its CPU-side decode rows here (fused, slot hits on
+        # a CPU cache, the CPU branch), each expert of a row by the same dot products, so the
+        # backends stay bit-identical to each other in fp32.
+        from kernels.cpu.expert_ops import cpu_experts
+
+        keep = topk_ids >= 0 if mask is None else mask & (topk_ids >= 0)  # [1, K]
+        o = cpu_experts(x, topk_ids.clamp(min=0), gate_up, down, compute_mask=keep,
+                        num_threads=num_threads)  # [1, K, H]
+        y[keep] = o[keep].to(y.dtype)
+        return y
     flat = topk_ids.reshape(-1)  # [T*K]
     sel = torch.arange(flat.numel(), device=flat.device)
     if mask is not None:

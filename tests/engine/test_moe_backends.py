@@ -117,7 +117,8 @@ def test_gathered_decode_path_matches_grouped() -> None:
     assert torch.equal(got[~(mask & (ids >= 0))], base[~(mask & (ids >= 0))])
 
 
-def test_cpu_branch_thread_count(tiny_hf, monkeypatch) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_branch_thread_count(tiny_hf, monkeypatch, dtype: torch.dtype) -> None:
     """--moe-cpu-threads reaches the CPU kernel of every layer; the default is torch's thread
     count, capped at the cores less one when a GPU is driven from the main thread."""
     import kernels.cpu.expert_ops as ops
@@ -132,10 +133,12 @@ def test_cpu_branch_thread_count(tiny_hf, monkeypatch) -> None:
 
     monkeypatch.setattr(ops, "cpu_experts", spy)
     d = tiny_hf("qwen3_5_moe")
-    m = load_model(d, dtype=torch.bfloat16, progress=False,
+    m = load_model(d, dtype=dtype, progress=False,
                    moe=MoEOptions(backend="cpu", cache_size=2, cpu_threads=3))
     _logits(m, list(range(5, 50)))
-    assert seen and set(seen) == {3}
+    # the CPU branch passes its count; hits computed on this CPU-resident cache use torch's
+    branch = [t for t in seen if t is not None]
+    assert branch and set(branch) == {3}
 
     monkeypatch.setattr(setup.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.setattr(setup.torch, "get_num_threads", lambda: 16)
