@@ -45,6 +45,12 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None,
     del tensors
     model.moe_runtime = configure_experts(model, moe or MoEOptions(), device, kv_reserve_bytes)
     model = model.to(device)
+    if torch.device(device).type == "cpu" or model.moe_runtime.backend in ("cpu", "hybrid", "auto"):
+        # the C++ CPU kernels (decode linears, attention, experts) are built on first use, about
+        # 10 s once per machine: now, rather than inside the first request
+        from kernels.cpu.ext import load_kernel
+
+        load_kernel()
     n = sum(p.numel() for p in model.parameters())
     log.info(kv("loaded", model=Path(model_dir).name, family=cfg.model_type, params=n,
                 dtype=str(dtype).replace("torch.", ""), device=device,
