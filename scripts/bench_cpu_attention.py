@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -20,16 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from freetoken.experts import bandwidth as bw
 from kernels.cpu.attention_ops import cpu_decode_attention
-from kernels.cpu.ext import cpu_model, load_kernel
-
-
-def _time(fn, seconds: float) -> float:
-    fn()
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        fn()
-        n += 1
-    return (time.perf_counter() - t0) / n
 
 
 def _measure(L: int, hq: int, hk: int, d: int, dtype: torch.dtype, seconds: float,
@@ -47,8 +36,8 @@ def _measure(L: int, hq: int, hk: int, d: int, dtype: torch.dtype, seconds: floa
             q[None, :, None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
             scale=d**-0.5, enable_gqa=hq != hk)
 
-    tt = _time(torch_path, seconds)
-    tk = _time(lambda: cpu_decode_attention(q, k_pool, v_pool, slots, d**-0.5), seconds)
+    tt = bw.time_call(torch_path, seconds)
+    tk = bw.time_call(lambda: cpu_decode_attention(q, k_pool, v_pool, slots, d**-0.5), seconds)
     return 2 * L * hk * d * k_pool.element_size(), tt, tk
 
 
@@ -61,12 +50,7 @@ def main() -> int:
     a = p.parse_args()
     hq, hk, d = (int(v) for v in a.heads.split(","))
     dtype = getattr(torch, a.dtype)
-    kern = load_kernel()
-    nth = torch.get_num_threads()
-    print(f"[bench] cpu={cpu_model()!r} isa={kern.built_isa if kern else 'torch-only'} "
-          f"threads={nth} heads={hq}/{hk}x{d} dtype={a.dtype}", flush=True)
-    ceiling = bw.host_read_gbps(1e9, repeats=3, threads=nth)
-    print(f"ceiling (all-thread read stream): {ceiling:.1f} GB/s")
+    _, ceiling = bw.bench_banner(f"heads={hq}/{hk}x{d} dtype={a.dtype}")
     print(f"{'keys':>7} {'K+V MB':>7} {'floor ms':>9} {'torch ms':>9} {'kernel ms':>10} "
           f"{'kernel GB/s':>12} {'% ceil':>7} {'x torch':>8}")
     g = torch.Generator().manual_seed(0)

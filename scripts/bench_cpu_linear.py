@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -18,18 +17,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from freetoken.experts import bandwidth as bw
-from kernels.cpu.ext import cpu_model, load_kernel
 from kernels.cpu.linear_ops import small_linear
-
-
-def _time(fn, seconds: float) -> float:
-    for _ in range(2):
-        fn()
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        fn()
-        n += 1
-    return (time.perf_counter() - t0) / n
 
 
 def main() -> int:
@@ -39,12 +27,7 @@ def main() -> int:
     p.add_argument("--rows", default="1,4")
     p.add_argument("--seconds", type=float, default=0.5)
     a = p.parse_args()
-    kern = load_kernel()
-    nth = torch.get_num_threads()
-    print(f"[bench] cpu={cpu_model()!r} isa={kern.built_isa if kern else 'torch-only'} "
-          f"threads={nth}", flush=True)
-    ceiling = bw.host_read_gbps(1e9, repeats=3, threads=nth)
-    print(f"ceiling (all-thread read stream): {ceiling:.1f} GB/s")
+    _, ceiling = bw.bench_banner("")
     print(f"{'N x K':>14} {'dtype':>9} {'T':>3} {'torch ms':>9} {'GB/s':>6} {'kernel ms':>10} "
           f"{'GB/s':>6} {'% ceil':>7} {'x torch':>8}")
     for shape in a.shapes.split(","):
@@ -54,8 +37,8 @@ def main() -> int:
             nbytes = w.numel() * w.element_size()
             for t in (int(v) for v in a.rows.split(",")):
                 x = torch.randn(t, k).to(w.dtype)  # the model passes its own dtype
-                tt = _time(lambda x=x, w=w: F.linear(x.to(w.dtype), w), a.seconds)
-                tk = _time(lambda x=x, w=w: small_linear(x.to(w.dtype), w), a.seconds)
+                tt = bw.time_call(lambda x=x, w=w: F.linear(x.to(w.dtype), w), a.seconds)
+                tk = bw.time_call(lambda x=x, w=w: small_linear(x.to(w.dtype), w), a.seconds)
                 print(f"{shape:>14} {dt:>9} {t:>3} {tt * 1e3:9.2f} {nbytes / tt / 1e9:6.1f} "
                       f"{tk * 1e3:10.2f} {nbytes / tk / 1e9:6.1f} "
                       f"{100 * nbytes / tk / 1e9 / ceiling:7.1f} {tt / tk:8.2f}", flush=True)

@@ -1,6 +1,8 @@
-"""Builds and loads the C++ expert kernel (kernels/cpu/expert_kernel.cpp), once per process.
+"""Builds and loads the C++ CPU kernels (kernels/cpu/expert_kernel.cpp: routed experts;
+decode_ops.cpp: decode-size linear layers and in-place decode attention; simd.h: what they
+share), once per process.
 
-The source is compiled lazily at first use with torch.utils.cpp_extension.load (ninja, JIT),
+The sources are compiled lazily at first use with torch.utils.cpp_extension.load (ninja, JIT),
 into `<cache>/freetoken/ext/<isa>/` so later processes reuse the build. The ISA is read from the
 CPU's feature flags and selects the compiler flags, hence the code path inside the source:
 `avx512bf16`, `avx512`, `avx2` or `scalar`. `FT_CPU_ISA` overrides it (one of those names, or
@@ -13,6 +15,7 @@ the CPU branch can run while a Python thread drives the GPU copy stream.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import platform
 import threading
@@ -34,7 +37,9 @@ _ISA_FLAGS: dict[str, list[str]] = {
     "scalar": [],
 }
 PREFETCH_HINTS = ("t0", "t1", "t2", "nta")  # order = the kernel's hint codes
-_SOURCE = Path(__file__).with_name("expert_kernel.cpp")
+_DIR = Path(__file__).parent
+_SOURCES = [_DIR / "expert_kernel.cpp", _DIR / "decode_ops.cpp"]
+_HEADER = _DIR / "simd.h"
 
 
 def cache_root() -> Path:
@@ -218,10 +223,14 @@ def build(isa: str, verbose: bool = False) -> CpuKernel:
 
     build_dir = cache_root() / "ext" / isa
     build_dir.mkdir(parents=True, exist_ok=True)
+    # torch re-builds when a source or a flag changes, not a header: the header's hash rides
+    # in the flags
+    header = hashlib.sha256(_HEADER.read_bytes()).hexdigest()[:16]
     path = cpp_extension.load(
         name=f"ft_expert_kernel_{isa}",
-        sources=[str(_SOURCE)],
-        extra_cflags=["-O3", "-fopenmp", "-std=c++17", *_ISA_FLAGS[isa]],
+        sources=[str(p) for p in _SOURCES],
+        extra_cflags=["-O3", "-fopenmp", "-std=c++17", f"-DFT_SIMD_H={header}",
+                      *_ISA_FLAGS[isa]],
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
         is_python_module=False,
