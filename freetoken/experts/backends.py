@@ -37,7 +37,8 @@ def cpu_branch(x: Tensor, ids: Tensor, mask: Tensor, store: ExpertStore, layer: 
     xc, ic, mc = x.cpu(), ids.cpu(), mask.cpu()
     gu, dn = store.gate_up(layer), store.down(layer)
     if gu.dtype == torch.float32:
-        # fp32: the same grouped F.linear as `fused`, so results are bit-identical
+        # fp32: the same function as `fused` on the CPU (grouped F.linear, or the C++ kernel for
+        # a single decode row), so results are bit-identical
         y = torch.zeros(*ic.shape, xc.shape[-1], dtype=xc.dtype)
         return grouped_experts(xc, ic, gu, dn, y, mask=mc, num_threads=num_threads)
     from kernels.cpu.expert_ops import cpu_experts
