@@ -3,11 +3,11 @@
 # docs/benchmarks.md. Writes logs under $OUT.
 # Usage: OUT=/tmp/out scripts/gpu_run.sh [stage ...]
 #   stages: tests gputests kernel kdiag kunbound ksweep linear bw decode profile
-# (default: tests kernel bw decode)
+# (default: gputests kernel linear bw, about 6 min; `decode` alone takes about 5 min more)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ft-out}; mkdir -p "$OUT"
-stages=" ${*:-tests kernel bw decode} "
+stages=" ${*:-gputests kernel linear bw} "
 has() { [[ "$stages" == *" $1 "* ]]; }
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if [ -d .whl ]; then
@@ -52,8 +52,11 @@ if has ksweep; then
       --no-prefetch-rows --pin --pf-sweep 0,32768,131072; } 2>&1 | tee "$OUT/cpu_kernel_sweep.log"
 fi
 if has linear; then
-  OMP_PROC_BIND=close OMP_PLACES=cores timeout 120 python3 scripts/bench_cpu_linear.py 2>&1 \
-    | tee "$OUT/cpu_linear.log"
+  { OMP_PROC_BIND=close OMP_PLACES=cores timeout 120 python3 scripts/bench_cpu_linear.py
+    OMP_PROC_BIND=close OMP_PLACES=cores timeout 120 python3 scripts/bench_cpu_attention.py \
+      --lengths 8192,57344,131072
+    OMP_PROC_BIND=close OMP_PLACES=cores timeout 120 python3 scripts/bench_cpu_attention.py \
+      --heads 16,2,256 --dtype bfloat16 --lengths 8192,57344; } 2>&1 | tee "$OUT/cpu_linear.log"
 fi
 if has bw; then
   timeout 180 $FT bench bw --pool-gb 6 --seconds 2 2>&1 | tee "$OUT/bw.log"
