@@ -26,16 +26,17 @@ PER_TOKEN_S = 0.004
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 
 
-def _strip(x: Any) -> Any:
+def strip_cache_control(x: Any) -> Any:
+    """x without `cache_control` keys at any depth (cache hints do not change a prompt)."""
     if isinstance(x, dict):
-        return {k: _strip(v) for k, v in x.items() if k != "cache_control"}
+        return {k: strip_cache_control(v) for k, v in x.items() if k != "cache_control"}
     if isinstance(x, list):
-        return [_strip(v) for v in x]
+        return [strip_cache_control(v) for v in x]
     return x
 
 
 def prompt_tokens(body: dict[str, Any]) -> list[str]:
-    canon = {k: _strip(body[k]) for k in ("system", "tools", "messages") if k in body}
+    canon = {k: strip_cache_control(body[k]) for k in ("system", "tools", "messages") if k in body}
     return _TOKEN.findall(json.dumps(canon, ensure_ascii=False))
 
 

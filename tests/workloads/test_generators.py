@@ -5,23 +5,14 @@ import copy
 import itertools
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
-from fake_server import prompt_tokens
+from fake_server import prompt_tokens, strip_cache_control
 
 from workloads import NAMES, Workload, build_workload
 from workloads.convert import anthropic_to_openai, openai_to_anthropic
 from workloads.tokens import request_tokens
 from workloads.w4 import TRAILING_MARK, system_floor_tokens
-
-
-def _strip(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _strip(v) for k, v in x.items() if k != "cache_control"}
-    if isinstance(x, list):
-        return [_strip(v) for v in x]
-    return x
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -58,12 +49,12 @@ def test_append_only_sessions_w2_w3() -> None:
         w = build_workload(name, "tiny")
         for turns in w.sessions().values():
             for prev, cur in itertools.pairwise(turns):
-                p, c = _strip(prev.body["messages"]), _strip(cur.body["messages"])
+                p, c = strip_cache_control(prev.body["messages"]), strip_cache_control(cur.body["messages"])
                 assert c[: len(p)] == p
                 added = c[len(p)]
                 assert added["role"] == "assistant"
                 if name == "W3":
-                    assert added["content"] == _strip(prev.reply["content"])
+                    assert added["content"] == strip_cache_control(prev.reply["content"])
                 else:
                     args = [json.loads(x["function"]["arguments"]) for x in added["tool_calls"]]
                     assert args == [json.loads(x["function"]["arguments"])
