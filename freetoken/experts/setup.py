@@ -152,8 +152,9 @@ def default_cpu_threads(device: torch.device | str) -> int:
     cores), and with a GPU at most every core this process may run on less one, since the main
     thread drives the GPU meanwhile. The branch is one parallel call per layer that lasts as
     long as its slowest thread, so a kernel thread sharing a core with the thread that launches
-    GPU work and fills slots (hybrid runs both at once) stalls the whole call for a scheduler
-    time slice."""
+    GPU work and fills slots (hybrid runs both at once) can hold up the whole call (inferred
+    from the H200 decode profile, where hybrid ran at 17 tok/s beside offload's 43; the new
+    default is not re-measured there yet)."""
     n = torch.get_num_threads()
     if torch.device(device).type == "cuda":
         try:

@@ -13,10 +13,10 @@ from torch import Tensor
 
 # Below this the ctypes call and thread team cost more than torch's GEMV loses.
 MIN_WEIGHT_BYTES = 1 << 20
-# Above this many rows the product is a GEMM, and torch's blocked kernels win: measured on
-# the dev machine (scripts/bench_cpu_linear.py), fp32 weights still gain 1.1-3.8x at 16 rows;
-# bf16 weights gain 1.3-3.2x at 2 rows, break even at 3 and lose at 8 (torch's bf16 GEMM
-# uses the dot-product instructions this path does not).
+# Above this many rows the product is a GEMM, and torch's blocked kernels win. Measured on the
+# dev machine (scripts/bench_cpu_linear.py): fp32 weights gain 1.9-3.8x at 8 rows and 1.1-2.4x
+# at 16; bf16 weights 0.9-3.2x at 2 rows (below 1 only for an L3-resident weight), break even
+# at 3 and lose at 8 (torch's bf16 GEMM uses the dot-product instructions this path does not).
 MAX_ROWS = {torch.float32: 16, torch.bfloat16: 2}
 
 
