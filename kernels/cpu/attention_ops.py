@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels.cpu.ext import load_kernel
+
 # Shorter sequences stay on torch: its SDPA on a small gather costs about what the call does.
 MIN_KEYS = 512
 
@@ -27,8 +29,6 @@ def cpu_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, slots: Tenso
             and k_pool.is_contiguous() and v_pool.is_contiguous() and k_pool.dim() == 3
             and q.dim() == 2 and q.shape[1] == k_pool.shape[2]):
         return None
-    from kernels.cpu.ext import load_kernel
-
     kern = load_kernel()
     if kern is None:
         return None

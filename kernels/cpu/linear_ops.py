@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.cpu.ext import load_kernel
+
 # Below this the ctypes call and thread team cost more than torch's GEMV loses.
 MIN_WEIGHT_BYTES = 1 << 20
 # Above this many rows the product is a GEMM, and torch's blocked kernels win. Measured on the
@@ -27,8 +29,6 @@ def small_linear(x: Tensor, weight: Tensor, num_threads: int | None = None) -> T
     accumulated in fp32."""
     if weight.numel() * weight.element_size() < MIN_WEIGHT_BYTES or x.device.type != "cpu":
         return F.linear(x, weight)
-    from kernels.cpu.ext import load_kernel
-
     rows = x.numel() // x.shape[-1] if x.dim() else 0
     usable = (
         weight.device.type == "cpu"
