@@ -154,36 +154,30 @@ def _corrupt(src: Path, dst: Path, shard: str, edit: str, name: str) -> None:
     save_file(tensors, str(dst / shard), metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("sharded", [False, True])
-def test_shape_mismatch_names_tensor_shapes_and_file(
-    tiny_hf: TinyFactory, tmp_path: Path, no_reads: None, sharded: bool
-) -> None:
-    src = tiny_hf("qwen3_next", max_shard_size="40KB" if sharded else None)
-    name = "model.layers.3.self_attn.q_proj.weight"
-    shard = "model.safetensors"
-    if sharded:
-        shard = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][name]
-    _corrupt(src, tmp_path / "bad", shard, "shape", name)
-    with pytest.raises(CheckpointError) as err:
-        load_checkpoint(tmp_path / "bad", load_config(src), torch.float32, progress=False)
-    msg = str(err.value)
-    assert name in msg and "[128, 64]" in msg and "[127, 64]" in msg and shard in msg
+# (family, tensor, edit, what the error must also say): a truncated tensor names both shapes,
+# a deleted one says "missing" and the shape it should have
+BAD_TENSORS = [
+    ("qwen3_next", "model.layers.3.self_attn.q_proj.weight", "shape", ["[128, 64]", "[127, 64]"]),
+    ("qwen3_moe", "model.layers.2.mlp.experts.7.down_proj.weight", "delete",
+     ["missing", "[64, 32]"]),
+]
 
 
 @pytest.mark.parametrize("sharded", [False, True])
-def test_missing_tensor_names_tensor_shape_and_file(
-    tiny_hf: TinyFactory, tmp_path: Path, no_reads: None, sharded: bool
+@pytest.mark.parametrize("kind,name,edit,expect", BAD_TENSORS, ids=["shape", "missing"])
+def test_bad_tensor_names_tensor_shapes_and_file(
+    tiny_hf: TinyFactory, tmp_path: Path, no_reads: None, sharded: bool, kind: str, name: str,
+    edit: str, expect: list[str]
 ) -> None:
-    src = tiny_hf("qwen3_moe", max_shard_size="40KB" if sharded else None)
-    name = "model.layers.2.mlp.experts.7.down_proj.weight"
+    src = tiny_hf(kind, max_shard_size="40KB" if sharded else None)
     shard = "model.safetensors"
     if sharded:
         shard = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][name]
-    _corrupt(src, tmp_path / "bad", shard, "delete", name)
+    _corrupt(src, tmp_path / "bad", shard, edit, name)
     with pytest.raises(CheckpointError) as err:
         load_checkpoint(tmp_path / "bad", load_config(src), torch.float32, progress=False)
     msg = str(err.value)
-    assert name in msg and "missing" in msg and "[64, 32]" in msg and shard in msg
+    assert name in msg and all(e in msg for e in expect) and shard in msg
 
 
 def test_unused_tensors_skipped_with_one_log_line(
