@@ -23,7 +23,7 @@ log = get_logger("engine")
 def flashinfer_available() -> bool:
     try:
         import flashinfer  # noqa: F401
-    except Exception:
+    except (ImportError, RuntimeError):
         return False
     return True
 

@@ -77,7 +77,10 @@ class DecodeRunner:
         self.device, self.dtype = w.device, w.dtype
         self.vocab = cfg.vocab_size
         self.scratch_kv, self.scratch_state = scratch_kv, scratch_state
-        self.use_graphs = use_graphs and self.device.type == "cuda"
+        # every MoE layer must decode without host syncs (the CPU-branch backends sync per
+        # layer; they run through the same buffers eagerly)
+        self.capturable = all(getattr(b.experts, "capturable", True) for b in model.moe_blocks())
+        self.use_graphs = use_graphs and self.device.type == "cuda" and self.capturable
         self.buckets = {b: _Bucket(b) for b in buckets_for(max_batch)}
         self.max_batch = max(self.buckets)
         Bm, d = self.max_batch, self.device
@@ -107,6 +110,7 @@ class DecodeRunner:
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.steps = self.replays = 0
         log.info(kv("decode_runner", buckets=list(self.buckets), graphs=self.use_graphs,
+                    capturable=self.capturable,
                     attention=self.attention, kv_cap=cap))
 
     # -- host side -------------------------------------------------------------------------
@@ -230,7 +234,7 @@ class DecodeRunner:
             with torch.cuda.graph(g, pool=self._pool):
                 self._forward(Bk, attn, greedy)
             torch.cuda.synchronize()
-        except Exception as e:  # a host sync or an uncapturable op somewhere in the step
+        except RuntimeError as e:  # a host sync or an uncapturable op somewhere in the step
             log.warning(kv("capture_failed", bucket=Bk, greedy=greedy, error=repr(e)[:200]))
             torch.cuda.synchronize()
             bk.failed = True

@@ -101,6 +101,11 @@ class SlotExperts(nn.Module):
         self._device_fill: bool | None = None  # decided on first use (see device_fill)
 
     @property
+    def capturable(self) -> bool:
+        """Whether a decode step through this layer can be captured in a CUDA graph."""
+        return self.device_fill
+
+    @property
     def device_fill(self) -> bool:
         """Offload with fills driven by the device: no host sync in the layer, capturable."""
         if self._device_fill is None:

@@ -105,7 +105,7 @@ class SlotCache:
             return False
         try:
             import kernels.triton.uva_fill  # noqa: F401
-        except Exception:
+        except (ImportError, RuntimeError):
             return False
         return True
 

@@ -27,7 +27,7 @@ def triton_module(name: str):
     """kernels.triton.<name>, or None when triton or the module is missing (logged once)."""
     try:
         return importlib.import_module(f"kernels.triton.{name}")
-    except Exception as e:  # ImportError, or triton failing to find a driver
+    except (ImportError, RuntimeError) as e:  # no triton, or triton finding no driver
         log.info(kv("triton_unavailable", module=name, error=type(e).__name__))
         return None
 
