@@ -75,11 +75,17 @@ class TritonDecode(PagedDecode):
         return self._kernel(q, k_pool, v_pool, self.indptr, self.indices, scale)
 
 
-def choose_backend(requested: str = "auto") -> str:
-    """'flashinfer' | 'triton' for the graph runner's decode attention."""
-    if requested in ("auto", "flashinfer") and flashinfer_available():
+def choose_backend(requested: str = "auto", dtype: torch.dtype = torch.bfloat16) -> str:
+    """'flashinfer' | 'triton' | 'torch' for the graph runner's decode attention. flashinfer
+    takes fp16/bf16 pools only; 'torch' (per-row gathers, not capturable) is the last resort."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    if requested in ("auto", "flashinfer") and half and flashinfer_available():
         return "flashinfer"
     if requested == "flashinfer":
-        log.warning(kv("flashinfer_missing", using="triton",
-                       hint="pip install the gpu extra (flashinfer-python)"))
+        log.warning(kv("flashinfer_unusable", dtype=str(dtype), using="triton",
+                       hint="flashinfer needs the gpu extra and a 16-bit pool"))
+    try:
+        import kernels.triton.paged_attention  # noqa: F401
+    except (ImportError, RuntimeError):
+        return "torch"
     return "triton"

@@ -105,7 +105,10 @@ class DecodeRunner:
         self.d_indices = torch.zeros(cap, dtype=torch.int32, device=d)
         self.d_indptr = torch.zeros(Bm + 1, dtype=torch.int32, device=d)
         self.h_indptr = torch.zeros(Bm + 1, dtype=torch.int32, pin_memory=pin)
-        self.attention = choose_backend(attention) if self.device.type == "cuda" else "torch"
+        self.attention = (choose_backend(attention, self.dtype) if self.device.type == "cuda"
+                          else "torch")
+        if self.attention == "torch":  # per-row slot lists: not capturable
+            self.use_graphs = False
         self._workspace = None
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.steps = self.replays = 0
@@ -241,7 +244,8 @@ class DecodeRunner:
             return None
         finally:
             if stats is not None and stats._dev is not None:
-                stats._dev.zero_()  # the warm-up's routing is not the workload's
+                with torch.inference_mode():
+                    stats._dev.zero_()  # the warm-up's routing is not the workload's
         log.info(kv("captured", bucket=Bk, greedy=greedy, attention=self.attention))
         return g
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.layers import fast_ops
-from freetoken.layers.linear import Linear
+from freetoken.layers.linear import Linear, fuse_linears, split_linear
 from freetoken.models.config import ModelConfig
 
 
@@ -25,8 +25,16 @@ class MLP(nn.Module):
         self.gate_proj = Linear(hidden, inter, bias=False)
         self.up_proj = Linear(hidden, inter, bias=False)
         self.down_proj = Linear(inter, hidden, bias=False)
+        self.fused_gu: torch.Tensor | None = None  # see fuse_projections
+        self.inter = inter
+
+    def fuse_projections(self) -> None:
+        self.fused_gu = fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_gu is not None:
+            g, u = split_linear(x, self.fused_gu, [self.inter, self.inter])
+            return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -69,6 +69,16 @@ class QwenMoE(nn.Module):
     def output_embedding(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
 
+    def fuse_projections(self) -> QwenMoE:
+        """Concatenate the projections that read the same input (q/k/v; the four gated-DeltaNet
+        input projections; a shared expert's gate and up) into one weight each, the layers'
+        weights becoming views of it: one GEMM per group in every path. Call after the model is
+        on its device (moving it afterwards would copy the views apart)."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "fuse_projections"):
+                m.fuse_projections()
+        return self
+
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoEBlock)]
 
