@@ -60,8 +60,7 @@ class GatedDeltaNet(nn.Module):
             mixed, z = self.in_proj_qkv(x), self.in_proj_z(x)  # [T, C], [T, Hv·dv]
             b, a = self.in_proj_b(x), self.in_proj_a(x)  # [T, Hv]
         z = z.reshape(T, self.hv, self.dv)  # [T, Hv, dv]
-        beta = torch.sigmoid(b)  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv]
+        g, beta = fast_ops.gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] each
         w = self.conv1d.weight[:, 0, :]  # [C, Kc]
 
         if batch.ctx is not None:  # decode-only step: state read and written in place

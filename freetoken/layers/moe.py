@@ -153,16 +153,20 @@ class MoEBlock(nn.Module):
             self.shared_expert_gate = Linear(H, 1, bias=False)
         self.route_hook = None  # callable(layer_id, topk_ids) for routing traces
 
-    def forward(self, x: torch.Tensor, row_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, H] -> [T, H]. `row_mask [T]` bool: rows that route (a graph bucket's padding
-        rows do not: their ids become -1, so they move no expert and compute none)."""
+    def forward(self, x: torch.Tensor, row_mask: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H] (plus `residual` [T, H] when given, merged in the same pass).
+        `row_mask [T]` bool: rows that route (a graph bucket's padding rows do not: their ids
+        become -1, so they move no expert and compute none)."""
         w, ids = self.gate(x)  # [T, K], [T, K]
         if row_mask is not None:
             ids = ids.masked_fill(~row_mask[:, None], -1)
         if self.route_hook is not None:
             self.route_hook(self.layer_id, ids)
         y = self.experts(self.layer_id, x, ids)  # [T, K, H] unweighted
-        out = (y * w[..., None]).sum(1)  # [T, H]
+        shared = gate = None
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+            shared, gate = self.shared_expert(x), self.shared_expert_gate(x)  # [T, H], [T, 1]
+        if residual is None:
+            residual = torch.zeros_like(x)
+        return fast_ops.moe_combine(y, w, residual, shared, gate)

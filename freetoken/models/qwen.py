@@ -44,8 +44,9 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, cos, sin, batch, caches.kv)
         x = x + h
         h = self.post_attention_layernorm(x)
-        if batch.ctx is not None and batch.ctx.row_mask is not None and self.is_moe:
-            return x + self.mlp(h, batch.ctx.row_mask)
+        if self.is_moe:  # the block adds the residual itself (one fused pass on CUDA)
+            mask = batch.ctx.row_mask if batch.ctx is not None else None
+            return self.mlp(h, mask, residual=x)
         return x + self.mlp(h)
 
 
