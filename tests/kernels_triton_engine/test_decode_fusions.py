@@ -12,8 +12,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kernels.triton.decode_fusions import gdn_gates, moe_combine  # noqa: E402
-from kernels.triton.uva_fill import fill_rows  # noqa: E402
+from kernels.triton.decode_fusions import gdn_gates, moe_combine
+from kernels.triton.uva_fill import fill_rows
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
