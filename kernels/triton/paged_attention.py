@@ -187,7 +187,7 @@ def _prefill_kernel(
     seq = pid * 0 - 1
     blk = pid * 0
     before = pid * 0
-    for bb in range(0, B):
+    for bb in range(B):
         n_bb = (tl.load(qo_indptr_ptr + bb + 1) - tl.load(qo_indptr_ptr + bb)).to(tl.int32)
         nb = tl.cdiv(n_bb, BLOCK_M)
         mine = (pid >= before) & (pid < before + nb)
