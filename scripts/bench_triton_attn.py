@@ -20,13 +20,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from freetoken.layers.attention import Attention  # noqa: E402
-from freetoken.layers.gated_delta import recurrent_gated_delta  # noqa: E402
-from freetoken.layers.linear_attention import _l2norm  # noqa: E402
-from freetoken.layers.norm import GatedRMSNorm, RMSNorm  # noqa: E402
-from kernels.triton.gdn import causal_conv1d_update_pool, gdn_recurrent_pool  # noqa: E402
-from kernels.triton.norm import gated_rmsnorm, rmsnorm  # noqa: E402
-from kernels.triton.paged_attention import (  # noqa: E402
+from freetoken.layers.attention import Attention
+from freetoken.layers.gated_delta import recurrent_gated_delta
+from freetoken.layers.linear_attention import _l2norm
+from freetoken.layers.norm import GatedRMSNorm, RMSNorm
+from kernels.triton.gdn import causal_conv1d_update_pool, gdn_recurrent_pool
+from kernels.triton.norm import gated_rmsnorm, rmsnorm
+from kernels.triton.paged_attention import (
     paged_decode_attention,
     paged_prefill_attention,
 )
@@ -168,14 +168,14 @@ def bench_norms(T: int, iters: int) -> None:
         return mod(x + h)
 
     row(f"add+rmsnorm(1+w) T={T} H={H}", "torch", nbytes, eager_us(res_torch, iters), None)
-    kern = lambda: rmsnorm(h, mod.weight, 1e-6, True, residual=x)  # noqa: E731
+    kern = lambda: rmsnorm(h, mod.weight, 1e-6, True, residual=x)
     row(f"add+rmsnorm(1+w) T={T} H={H}", "triton", nbytes, eager_us(kern, iters),
         graph_us(kern, iters))
     core, z = (torch.randn(T, LHV, LD, device="cuda", dtype=BF) for _ in range(2))
     gn = GatedRMSNorm(LD, 1e-6).cuda().to(BF)
     gbytes = T * LHV * LD * 2 * 3
     row(f"gated rmsnorm T={T}", "torch", gbytes, eager_us(lambda: gn(core, z), iters), None)
-    kern = lambda: gated_rmsnorm(core, z, gn.weight, 1e-6)  # noqa: E731
+    kern = lambda: gated_rmsnorm(core, z, gn.weight, 1e-6)
     row(f"gated rmsnorm T={T}", "triton", gbytes, eager_us(kern, iters), graph_us(kern, iters))
 
 
