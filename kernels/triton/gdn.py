@@ -144,3 +144,47 @@ def causal_conv1d_update_pool(x: Tensor, conv_pool: Tensor, weight: Tensor, slot
         KC=kc, BLOCK_C=bc, BLOCK_K=triton.next_power_of_2(kc), num_warps=4,
     )
     return out
+
+
+@triton.jit
+def _gdn_gates_kernel(
+    a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, N, HV, s_a, s_b,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] over B*Hv
+    ok = i < N
+    row = i // HV
+    h = i % HV
+    x = (tl.load(a_ptr + row * s_a + h, mask=ok, other=0.0).to(tl.float32)
+         + tl.load(dtb_ptr + h, mask=ok, other=0.0).to(tl.float32))
+    # softplus as torch computes it (threshold 20); log1p(e) by Kahan's trick: exact for tiny e
+    e = tl.exp(x)
+    u = 1.0 + e
+    log1p = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
+    sp = tl.where(x > 20.0, x, log1p)  # past 20, e may be inf: that branch is not taken
+    a_log = tl.load(alog_ptr + h, mask=ok, other=0.0).to(tl.float32)
+    tl.store(g_ptr + i, -tl.exp(a_log) * sp, mask=ok)
+    b = tl.load(b_ptr + row * s_b + h, mask=ok, other=0.0).to(tl.float32)
+    tl.store(beta_ptr + i, tl.sigmoid(b).to(beta_ptr.dtype.element_ty), mask=ok)
+
+
+def gdn_gates(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
+    """The decay and write gates in one launch: g = -exp(A_log)·softplus(a + dt_bias) [B, Hv]
+    fp32 and beta = sigmoid(b) [B, Hv] in b's dtype, as GatedDeltaNet.forward computes them.
+    a, b [B, Hv] (in_proj_a / in_proj_b outputs); a_log, dt_bias [Hv]."""
+    B, hv = a.shape
+    if b.shape != a.shape or a_log.shape != (hv,) or dt_bias.shape != (hv,):
+        raise ValueError(f"shapes a {tuple(a.shape)}, b {tuple(b.shape)}, A_log "
+                         f"{tuple(a_log.shape)}, dt_bias {tuple(dt_bias.shape)} do not match")
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("a and b must be contiguous along heads")
+    g = torch.empty(B, hv, dtype=torch.float32, device=a.device)  # [B, Hv]
+    beta = torch.empty(B, hv, dtype=b.dtype, device=a.device)  # [B, Hv]
+    n = B * hv
+    if n:
+        block = min(1024, triton.next_power_of_2(n))
+        _gdn_gates_kernel[(triton.cdiv(n, block),)](
+            a, b, a_log, dt_bias, g, beta, n, hv, a.stride(0), b.stride(0),
+            BLOCK=block, num_warps=4,
+        )
+    return g, beta

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from freetoken.engine.forward_batch import ForwardBatch, StateTensors
 from freetoken.layers.gated_delta import recurrent_gated_delta
 from freetoken.layers.linear_attention import GatedDeltaNet, _l2norm
-from kernels.triton.gdn import causal_conv1d_update_pool, gdn_recurrent_pool
+from kernels.triton.gdn import causal_conv1d_update_pool, gdn_gates, gdn_recurrent_pool
 from kernels.triton.norm import gated_rmsnorm
 from tests.kernels_triton_attn.helpers import DEVICE, linear_attention_config, rel_err
 
@@ -108,7 +108,7 @@ def test_conv_update_in_place_matches_decode_branch(kc: int) -> None:
 
 
 def test_decode_step_of_the_layer_equals_torch_forward() -> None:
-    """conv -> split -> recurrent -> gated norm -> out_proj with the kernels gives
+    """gates, conv -> split -> recurrent -> gated norm -> out_proj with the kernels gives
     GatedDeltaNet.forward on a decode batch of three sequences: output and both pools."""
     cfg = linear_attention_config(HK, HV, D)
     torch.manual_seed(0)
@@ -135,8 +135,7 @@ def test_decode_step_of_the_layer_equals_torch_forward() -> None:
         slots = torch.tensor(slot_list, device=DEVICE)
         mixed = lay.in_proj_qkv(xd)  # [B, C]
         z = lay.in_proj_z(xd).view(3, HV, D)
-        beta = torch.sigmoid(lay.in_proj_b(xd))
-        g = -lay.A_log.float().exp() * F.softplus(lay.in_proj_a(xd).float() + lay.dt_bias)
+        g, beta = gdn_gates(lay.in_proj_a(xd), lay.in_proj_b(xd), lay.A_log, lay.dt_bias)
         c = causal_conv1d_update_pool(mixed, conv, lay.conv1d.weight[:, 0, :], slots)  # [B, C]
         kd = HK * D
         o = gdn_recurrent_pool(c[:, :kd].view(3, HK, D), c[:, kd:2 * kd].view(3, HK, D),
@@ -146,3 +145,20 @@ def test_decode_step_of_the_layer_equals_torch_forward() -> None:
     assert rel_err(got, ref) <= 1e-5
     assert rel_err(conv, state.conv[0]) <= 1e-6
     assert rel_err(ssm, state.ssm[0]) <= 1e-5
+
+
+def test_gates_match_the_layer_and_float64() -> None:
+    """g = -exp(A_log)·softplus(a + dt_bias), beta = sigmoid(b); a spans softplus's regimes:
+    far below zero (log1p of a tiny exp), around zero, and past torch's threshold of 20."""
+    gen = torch.Generator().manual_seed(4)
+    B = 3
+    a = torch.cat([torch.full((1, HV), -30.0), torch.randn(1, HV, generator=gen),
+                   torch.full((1, HV), 25.0)]) + torch.rand(B, HV, generator=gen)
+    b = torch.randn(B, HV, generator=gen) * 3
+    a_log, dt_bias = torch.randn(HV, generator=gen), torch.randn(HV, generator=gen)
+    g, beta = gdn_gates(a.to(DEVICE), b.to(DEVICE), a_log.to(DEVICE), dt_bias.to(DEVICE))
+    g_ref = -a_log.float().exp() * F.softplus(a.float() + dt_bias)  # the layer's expression
+    g64 = -a_log.double().exp() * torch.log1p(torch.exp(a.double() + dt_bias.double()))
+    for r in range(B):  # per row: the tiny first row must be right relative to itself
+        assert rel_err(g[r], g_ref[r]) <= 1e-5 and rel_err(g[r], g64[r]) <= 1e-5, f"row {r}"
+    assert beta.dtype == b.dtype and rel_err(beta, torch.sigmoid(b)) <= 1e-6
