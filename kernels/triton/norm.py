@@ -136,3 +136,78 @@ def gated_rmsnorm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
         num_warps=warps,
     )
     return y2.view(x.shape)
+
+
+@triton.jit
+def _norm_value(xn, w, X_DT: tl.constexpr, NORM_DT: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    # the RMSNorm module's rounding points, then back to fp32 for the rotation
+    if ZERO_CENTERED:
+        y = (xn * (1.0 + w)).to(NORM_DT)
+    else:
+        y = (xn.to(X_DT).to(tl.float32) * w).to(NORM_DT)
+    return y.to(tl.float32)
+
+
+@triton.jit
+def _rmsnorm_rope_kernel(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, R, H, N, eps,
+    s_xt, s_xh, s_c, s_s, s_yt, s_yh,
+    ROT: tl.constexpr, ZERO_CENTERED: tl.constexpr, NORM_DT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR] rows of [T*H]
+    n = tl.arange(0, BLOCK_N)  # [BN]
+    r_ok = r < R
+    ok = r_ok[:, None] & (n < N)[None, :]
+    t = (r // H).to(tl.int64)
+    xrow = x_ptr + t * s_xt + (r % H) * s_xh  # [BR]
+    x = tl.load(xrow[:, None] + n[None, :], mask=ok, other=0.0)
+    X_DT: tl.constexpr = x_ptr.dtype.element_ty
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / N + eps)  # [BR]
+    w = tl.load(w_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+    y = _norm_value(xf * rstd[:, None], w, X_DT, NORM_DT, ZERO_CENTERED)  # [BR, BN]
+    # rotate-half over the first ROT dims: dim d pairs with d ± ROT/2
+    rot_d = (n < ROT)[None, :]
+    p = tl.where(n < ROT // 2, n + ROT // 2, n - ROT // 2)  # [BN]
+    xp = tl.load(xrow[:, None] + p[None, :], mask=r_ok[:, None] & rot_d, other=0.0)
+    wp = tl.load(w_ptr + p, mask=n < ROT, other=0.0).to(tl.float32)[None, :]
+    yp = _norm_value(xp.to(tl.float32) * rstd[:, None], wp, X_DT, NORM_DT, ZERO_CENTERED)
+    yp = tl.where((n < ROT // 2)[None, :], -yp, yp)
+    c = tl.load(cos_ptr + t[:, None] * s_c + n[None, :], mask=r_ok[:, None] & rot_d,
+                other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t[:, None] * s_s + n[None, :], mask=r_ok[:, None] & rot_d,
+                other=0.0).to(tl.float32)
+    OUT_DT: tl.constexpr = y_ptr.dtype.element_ty
+    a = (y * c).to(OUT_DT).to(tl.float32)
+    b = (yp * s).to(OUT_DT).to(tl.float32)
+    out = tl.where(rot_d, a + b, y)
+    tl.store(y_ptr + (t * s_yt + (r % H) * s_yh)[:, None] + n[None, :], out.to(OUT_DT), mask=ok)
+
+
+def rmsnorm_rope(x: Tensor, weight: Tensor, eps: float, zero_centered: bool, cos: Tensor,
+                 sin: Tensor) -> Tensor:
+    """The attention's q/k prologue in one launch: apply_rotary(RMSNorm(x), cos, sin) with the
+    modules' roundings. x [T, H, D] (row strides free: the q half of the gated projection is a
+    view); weight [D]; cos, sin [T, R] with R <= D even (partial rotary: the first R dims rotate,
+    rotate-half convention). Returns [T, H, D], contiguous."""
+    T, H, N = x.shape
+    rot = cos.shape[-1]
+    if weight.shape != (N,) or cos.shape != (T, rot) or sin.shape != cos.shape:
+        raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)} do not match")
+    if rot % 2 or rot > N or x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError("rotary dims must be even, <= D, and the last dims contiguous")
+    ndt = x.dtype if zero_centered else torch.promote_types(weight.dtype, x.dtype)
+    odt = torch.promote_types(ndt, cos.dtype)
+    y = torch.empty(T, H, N, dtype=odt, device=x.device)  # [T, H, D]
+    R = T * H
+    if R:
+        br, bn, warps = _blocks(N)
+        _rmsnorm_rope_kernel[(triton.cdiv(R, br),)](
+            x, weight, cos, sin, y, R, H, N, eps,
+            x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), y.stride(0), y.stride(1),
+            ROT=rot, ZERO_CENTERED=zero_centered, NORM_DT=_TL[ndt], BLOCK_R=br, BLOCK_N=bn,
+            num_warps=warps,
+        )
+    return y

@@ -84,3 +84,32 @@ def test_gated_rmsnorm_matches_module_and_float64() -> None:
     assert y.shape == x.shape and y.dtype == x.dtype
     assert rel_err(y, mod(x, z)) <= 1e-5
     assert rel_err(y, _norm64(x, mod.weight.data, False) * F.silu(z.double())) <= 1e-5
+
+
+@pytest.mark.parametrize("zero_centered,dtype", [(True, torch.float32), (False, torch.float32),
+                                                 (True, torch.float16)])
+def test_rmsnorm_rope_matches_norm_then_rotary(zero_centered: bool, dtype) -> None:
+    """q prologue: the q half of a gated [T, Hq, 2D] projection (a strided view), per-head
+    RMSNorm, partial rotary over the first 8 of 16 dims at scattered positions. Oracle: the
+    modules (RMSNorm, Rotary.cos_sin, apply_rotary) in the same dtype, and float64."""
+    from freetoken.layers.rotary import Rotary, apply_rotary
+    from kernels.triton.norm import rmsnorm_rope
+
+    gen = torch.Generator().manual_seed(21 + zero_centered)
+    qg = (torch.randn(5, 4, 32, generator=gen) * 2).to(dtype)
+    q = qg[..., :16]  # [T, Hq, D]
+    mod = RMSNorm(16, EPS, zero_centered).to(dtype)
+    mod.weight.data = (torch.randn(16, generator=gen) * 0.5).to(dtype)
+    cos, sin = Rotary(8, 10000.0).cos_sin(torch.tensor([0, 3, 17, 100, 4095]), dtype)
+    got = rmsnorm_rope(q.to(DEVICE), mod.weight.data.to(DEVICE), EPS, zero_centered,
+                       cos.to(DEVICE), sin.to(DEVICE))
+    ref = apply_rotary(mod(q), cos, sin)
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    n = _norm64(q, mod.weight.data, zero_centered)
+    ref64 = apply_rotary(n, cos.double(), sin.double())
+    if dtype == torch.float32:
+        assert rel_err(got, ref) <= 1e-5 and rel_err(got, ref64) <= 1e-5
+    else:  # the module's rounding points: bit-exact here (the GPU's sqrt may move one ulp)
+        assert rel_err(got, ref) <= 1e-3 and rel_err(got, ref64) <= 5e-3
+        if DEVICE == "cpu":
+            assert torch.equal(got, ref)
