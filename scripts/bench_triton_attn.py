@@ -24,8 +24,9 @@ from freetoken.layers.attention import Attention
 from freetoken.layers.gated_delta import recurrent_gated_delta
 from freetoken.layers.linear_attention import _l2norm
 from freetoken.layers.norm import GatedRMSNorm, RMSNorm
-from kernels.triton.gdn import causal_conv1d_update_pool, gdn_recurrent_pool
-from kernels.triton.norm import gated_rmsnorm, rmsnorm
+from freetoken.layers.rotary import Rotary, apply_rotary
+from kernels.triton.gdn import causal_conv1d_update_pool, gdn_gates, gdn_recurrent_pool
+from kernels.triton.norm import gated_rmsnorm, rmsnorm, rmsnorm_rope
 from kernels.triton.paged_attention import (
     paged_decode_attention,
     paged_prefill_attention,
@@ -154,6 +155,20 @@ def bench_gdn(B: int, iters: int) -> None:
     row(f"gdn conv update B={B}", "torch", conv_bytes, eager_us(conv_torch, iters), None)
     row(f"gdn conv update B={B}", "triton", conv_bytes, eager_us(conv_kernel, iters),
         graph_us(conv_kernel, iters))
+    a, bb = torch.randn(B, LHV, device="cuda", dtype=BF), torch.randn(B, LHV, device="cuda",
+                                                                    dtype=BF)
+    a_log, dt_bias = torch.randn(LHV, device="cuda"), torch.randn(LHV, device="cuda")
+    gate_bytes = B * LHV * (2 + 2 + 4 + 2) + LHV * 8
+
+    def gates_torch():
+        return -a_log.float().exp() * F.softplus(a.float() + dt_bias), torch.sigmoid(bb)
+
+    def gates_kernel():
+        return gdn_gates(a, bb, a_log, dt_bias)
+
+    row(f"gdn gates B={B}", "torch", gate_bytes, eager_us(gates_torch, iters), None)
+    row(f"gdn gates B={B}", "triton", gate_bytes, eager_us(gates_kernel, iters),
+        graph_us(gates_kernel, iters))
     row(f"gdn recurrent B={B}", "torch", rec_bytes, eager_us(rec_torch, iters), None)
     row(f"gdn recurrent B={B}", "triton", rec_bytes, eager_us(rec_kernel, iters),
         graph_us(rec_kernel, iters))
@@ -171,6 +186,14 @@ def bench_norms(T: int, iters: int) -> None:
     kern = lambda: rmsnorm(h, mod.weight, 1e-6, True, residual=x)
     row(f"add+rmsnorm(1+w) T={T} H={H}", "triton", nbytes, eager_us(kern, iters),
         graph_us(kern, iters))
+    q = torch.randn(T, HQ, 2 * D, device="cuda", dtype=BF)[..., :D]  # gated q half
+    qn = RMSNorm(D, 1e-6, True).cuda().to(BF)
+    cos, sin = Rotary(D // 4, 1e7).cos_sin(torch.arange(T, device="cuda") + 4000, BF)
+    qbytes = T * HQ * D * 2 * 2
+    name = f"q norm+rope T={T} Hq={HQ}"
+    row(name, "torch", qbytes, eager_us(lambda: apply_rotary(qn(q), cos, sin), iters), None)
+    kern = lambda: rmsnorm_rope(q, qn.weight, 1e-6, True, cos, sin)
+    row(name, "triton", qbytes, eager_us(kern, iters), graph_us(kern, iters))
     core, z = (torch.randn(T, LHV, LD, device="cuda", dtype=BF) for _ in range(2))
     gn = GatedRMSNorm(LD, 1e-6).cuda().to(BF)
     gbytes = T * LHV * LD * 2 * 3

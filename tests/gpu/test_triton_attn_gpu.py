@@ -13,8 +13,8 @@ if not torch.cuda.is_available():  # collected before tests/kernels_triton_attn:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kernels.triton.gdn import causal_conv1d_update_pool, gdn_recurrent_pool
-from kernels.triton.norm import gated_rmsnorm, rmsnorm
+from kernels.triton.gdn import causal_conv1d_update_pool, gdn_gates, gdn_recurrent_pool
+from kernels.triton.norm import gated_rmsnorm, rmsnorm, rmsnorm_rope
 from kernels.triton.paged_attention import (
     paged_decode_attention,
     paged_prefill_attention,
@@ -147,6 +147,23 @@ def test_norms_bf16_real_shapes() -> None:
     core, z = (torch.randn(7, LHV, LD, device="cuda", dtype=BF) for _ in range(2))
     gn = GatedRMSNorm(LD, 1e-6).cuda().to(BF)
     assert rel(gated_rmsnorm(core, z, gn.weight, 1e-6), gn(core.float(), z.float())) < 1e-2
+
+
+def test_gates_and_qk_prologue_real_shapes() -> None:
+    from freetoken.layers.norm import RMSNorm
+    from freetoken.layers.rotary import Rotary, apply_rotary
+
+    a, b = (torch.randn(8, LHV, device="cuda", dtype=BF) * 4 for _ in range(2))
+    a_log, dt_bias = torch.randn(LHV, device="cuda"), torch.randn(LHV, device="cuda")
+    g, beta = gdn_gates(a, b, a_log, dt_bias)
+    assert rel(g, -a_log.exp() * F.softplus(a.float() + dt_bias)) < 1e-5
+    assert beta.dtype == BF and rel(beta, torch.sigmoid(b.float())) < 1e-2
+    q = torch.randn(8, HQ, 2 * D, device="cuda", dtype=BF)[..., :D]  # gated q half
+    qn = RMSNorm(D, 1e-6, True).cuda().to(BF)
+    qn.weight.data.normal_(0, 0.3)
+    cos, sin = Rotary(D // 4, 1e7).cos_sin(torch.arange(8, device="cuda") * 999, BF)
+    got = rmsnorm_rope(q, qn.weight, 1e-6, True, cos, sin)
+    assert rel(got, apply_rotary(qn(q), cos, sin).float()) < 2e-2  # bf16 vs bf16
 
 
 def test_decode_kernels_replay_from_cuda_graph() -> None:
