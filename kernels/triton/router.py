@@ -48,8 +48,8 @@ def _router_topk_kernel(
     m = tl.max(lg, axis=1)  # [BT]
     ex = tl.exp(lg - m[:, None])  # [BT, BE]; padding lanes exp(-inf) = 0
     p = ex / tl.sum(ex, axis=1)[:, None]  # [BT, BE] softmax, fp32
-    # padding lanes (p = 0) must never win, not even against underflowed real experts
-    cand = tl.where(e[None, :] < E, p, -1.0)
+    # padding lanes have p = 0 and ids >= E, so they lose every tie, even to underflowed experts
+    cand = p
     sel_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     sel_i = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
     for k in tl.static_range(TOPK):
@@ -57,7 +57,7 @@ def _router_topk_kernel(
         idx = tl.min(tl.where(cand == best[:, None], e[None, :], BLOCK_E), axis=1)  # [BT]
         sel_w = tl.where(kk[None, :] == k, best[:, None], sel_w)
         sel_i = tl.where(kk[None, :] == k, idx[:, None].to(tl.int64), sel_i)
-        cand = tl.where(e[None, :] == idx[:, None], -2.0, cand)
+        cand = tl.where(e[None, :] == idx[:, None], -1.0, cand)
     if RENORM:
         sel_w = sel_w / tl.sum(sel_w, axis=1)[:, None]
     out = t[:, None].to(tl.int64) * TOPK + kk[None, :]  # [BT, BK]

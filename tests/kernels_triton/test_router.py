@@ -66,6 +66,15 @@ def test_ties_go_to_the_lowest_expert_id():
     assert torch.allclose(w.cpu(), torch.tensor([[0.5, 0.5]]))
 
 
+def test_underflowed_probabilities_still_pick_real_experts():
+    """K beyond the experts with p > 0 (exp underflows to 0): the rest are the lowest real ids,
+    never a padding lane of the power-of-two block (E=6 -> 16 lanes)."""
+    logits = torch.tensor([[-200.0, 0.0, -200.0, -300.0, -200.0, -200.0]])
+    w, ids = router_topk(logits.to(DEVICE), 4, False, torch.float32)
+    assert ids.cpu().tolist() == [[1, 0, 2, 3]]
+    assert w.cpu().tolist() == [[1.0, 0.0, 0.0, 0.0]]
+
+
 def test_bad_top_k_raises():
     with pytest.raises(ValueError, match="top_k"):
         router_topk(torch.zeros(2, 4, device=DEVICE), 5, True, torch.float32)
