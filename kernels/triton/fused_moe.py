@@ -123,6 +123,44 @@ def _decode_down_kernel(
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=h < H)
 
 
+@triton.jit
+def _moe_sum_kernel(
+    y_ptr, w_ptr, out_ptr, H,
+    stride_yt, stride_yk, stride_wt, stride_ot,
+    TOPK: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(TOPK):
+        wk = tl.load(w_ptr + t * stride_wt + k).to(tl.float32)
+        yk = tl.load(y_ptr + t * stride_yt + k * stride_yk + h, mask=h < H, other=0.0)
+        acc += wk * yk.to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + h, acc.to(out_ptr.dtype.element_ty), mask=h < H)
+
+
+def moe_sum(y: Tensor, w: Tensor, out: Tensor | None = None, block_h: int = 1024) -> Tensor:
+    """out [T, H] = sum_k w[t, k] * y[t, k] in fp32, k = 0..K-1 in order, cast to y.dtype.
+
+    y [T, K, H] and w [T, K] need a contiguous last dim. One launch instead of torch's mul + sum;
+    in bf16 it rounds once (torch rounds each product to bf16 first), so it is the same sum to
+    rounding, not bit-identical to `(y * w[..., None]).sum(1)`.
+    """
+    T, K, H = y.shape
+    if tuple(w.shape) != (T, K) or y.stride(2) != 1 or w.stride(1) != 1:
+        raise ValueError(f"moe_sum: y {tuple(y.shape)} and w {tuple(w.shape)} do not fit")
+    if out is None:
+        out = torch.empty((T, H), dtype=y.dtype, device=y.device)  # [T, H]
+    if T == 0:
+        return out
+    bh = _block(block_h, H)
+    _moe_sum_kernel[(T, triton.cdiv(H, bh))](
+        y, w, out, H, y.stride(0), y.stride(1), w.stride(0), out.stride(0),
+        TOPK=K, BLOCK_H=bh, num_warps=4,
+    )
+    return out
+
+
 def check_args(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor
                ) -> tuple[int, int, int, int]:
     """Validate shapes, dtypes and layouts; returns (T, K, H, I)."""

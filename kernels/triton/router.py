@@ -79,8 +79,8 @@ def router_topk(logits: Tensor, top_k: int, renormalize: bool, out_dtype: torch.
     if T == 0:
         return w, ids
     block_e = max(16, triton.next_power_of_2(E))
-    # a program holds BLOCK_T x BLOCK_E fp32 values: ~8k keeps it in registers at 4 warps
-    block_t = max(1, min(triton.next_power_of_2(T), 8192 // block_e))
+    # a program keeps a few BLOCK_T x BLOCK_E fp32 arrays live: 4k values each at 4 warps
+    block_t = max(1, min(triton.next_power_of_2(T), 4096 // block_e))
     _router_topk_kernel[(triton.cdiv(T, block_t),)](
         logits, w, ids, T, E, logits.stride(0),
         TOPK=top_k, RENORM=bool(renormalize),

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F
 
 from freetoken.layers.moe import Router
-from kernels.triton.fused_moe import fused_moe
+from kernels.triton.fused_moe import fused_moe, moe_sum
 from kernels.triton.router import fused_router
 
 H, I, K = 2048, 512, 8
@@ -118,6 +118,16 @@ def test_router_matches_torch_and_replays(banks):
     graph.replay()
     w2, ids2 = fused_router(x2, r.weight, K, True)
     assert torch.equal(ids_g, ids2) and torch.equal(w_g, w2)
+
+
+def test_moe_sum_bf16():
+    g = torch.Generator(device="cuda").manual_seed(9)
+    y = torch.randn(16, K, H, device="cuda", generator=g).bfloat16()
+    w = torch.rand(16, K, device="cuda", generator=g).bfloat16()
+    want = (y.double() * w.double()[..., None]).sum(1)
+    got = moe_sum(y, w)
+    assert got.dtype == torch.bfloat16
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-2
 
 
 @pytest.mark.parametrize("T,decode", [(4, True), (64, False)])

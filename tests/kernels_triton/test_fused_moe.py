@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kernels.triton.fused_moe import fused_moe, fused_moe_decode
+from kernels.triton.fused_moe import fused_moe, fused_moe_decode, moe_sum
 from kernels.triton.moe_grouped import fused_moe_grouped, moe_align, tile
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -147,3 +147,13 @@ def test_bad_arguments_raise():
         fused_moe(x, ids, gu.transpose(1, 2).contiguous().transpose(1, 2), dn, y)
     with pytest.raises(ValueError, match="ids must be"):
         fused_moe(x, ids.float(), gu, dn, y)
+
+
+def test_moe_sum_matches_float64():
+    """out[t] = sum_k w[t, k] y[t, k]; H=48 with BLOCK_H=32 leaves a masked tail block."""
+    g = torch.Generator().manual_seed(4)
+    y, w = torch.randn(3, 4, 48, generator=g), torch.rand(3, 4, generator=g)
+    want = (y.double() * w.double()[..., None]).sum(1)
+    out = moe_sum(y.to(DEVICE), w.to(DEVICE), block_h=32).cpu()
+    assert out.dtype == torch.float32
+    assert ((out.double() - want).norm() / want.norm()) < 1e-6
