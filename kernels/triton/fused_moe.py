@@ -19,6 +19,11 @@ Two paths, picked by N (`decode=None`):
   grouped (larger N) entries sorted by bank row on the device (`moe_grouped.moe_align`), then a
           tl.dot grouped GEMM per (expert block of BLOCK_M entries, column block), as vLLM's
           `fused_moe_kernel`; each expert's weights are read once per row block of its entries.
+          No host read either (the sort is on the device, the grid is sized from the shapes).
+
+`moe_sum(y, w)` is the weighted merge sum_k w[t, k] * y[t, k] in one launch, for the block.
+Under TRITON_INTERPRET=1 (CPU tests) everything runs in fp32 math; the grouped path upcasts
+bf16 operands before tl.dot there, since the interpreter's bf16 dot is wrong.
 """
 from __future__ import annotations
 
