@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.engine.forward_batch import ForwardBatch, KVPool
+from freetoken.layers import fast_ops
 from freetoken.layers.linear import Linear, fuse_linears, split_linear
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import apply_rotary
@@ -50,8 +51,8 @@ class Attention(nn.Module):
             q, gate = qg[..., : self.d], qg[..., self.d:].reshape(T, self.hq * self.d)
         else:
             q, gate = qp.reshape(T, self.hq, self.d), None
-        q = apply_rotary(self.q_norm(q), cos, sin)  # [T, Hq, D]
-        k = apply_rotary(self.k_norm(kp.reshape(T, self.hk, self.d)), cos, sin)  # [T, Hk, D]
+        q = self._norm_rope(self.q_norm, q, cos, sin)  # [T, Hq, D]
+        k = self._norm_rope(self.k_norm, kp.reshape(T, self.hk, self.d), cos, sin)  # [T, Hk, D]
         v = vp.reshape(T, self.hk, self.d)  # [T, Hk, D]
 
         li = kv.layer_index[self.layer_id]
@@ -75,6 +76,16 @@ class Attention(nn.Module):
                     continue
             out[lo:hi] = self._attend(q[lo:hi], k_pool[slots], v_pool[slots], p)
         return self._out(out, gate)
+
+    @staticmethod
+    def _norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                   ) -> torch.Tensor:
+        # per-head norm then partial rotary; one launch on CUDA
+        if x.is_cuda:
+            mod = fast_ops.triton_module("norm")
+            if mod is not None:
+                return mod.rmsnorm_rope(x, norm.weight, norm.eps, norm.zero_centered, cos, sin)
+        return apply_rotary(norm(x), cos, sin)
 
     def _out(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         # out [T, Hq, D] -> [T, hidden]

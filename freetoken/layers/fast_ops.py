@@ -88,9 +88,9 @@ def router(x: Tensor, weight: Tensor, top_k: int, renormalize: bool
 
 
 def gdn_gates(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
-    """g = -exp(A_log)·softplus(a + dt_bias), beta = sigmoid(b): a, b [T, Hv] -> fp32 [T, Hv]
-    (beta in b's dtype on the torch path, as transformers computes it)."""
-    mod = _use_triton(a, "decode_fusions")
+    """g = -exp(A_log)·softplus(a + dt_bias) fp32, beta = sigmoid(b) in b's dtype: a, b
+    [T, Hv] -> [T, Hv] each."""
+    mod = _use_triton(a, "gdn")
     if mod is not None:
         return mod.gdn_gates(a, b, a_log, dt_bias)
     return -a_log.float().exp() * F.softplus(a.float() + dt_bias), torch.sigmoid(b)
@@ -107,3 +107,4 @@ def moe_combine(y: Tensor, w: Tensor, residual: Tensor, shared: Tensor | None,
     if shared is not None:
         out = out + torch.sigmoid(shared_gate) * shared
     return residual + out
+

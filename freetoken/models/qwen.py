@@ -13,7 +13,7 @@ from freetoken.engine.forward_batch import Caches, ForwardBatch
 from freetoken.layers.attention import Attention
 from freetoken.layers.linear_attention import GatedDeltaNet
 from freetoken.layers.moe import MLP, MoEBlock
-from freetoken.layers.norm import RMSNorm
+from freetoken.layers.norm import RMSNorm, add_rmsnorm
 from freetoken.layers.rotary import Rotary
 from freetoken.models.config import ModelConfig
 from kernels.cpu.linear_ops import small_linear
@@ -42,8 +42,7 @@ class DecoderLayer(nn.Module):
             h = self.linear_attn(h, batch, caches.state)
         else:
             h = self.self_attn(h, cos, sin, batch, caches.kv)
-        x = x + h
-        h = self.post_attention_layernorm(x)
+        h, x = add_rmsnorm(self.post_attention_layernorm, h, x)  # x += h; h = norm(x)
         if self.is_moe:  # the block adds the residual itself (one fused pass on CUDA)
             mask = batch.ctx.row_mask if batch.ctx is not None else None
             return self.mlp(h, mask, residual=x)

@@ -1,14 +1,13 @@
-"""Small fused kernels of the decode step, each replacing a chain of elementwise torch ops (one
+"""A small fused kernel of the decode step (the others sit beside the ops they fuse: norm.py,
+gdn.py, router.py), replacing a chain of elementwise torch ops (one
 launch each; under a CUDA graph every launch still costs ~2-3 µs of replay, which at ~100
 launches per layer was most of the step).
 
-- `gdn_gates(a, b, A_log, dt_bias)`: the gated DeltaNet's decay and write strength,
-  g = -exp(A_log)·softplus(a + dt_bias) and beta = sigmoid(b), both fp32 [T, Hv].
 - `moe_combine(y, w, residual, shared=None, shared_gate=None)`: the MoE block's output merged
   with the residual stream, out[t] = residual[t] + Σ_k w[t,k]·y[t,k] (+ sigmoid(gate[t])·shared[t]),
   summing k in a fixed order in fp32.
 
-Shapes: T tokens, Hv value heads, K top-k, H hidden.
+Shapes: T tokens, K top-k, H hidden.
 """
 from __future__ import annotations
 
@@ -16,34 +15,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-
-
-@triton.jit
-def _gates_kernel(a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, HV, sa, sb,
-                  BLOCK: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.arange(0, BLOCK)
-    m = h < HV
-    a = tl.load(a_ptr + t * sa + h, mask=m, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + t * sb + h, mask=m, other=0.0).to(tl.float32)
-    alog = tl.load(alog_ptr + h, mask=m, other=0.0).to(tl.float32)
-    dtb = tl.load(dtb_ptr + h, mask=m, other=0.0).to(tl.float32)
-    x = a + dtb
-    sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # softplus
-    tl.store(g_ptr + t * HV + h, -tl.exp(alog) * sp, mask=m)
-    tl.store(beta_ptr + t * HV + h, 1.0 / (1.0 + tl.exp(-b)), mask=m)
-
-
-def gdn_gates(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
-    """a, b [T, Hv] (any float dtype, last dim contiguous); a_log, dt_bias [Hv]
-    -> g, beta [T, Hv] fp32."""
-    T, HV = a.shape
-    assert a.stride(1) == 1 and b.stride(1) == 1
-    g = torch.empty(T, HV, dtype=torch.float32, device=a.device)
-    beta = torch.empty(T, HV, dtype=torch.float32, device=a.device)
-    _gates_kernel[(T,)](a, b, a_log, dt_bias, g, beta, HV, a.stride(0), b.stride(0),
-                        BLOCK=triton.next_power_of_2(HV))
-    return g, beta
 
 
 @triton.jit

@@ -1,5 +1,4 @@
-"""The engine's small Triton kernels against float64 torch references: the gated-DeltaNet gates,
-the MoE combine (weighted expert sum + gated shared expert + residual) and the device-driven
+"""The engine's small Triton kernels against float64 torch references: the MoE combine (weighted expert sum + gated shared expert + residual) and the device-driven
 expert fill. Interpreted on the CPU (tiny fp32 shapes), compiled on a GPU."""
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kernels.triton.decode_fusions import gdn_gates, moe_combine
+from kernels.triton.decode_fusions import moe_combine
 from kernels.triton.uva_fill import fill_rows
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -20,19 +19,6 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-@pytest.mark.parametrize("T,HV", [(1, 4), (3, 32), (5, 7)])
-def test_gdn_gates(T: int, HV: int) -> None:
-    g0 = torch.Generator().manual_seed(T * 100 + HV)
-    ab = torch.randn(T, 2 * HV, generator=g0) * 4  # a and b as column slices of one projection
-    a, b = ab[:, :HV], ab[:, HV:]
-    a_log = torch.rand(HV, generator=g0) * 3
-    dtb = torch.randn(HV, generator=g0)
-    g, beta = gdn_gates(a.to(DEV), b.to(DEV), a_log.to(DEV), dtb.to(DEV))
-    want_g = -a_log.double().exp() * torch.nn.functional.softplus(a.double() + dtb.double())
-    assert rel(g.cpu(), want_g) < 1e-6
-    assert rel(beta.cpu(), torch.sigmoid(b.double())) < 1e-6
 
 
 @pytest.mark.parametrize("shared", [False, True])
