@@ -20,9 +20,9 @@ _COMMANDS = [
     "freetoken.proxy.cli_proxy",
 ]
 _BENCH_COMMANDS = [
-    "freetoken.engine.cli_bench_decode",
-    "freetoken.experts.cli_bench",
-    "freetoken.experts.cli_bench_bw",
+    "freetoken.bench.cli_decode",
+    "freetoken.bench.cli_routing",
+    "freetoken.bench.cli_bw",
     "workloads.cli_bench",
 ]
 

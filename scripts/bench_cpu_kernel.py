@@ -26,14 +26,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from freetoken.experts import bandwidth as bw
+from freetoken.bench import bandwidth as bw
+from freetoken.experts import profile as bwp
 from kernels.cpu.expert_ops import cpu_experts_torch
 from kernels.cpu.ext import PREFETCH_HINTS, cpu_model, load_kernel
 
 
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--shape", choices=sorted(bw.SHAPES), default="qwen3.6-35b-a3b")
+    p.add_argument("--shape", choices=sorted(bwp.SHAPES), default="qwen3.6-35b-a3b")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--pool-gb", type=float, default=6.0)
     p.add_argument("--read-gb", type=float, default=4.0)
@@ -74,7 +75,7 @@ def _args() -> argparse.Namespace:
 
 def main() -> int:
     a = _args()
-    shape, dtype = bw.SHAPES[a.shape], getattr(torch, a.dtype)
+    shape, dtype = bwp.SHAPES[a.shape], getattr(torch, a.dtype)
     threads = [int(v) for v in a.threads.split(",")]
     tokens = [int(v) for v in a.tokens.split(",")]
     window = a.layer_experts or shape.experts

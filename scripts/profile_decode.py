@@ -15,13 +15,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from freetoken.engine.api import SamplingParams
-from freetoken.engine.bench_moe import drop_fused, install_backend
+from freetoken.bench.moe import drop_fused, install_backend
+from freetoken.bench.random_model import random_model
 from freetoken.engine.generate import generate
 from freetoken.experts.setup import MoEOptions
 from freetoken.experts.store import ExpertStore
-from freetoken.models.random_init import random_model
 from freetoken.models.shapes import shape_config
+from freetoken.types.api import SamplingParams
 
 
 def main() -> int:

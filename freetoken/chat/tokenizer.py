@@ -32,8 +32,8 @@ from freetoken.chat.template import (
     load_chat_template,
     render_template,
 )
-from freetoken.engine.api import Anchor
 from freetoken.log import get_logger, kv
+from freetoken.types.api import Anchor
 
 log = get_logger("chat")
 

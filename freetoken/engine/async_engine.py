@@ -16,9 +16,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
-from freetoken.engine.api import EngineEvent, GenerateRequest
 from freetoken.engine.core import EngineCore
 from freetoken.log import get_logger, kv
+from freetoken.types.api import EngineEvent, GenerateRequest
 
 log = get_logger("engine")
 _ids = itertools.count(1)
@@ -134,7 +134,7 @@ def default_kv_tokens(model, max_context: int, moe) -> int:
 
     import torch
 
-    from freetoken.engine.forward_batch import KVPool
+    from freetoken.cache.tensors import KVPool
 
     w = model.model.embed_tokens.weight
     per_tok = max(1, KVPool.bytes_per_token(model.cfg, w.dtype))
@@ -155,19 +155,19 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
     """From `ft serve` arguments: model path/demo, dtype, device, pool sizes."""
     import torch
 
+    from freetoken.cache.tensors import KVPool
     from freetoken.chat import ChatTokenizer
-    from freetoken.engine.forward_batch import KVPool
-    from freetoken.engine.options import moe_options, resolve_device, resolve_dtype
-    from freetoken.models.config import load_config
+    from freetoken.cli_options import moe_options, resolve_device, resolve_dtype
     from freetoken.models.demo import resolve_model_path
     from freetoken.models.loader import load_model
+    from freetoken.types.model_config import load_config
 
     model_dir = resolve_model_path(getattr(args, "model", None) or "demo")
     device = resolve_device(getattr(args, "device", None))
     dtype = resolve_dtype(getattr(args, "dtype", None))
     moe, reserve = None, 0
     if hasattr(args, "moe_backend"):
-        from freetoken.engine.options import default_backend
+        from freetoken.cli_options import default_backend
 
         cfg = load_config(model_dir)
         wdt = dtype or (cfg.torch_dtype if device != "cpu" else torch.float32)

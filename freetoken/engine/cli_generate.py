@@ -30,10 +30,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from freetoken.chat import ChatTokenizer, IncrementalDetokenizer
-    from freetoken.engine.api import SamplingParams
     from freetoken.engine.generate import generate
     from freetoken.models.demo import resolve_model_path
     from freetoken.models.loader import load_model
+    from freetoken.types.api import SamplingParams
 
     model_dir = resolve_model_path(args.model)
     dtype = getattr(torch, args.dtype) if args.dtype else None

@@ -9,14 +9,15 @@ import time
 
 import torch
 
-from freetoken.engine.api import AdmissionError, EngineEvent, GenerateRequest
-from freetoken.engine.forward_batch import Caches, ForwardBatch, KVPool, StateTensors
-from freetoken.engine.sampler import RequestSampler
+from freetoken.cache.tensors import Caches, KVPool, StateTensors
 from freetoken.engine.stats import EngineStats
 from freetoken.log import get_logger, kv
 from freetoken.models.qwen import QwenMoE
+from freetoken.sampler import RequestSampler
 from freetoken.scheduler.request import Request
 from freetoken.scheduler.scheduler import BatchItem, Scheduler
+from freetoken.types.api import AdmissionError, EngineEvent, GenerateRequest
+from freetoken.types.forward_batch import ForwardBatch
 
 log = get_logger("engine")
 

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
-from freetoken.engine.api import SamplingParams
-from freetoken.engine.forward_batch import Caches, ForwardBatch, KVPool, StateTensors
-from freetoken.engine.sampler import RequestSampler
+from freetoken.cache.tensors import Caches, KVPool, StateTensors
 from freetoken.models.qwen import QwenMoE
+from freetoken.sampler import RequestSampler
+from freetoken.types.api import SamplingParams
+from freetoken.types.forward_batch import ForwardBatch
 
 
 @dataclass

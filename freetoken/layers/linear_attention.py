@@ -11,11 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken.engine.forward_batch import ForwardBatch, StateTensors
+from freetoken.cache.tensors import StateTensors
 from freetoken.layers.gated_delta import chunk_gated_delta, recurrent_gated_delta
 from freetoken.layers.linear import Linear
 from freetoken.layers.norm import GatedRMSNorm
-from freetoken.models.config import ModelConfig
+from freetoken.types.forward_batch import ForwardBatch
+from freetoken.types.model_config import ModelConfig
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.layers.linear import Linear
-from freetoken.models.config import ModelConfig
+from freetoken.types.model_config import ModelConfig
 
 
 class MLP(nn.Module):

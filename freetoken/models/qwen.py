@@ -9,13 +9,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from freetoken.engine.forward_batch import Caches, ForwardBatch
+from freetoken.cache.tensors import Caches
 from freetoken.layers.attention import Attention
 from freetoken.layers.linear_attention import GatedDeltaNet
 from freetoken.layers.moe import MLP, MoEBlock
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import Rotary
-from freetoken.models.config import ModelConfig
+from freetoken.types.forward_batch import ForwardBatch
+from freetoken.types.model_config import ModelConfig
 from kernels.cpu.linear_ops import small_linear
 
 

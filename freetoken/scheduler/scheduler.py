@@ -17,7 +17,7 @@ import torch
 
 from freetoken.cache import HybridRadixCache, SlotAllocator, StatePool, create_policy
 from freetoken.cache.policy import END
-from freetoken.engine.forward_batch import StateTensors
+from freetoken.cache.tensors import StateTensors
 from freetoken.log import get_logger, kv
 from freetoken.scheduler.request import Request
 

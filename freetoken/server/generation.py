@@ -15,17 +15,17 @@ from typing import Any, Protocol
 
 import anyio
 
-from freetoken.engine.api import (
+from freetoken.log import get_logger, kv
+from freetoken.server.errors import APIError
+from freetoken.server.stops import StopMatcher
+from freetoken.server.validation import CommonParams
+from freetoken.types.api import (
     AdmissionError,
     Anchor,
     EngineClient,
     GenerateRequest,
     SamplingParams,
 )
-from freetoken.log import get_logger, kv
-from freetoken.server.errors import APIError
-from freetoken.server.stops import StopMatcher
-from freetoken.server.validation import CommonParams
 
 log = get_logger("server")
 

@@ -11,13 +11,13 @@ import torch
 from server_helpers import Server
 
 from freetoken.chat import ChatTokenizer
-from freetoken.engine.api import SamplingParams
 from freetoken.engine.async_engine import AsyncEngine
 from freetoken.engine.core import EngineCore
 from freetoken.engine.generate import generate
 from freetoken.experts.setup import MoEOptions
 from freetoken.models.loader import load_model
 from freetoken.server import create_app
+from freetoken.types.api import SamplingParams
 
 IDS = list(range(1000, 1040))
 

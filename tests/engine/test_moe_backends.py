@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.engine.api import SamplingParams
-from freetoken.engine.forward_batch import Caches, ForwardBatch, KVPool, StateTensors
+from freetoken.cache.tensors import Caches, KVPool, StateTensors
 from freetoken.engine.generate import generate
 from freetoken.experts.setup import MoEOptions
 from freetoken.models.loader import load_model
+from freetoken.types.api import SamplingParams
+from freetoken.types.forward_batch import ForwardBatch
 
 
 def _logits(model, ids: list[int]) -> torch.Tensor:
@@ -155,7 +156,7 @@ def test_cpu_branch_thread_count(tiny_hf, monkeypatch, dtype: torch.dtype) -> No
 def test_profile_thread_mismatch_is_logged(tiny_hf, caplog) -> None:
     """B_H was measured with some thread count; a CPU branch run with another count gets a
     q* from the wrong B_H, and says so in one log line."""
-    from freetoken.experts.policy import BandwidthProfile
+    from freetoken.experts.cost_model import BandwidthProfile
     from freetoken.experts.setup import configure_experts
 
     d = tiny_hf("qwen3_5_moe")

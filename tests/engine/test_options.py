@@ -6,7 +6,7 @@ import argparse
 import pytest
 import torch
 
-from freetoken.engine.options import (
+from freetoken.cli_options import (
     _size,
     add_cache_args,
     add_moe_args,

@@ -8,23 +8,20 @@ import numpy as np
 import pytest
 import torch
 
-from freetoken.experts import cli_bench
-from freetoken.experts.replay import FastLru, lru_miss_rate, replay
-from freetoken.experts.residency import ResidencyTable
-from freetoken.experts.routing import (
+from freetoken.bench import cli_routing as cli_bench
+from freetoken.bench.replay import FastLru, lru_miss_rate, replay
+from freetoken.bench.routing import (
     CALIBRATION_CAPACITY,
     CALIBRATION_STEPS,
     CALIBRATION_TARGET_MISS,
     CALIBRATION_WARMUP,
     QWEN36_SHAPE,
-    SHARED_TRACE_DIR,
     SYNTH_LOCALITY_QWEN36,
-    RoutingRecorder,
-    RoutingTrace,
-    load_trace,
     synthetic_routing,
     synthetic_trace,
 )
+from freetoken.experts.record import SHARED_TRACE_DIR, RoutingRecorder, RoutingTrace, load_trace
+from freetoken.experts.residency import ResidencyTable
 
 
 def test_recorder_round_trip(tmp_path) -> None:

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from freetoken.checkpoint.safetensors_reader import load_checkpoint
-from freetoken.models.config import load_config
 from freetoken.models.demo import (
     DEMO_NAME,
     ModelPathError,
@@ -17,6 +16,7 @@ from freetoken.models.demo import (
     resolve_model_path,
     tokenizer_source_dir,
 )
+from freetoken.types.model_config import load_config
 
 
 def _sha256(path: Path) -> str:

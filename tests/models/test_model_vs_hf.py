@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.engine.api import SamplingParams
-from freetoken.engine.forward_batch import Caches, ForwardBatch, KVPool, StateTensors
+from freetoken.cache.tensors import Caches, KVPool, StateTensors
 from freetoken.engine.generate import generate
 from freetoken.models.loader import load_model
+from freetoken.types.api import SamplingParams
+from freetoken.types.forward_batch import ForwardBatch
 from tests.models.fixtures import hf_reference
 
 KINDS = ["qwen3_moe", "qwen3_moe_dense_layers", "qwen3_moe_num_local_experts", "qwen3_next",

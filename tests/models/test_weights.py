@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from freetoken.checkpoint.layout import expected_tensors
 from freetoken.checkpoint.safetensors_reader import CheckpointError, _Reader, load_checkpoint
-from freetoken.models.config import load_config
-from freetoken.models.weights import expected_tensors
+from freetoken.types.model_config import load_config
 from tests.models.conftest import TinyFactory
 from tests.models.fixtures import KINDS, hf_reference
 

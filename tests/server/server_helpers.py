@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import uvicorn
 
 from freetoken.chat import ChatTokenizer
-from freetoken.engine.api import AdmissionError, EngineEvent, GenerateRequest
+from freetoken.types.api import AdmissionError, EngineEvent, GenerateRequest
 
 API_KEY = "test-key"
 MAX_CONTEXT = 40960

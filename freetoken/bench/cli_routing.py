@@ -10,14 +10,9 @@ import argparse
 import json
 import time
 
-from freetoken.experts.replay import POLICIES, replay
-from freetoken.experts.routing import (
-    SYNTH_LOCALITY_QWEN36,
-    RoutingTrace,
-    calibrate_locality,
-    load_trace,
-    synthetic_routing,
-)
+from freetoken.bench.replay import POLICIES, replay
+from freetoken.bench.routing import SYNTH_LOCALITY_QWEN36, calibrate_locality, synthetic_routing
+from freetoken.experts.record import RoutingTrace, load_trace
 from freetoken.log import get_logger, kv
 
 log = get_logger("experts")

@@ -56,7 +56,7 @@ def default_backend(cfg, dtype: torch.dtype, device: str, kv_reserve_tokens: int
     memory (always on the CPU, where the experts are in host RAM either way); else `auto`."""
     if not device.startswith("cuda"):
         return "fused"
-    from freetoken.engine.forward_batch import KVPool
+    from freetoken.cache.tensors import KVPool
     from freetoken.log import get_logger, kv
 
     el = torch.empty((), dtype=dtype).element_size()

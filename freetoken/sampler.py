@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.engine.api import SamplingParams
+from freetoken.types.api import SamplingParams
 
 
 class RequestSampler:

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from freetoken.engine.api import SamplingParams
 from freetoken.engine.generate import generate
 from freetoken.experts.setup import MoEOptions, MoERuntime, configure_experts, find_profile
 from freetoken.experts.store import ExpertStore
 from freetoken.layers.moe import FusedExperts
 from freetoken.models.qwen import QwenMoE
+from freetoken.types.api import SamplingParams
 
 
 class TraceRouter:
