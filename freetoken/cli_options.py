@@ -1,4 +1,5 @@
-"""Engine flags shared by `ft serve`, `ft agent-proxy --model` and benchmarks."""
+"""Engine flag groups shared by `ft serve`, `ft generate`, `ft agent-proxy --model` and
+`ft bench decode`, and their resolution into engine options."""
 from __future__ import annotations
 
 import argparse
@@ -78,6 +79,21 @@ def moe_options(args: argparse.Namespace, backend: str | None = None):
                       kv_reserve_tokens=args.kv_reserve_tokens, cpu_layers=args.moe_cpu_layers,
                       hybrid_max_fetch=args.moe_hybrid_max_fetch,
                       cpu_threads=getattr(args, "moe_cpu_threads", None))
+
+
+def moe_from_args(args: argparse.Namespace, model_dir, dtype: torch.dtype | None,
+                  device: str):
+    """`(MoEOptions, kv_reserve_bytes)` from the MoE flag group for the checkpoint in
+    `model_dir`: an unset `--moe-backend` resolves through `default_backend`, and the KV floor
+    is turned into bytes so the slot cache is sized to leave it free."""
+    from freetoken.cache.tensors import KVPool
+    from freetoken.types.model_config import load_config
+
+    cfg = load_config(model_dir)
+    wdt = dtype or (cfg.torch_dtype if device != "cpu" else torch.float32)
+    backend = args.moe_backend or default_backend(cfg, wdt, device, args.kv_reserve_tokens)
+    moe = moe_options(args, backend)
+    return moe, KVPool.bytes_per_token(cfg, wdt) * moe.kv_reserve_tokens
 
 
 def add_cache_args(p: argparse.ArgumentParser) -> None:

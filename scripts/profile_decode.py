@@ -20,7 +20,7 @@ from freetoken.bench.random_model import random_model
 from freetoken.engine.generate import generate
 from freetoken.experts.setup import MoEOptions
 from freetoken.experts.store import ExpertStore
-from freetoken.models.shapes import shape_config
+from freetoken.models.presets import preset_config
 from freetoken.types.api import SamplingParams
 
 
@@ -33,7 +33,7 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=25)
     a = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = shape_config(a.shape, a.layers)
+    cfg = preset_config(a.shape, a.layers)
     model = random_model(cfg, torch.bfloat16, device)
     blocks = model.moe_blocks()
     store = ExpertStore([b.experts.gate_up_proj.data for b in blocks],

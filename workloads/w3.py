@@ -18,8 +18,8 @@ from typing import Any
 
 from workloads.build import b62_id, numbered, shrink_text, shrink_tools, thinking
 from workloads.content import prose, sized
+from workloads.harness_shapes import shapes
 from workloads.issue import Issue, grep_output, make_issue, source_file, test_run, tests_file
-from workloads.shapes import shapes
 from workloads.spec import Scale, Turn, Workload
 from workloads.tokens import request_tokens
 

@@ -104,11 +104,11 @@ def run_shape(args: argparse.Namespace) -> int:
     from freetoken.bench.random_model import random_model
     from freetoken.cli_options import moe_options, resolve_device, resolve_dtype
     from freetoken.experts.store import ExpertStore
-    from freetoken.models.shapes import shape_config
+    from freetoken.models.presets import preset_config
 
     if not args.random_weights:
         raise SystemExit("--shape needs --random-weights (no checkpoint is read)")
-    cfg = shape_config(args.shape, args.layers)
+    cfg = preset_config(args.shape, args.layers)
     device = torch.device(resolve_device(args.device if args.device != "cpu" else "auto"))
     dtype = resolve_dtype(args.dtype) or torch.bfloat16
     model = random_model(cfg, dtype, device)

@@ -41,9 +41,9 @@ def generate(model: QwenMoE, prompt: list[int], sampling: SamplingParams, eos_id
     dtype = model.model.embed_tokens.weight.dtype
     total = len(prompt) + sampling.max_tokens
     caches = Caches(KVPool(cfg, total, dtype, device),
-                    StateTensors(cfg, 1, dtype, device) if cfg.is_hybrid else None)
+                    StateTensors(cfg, 1, dtype, device) if cfg.has_linear_attention else None)
     slots = torch.arange(total, device=device)
-    state = 0 if cfg.is_hybrid else None
+    state = 0 if cfg.has_linear_attention else None
     sampler = RequestSampler(sampling, eos_ids, device)
     t0 = time.perf_counter()
     logits = None

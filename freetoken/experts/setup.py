@@ -31,6 +31,9 @@ log = get_logger("experts")
 BACKENDS = ("auto", "fused", "offload", "cpu", "hybrid")
 # DESIGN §9 figures, used only when no profile was measured on this machine
 _FALLBACK_BP, _FALLBACK_BH = 48.5, 88.0
+# device memory kept free for activations and workspaces when the slot cache and the KV pool
+# are sized from what is free
+WORKSPACE_MARGIN_BYTES = 1 << 30
 
 
 @dataclass
@@ -72,7 +75,7 @@ def _num_slots(opts: MoEOptions, pool: int, expert_bytes: int, device: torch.dev
         s = opts.cache_mem // expert_bytes
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        s = (free - kv_reserve_bytes - (1 << 30)) // expert_bytes
+        s = (free - kv_reserve_bytes - WORKSPACE_MARGIN_BYTES) // expert_bytes
     else:
         s = pool // 4
     return max(1, min(int(s), pool))

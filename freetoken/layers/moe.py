@@ -58,7 +58,7 @@ def gathered_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Ten
     return y
 
 
-def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor,
+def dispatch_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None = None,
                     bank_index: torch.Tensor | None = None, num_threads: int | None = None
                     ) -> torch.Tensor:
@@ -110,7 +110,7 @@ class FusedExperts(nn.Module):
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         T, K = topk_ids.shape
         y = torch.zeros(T, K, x.shape[-1], dtype=x.dtype, device=x.device)  # [T, K, H]
-        return grouped_experts(x, topk_ids, self.gate_up_proj, self.down_proj, y)
+        return dispatch_experts(x, topk_ids, self.gate_up_proj, self.down_proj, y)
 
 
 class Router(nn.Module):

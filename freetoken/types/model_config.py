@@ -71,7 +71,7 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
-    def is_hybrid(self) -> bool:
+    def has_linear_attention(self) -> bool:
         return "linear_attention" in self.layer_types
 
     @property

@@ -16,7 +16,7 @@ from freetoken.types.forward_batch import ForwardBatch
 def _logits(model, ids: list[int]) -> torch.Tensor:
     cfg = model.cfg
     c = Caches(KVPool(cfg, 128, torch.float32, "cpu"),
-               StateTensors(cfg, 1, torch.float32, "cpu") if cfg.is_hybrid else None)
+               StateTensors(cfg, 1, torch.float32, "cpu") if cfg.has_linear_attention else None)
     out = [model(ForwardBatch.single(ids[:40], 0, torch.arange(40), 0, all_logits=True), c)]
     for t in range(40, len(ids)):  # decode steps: batch-1 routing, the offload regime
         out.append(model(ForwardBatch.single([ids[t]], t, torch.arange(t + 1), 0), c))
@@ -102,7 +102,7 @@ def test_auto_guard_keeps_a_faster_choice() -> None:
 
 def test_gathered_decode_path_matches_grouped() -> None:
     """The CUDA decode path (gathered bmm, no host sync) against the grouped path, on CPU."""
-    from freetoken.layers.moe import gathered_experts, grouped_experts
+    from freetoken.layers.moe import dispatch_experts, gathered_experts
 
     g = torch.Generator().manual_seed(0)
     E, H, I, T, K = 6, 32, 16, 3, 4
@@ -112,7 +112,7 @@ def test_gathered_decode_path_matches_grouped() -> None:
     ids[1, 2] = -1  # a CPU-flagged entry in slot terms
     mask = torch.rand(T, K, generator=g) > 0.3
     base = torch.full((T, K, H), 7.0)
-    want = grouped_experts(x, ids.clamp(min=0), gu, dn, base.clone(), mask=mask & (ids >= 0))
+    want = dispatch_experts(x, ids.clamp(min=0), gu, dn, base.clone(), mask=mask & (ids >= 0))
     got = gathered_experts(x, ids, gu, dn, base.clone(), mask=mask)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(got[~(mask & (ids >= 0))], base[~(mask & (ids >= 0))])

@@ -14,7 +14,7 @@ from freetoken.cli_options import (
     moe_options,
     resolve_dtype,
 )
-from freetoken.models.shapes import shape_config
+from freetoken.models.presets import preset_config
 
 
 def test_sizes_and_dtypes() -> None:
@@ -31,7 +31,7 @@ def test_moe_flags_and_default_backend() -> None:
     add_cache_args(p)
     a = p.parse_args(["--moe-cache-rate", "0.37", "--moe-cpu-layers", "2"])
     assert a.moe_backend is None  # resolved at load time
-    o = moe_options(a, default_backend(shape_config("qwen3.6-35b-a3b"), torch.bfloat16, "cpu",
+    o = moe_options(a, default_backend(preset_config("qwen3.6-35b-a3b"), torch.bfloat16, "cpu",
                                        a.kv_reserve_tokens))
     assert (o.backend, o.cache_rate, o.cpu_layers, o.kv_reserve_tokens) == ("fused", 0.37, 2, 8192)
     assert moe_options(p.parse_args(["--moe-backend", "hybrid"])).backend == "hybrid"

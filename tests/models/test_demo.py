@@ -48,7 +48,7 @@ def test_build_is_byte_identical(demo_dir: Path, tmp_path: Path) -> None:
 
 def test_config_parses_as_hybrid_qwen3_5_moe(demo_dir: Path) -> None:
     cfg = load_config(demo_dir)
-    assert cfg.model_type == "qwen3_5_moe" and cfg.is_hybrid
+    assert cfg.model_type == "qwen3_5_moe" and cfg.has_linear_attention
     assert cfg.layer_types.count("linear_attention") == 6
     assert cfg.full_attention_layers == [3, 7]
     assert cfg.vocab_size % 64 == 0 and 151669 <= cfg.vocab_size < 151669 + 64

@@ -19,7 +19,7 @@ KINDS = ["qwen3_moe", "qwen3_moe_dense_layers", "qwen3_moe_num_local_experts", "
 def _caches(model, n: int) -> Caches:
     cfg = model.cfg
     return Caches(KVPool(cfg, n, torch.float32, "cpu"),
-                  StateTensors(cfg, 2, torch.float32, "cpu") if cfg.is_hybrid else None)
+                  StateTensors(cfg, 2, torch.float32, "cpu") if cfg.has_linear_attention else None)
 
 
 def _prompt(vocab: int, n: int, seed: int = 0) -> list[int]:

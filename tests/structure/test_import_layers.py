@@ -8,6 +8,7 @@ blocks do not: they never run). A package is `freetoken.X`, `kernels.X`, `worklo
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,7 +98,7 @@ def find_cycle(graph: dict[str, dict[str, str]]) -> list[str] | None:
 def test_no_import_cycle_between_packages() -> None:
     graph = package_graph()
     cycle = find_cycle(graph)
-    why = [] if cycle is None else [graph[a][b] for a, b in zip(cycle, cycle[1:])]
+    why = [] if cycle is None else [graph[a][b] for a, b in itertools.pairwise(cycle)]
     assert cycle is None, "package import cycle: " + " -> ".join(cycle) + "\n" + "\n".join(why)
 
 

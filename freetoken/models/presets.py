@@ -26,7 +26,7 @@ SHAPES: dict[str, dict] = {
 }
 
 
-def shape_config(name: str, layers: int | None = None) -> ModelConfig:
+def preset_config(name: str, layers: int | None = None) -> ModelConfig:
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
     raw = dict(SHAPES[name])
