@@ -74,11 +74,16 @@ def default_backend(cfg, dtype: torch.dtype, device: str, kv_reserve_tokens: int
 def moe_options(args: argparse.Namespace, backend: str | None = None):
     from freetoken.experts.setup import MoEOptions
 
-    return MoEOptions(backend=backend or args.moe_backend or "fused", cache_size=args.moe_cache_size,
-                      cache_rate=args.moe_cache_rate, cache_mem=args.moe_cache_mem,
-                      kv_reserve_tokens=args.kv_reserve_tokens, cpu_layers=args.moe_cpu_layers,
-                      hybrid_max_fetch=args.moe_hybrid_max_fetch,
-                      cpu_threads=getattr(args, "moe_cpu_threads", None))
+    return MoEOptions(
+        backend=backend or args.moe_backend or "fused",
+        cache_size=args.moe_cache_size,
+        cache_rate=args.moe_cache_rate,
+        cache_mem=args.moe_cache_mem,
+        kv_reserve_tokens=args.kv_reserve_tokens,
+        cpu_layers=args.moe_cpu_layers,
+        hybrid_max_fetch=args.moe_hybrid_max_fetch,
+        cpu_threads=getattr(args, "moe_cpu_threads", None),
+    )
 
 
 def moe_from_args(args: argparse.Namespace, model_dir, dtype: torch.dtype | None,

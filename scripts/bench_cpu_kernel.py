@@ -2,7 +2,8 @@
 
 Ceiling: an all-thread read stream over --read-gb (best of plain and software-prefetched
 passes). The rows run in --rounds rounds, each opened by a ceiling stream, so drift of the
-machine's bandwidth lands on all rows alike; the table holds medians over rounds. Then for each T in --tokens: torch's grouped
+machine's bandwidth lands on all rows alike; the table holds medians over rounds. Then for each
+T in --tokens: torch's grouped
 bf16 F.linear (cpu_experts_torch) and the C++ kernel (with and without its software prefetch),
 each on routes that move to a new window of --layer-experts experts every step, cycling through a
 pool of --pool-gb (far larger than the LLC, so weights come from DRAM). GB/s counts the unique

@@ -67,8 +67,11 @@ def run(args: argparse.Namespace) -> int:
     best = None
     for r in range(args.repeats):
         res = generate(model, prompt, sp, [])
-        print(f"  run {r + 1}/{args.repeats}: prefill {args.prompt_tokens / res.prefill_seconds:.1f} "
-              f"tok/s, decode {res.decode_tps:.1f} tok/s", flush=True)
+        print(
+            f"  run {r + 1}/{args.repeats}: prefill {args.prompt_tokens / res.prefill_seconds:.1f} "
+            f"tok/s, decode {res.decode_tps:.1f} tok/s",
+            flush=True,
+        )
         if best is None or res.decode_tps > best.decode_tps:
             best = res
     assert best is not None
@@ -81,7 +84,10 @@ def run(args: argparse.Namespace) -> int:
     act = weights + kv
     step = 1.0 / best.decode_tps if best.decode_tps else float("inf")
     print(f"model={args.model} device={args.device} dtype={model.model.norm.weight.dtype}")
-    print(f"prefill: {args.prompt_tokens / best.prefill_seconds:10.1f} tok/s ({args.prompt_tokens} tokens)")
+    print(
+        f"prefill: {args.prompt_tokens / best.prefill_seconds:10.1f} tok/s "
+        f"({args.prompt_tokens} tokens)"
+    )
     print(f"decode:  {best.decode_tps:10.1f} tok/s  ({args.decode_tokens} tokens; "
           f"{weights / 1e6:.1f} MB active weights + {kv / 1e6:.1f} MB K/V per token -> "
           f"{act / step / 1e9:.2f} GB/s achieved)")

@@ -28,7 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="comma-separated fractions of the expert pool")
     p.add_argument("--lru-impl", choices=["fast", "reference", "triton"], default="fast",
                    help="fast: exact Python model of the decision; reference/triton: the real one")
-    p.add_argument("--device", default="cpu", help="device of the residency table (reference/triton)")
+    p.add_argument(
+        "--device", default="cpu", help="device of the residency table (reference/triton)"
+    )
     p.add_argument("--max-sequences", type=int, default=None)
     syn = p.add_argument_group("synthetic trace (Qwen3.6-sized pool: 40 layers x 256, top-8)")
     syn.add_argument("--locality", type=float, default=SYNTH_LOCALITY_QWEN36)

@@ -18,7 +18,9 @@ class KVPool:
     k[l], v[l]: [num_slots, Hkv, D] for the l-th full-attention layer.
     """
 
-    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device | str
+    ):
         n_layers = len(cfg.full_attention_layers)
         shape = (num_slots, cfg.num_kv_heads, cfg.head_dim)
         self.num_slots = num_slots
@@ -39,14 +41,18 @@ class StateTensors:
     ssm[l]:  [num_slots, Hv, dk, dv] float32 — the gated-delta-rule state.
     """
 
-    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device | str
+    ):
         n_layers = len(cfg.linear_attention_layers)
         self.num_slots = num_slots
         conv_shape = (num_slots, cfg.linear_conv_dim, cfg.linear_conv_kernel - 1)
         ssm_shape = (num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                      cfg.linear_value_head_dim)
         self.conv = [torch.zeros(conv_shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.ssm = [torch.zeros(ssm_shape, dtype=torch.float32, device=device) for _ in range(n_layers)]
+        self.ssm = [
+            torch.zeros(ssm_shape, dtype=torch.float32, device=device) for _ in range(n_layers)
+        ]
         self.layer_index = {layer: i for i, layer in enumerate(cfg.linear_attention_layers)}
 
     def reset(self, slot: int) -> None:

@@ -47,7 +47,9 @@ def run(args: argparse.Namespace) -> int:
     tok = ChatTokenizer.from_dir(model_dir)
     if args.chat:
         thinking = None if args.thinking is None else args.thinking == "on"
-        ids = tok.apply([{"role": "user", "content": args.prompt}], enable_thinking=thinking).input_ids
+        ids = tok.apply(
+            [{"role": "user", "content": args.prompt}], enable_thinking=thinking
+        ).input_ids
     else:
         ids = tok.encode(args.prompt)
     if not ids:

@@ -34,7 +34,11 @@ class EngineCore:
         self.model, self.cfg, self.eos_ids = model, cfg, list(eos_ids)
         w = model.model.embed_tokens.weight
         self.device, self.dtype = w.device, w.dtype
-        state = StateTensors(cfg, state_slots, self.dtype, self.device) if cfg.has_linear_attention else None
+        state = (
+            StateTensors(cfg, state_slots, self.dtype, self.device)
+            if cfg.has_linear_attention
+            else None
+        )
         self.caches = Caches(KVPool(cfg, kv_tokens, self.dtype, self.device), state)
         self.sched = Scheduler(kv_tokens, state_slots, state, max_running, chunk_tokens, policy)
         # a lone request must always fit in the KV pool, so the context never exceeds it

@@ -49,7 +49,9 @@ def generate(model: QwenMoE, prompt: list[int], sampling: SamplingParams, eos_id
     logits = None
     for s in range(0, len(prompt), prefill_chunk):
         chunk = prompt[s:s + prefill_chunk]
-        logits = model(ForwardBatch.single(chunk, s, slots[: s + len(chunk)], state, device), caches)
+        logits = model(
+            ForwardBatch.single(chunk, s, slots[: s + len(chunk)], state, device), caches
+        )
     assert logits is not None, "empty prompt"
     _sync(device)
     t1 = time.perf_counter()

@@ -8,9 +8,10 @@ Trace file format (`.npz`, written by `RoutingRecorder.save`, one decoded sequen
   decode       uint8 (E <= 256) or int16 `[steps, L, K]`: expert ids chosen at each decode step
   prefill      optional, same dtype, `[L, T, K]`: expert ids of the prompt's T tokens
   num_experts  int64 scalar; top_k int64 scalar
-The shared traces (a copy of ../shared/routing_traces in workloads/data: decode_routing.npy `[steps, L, N, K]`,
-prefill_routing.npy `[L, N, T, K]`) load into the same in-memory form, `RoutingTrace`, which is
-sequence-major: decode `[N, steps, L, K]`, prefill `[N, L, T, K]` (or None).
+The shared traces (a copy of ../shared/routing_traces in workloads/data: decode_routing.npy
+`[steps, L, N, K]`, prefill_routing.npy `[L, N, T, K]`) load into the same in-memory form,
+`RoutingTrace`, which is sequence-major: decode `[N, steps, L, K]`, prefill `[N, L, T, K]`
+(or None).
 """
 from __future__ import annotations
 

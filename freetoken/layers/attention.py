@@ -43,7 +43,9 @@ class Attention(nn.Module):
         else:
             q, gate = self.q_proj(x).view(T, self.hq, self.d), None
         q = apply_rotary(self.q_norm(q), cos, sin)  # [T, Hq, D]
-        k = apply_rotary(self.k_norm(self.k_proj(x).view(T, self.hk, self.d)), cos, sin)  # [T, Hk, D]
+        k = apply_rotary(
+            self.k_norm(self.k_proj(x).view(T, self.hk, self.d)), cos, sin
+        )  # [T, Hk, D]
         v = self.v_proj(x).view(T, self.hk, self.d)  # [T, Hk, D]
 
         li = kv.layer_index[self.layer_id]
@@ -66,7 +68,9 @@ class Attention(nn.Module):
             o = o * torch.sigmoid(gate)
         return self.o_proj(o)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int
+    ) -> torch.Tensor:
         # q [n, Hq, D]; k, v [L, Hk, D] with L = prefix + n; query i sees keys j <= prefix + i
         n, L = q.shape[0], k.shape[0]
         qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, n|L, D]

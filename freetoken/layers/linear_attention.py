@@ -51,14 +51,18 @@ class GatedDeltaNet(nn.Module):
         mixed = self.in_proj_qkv(x)  # [T, C]
         z = self.in_proj_z(x).view(T, self.hv, self.dv)  # [T, Hv, dv]
         beta = torch.sigmoid(self.in_proj_b(x))  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(
+            self.in_proj_a(x).float() + self.dt_bias
+        )  # [T, Hv]
         w = self.conv1d.weight[:, 0, :]  # [C, Kc]
 
         core = torch.empty(T, self.hv, self.dv, dtype=torch.float32, device=x.device)  # [T, Hv, dv]
         cu = batch.cu
         decode, rows, slots = batch.decode_index(x.device)  # [D] packed rows, [D] state slots
         if decode:
-            window = torch.cat([conv_pool[slots], mixed[rows, :, None].to(conv_pool.dtype)], -1)  # [B,C,Kc]
+            window = torch.cat(
+                [conv_pool[slots], mixed[rows, :, None].to(conv_pool.dtype)], -1
+            )  # [B,C,Kc]
             conv_pool[slots] = window[..., 1:]
             conv_out = F.silu((window.to(w.dtype) * w).sum(-1)).to(x.dtype)  # [B, C]
             q, k, v = self._split(conv_out)
@@ -69,7 +73,9 @@ class GatedDeltaNet(nn.Module):
             if batch.new_lens[b] == 1:
                 continue
             lo, hi, slot = cu[b], cu[b + 1], batch.state_slots[b]
-            xs = torch.cat([conv_pool[slot], mixed[lo:hi].t().to(conv_pool.dtype)], -1)  # [C, Kc-1+n]
+            xs = torch.cat(
+                [conv_pool[slot], mixed[lo:hi].t().to(conv_pool.dtype)], -1
+            )  # [C, Kc-1+n]
             conv_pool[slot] = xs[:, -(self.kc - 1):]
             conv_out = F.silu(F.conv1d(xs[None].to(w.dtype), w[:, None, :],
                                        groups=self.conv_dim))[0].t().to(x.dtype)  # [n, C]

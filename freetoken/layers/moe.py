@@ -29,7 +29,9 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def expert_group_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def expert_group_forward(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
     """One expert on the tokens routed to it. x [n, H]; gate_up [2I, H]; down [H, I] -> [n, H]."""
     gu = F.linear(x, gate_up)  # [n, 2I]
     i = gu.shape[-1] // 2

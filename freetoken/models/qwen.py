@@ -64,7 +64,9 @@ class QwenMoE(nn.Module):
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
 
     def output_embedding(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        return (
+            self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        )
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoEBlock)]

@@ -23,7 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--strict-model", action="store_true",
                    help="answer 404 model_not_found to names not in --served-model-name "
                         "(default: any name is served)")
-    p.add_argument("--dtype", default="auto", help="weight/activation dtype (auto, bf16, fp16, fp32)")
+    p.add_argument(
+        "--dtype", default="auto", help="weight/activation dtype (auto, bf16, fp16, fp32)"
+    )
     p.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto")
     p.add_argument("--max-running", type=int, default=4, help="concurrently decoding requests")
     p.add_argument("--max-context", type=int, default=None,

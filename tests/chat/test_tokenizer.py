@@ -14,7 +14,8 @@ from freetoken.chat import ChatInputError, ChatTokenizer, anthropic_to_template,
 TOOLS = [
     {"type": "function", "function": {"name": "bash", "description": "Run a shell command",
                                       "parameters": {"type": "object", "properties": {
-                                          "command": {"type": "string"}}, "required": ["command"]}}},
+                                          "command": {"type": "string"}},
+                                      "required": ["command"]}}},
     {"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}},
 ]
 CALL = {"id": "c1", "type": "function",
@@ -43,7 +44,8 @@ def test_loads_real_qwen3(tok: ChatTokenizer) -> None:
     assert tok.decode([151644, 872]) == "<|im_start|>user"
 
 
-@pytest.mark.parametrize("text", ["Hello world", "  leading\n\n\tspaces ", "\u4e2d\u6587\u6d4b\u8bd5 \U0001f600",
+@pytest.mark.parametrize("text", ["Hello world", "  leading\n\n\tspaces ",
+                                  "\u4e2d\u6587\u6d4b\u8bd5 \U0001f600",
                                   "<|im_start|>assistant\n<think>\nhm</think>\n\n<tool_call>",
                                   "<|endoftext|>x<|im_end|>"])
 def test_encode_decode_match_transformers(tok: ChatTokenizer, hf_tok: Any, text: str) -> None:
@@ -124,7 +126,8 @@ def test_generation_config_eos(qwen_dir: Path, tmp_path: Path) -> None:
     assert ChatTokenizer.from_dir(d).eos_token_ids == [151643, 151645]
 
 
-def test_template_file_fallback_and_missing(qwen_dir: Path, tmp_path: Path, tok: ChatTokenizer) -> None:
+def test_template_file_fallback_and_missing(qwen_dir: Path, tmp_path: Path,
+                                            tok: ChatTokenizer) -> None:
     d = _copy_dir(qwen_dir, tmp_path / "b", {"chat_template": None})
     with pytest.raises(ChatInputError):
         ChatTokenizer.from_dir(d).render([{"role": "user", "content": "x"}])

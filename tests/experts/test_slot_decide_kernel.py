@@ -65,7 +65,8 @@ def test_kernel_chunks_long_id_lists() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_realistic_shapes_gpu() -> None:
-    """Qwen3.6-sized pool (40 x 256, top-8) at 37% capacity, batch 4: GPU kernel == CPU reference."""
+    """Qwen3.6-sized pool (40 x 256, top-8) at 37% capacity, batch 4: GPU kernel == CPU
+    reference."""
     from freetoken.bench.routing import synthetic_trace
 
     L, E, K, S, B = 40, 256, 8, 3789, 4

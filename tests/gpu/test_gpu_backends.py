@@ -75,7 +75,9 @@ def test_cuda_logits_match_transformers(tiny_hf, kind: str) -> None:
     cfg = ours.cfg
     c = Caches(KVPool(cfg, 128, torch.float32, "cuda"),
                StateTensors(cfg, 1, torch.float32, "cuda") if cfg.has_linear_attention else None)
-    got = ours(ForwardBatch.single(ids.tolist(), 0, torch.arange(100), 0, "cuda", all_logits=True), c)
+    got = ours(
+        ForwardBatch.single(ids.tolist(), 0, torch.arange(100), 0, "cuda", all_logits=True), c
+    )
     assert (got.cpu() - want).abs().max().item() < 1e-3 * max(1.0, want.abs().max().item())
 
 

@@ -98,14 +98,20 @@ def test_transformers_loads_it_exactly(demo_dir: Path) -> None:
     ours = load_checkpoint(demo_dir, load_config(demo_dir), torch.bfloat16, progress=False)
     params = dict(model.named_parameters())
     assert sorted(ours) == sorted(params)
-    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.7.self_attn.q_proj.weight",
-                 "model.layers.2.linear_attn.A_log", "lm_head.weight"):
+    for name in (
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.7.self_attn.q_proj.weight",
+        "model.layers.2.linear_attn.A_log",
+        "lm_head.weight",
+    ):
         assert torch.equal(ours[name], params[name]), name
     a_log = ours["model.layers.2.linear_attn.A_log"].float()
     assert bool(((a_log >= 0) & (a_log <= torch.log(torch.tensor(16.0)) + 1e-2)).all())
 
 
-def test_resolve_model_path(tmp_path: Path, demo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resolve_model_path(
+    tmp_path: Path, demo_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     # prebuilt cache: link the module's build instead of building again
     (tmp_path / "xdg" / "freetoken" / "models").mkdir(parents=True)

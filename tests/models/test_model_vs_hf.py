@@ -39,7 +39,9 @@ def test_logits_match_transformers(tiny_hf, kind: str) -> None:
     # chunked prefill (prefix reuse) + token-by-token decode must give the same logits
     c = _caches(ours, 256)
     parts = [ours(ForwardBatch.single(ids[:97], 0, torch.arange(97), 0, all_logits=True), c)]
-    parts.append(ours(ForwardBatch.single(ids[97:140], 97, torch.arange(140), 0, all_logits=True), c))
+    parts.append(
+        ours(ForwardBatch.single(ids[97:140], 97, torch.arange(140), 0, all_logits=True), c)
+    )
     for t in range(140, 150):
         parts.append(ours(ForwardBatch.single([ids[t]], t, torch.arange(t + 1), 0), c))
     assert (torch.cat(parts) - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())

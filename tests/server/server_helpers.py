@@ -1,4 +1,5 @@
-"""Shared by the server tests: a scripted fake engine behind a real uvicorn server, with the real Qwen3 tokenizer.
+"""Shared by the server tests: a scripted fake engine behind a real uvicorn server, with the
+real Qwen3 tokenizer.
 
 `FakeEngine` implements `EngineClient`: each request emits the token ids of its script (text
 encoded with the Qwen3 tokenizer, then `<|im_end|>`), a few ids per event, and honours

@@ -73,8 +73,9 @@ def test_replay(server: Server, engine: FakeEngine, path: Path) -> None:
                     else:
                         assert r.json()["type"] == "message"
                 elif body.get("stream"):
-                    _check_openai_stream(r.text, tool,
-                                         bool((body.get("stream_options") or {}).get("include_usage")))
+                    _check_openai_stream(
+                        r.text, tool, bool((body.get("stream_options") or {}).get("include_usage"))
+                    )
                 else:
                     ch = r.json()["choices"][0]
                     assert ch["finish_reason"] == ("tool_calls" if tool else "stop"), where
