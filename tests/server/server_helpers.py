@@ -32,7 +32,6 @@ class FakeEngine:
     model_name: str = "fake-qwen3"
     max_context: int = MAX_CONTEXT
     model_dir: str = ""
-    kv_tokens: int = MAX_CONTEXT
     script: Callable[[GenerateRequest], str] = lambda req: "Hello from the fake engine."
     per_event: int = 3
     delay_s: float = 0.0
@@ -51,9 +50,10 @@ class FakeEngine:
         self.finished.clear()
 
     def check(self, req: GenerateRequest) -> None:
-        if len(req.input_ids) > self.kv_tokens:
-            raise AdmissionError(f"prompt of {len(req.input_ids)} tokens exceeds the KV pool "
-                                 f"of {self.kv_tokens}", "messages", "kv_budget_exceeded")
+        # the real engine's rule (EngineCore.check), so the server's error path is exercised
+        if len(req.input_ids) + 1 > self.max_context:
+            raise AdmissionError(f"the prompt has {len(req.input_ids)} tokens; the context holds "
+                                 f"{self.max_context}", "messages", "context_length_exceeded")
 
     def stats(self) -> dict:
         return {"requests": len(self.requests), "aborted": len(self.aborted)}

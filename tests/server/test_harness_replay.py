@@ -53,7 +53,7 @@ def _check_openai_stream(text: str, tool: bool, usage: bool) -> None:
 
 @pytest.mark.parametrize("path", FILES, ids=[f"{p.parent.name}/{p.stem}" for p in FILES])
 def test_replay(server: Server, engine: FakeEngine, path: Path) -> None:
-    engine.max_context = engine.kv_tokens = 262144  # the pruning traces grow past 100k tokens
+    engine.max_context = 262144  # the pruning traces grow past 100k tokens
     try:
         with httpx.Client(base_url=server.url, timeout=60) as c:
             for line in path.read_text().splitlines():
@@ -87,4 +87,4 @@ def test_replay(server: Server, engine: FakeEngine, path: Path) -> None:
                         or hdrs.get("x-session-affinity"))
                 assert req.session_key == want, where
     finally:
-        engine.max_context = engine.kv_tokens = 40960
+        engine.max_context = 40960
