@@ -15,13 +15,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from freetoken.engine.api import SamplingParams
-from freetoken.engine.bench_moe import drop_fused, install_backend
+from freetoken.bench.moe import drop_fused, install_backend
+from freetoken.bench.random_model import random_model
 from freetoken.engine.generate import generate
 from freetoken.experts.setup import MoEOptions
 from freetoken.experts.store import ExpertStore
-from freetoken.models.random_init import random_model
-from freetoken.models.shapes import shape_config
+from freetoken.models.presets import preset_config
+from freetoken.types.api import SamplingParams
 
 
 def main() -> int:
@@ -36,7 +36,7 @@ def main() -> int:
                         "runner run eagerly, so each kernel of the graph shows up)")
     a = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = shape_config(a.shape, a.layers)
+    cfg = preset_config(a.shape, a.layers)
     model = random_model(cfg, torch.bfloat16, device)
     blocks = model.moe_blocks()
     store = ExpertStore([b.experts.gate_up_proj.data for b in blocks],
