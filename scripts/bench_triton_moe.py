@@ -10,7 +10,8 @@ the L2 (50 MB, one layer's 8 experts) cannot serve a call from the previous one.
     python scripts/bench_triton_moe.py [--tokens 1,4,16] [--prefill 4096] [--sweep]
 
 --sweep times a grid of decode tiles (gate_up, then down) at T=1 and T=4 and prints the best,
-for DECODE_CONFIG in kernels/triton/fused_moe.py.
+for DECODE_CONFIG in kernels/triton/fused_moe.py, then a few grouped tiles at the first
+--prefill size (for GROUPED_CONFIGS in kernels/triton/moe_grouped.py).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from freetoken.layers.moe import gathered_experts, grouped_experts
 from kernels.triton.fused_moe import DECODE_CONFIG, fused_moe, fused_moe_decode
+from kernels.triton.moe_grouped import fused_moe_grouped, tile
 from kernels.triton.router import fused_router
 
 HBM = 4.0e12  # B/s, the H200's practical HBM3e read rate (4.8 TB/s peak)
@@ -153,7 +155,7 @@ def sweep(banks, args, gen):
     for part, bns, bks in (("gate_up", (8, 16, 32), (128, 256, 512)),
                            ("down", (16, 32, 64), (64, 128, 256))):
         results = []
-        for bn, bk, warps in itertools.product(bns, bks, (2, 4, 8)):
+        for bn, bk, warps in itertools.product(bns, bks, (4, 8)):
             cfg = {**best, part: {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps}}
             ts = [timed(T, cfg) for T in (1, 4)]
             results.append((sum(ts), ts, cfg[part]))
@@ -162,6 +164,25 @@ def sweep(banks, args, gen):
         best[part] = results[0][2]
         print(f"best {part}: {best[part]}")
     print(f"DECODE_CONFIG = {best}")
+    T = int(args.prefill.split(",")[0]) if args.prefill else 4096
+    gu, dn = banks[0]
+    x, ids = torch.randn(T, H, device="cuda", dtype=dtype), route(T, E, K, gen)
+    y = torch.empty(T, K, H, device="cuda", dtype=dtype)
+    results = []
+    # BLOCK_M is shared: it is the padding of the sorted entries both kernels read
+    for bm, (gbn, gbk), (dbn, dbk) in itertools.product(
+            (64, 128), ((64, 64), (128, 64)), ((128, 64), (256, 64), (64, 128))):
+        w = 8 if bm == 128 else 4
+        cfg = (tile(bm, gbn, gbk, 8, w, 3), tile(bm, dbn, dbk, 8, w, 3))
+        try:
+            t = time_eager(lambda cfg=cfg: fused_moe_grouped(x, ids, gu, dn, y, config=cfg))
+        except Exception as exc:  # noqa: BLE001  (e.g. out of shared memory: skip the tile)
+            print(f"  sweep grouped T={T} {cfg}: failed {type(exc).__name__}")
+            continue
+        results.append((t, cfg))
+        print(f"  sweep grouped T={T} {cfg}: {t * 1e6:.1f} us")
+    if results:
+        print(f"best grouped T={T}: {min(results, key=lambda r: r[0])}")
 
 
 def main() -> None:

@@ -33,7 +33,8 @@ def tile(bm: int, bn: int, bk: int, group_m: int, warps: int, stages: int) -> di
 # `E=256,N=512,device_name=NVIDIA_H200{,_down}.json` (T <= 256, 512, 1024) and, past 1024
 # tokens, its `E=128,N=512` H200 entry at the same tokens per expert (T=2048 there). Our
 # gate_up BLOCK_N counts row pairs (gate and up), so it is half of SGLang's N tile.
-# (max T, gate_up tile, down tile); tile = (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)
+# (max T, gate_up tile, down tile); tile = (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages).
+# The gate_up tile's BLOCK_M is used by both kernels (the padding of the sorted entries).
 GROUPED_CONFIGS: list[tuple[int, dict, dict]] = [
     (256, tile(16, 16, 64, 1, 4, 3), tile(16, 32, 64, 1, 4, 3)),
     (512, tile(32, 64, 128, 32, 8, 3), tile(32, 64, 128, 32, 4, 3)),
