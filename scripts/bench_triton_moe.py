@@ -29,6 +29,7 @@ from kernels.triton.fused_moe import DECODE_CONFIG, fused_moe, fused_moe_decode
 from kernels.triton.moe_grouped import fused_moe_grouped, tile
 from kernels.triton.router import fused_router
 
+DEV = "cuda"  # a constant so a CPU dry run (interpreter, tiny shapes) can reuse the script
 HBM = 4.0e12  # B/s, the H200's practical HBM3e read rate (4.8 TB/s peak)
 BF16_FLOPS = 989e12  # dense bf16 tensor-core peak of the H200 (SXM)
 
@@ -68,7 +69,7 @@ def time_eager(fn, reps: int = 5) -> float:
 
 
 def route(T: int, E: int, K: int, gen: torch.Generator) -> torch.Tensor:
-    return torch.rand(T, E, device="cuda", generator=gen).topk(K, dim=-1).indices  # [T, K]
+    return torch.rand(T, E, device=DEV, generator=gen).topk(K, dim=-1).indices  # [T, K]
 
 
 def expert_bytes(ids: torch.Tensor, H: int, I: int, elt: int) -> int:
@@ -84,9 +85,9 @@ def decode_case(T, banks, args, gen):
     H, I, E, K = args.hidden, args.inter, args.experts, args.top_k
     calls_t, calls_g, calls_b, bytes_total = [], [], [], 0
     for layer, (gu, dn) in enumerate(banks * args.repeat):
-        x = torch.randn(T, H, device="cuda", dtype=gu.dtype)
+        x = torch.randn(T, H, device=DEV, dtype=gu.dtype)
         ids = route(T, E, K, gen)
-        y = torch.empty(T, K, H, device="cuda", dtype=gu.dtype)
+        y = torch.empty(T, K, H, device=DEV, dtype=gu.dtype)
         bytes_total += expert_bytes(ids, H, I, gu.element_size())
         calls_t.append(lambda x=x, ids=ids, gu=gu, dn=dn, y=y: fused_moe(x, ids, gu, dn, y,
                                                                         decode=True))
@@ -114,9 +115,9 @@ def grouped_capture_probe(T, nbytes, calls):
 def prefill_case(T, banks, args, gen):
     H, I, E, K = args.hidden, args.inter, args.experts, args.top_k
     gu, dn = banks[0]
-    x = torch.randn(T, H, device="cuda", dtype=gu.dtype)
+    x = torch.randn(T, H, device=DEV, dtype=gu.dtype)
     ids = route(T, E, K, gen)
-    y = torch.empty(T, K, H, device="cuda", dtype=gu.dtype)
+    y = torch.empty(T, K, H, device=DEV, dtype=gu.dtype)
     nbytes = expert_bytes(ids, H, I, gu.element_size())
     flops = 2 * T * K * 3 * H * I
     floor_s = max(nbytes / HBM, flops / BF16_FLOPS)
@@ -133,10 +134,10 @@ def router_case(args, gen):
     from freetoken.layers.moe import Router
 
     H, E, K = args.hidden, args.experts, args.top_k
-    r = Router(H, E, K, True).cuda().to(torch.bfloat16).requires_grad_(False)
-    r.weight.copy_(torch.randn(E, H, device="cuda", generator=gen) / H**0.5)
+    r = Router(H, E, K, True).to(DEV, torch.bfloat16).requires_grad_(False)
+    r.weight.copy_(torch.randn(E, H, device=DEV, generator=gen) / H**0.5)
     for T in (1, 4096):
-        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
         tt = time_graph([lambda x=x: fused_router(x, r.weight, K, True)] * 20)
         tr = time_graph([lambda x=x: r(x)] * 20)
         print(f"router T={T}: fused_router {tt * 1e6:.1f} us, Router.forward {tr * 1e6:.1f} us")
@@ -149,8 +150,8 @@ def sweep(banks, args, gen):
     def timed(T, cfg):
         calls = []
         for gu, dn in banks * args.repeat:
-            x = torch.randn(T, H, device="cuda", dtype=dtype)
-            ids, y = route(T, E, K, gen), torch.empty(T, K, H, device="cuda", dtype=dtype)
+            x = torch.randn(T, H, device=DEV, dtype=dtype)
+            ids, y = route(T, E, K, gen), torch.empty(T, K, H, device=DEV, dtype=dtype)
             calls.append(lambda x=x, ids=ids, gu=gu, dn=dn, y=y:
                          fused_moe_decode(x, ids, gu, dn, y, config=cfg))
         return time_graph(calls, rounds=3)
@@ -170,8 +171,8 @@ def sweep(banks, args, gen):
     print(f"DECODE_CONFIG = {best}")
     T = int(args.prefill.split(",")[0]) if args.prefill else 4096
     gu, dn = banks[0]
-    x, ids = torch.randn(T, H, device="cuda", dtype=dtype), route(T, E, K, gen)
-    y = torch.empty(T, K, H, device="cuda", dtype=dtype)
+    x, ids = torch.randn(T, H, device=DEV, dtype=dtype), route(T, E, K, gen)
+    y = torch.empty(T, K, H, device=DEV, dtype=dtype)
     results = []
     # BLOCK_M is shared: it is the padding of the sorted entries both kernels read
     for bm, (gbn, gbk), (dbn, dbk) in itertools.product(
@@ -186,7 +187,8 @@ def sweep(banks, args, gen):
         results.append((t, cfg))
         print(f"  sweep grouped T={T} {cfg}: {t * 1e6:.1f} us")
     if results:
-        print(f"best grouped T={T}: {min(results, key=lambda r: r[0])}")
+        t, cfg = min(results, key=lambda r: r[0])
+        print(f"best grouped T={T}: {t * 1e6:.1f} us with gate_up {cfg[0]}, down {cfg[1]}")
 
 
 def main() -> None:
@@ -203,10 +205,10 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_triton_moe.py needs CUDA")
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=DEV).manual_seed(0)
     H, I, E = args.hidden, args.inter, args.experts
-    banks = [((torch.randn(E, 2 * I, H, device="cuda", generator=gen) / H**0.5).bfloat16(),
-              (torch.randn(E, H, I, device="cuda", generator=gen) / I**0.5).bfloat16())
+    banks = [((torch.randn(E, 2 * I, H, device=DEV, generator=gen) / H**0.5).bfloat16(),
+              (torch.randn(E, H, I, device=DEV, generator=gen) / I**0.5).bfloat16())
              for _ in range(args.layers)]
     print(f"{torch.cuda.get_device_name()}: H={H} I={I} E={E} K={args.top_k} bf16, "
           f"{args.layers} layers of banks, DECODE_CONFIG={DECODE_CONFIG}")
