@@ -101,9 +101,10 @@ def test_router_matches_torch_and_replays(banks):
     r.weight.copy_(torch.randn(E, H, device="cuda", generator=g) / H**0.5)
     w_ref, ids_ref = r(x)
     w, ids = fused_router(x, r.weight, K, True)
-    probs = F.softmax(F.linear(x, r.weight), dim=-1, dtype=torch.float)  # [T, E]
-    stable = torch.sort(-probs, dim=-1, stable=True).indices[:, :K]  # ties: lowest id first
+    logits = F.linear(x, r.weight).float()  # [T, E] as the Router
+    stable = torch.sort(-logits, dim=-1, stable=True).indices[:, :K]  # ties: lowest id first
     assert torch.equal(ids, stable)
+    probs = F.softmax(logits, dim=-1)
     kth, next_p = torch.sort(probs, -1, descending=True).values[:, K - 1:K + 1].unbind(-1)
     clear = kth > next_p  # no bf16 tie across the K-th place, where torch may pick either
     assert all(set(a) == set(b) for a, b, c in
