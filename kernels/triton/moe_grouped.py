@@ -5,9 +5,12 @@ BM = BLOCK_M, P = padded length N + min(N, S)*(BM-1) (an upper bound fixed by th
 
 `moe_align` is a torch equivalent of vLLM's `moe_align_block_size`: each bank row's entries are
 laid out contiguously, padded to a multiple of BM, so every BM-block belongs to one row. It is
-about a dozen device ops (scatter_add, cumsum, a stable argsort, searchsorted) with no Python
+about 25 small device ops (scatter_add, cumsum, a stable argsort, searchsorted) with no Python
 loop over experts and no host read: the grid is sized from P, and blocks past the real padded
-total (read on the device) exit at once. So prefill pays ~10 small launches and no sync.
+total (read on the device) exit at once. So prefill pays those launches and no sync. For
+decode-sized N (<= 128 entries) `moe_align_small` computes the same three tensors in one
+Triton program (pairwise ranks, a histogram, a cumsum), so a batch of 4-16 tokens can take the
+grouped path (each distinct expert read once) for one extra launch instead of ~25.
 
 The gate_up kernel computes the gate and the up columns of the same rows i in one program (two
 accumulators) so SiLU(gate)*up happens in its epilogue; vLLM writes [N, 2I] and runs a
