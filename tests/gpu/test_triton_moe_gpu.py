@@ -70,18 +70,19 @@ def test_bf16_real_shape_matches_float_reference(banks, T, decode):
     assert rel < 1e-2 and worst < 2e-2, f"rel {rel:.2e}, worst entry {worst:.2e}"
 
 
-def test_decode_path_replays_from_a_cuda_graph(banks):
-    """Captured once, replayed with new ids and x: the same result as eager calls."""
+@pytest.mark.parametrize("T,decode", [(4, True), (16, False)])
+def test_replays_from_a_cuda_graph(banks, T, decode):
+    """Captured once, replayed with new ids and x: the same result as eager calls. The grouped
+    path at N <= 128 (one-program alignment) must capture as well as the decode path."""
     gate_up, down = banks
-    T = 4
     x_in = torch.zeros(T, H, device="cuda", dtype=torch.bfloat16)
     ids_in = torch.zeros(T, K, device="cuda", dtype=torch.int64)
     y = torch.zeros(T, K, H, device="cuda", dtype=torch.bfloat16)
-    fused_moe(x_in, ids_in, gate_up, down, y, decode=True)  # compile outside the capture
+    fused_moe(x_in, ids_in, gate_up, down, y, decode=decode)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fused_moe(x_in, ids_in, gate_up, down, y, decode=True)
+        fused_moe(x_in, ids_in, gate_up, down, y, decode=decode)
     for step in range(3):
         x = torch.randn(T, H, device="cuda").bfloat16()
         ids = route(T, 100 + step)
@@ -90,7 +91,7 @@ def test_decode_path_replays_from_a_cuda_graph(banks):
         y.fill_(7.0)
         graph.replay()
         want = torch.full_like(y, 7.0)
-        fused_moe(x, ids, gate_up, down, want, decode=True)
+        fused_moe(x, ids, gate_up, down, want, decode=decode)
         assert torch.equal(y, want), f"step {step}: replay differs from eager"
 
 
