@@ -35,10 +35,13 @@ if has fast; then
   # fused and offload with graphs on and off (random router, 20 layers)
   timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/gpu 2>&1 | tail -30 \
     | tee "$OUT/gpu_only_tests.log"
-  timeout 280 $FT bench decode --shape qwen3.6-35b-a3b --layers 20 --random-weights \
-    --moe-cache-rate 0.37 --prompt-tokens 32 --decode-tokens 128 --repeats 1 \
-    --backends fused,offload --graphs both 2>&1 | grep -v "random weights:" \
-    | tee "$OUT/decode_fast.log"
+  for trace in ${FT_TRACES:-random shared}; do
+    extra=(); [ "$trace" = shared ] && extra=(--route-trace shared)
+    timeout 280 $FT bench decode --shape qwen3.6-35b-a3b --layers 20 --random-weights \
+      --moe-cache-rate 0.37 --prompt-tokens 32 --decode-tokens 128 --repeats 1 \
+      --backends ${FT_BACKENDS:-fused,offload} --graphs ${FT_GRAPHS:-both} "${extra[@]}" 2>&1 \
+      | grep -v "random weights:" | tee "$OUT/decode_fast_$trace.log"
+  done
 fi
 if has gputests; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -30 \

@@ -52,6 +52,7 @@ class RunResult:
     fetch_bytes_tok: float
     cpu_bytes_tok: float
     floor_tok_s: float | None
+    note: str = ""  # where a decode step's time went (graph runner timers)
 
 
 def install_trace(model: QwenMoE, router: TraceRouter) -> None:
@@ -130,6 +131,7 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEOptio
                 device: torch.device, prompt: list[int], n_tokens: int, cuda_graph: bool = True,
                 batch: int = 1) -> RunResult:
     rt = install_backend(model, store, backend, opts, device)
+    note = ""
     sp = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
     generate(model, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), [],
              cuda_graph=cuda_graph)
@@ -142,8 +144,17 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEOptio
         tok_s, steps = decode_batch(model, prompts, n_tokens, cuda_graph)
         res = None
     else:
+        priv = getattr(model, "_ft_private", None)
+        runner = next(iter(priv.runners.values()), None) if priv else None
+        h0 = (runner.host_s, runner.wait_s, runner.steps) if runner else None
         res = generate(model, prompt, sp, [], cuda_graph=cuda_graph)
         tok_s, steps = res.decode_tps, max(1, len(res.token_ids) - 1)
+        if runner is not None and h0 is not None and runner.steps > h0[2]:
+            k = runner.steps - h0[2]
+            rep = runner.replay_ms(1) if cuda_graph else None
+            note = (f"host {1e3 * (runner.host_s - h0[0]) / k:.3f} ms/step, launch+wait "
+                    f"{1e3 * (runner.wait_s - h0[1]) / k:.3f} ms/step"
+                    + (f", graph replay alone {rep:.3f} ms" if rep else ""))
     if rt:
         rt.stats.sync()
     hit = fb = cb = 0.0
@@ -161,4 +172,4 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEOptio
             floor = 1.0 / t if t > 0 else None
     if backend == "fused":
         drop_fused(model, device)
-    return RunResult(backend, tok_s, hit, fb, cb, floor)
+    return RunResult(backend, tok_s, hit, fb, cb, floor, note)

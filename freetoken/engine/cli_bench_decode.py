@@ -152,7 +152,7 @@ def run_shape(args: argparse.Namespace) -> int:
                 continue
             r = run_backend(model, store, be, opts, device, prompt, args.decode_tokens,
                             cuda_graph=graphs, batch=args.batch)
-            print(f"[bench] round {rnd + 1}: {name} {r.tok_s:.1f} tok/s", flush=True)
+            print(f"[bench] round {rnd + 1}: {name} {r.tok_s:.1f} tok/s {r.note}", flush=True)
             if name not in best or r.tok_s > best[name].tok_s:
                 best[name] = r
     print(f"best of {max(1, args.repeats)} rounds per backend; batch {args.batch}")

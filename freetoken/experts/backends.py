@@ -69,7 +69,8 @@ class MoEStats:
         if self._dev is None:
             return
         hits, miss, fetched = (int(v) for v in self._dev.tolist())
-        self._dev.zero_()
+        with torch.inference_mode():  # the counters were made inside the model's forward
+            self._dev.zero_()
         self.hits += hits
         self.misses += miss
         self.fetched += fetched
