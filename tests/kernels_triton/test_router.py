@@ -23,6 +23,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def torch_router(x, weight, top_k, renormalize):
+    """Router.forward on the CPU, where it takes its torch path (on CUDA it calls the kernel)."""
+    assert x.device.type == "cpu"
     r = Router(weight.shape[1], weight.shape[0], top_k, renormalize).to(x.dtype)
     with torch.no_grad():
         r.weight.copy_(weight)
