@@ -56,7 +56,7 @@ def _step_counts(tiny_hf, rows: int, monkeypatch) -> _Count:
                      kv_slots=torch.arange(20 * b, 20 * b + 11)) for b in range(rows)]
     runner.step(dec)  # lazy state (rotary tables, buffers) out of the way
     bk = runner.bucket(rows)
-    ptr, total = runner._stage(dec, bk.size)
+    _, total = runner._stage(dec, bk.size)
     runner._upload(bk.size, total)
     attn = runner._attn(bk, dec)
     with _Count() as c:
