@@ -90,7 +90,7 @@ def moe_from_args(args: argparse.Namespace, model_dir, dtype: torch.dtype | None
                   device: str):
     """`(MoEOptions, kv_reserve_bytes)` from the MoE flag group for the checkpoint in
     `model_dir`: an unset `--moe-backend` resolves through `default_backend`, and the KV floor
-    is turned into bytes so the slot cache is sized to leave it free."""
+    and the context's K/V are turned into bytes so the slot cache is sized to leave them free."""
     from freetoken.cache.tensors import KVPool
     from freetoken.types.model_config import load_config
 
@@ -98,7 +98,11 @@ def moe_from_args(args: argparse.Namespace, model_dir, dtype: torch.dtype | None
     wdt = dtype or (cfg.torch_dtype if device != "cpu" else torch.float32)
     backend = args.moe_backend or default_backend(cfg, wdt, device, args.kv_reserve_tokens)
     moe = moe_options(args, backend)
-    return moe, KVPool.bytes_per_token(cfg, wdt) * moe.kv_reserve_tokens
+    # the KV pool is sized for the context first (the model's, or --max-context), never below
+    # the --kv-reserve-tokens floor; the slot cache is sized to leave that free
+    context = getattr(args, "max_context", None) or cfg.max_position_embeddings
+    tokens = max(moe.kv_reserve_tokens, context)
+    return moe, KVPool.bytes_per_token(cfg, wdt) * tokens
 
 
 def add_cache_args(p: argparse.ArgumentParser) -> None:
@@ -112,3 +116,5 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
                    choices=["semantic", "interval", "end_only"])
     g.add_argument("--record-routing", default=None, metavar="FILE",
                    help="write the routed expert ids of every step and layer to FILE at exit")
+    g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+                   help="run decode steps eagerly through the runner's buffers (for comparison)")
