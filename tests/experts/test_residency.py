@@ -95,7 +95,7 @@ def test_arguments_are_checked() -> None:
             t.decide(layer, torch.tensor([[0]]))
     with pytest.raises(ValueError, match="unknown decide impl"):
         t.decide(0, torch.tensor([[0]]), impl="fast")
-    with pytest.raises(ValueError, match="num_slots must be >= 0"):
+    with pytest.raises(ValueError, match="^num_slots must be >= 0$"):
         t.resize(-1)
 
 
