@@ -18,6 +18,7 @@ _COMMANDS = [
     "freetoken.server.cli_serve",
     "freetoken.server.cli_ctl",
     "freetoken.proxy.cli_proxy",
+    "freetoken.proxy.cli_launch",
 ]
 _BENCH_COMMANDS = [
     "freetoken.engine.cli_bench_decode",
