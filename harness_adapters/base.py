@@ -109,7 +109,8 @@ def anchors_of(anchors: Sequence[Anchor], kind: str, role: str | None = None) ->
 class HarnessAdapter:
     """Base adapter: no detection, default normalisation, header-or-head session key, and
     `head_end` as the only predicted cut (compaction and sub-agents keep system + tools).
-    Subclasses override what their harness does differently; see the module docstring."""
+    Subclasses override what their harness does differently; see the module docstring.
+    """
 
     name = "base"
     #: pipeline steps on by default for this harness (freetoken.proxy.normalise.STEPS names)
@@ -139,4 +140,13 @@ class HarnessAdapter:
 
     def cut_points(self, anchors: Sequence[Anchor], messages: Sequence[dict[str, Any]]
                    ) -> list[int]:
-        return [a.position for a in anchors_of(anchors, "head_end")]
+        """`head_end`, and the `<think>` of the generation prompt when the template pre-opens a
+        think block there (an empty one when thinking is off): the next request renders the
+        reply in place of that block, and templates that drop or reshape reasoning re-render
+        it differently, so that is where the prompt diverges."""
+        out = [a.position for a in anchors_of(anchors, "head_end")]
+        last_turn = next((i for i in range(len(anchors) - 1, -1, -1)
+                          if anchors[i].kind == "turn_start"), None)
+        if last_turn is not None and anchors[last_turn].role == "assistant":
+            out += [a.position for a in anchors[last_turn + 1:] if a.kind == "think_start"]
+        return out
