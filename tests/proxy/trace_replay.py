@@ -8,7 +8,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from freetoken.chat import ChatTokenizer, anthropic_to_template, openai_to_template, qwen3_tokenizer_dir
+from freetoken.chat import (
+    ChatTokenizer,
+    anthropic_to_template,
+    openai_to_template,
+    qwen3_tokenizer_dir,
+)
 from freetoken.proxy.sessions import EditPoint, SessionStore
 from harness_adapters import HarnessRequest, detect_adapter
 
@@ -40,16 +45,17 @@ class Step:
     session: str
     ids: list[int]
     cuts: list[int]
+    anchors: list
     edit: EditPoint
     fired: dict[str, int]
 
 
-def replay(path: Path) -> list[Step]:
+def replay(path: Path, seqs: set[int] | None = None) -> list[Step]:
     tok = tokenizer()
     store = SessionStore()
     out = []
     for rec in records(path):
-        if "count_tokens" in rec["path"]:
+        if "count_tokens" in rec["path"] or (seqs is not None and rec["seq"] not in seqs):
             continue
         req = harness_request(rec)
         ad = detect_adapter(req)
@@ -60,15 +66,16 @@ def replay(path: Path) -> list[Step]:
         prompt = tok.apply(ti.messages, tools=ti.tools, enable_thinking=ti.enable_thinking)
         cuts = ad.cut_points(prompt.anchors, ti.messages)
         ep = store.observe_tokens(key, prompt.input_ids, prompt.anchors, cuts)
-        out.append(Step(rec["seq"], ad.name, key, prompt.input_ids, cuts, ep, fired))
+        out.append(Step(rec["seq"], ad.name, key, prompt.input_ids, cuts, prompt.anchors, ep,
+                        fired))
     return out
 
 
-def hit_rates() -> dict[str, dict[str, int]]:
+def hit_rates(steps: dict[Path, list[Step]] | None = None) -> dict[str, dict[str, int]]:
     """Per harness: requests, edits, predicted hits, appends."""
     rates: dict[str, dict[str, int]] = {}
     for f in FILES:
-        for s in replay(f):
+        for s in (steps[f] if steps is not None else replay(f)):
             r = rates.setdefault(s.adapter, {"requests": 0, "edits": 0, "hits": 0,
                                              "appends": 0})
             r["requests"] += 1
