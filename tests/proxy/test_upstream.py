@@ -186,7 +186,7 @@ def test_output_cap_is_reported_as_a_normal_end_of_turn(to_openai) -> None:
     _on(p, "/v1/chat/completions", lambda r: httpx.Response(200, headers=SSE,
                                                               stream=Events(frames)))
     r = httpx.post(p.url + "/v1/messages", json=_cc_body(True), headers=CC_HEADERS)
-    delta = [d for n, d in parse_sse(r.text) if n == "message_delta"][0]
+    delta = next(d for n, d in parse_sse(r.text) if n == "message_delta")
     assert delta["delta"]["stop_reason"] == "end_turn"
     assert p.last_json()["max_tokens"] == 100 and r.headers["x-ft-output-cap"] == "100"
     # a client limit below the cap is the client's own: left alone and reported as such
@@ -194,7 +194,7 @@ def test_output_cap_is_reported_as_a_normal_end_of_turn(to_openai) -> None:
                                                               stream=Events(frames)))
     r = httpx.post(p.url + "/v1/messages", json=_cc_body(True, max_tokens=50),
                    headers=CC_HEADERS)
-    delta = [d for n, d in parse_sse(r.text) if n == "message_delta"][0]
+    delta = next(d for n, d in parse_sse(r.text) if n == "message_delta")
     assert delta["delta"]["stop_reason"] == "max_tokens" and p.last_json()["max_tokens"] == 50
 
 
@@ -250,10 +250,8 @@ def test_client_disconnect_mid_stream_cancels_the_upstream(to_openai) -> None:
     _on(p, "/v1/chat/completions", lambda r: httpx.Response(200, headers=SSE, stream=up))
     with httpx.Client(base_url=p.url, timeout=10) as c, c.stream(
             "POST", "/v1/messages", json=_cc_body(True), headers=CC_HEADERS) as r:
-        n = 0
-        for _ in r.iter_lines():
-            n += 1
-            if n > 8:
+        for n, _ in enumerate(r.iter_lines()):
+            if n >= 8:
                 break
     t0 = time.time()
     while not up.closed and time.time() - t0 < 5:
