@@ -46,6 +46,7 @@ class Step:
     ids: list[int]
     cuts: list[int]
     anchors: list
+    anchors_prev: list  # the session's previous request's anchors (edit blocks)
     edit: EditPoint
     fired: dict[str, int]
 
@@ -53,6 +54,7 @@ class Step:
 def replay(path: Path, seqs: set[int] | None = None) -> list[Step]:
     tok = tokenizer()
     store = SessionStore()
+    last: dict[str, list] = {}
     out = []
     for rec in records(path):
         if "count_tokens" in rec["path"] or (seqs is not None and rec["seq"] not in seqs):
@@ -65,9 +67,11 @@ def replay(path: Path, seqs: set[int] | None = None) -> list[Step]:
         ti = (anthropic_to_template if req.api == "anthropic" else openai_to_template)(body)
         prompt = tok.apply(ti.messages, tools=ti.tools, enable_thinking=ti.enable_thinking)
         cuts = ad.cut_points(prompt.anchors, ti.messages)
+        prev_anchors = last.get(key, [])
+        last[key] = prompt.anchors
         ep = store.observe_tokens(key, prompt.input_ids, prompt.anchors, cuts)
-        out.append(Step(rec["seq"], ad.name, key, prompt.input_ids, cuts, prompt.anchors, ep,
-                        fired))
+        out.append(Step(rec["seq"], ad.name, key, prompt.input_ids, cuts, prompt.anchors,
+                        prev_anchors, ep, fired))
     return out
 
 
