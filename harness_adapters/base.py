@@ -8,7 +8,8 @@ then told apart from every other harness by four answers, which are the whole co
 - `normalise(req, steps) -> (body, fired)`: the body with what needlessly breaks prefix reuse
   removed, through the proxy's named pipeline steps (`freetoken.proxy.normalise`). The adapter
   picks which steps apply to it; the caller's `steps` switches override the defaults. `fired`
-  names each step that changed something, with a count. Never mutates `req.body`.
+  names each step that changed something, with a count. Never mutates `req.body` unless told
+  (`copy=False`, for a caller that owns a private parse of the body).
 - `session_key(req) -> str`: the same string for every request of one conversation and a
   different one for siblings (sub-agents, title requests): the harness's session header where
   it sends one, qualified by a hash of the conversation's root (so sub-agents sharing a header
@@ -124,12 +125,13 @@ class HarnessAdapter:
         return False
 
     def normalise(self, req: HarnessRequest, steps: Mapping[str, bool] | None = None,
-                  fold_system: bool = False) -> tuple[dict[str, Any], dict[str, int]]:
+                  fold_system: bool = False, copy: bool = True
+                  ) -> tuple[dict[str, Any], dict[str, int]]:
         from freetoken.proxy.normalise import run_pipeline
 
         enabled = {s: True for s in self.default_steps}
         enabled.update(steps or {})
-        return run_pipeline(req.body, req.api, enabled, fold_system=fold_system)
+        return run_pipeline(req.body, req.api, enabled, fold_system=fold_system, copy=copy)
 
     def session_key(self, req: HarnessRequest) -> str:
         for h in self.session_headers:

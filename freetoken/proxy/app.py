@@ -124,16 +124,18 @@ def _apply_cap(body: dict, api: str, cap: int | None) -> tuple[int | None, int |
 
 async def _handle(request: Request, api: str, kind: str) -> Response:
     ps: ProxyState = request.app.state.proxy
+    raw = await request.body()
     try:
-        body = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError):
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise APIError.bad("request body is not valid JSON", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError.bad("request body must be a JSON object", code="invalid_json")
     headers = {k.lower(): v for k, v in request.headers.items()}
-    hreq = HarnessRequest(api, request.url.path, headers, body)
-    adapter = detect_adapter(hreq, ps.cfg.force_harness)
-    norm, fired = adapter.normalise(hreq, ps.cfg.steps, ps.fold_system)
+    adapter = detect_adapter(HarnessRequest(api, request.url.path, headers, body),
+                             ps.cfg.force_harness)
+    work = HarnessRequest(api, request.url.path, headers, json.loads(raw))  # a private copy
+    norm, fired = adapter.normalise(work, ps.cfg.steps, ps.fold_system, copy=False)
     session = adapter.session_key(HarnessRequest(api, request.url.path, headers, norm))
     rid = uuid.uuid4().hex[:16]
     rec = RequestRecord(rid, adapter.name, session, api, "native" if ps.cfg.native else api,
@@ -163,7 +165,8 @@ async def _handle(request: Request, api: str, kind: str) -> Response:
             rec.edit_kind, rec.edit_unit = ep.kind, ep.unit
             rec.edit_position, rec.edit_block = ep.position, ep.block
             resp = await forward(ps.upstream(), request, norm, api, rec, model, cap,
-                                 out_headers, ps.metrics.record)
+                                 out_headers, ps.metrics.record,
+                                 raw if not fired and cap is None else None)
             deferred = isinstance(resp, EventStreamResponse)
         if resp.status_code >= 400:
             rec.status = resp.status_code

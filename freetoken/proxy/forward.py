@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 from freetoken.log import get_logger, kv
 from freetoken.proxy.metrics import RequestRecord
+from freetoken.proxy.relay import StreamRelay
 from freetoken.proxy.translate import (
     TranslationError,
     anthropic_to_openai_request,
@@ -22,7 +23,7 @@ from freetoken.proxy.translate import (
     usage_from_anthropic,
     usage_from_openai,
 )
-from freetoken.proxy.upstream import StreamRelay, Upstream, error_from
+from freetoken.proxy.upstream import Upstream, error_from
 from freetoken.server.errors import APIError
 from freetoken.server.sse import EventStreamResponse, run_unless_disconnected
 
@@ -54,18 +55,24 @@ def _cap_rewrite(resp: dict, api_out: str, rec: RequestRecord) -> None:
 
 async def forward(up: Upstream, request: Request, body: dict, api_in: str, rec: RequestRecord,
                   model: str, cap: int | None, headers: dict[str, str],
-                  on_done: Callable[[RequestRecord], None]) -> Response:
+                  on_done: Callable[[RequestRecord], None], raw: bytes | None = None
+                  ) -> Response:
     """`body` is normalised and in the client's API; returns the client's response. A stream
-    hands `rec` to `on_done` when it ends; otherwise the caller records it."""
+    hands `rec` to `on_done` when it ends; otherwise the caller records it. `raw`: the body's
+    bytes as received, sent as they are when nothing changed it (same API, no step fired)."""
     api_out = up.api_out(api_in)
     rec.api_out = api_out
     out = translate_request(body, api_in, api_out)
-    if api_out == "openai" and out.get("stream"):
+    if api_out == "openai" and out.get("stream") and not (
+            out.get("stream_options") or {}).get("include_usage"):
         out["stream_options"] = {**(out.get("stream_options") or {}), "include_usage": True}
+        raw = None
+    if api_in != api_out:
+        raw = None
     up_headers = up.headers(request.headers, api_out)
     url = up.url(api_out)
     if rec.stream:
-        pending = asyncio.ensure_future(up.open(url, out, up_headers))
+        pending = asyncio.ensure_future(up.open(url, out, up_headers, raw))
         done, _ = await asyncio.wait({pending}, timeout=up.ping_s)
         if done and not pending.exception():
             resp: httpx.Response = pending.result()
@@ -82,7 +89,7 @@ async def forward(up: Upstream, request: Request, body: dict, api_in: str, rec: 
         return EventStreamResponse(relay.frames(), headers, rec.request_id)
 
     async def call() -> httpx.Response:
-        r = await up.open(url, out, up_headers)
+        r = await up.open(url, out, up_headers, raw)
         try:
             await r.aread()
         finally:
@@ -111,8 +118,10 @@ async def forward(up: Upstream, request: Request, body: dict, api_in: str, rec: 
     else:
         rec.prompt_tokens, rec.cached_tokens, rec.output_tokens = usage_from_openai(
             data.get("usage"))
+    log.debug(kv("forwarded", request=rec.request_id, status=r.status_code, api_out=api_out))
+    if api_in == api_out and not rec.capped:  # as received: no re-encoding
+        return Response(r.content, 200, headers=headers, media_type="application/json")
     if api_in != api_out:
         data = (openai_to_anthropic_response(data, model) if api_in == "anthropic"
                 else anthropic_to_openai_response(data, model))
-    log.debug(kv("forwarded", request=rec.request_id, status=r.status_code, api_out=api_out))
     return JSONResponse(data, headers=headers)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -57,7 +57,7 @@ class RequestRecord:
         return self.prompt_tokens - (self.cached_tokens or 0)
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = {k: v for k, v in vars(self).items() if not k.startswith("_")}  # asdict is slow
         d["recomputed_tokens"] = self.recomputed_tokens
         return d
 

@@ -52,22 +52,28 @@ def _strip_billing(body: dict, api: str, ctx: dict) -> int:
     return n
 
 
-def _drop_key(value: Any, key: str) -> int:
-    n = 0
-    if isinstance(value, dict):
-        if key in value:
-            del value[key]
-            n += 1
-        for v in value.values():
-            n += _drop_key(v, key)
-    elif isinstance(value, list):
-        for v in value:
-            n += _drop_key(v, key)
-    return n
+def _pop(d: Any, key: str) -> int:
+    return int(isinstance(d, dict) and d.pop(key, None) is not None)
 
 
 def _drop_cache_control(body: dict, api: str, ctx: dict) -> int:
-    return sum(_drop_key(body.get(k), "cache_control") for k in ("system", "messages", "tools"))
+    """Only where the APIs allow `cache_control` (system blocks, messages, content blocks and
+    the blocks inside tool results, tools): tool schemas are never walked."""
+    n = 0
+    for t in body.get("tools") or []:
+        n += _pop(t, "cache_control")
+    sys = body.get("system")
+    for b in sys if isinstance(sys, list) else []:
+        n += _pop(b, "cache_control")
+    for m in body.get("messages") or []:
+        n += _pop(m, "cache_control")
+        content = m.get("content") if isinstance(m, dict) else None
+        for b in content if isinstance(content, list) else []:
+            n += _pop(b, "cache_control")
+            inner = b.get("content") if isinstance(b, dict) else None
+            for ib in inner if isinstance(inner, list) else []:
+                n += _pop(ib, "cache_control")
+    return n
 
 
 def _drop_metadata(body: dict, api: str, ctx: dict) -> int:
@@ -174,13 +180,14 @@ STEPS: dict[str, Step] = {s.name: s for s in (
 )}
 
 
-def run_pipeline(body: dict, api: str, enabled: Mapping[str, bool], fold_system: bool = False
-                 ) -> tuple[dict, dict[str, int]]:
-    """Apply the enabled steps in STEPS order to a copy of `body`; returns (body, fired)."""
+def run_pipeline(body: dict, api: str, enabled: Mapping[str, bool], fold_system: bool = False,
+                 copy: bool = True) -> tuple[dict, dict[str, int]]:
+    """Apply the enabled steps in STEPS order to a copy of `body` (to `body` itself when `copy`
+    is False: the caller owns a private parse); returns (body, fired)."""
     unknown = set(enabled) - set(STEPS)
     if unknown:
         raise ValueError(f"unknown normalisation steps {sorted(unknown)}; known: {list(STEPS)}")
-    out = json.loads(json.dumps(body))  # a deep copy, several times faster than deepcopy
+    out = json.loads(json.dumps(body)) if copy else body  # faster than copy.deepcopy
     ctx = {"fold_system": fold_system}
     fired: dict[str, int] = {}
     for name, step in STEPS.items():
