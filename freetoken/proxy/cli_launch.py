@@ -51,9 +51,16 @@ def run_launch(args: argparse.Namespace) -> int:
     ctx = cap = name = None
     if not args.dry_run:
         ctx, cap, name = _ask_proxy(url, args.harness)
-    lim = Limits(context=args.context or ctx or 200000, output=args.max_output or cap,
-                 model=name or "ft-local")
-    plan = plan_for(args.harness, url, lim)
+    context = args.context or ctx or 200000
+    # the harness is told the model's own output room, never the proxy's cap: a reply the
+    # proxy cuts at its cap ends as a normal turn, while one that reaches the client's own
+    # limit is an error in Claude Code ("response exceeded the N output token maximum")
+    output = args.max_output or min(32000, max(1024, context // 4))
+    plan = plan_for(args.harness, url, Limits(context=context, output=output,
+                                              model=name or "ft-local"))
+    if cap:
+        plan.notes.append(f"the proxy caps each reply at {cap} tokens and ends it as a "
+                          "normal turn (ft agent-proxy --output-cap)")
     if args.write:
         d = Path(args.write)
         for rel, text in plan.files.items():

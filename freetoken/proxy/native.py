@@ -164,8 +164,8 @@ class TurnEngine:
         except AdmissionError as e:
             rec.status, rec.error = 400, e.message
             raise
-        except GeneratorExit:
-            rec.disconnected = True
+        except GeneratorExit:  # closed early; after the final event that is no disconnect
+            rec.disconnected = rec.finish is None
             raise
         finally:
             rec.duration_ms = round((time.time() - t0) * 1000, 2)
