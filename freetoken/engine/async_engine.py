@@ -139,10 +139,11 @@ def default_kv_tokens(model, max_context: int, moe) -> int:
     w = model.model.embed_tokens.weight
     per_tok = max(1, KVPool.bytes_per_token(model.cfg, w.dtype))
     if w.device.type == "cuda":
+        # what is free now: with a slot cache that is what its sizing left for the KV pool
+        # (the context's K/V first, at least the --kv-reserve-tokens floor)
+        budget = int(torch.cuda.mem_get_info(w.device)[0] * 0.9)
         if moe is not None and moe.backend != "fused":
-            budget = moe.kv_reserve_tokens * per_tok
-        else:
-            budget = int(torch.cuda.mem_get_info(w.device)[0] * 0.9)
+            budget = max(budget, moe.kv_reserve_tokens * per_tok)
     else:
         budget = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
     n = max(1024, min(max_context, budget // per_tok))
@@ -173,7 +174,10 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
         wdt = dtype or (cfg.torch_dtype if device != "cpu" else torch.float32)
         backend = args.moe_backend or default_backend(cfg, wdt, device, args.kv_reserve_tokens)
         moe = moe_options(args, backend)
-        reserve = KVPool.bytes_per_token(cfg, wdt) * moe.kv_reserve_tokens
+        # the KV pool is sized for the context first; the expert cache takes what is left, and
+        # the pool never shrinks below the --kv-reserve-tokens floor
+        want = getattr(args, "max_context", None) or cfg.max_position_embeddings
+        reserve = KVPool.bytes_per_token(cfg, wdt) * max(moe.kv_reserve_tokens, want)
     model = load_model(model_dir, dtype=dtype, device=device, moe=moe, kv_reserve_bytes=reserve)
     tok = ChatTokenizer.from_dir(model_dir)
     if getattr(args, "record_routing", None):
@@ -190,6 +194,7 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
         chunk_tokens=getattr(args, "chunk_tokens", None) or 512,
         max_context=getattr(args, "max_context", None),
         policy=getattr(args, "checkpoint_policy", None) or "semantic",
+        cuda_graph=getattr(args, "cuda_graph", True),
     )
     name = "demo" if str(getattr(args, "model", "demo") or "demo") == "demo" else model_dir.name
     engine = AsyncEngine(core, model_dir, name)

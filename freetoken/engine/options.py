@@ -91,3 +91,5 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
                    choices=["semantic", "interval", "end_only"])
     g.add_argument("--record-routing", default=None, metavar="FILE",
                    help="write the routed expert ids of every step and layer to FILE at exit")
+    g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+                   help="run decode steps eagerly through the runner's buffers (for comparison)")

@@ -93,8 +93,14 @@ def configure_experts(model: QwenMoE, opts: MoEOptions, device: torch.device | s
     if store is None:
         store = ExpertStore([b.experts.gate_up_proj.data for b in blocks],
                             [b.experts.down_proj.data for b in blocks], pin=device.type == "cuda")
+    stats.expert_bytes = store.expert_bytes
     pool = store.num_layers * store.num_experts
-    slots = _num_slots(opts, pool, store.expert_bytes, device, kv_reserve_bytes)
+    # the rest of the model moves to the device after this: keep room for it too
+    others = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                 if ".experts." not in n)
+    slots = _num_slots(opts, pool, store.expert_bytes, device, kv_reserve_bytes + others)
+    log.info(kv("vram_plan", slots=slots, slot_mb=store.expert_bytes * slots // 2**20,
+                kv_reserve_mb=kv_reserve_bytes // 2**20, other_weights_mb=others // 2**20))
     cache = SlotCache(store.num_layers, store.num_experts, store.hidden, store.intermediate, slots,
                       dtype=store.dtype, device=device,
                       impl="triton" if device.type == "cuda" else "reference")

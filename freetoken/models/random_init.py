@@ -37,4 +37,4 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | st
         setattr(model.get_submodule(mod_name), attr, torch.nn.Parameter(t, requires_grad=False))
     for b in model.moe_blocks():
         assert isinstance(b.experts, FusedExperts)
-    return model.eval()
+    return model.eval().fuse_projections()
