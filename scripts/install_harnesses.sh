@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the real harnesses that tests/proxy/test_real_clients.py drives through the proxy:
+# Installs the real harnesses that tests/proxy/test_proxy_real_clients.py drives through the proxy:
 # Claude Code from the npm registry and mini-swe-agent from PyPI (in its own virtualenv, so its
 # litellm stack stays out of FreeToken's). Versions are those of the recorded traces.
 #   scripts/install_harnesses.sh            # into ~/.cache/freetoken/harnesses

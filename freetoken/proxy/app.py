@@ -85,8 +85,10 @@ class ProxyState:
                 if self._native is None:
                     assert self.cfg.native_url is not None
                     try:
+                        key = self.cfg.upstream_api_key  # an `ft serve --api-key` engine
+                        auth = {"authorization": f"Bearer {key}"} if key else None
                         self._native = await NativeEngine.connect(self.cfg.native_url,
-                                                                  self.client)
+                                                                  self.client, auth)
                     except httpx.HTTPError as e:
                         raise APIError(502, f"engine unreachable at {self.cfg.native_url}: "
                                        f"{e!r}", None, "upstream_error") from None

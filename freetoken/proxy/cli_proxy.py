@@ -30,7 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--upstream-api", default="both", choices=("openai", "anthropic", "both"),
                    help="what --upstream serves; requests in the other API are translated")
     p.add_argument("--upstream-api-key", default=None,
-                   help="key sent to the upstream instead of the client's")
+                   help="key sent to the upstream instead of the client's (with "
+                        "--native-url: the key of that `ft serve --api-key`)")
     p.add_argument("--tokenizer", default=None, help="checkpoint directory with the tokenizer "
                    "(native mode; API mode uses it only for count_tokens)")
     p.add_argument("--host", default="127.0.0.1")

@@ -95,3 +95,20 @@ def test_step_switch_parsing() -> None:
 
 def test_only_meaning_changing_step_is_marked() -> None:
     assert [s.name for s in STEPS.values() if s.changes_prompt] == ["unify_model_suffix"]
+
+
+def test_fold_is_decided_by_the_template() -> None:
+    """`--fold-system auto`: fold only when the chat template refuses a system message after
+    the first turn (Qwen3's renders it in place)."""
+    from freetoken.chat import ChatInputError, ChatTokenizer, qwen3_tokenizer_dir
+    from freetoken.proxy.app import template_rejects_mid_system
+
+    assert template_rejects_mid_system(ChatTokenizer.from_dir(qwen3_tokenizer_dir())) is False
+
+    class Strict:
+        def render(self, messages):
+            if any(m["role"] == "system" for m in messages[1:]):
+                raise ChatInputError("System message must be at the beginning.", "messages")
+            return ""
+
+    assert template_rejects_mid_system(Strict()) is True

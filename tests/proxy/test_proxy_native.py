@@ -184,3 +184,24 @@ def test_request_is_detected_from_the_original_and_session_from_the_normalised(s
         assert r.status_code == 200
     assert engine.requests[0].session_key == engine.requests[1].session_key
     assert engine.requests[0].input_ids == engine.requests[1].input_ids
+
+
+def test_engine_behind_an_api_key(stack) -> None:
+    """`--native-url` to an `ft serve --api-key K`: the proxy's configured key goes to the engine
+    (the client's own key is not forwarded there); without it the client gets a 502."""
+    engine, _ = stack
+    engine.reset()
+    tok = engine.tok
+    serve = Server(create_app(engine, tok, api_key="engine-key", served_model_names=["f"]))
+    servers = []
+    try:
+        for key, want in (("engine-key", 200), (None, 502)):
+            cfg = ProxyConfig(native_url=serve.url, upstream_api_key=key)
+            servers.append(Server(create_proxy_app(cfg, tok, "qwen3")))
+            r = httpx.post(servers[-1].url + "/v1/chat/completions", json={
+                "model": "x", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]},
+                headers={"authorization": "Bearer client-key"})
+            assert r.status_code == want, r.text
+    finally:
+        for s in [*servers, serve]:
+            s.stop()
