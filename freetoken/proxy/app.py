@@ -11,105 +11,35 @@ failures.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from freetoken.chat import ChatInputError, anthropic_to_template, openai_to_template
 from freetoken.log import get_logger, kv
+from freetoken.proxy import info_routes
 from freetoken.proxy.config import ProxyConfig
 from freetoken.proxy.forward import forward
-from freetoken.proxy.metrics import Metrics, RequestRecord
-from freetoken.proxy.native import NativeEngine, Turn, TurnEngine
-from freetoken.proxy.sessions import SessionStore
-from freetoken.proxy.upstream import Upstream
+from freetoken.proxy.metrics import RequestRecord
+from freetoken.proxy.native import Turn, TurnEngine
+from freetoken.proxy.state import ProxyState, inner_request, template_rejects_mid_system
 from freetoken.server import anthropic_routes, openai_routes
 from freetoken.server.errors import APIError, error_response
 from freetoken.server.sse import EventStreamResponse
 from freetoken.server.state import ServerState
 from harness_adapters import HarnessRequest, detect_adapter
 
+__all__ = ["ProxyState", "create_proxy_app", "template_rejects_mid_system"]
+
 log = get_logger("proxy")
 CAP_HEADER = "x-ft-output-cap"
-
-
-def template_rejects_mid_system(tokenizer: Any) -> bool:
-    """True when the chat template cannot render a system message after the first turn."""
-    msgs = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"},
-            {"role": "system", "content": "c"}, {"role": "user", "content": "d"}]
-    try:
-        tokenizer.render(msgs)
-        return False
-    except Exception:  # noqa: BLE001 - any refusal of the template means "fold"
-        return True
-
-
-class ProxyState:
-    def __init__(self, cfg: ProxyConfig, tokenizer: Any = None, parser_family: str = "qwen3",
-                 client: httpx.AsyncClient | None = None) -> None:
-        self.cfg, self.tokenizer, self.parser_family = cfg, tokenizer, parser_family
-        self._client = client
-        self.metrics = Metrics(cfg.metrics_path)
-        self.sessions = SessionStore()
-        self._native: NativeEngine | None = None
-        self._lock: asyncio.Lock | None = None
-        fold = cfg.fold_system
-        self.fold_system = fold == "fold" or (fold == "auto" and tokenizer is not None
-                                              and template_rejects_mid_system(tokenizer))
-
-    @property
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None:  # created in the serving loop; no pool limit: never serialise
-            self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(None, connect=self.cfg.connect_timeout_s),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
-        return self._client
-
-    def upstream(self) -> Upstream:
-        assert self.cfg.upstream is not None
-        return Upstream(self.cfg.upstream, self.cfg.upstream_api, self.client,
-                        self.cfg.upstream_api_key, self.cfg.ping_s)
-
-    async def native(self) -> NativeEngine:
-        if self._native is None:
-            self._lock = self._lock or asyncio.Lock()
-            async with self._lock:
-                if self._native is None:
-                    assert self.cfg.native_url is not None
-                    try:
-                        key = self.cfg.upstream_api_key  # an `ft serve --api-key` engine
-                        auth = {"authorization": f"Bearer {key}"} if key else None
-                        self._native = await NativeEngine.connect(self.cfg.native_url,
-                                                                  self.client, auth)
-                    except httpx.HTTPError as e:
-                        raise APIError(502, f"engine unreachable at {self.cfg.native_url}: "
-                                       f"{e!r}", None, "upstream_error") from None
-        return self._native
-
-
-def _inner_request(request: Request, body: dict, st: ServerState) -> Request:
-    """The same request with the normalised body and an app whose state is `st`."""
-    data = json.dumps(body).encode()
-    sent = False
-
-    async def receive() -> dict:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": data, "more_body": False}
-        return await request.receive()
-
-    scope = dict(request.scope)
-    scope["app"] = SimpleNamespace(state=SimpleNamespace(ft=st))
-    return Request(scope, receive)
 
 
 def _apply_cap(body: dict, api: str, cap: int | None) -> tuple[int | None, int | None]:
@@ -160,7 +90,7 @@ async def _handle(request: Request, api: str, kind: str) -> Response:
             resp = await _native(request, ps, norm, api, kind, adapter, session, rec, cap)
             deferred = kind == "generate"
         elif kind == "count":
-            resp = await _count_upstream(request, ps, norm, api)
+            resp = await info_routes.count_upstream(request, ps, norm, api)
         else:
             msgs = norm.get("messages") if isinstance(norm.get("messages"), list) else []
             ep = ps.sessions.observe_messages(session, msgs)
@@ -196,30 +126,13 @@ async def _native(request: Request, ps: ProxyState, body: dict, api: str, kind: 
                       ps.metrics.record)
     names = ps.cfg.served_model_names or [eng.model_name]
     st = ServerState(turn, ps.tokenizer, None, names, False, ps.parser_family)  # type: ignore[arg-type]
-    inner = _inner_request(request, body, st)
+    inner = inner_request(request, body, st)
     if kind == "count":
         return await anthropic_routes.count_tokens(inner)
     if kind == "models":
         return await openai_routes.models(inner)
     fn = anthropic_routes.messages if api == "anthropic" else openai_routes.chat_completions
     return await fn(inner)
-
-
-async def _count_upstream(request: Request, ps: ProxyState, body: dict, api: str) -> Response:
-    up = ps.upstream()
-    if up.api_out("anthropic") == "anthropic":
-        r = await ps.client.post(up.url("anthropic", count_tokens=True), json=body,
-                                 headers=up.headers(request.headers, "anthropic"))
-        return Response(r.content, r.status_code, media_type="application/json")
-    if ps.tokenizer is None:
-        raise APIError(404, "count_tokens needs an Anthropic upstream or --tokenizer", None,
-                       "not_supported")
-    try:
-        ti = anthropic_to_template(body)
-        prompt = ps.tokenizer.apply(ti.messages, tools=ti.tools, enable_thinking=ti.enable_thinking)
-    except ChatInputError as e:
-        raise APIError.bad(e.message, e.param) from None
-    return JSONResponse({"input_tokens": len(prompt.input_ids)})
 
 
 def _endpoint(api: str, kind: str) -> Any:
@@ -237,36 +150,6 @@ def _endpoint(api: str, kind: str) -> Any:
     return handler
 
 
-async def models(request: Request) -> Response:
-    ps: ProxyState = request.app.state.proxy
-    try:
-        if ps.cfg.native:
-            eng = await ps.native()
-            names = ps.cfg.served_model_names or [eng.model_name]
-            st = ServerState(eng, ps.tokenizer, None, names)  # type: ignore[arg-type]
-            return await openai_routes.models(_inner_request(request, {}, st))
-        up = ps.upstream()
-        r = await ps.client.get(up.base_url + "/v1/models",
-                                headers=up.headers(request.headers, up.api_out("openai")))
-        return Response(r.content, r.status_code, media_type="application/json")
-    except (APIError, httpx.HTTPError) as e:
-        err = e if isinstance(e, APIError) else APIError(502, f"upstream: {e!r}", None,
-                                                         "upstream_error")
-        return error_response("openai", err)
-
-
-async def stats(request: Request) -> Response:
-    ps: ProxyState = request.app.state.proxy
-    cfg = ps.cfg
-    return JSONResponse({**ps.metrics.stats(), "mode": "native" if cfg.native else "upstream",
-                         "upstream": cfg.upstream or cfg.native_url, "caps": cfg.caps,
-                         "steps": cfg.steps, "fold_system": ps.fold_system})
-
-
-async def health(request: Request) -> Response:
-    return JSONResponse({"status": "ok", "proxy": True})
-
-
 def create_proxy_app(cfg: ProxyConfig, tokenizer: Any = None, parser_family: str = "qwen3",
                      client: httpx.AsyncClient | None = None) -> Starlette:
     """The proxy app. Native mode needs `tokenizer` (a ChatTokenizer of the engine's model);
@@ -277,11 +160,11 @@ def create_proxy_app(cfg: ProxyConfig, tokenizer: Any = None, parser_family: str
         Route("/v1/messages", _endpoint("anthropic", "generate"), methods=["POST"]),
         Route("/v1/messages/count_tokens", _endpoint("anthropic", "count"), methods=["POST"]),
         Route("/v1/chat/completions", _endpoint("openai", "generate"), methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/proxy/stats", stats, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", info_routes.models, methods=["GET"]),
+        Route("/proxy/stats", info_routes.stats, methods=["GET"]),
+        Route("/health", info_routes.health, methods=["GET"]),
     ]
-    app = Starlette(routes=routes)
+    app = Starlette(routes=routes, exception_handlers={HTTPException: info_routes.http_error})
     app.state.proxy = ProxyState(cfg, tokenizer, parser_family, client)
     log.info(kv("proxy_app", mode="native" if cfg.native else "upstream",
                 upstream=cfg.upstream or cfg.native_url, caps=cfg.caps,

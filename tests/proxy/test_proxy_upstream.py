@@ -307,3 +307,11 @@ def test_sibling_streams_are_served_concurrently(to_openai) -> None:
             times = list(ex.map(run, [_cc_body(True), _cc_body(True)]))
         wall = time.time() - t0
     assert max(times) < 1.1 and wall < 1.2, (times, wall)  # serialised would be >= 1.3 s
+
+
+def test_unknown_routes_and_methods_answer_in_the_clients_shape(to_openai) -> None:
+    p = to_openai
+    r = httpx.post(p.url + "/v1/responses", json={}, headers={"anthropic-version": "2023-06-01"})
+    assert r.status_code == 404 and r.json()["type"] == "error"
+    r = httpx.get(p.url + "/v1/chat/completions")
+    assert r.status_code == 405 and "not allowed" in r.json()["error"]["message"]
