@@ -3,7 +3,7 @@
 Qwen3.6-35B-A3B shape by default: H=2048, I=512, E=256, top-8, bf16. Prints per case the time
 per MoE layer, the weight bytes of the distinct experts the call must read, the achieved GB/s
 and the floor (bytes / HBM bandwidth), beside torch's baseline in the same process:
-`gathered_experts` (gather + bmm) for decode, `grouped_experts` (a loop over experts) for the
+`gathered_experts` (gather + bmm) for decode, `dispatch_experts` (a loop over experts) for the
 prefill. Decode calls cycle over --layers copies of the banks with fresh routing each call, so
 the L2 (50 MB, one layer's 8 experts) cannot serve a call from the previous one.
 
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from freetoken.layers.moe import gathered_experts, grouped_experts
+from freetoken.layers.moe import dispatch_experts, gathered_experts
 from kernels.triton.fused_moe import DECODE_CONFIG, fused_moe, fused_moe_decode
 from kernels.triton.router import fused_router
 
@@ -101,8 +101,8 @@ def decode_case(T, banks, args, gen):
         except Exception as exc:  # noqa: BLE001  (any capture failure is reported, then eager)
             print(f"  {name} cannot be captured: {type(exc).__name__}: {str(exc)[:160]}")
             torch.cuda.synchronize()
-            row(name + " (eager)", time_eager(lambda calls=calls: [c() for c in calls]) / len(calls),
-                nbytes, nbytes / HBM)
+            eager = time_eager(lambda calls=calls: [c() for c in calls]) / len(calls)
+            row(name + " (eager)", eager, nbytes, nbytes / HBM)
 
 
 def prefill_case(T, banks, args, gen):
@@ -119,8 +119,8 @@ def prefill_case(T, banks, args, gen):
     t = time_eager(lambda: fused_moe(x, ids, gu, dn, y, decode=False))
     row("triton grouped path (eager)", t, nbytes, floor_s)
     print(f"  {'':<34} {flops / t / 1e12:9.1f} TFLOP/s")
-    t = time_eager(lambda: grouped_experts(x, ids, gu, dn, y), reps=2)
-    row("torch grouped_experts (eager)", t, nbytes, floor_s)
+    t = time_eager(lambda: dispatch_experts(x, ids, gu, dn, y), reps=2)
+    row("torch dispatch_experts (eager)", t, nbytes, floor_s)
 
 
 def router_case(args, gen):

@@ -2,7 +2,7 @@
 # One call on the GPU machine (device tool): GPU tests, then the benchmarks of
 # docs/benchmarks.md. Writes logs under $OUT.
 # Usage: OUT=/tmp/out scripts/gpu_run.sh [stage ...]
-#   stages: tests gputests fast kernel kdiag kunbound ksweep linear bw decode profile
+#   stages: tests gputests fast kprof kernel kdiag kunbound ksweep linear bw decode profile
 # (default: gputests kernel linear bw, about 6 min; `decode` alone takes about 5 min more)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -90,6 +90,11 @@ if has decode; then
       --backends fused,offload,cpu,hybrid "${extra[@]}" 2>&1 | grep -v "random weights:" \
       | tee "$OUT/decode_$trace.log"
   done
+fi
+if has kprof; then
+  # GPU kernels of one decode step by device time (the runner run eagerly, fused, 8 layers)
+  timeout 200 python3 scripts/profile_decode.py --layers 8 --backends fused --tokens 32 \
+    --sort device --rows 30 2>&1 | grep -v "^USDT\|^STAGE" | tee "$OUT/profile_kernels.log"
 fi
 if has profile; then
   timeout 240 python3 scripts/profile_decode.py --layers 8 --backends fused,offload,hybrid \

@@ -35,7 +35,8 @@ class FlashInferDecode(PagedDecode):
                  dtype: torch.dtype, scale: float, workspace: Tensor):
         import flashinfer
 
-        self.batch, self.hq, self.hk, self.d, self.dtype, self.scale = batch, hq, hk, d, dtype, scale
+        self.batch, self.hq, self.hk, self.d = batch, hq, hk, d
+        self.dtype, self.scale = dtype, scale
         self.indptr = indptr[: batch + 1]  # [B+1] int32 device (a view the wrapper keeps)
         self.indices = indices  # [cap] int32 device
         self.last_len = torch.ones(batch, dtype=torch.int32, device=indices.device)

@@ -8,11 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
-from freetoken.engine.api import SamplingParams
-from freetoken.engine.forward_batch import Caches, ForwardBatch, KVPool, StateTensors
+from freetoken.cache.tensors import Caches, KVPool, StateTensors
 from freetoken.engine.graph_runner import DecodeRow, DecodeRunner, sample_rows
-from freetoken.engine.sampler import RequestSampler
 from freetoken.models.qwen import QwenMoE
+from freetoken.sampler import RequestSampler
+from freetoken.types.api import SamplingParams
+from freetoken.types.forward_batch import ForwardBatch
 
 
 @dataclass
@@ -41,8 +42,8 @@ class _Private:
     def __init__(self, model: QwenMoE, total: int, device: torch.device, dtype: torch.dtype):
         cfg = model.cfg
         self.total = total
-        self.caches = Caches(KVPool(cfg, total + 1, dtype, device),
-                             StateTensors(cfg, 2, dtype, device) if cfg.is_hybrid else None)
+        state = StateTensors(cfg, 2, dtype, device) if cfg.has_linear_attention else None
+        self.caches = Caches(KVPool(cfg, total + 1, dtype, device), state)
         self.runners: dict[tuple, DecodeRunner] = {}
 
     def runner(self, model: QwenMoE, use_graphs: bool) -> DecodeRunner:
@@ -78,7 +79,7 @@ def generate(model: QwenMoE, prompt: list[int], sampling: SamplingParams, eos_id
     priv = _private(model, total, device, dtype)
     caches = priv.caches
     slots = torch.arange(priv.total, device=device)
-    state = 0 if cfg.is_hybrid else None
+    state = 0 if cfg.has_linear_attention else None
     sampler = RequestSampler(sampling, eos_ids, device)
     runner = priv.runner(model, cuda_graph) if device.type == "cuda" else None
     host_slots = torch.arange(priv.total)
@@ -86,7 +87,8 @@ def generate(model: QwenMoE, prompt: list[int], sampling: SamplingParams, eos_id
     logits = None
     for s in range(0, len(prompt), prefill_chunk):
         chunk = prompt[s:s + prefill_chunk]
-        logits = model(ForwardBatch.single(chunk, s, slots[: s + len(chunk)], state, device), caches)
+        batch = ForwardBatch.single(chunk, s, slots[: s + len(chunk)], state, device)
+        logits = model(batch, caches)
     assert logits is not None, "empty prompt"
     _sync(device)
     t1 = time.perf_counter()

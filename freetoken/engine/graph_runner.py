@@ -22,11 +22,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from freetoken.cache.tensors import Caches
 from freetoken.engine import gpu_sampler
 from freetoken.engine.attention_plans import FlashInferDecode, TritonDecode, choose_backend
-from freetoken.engine.forward_batch import Caches, ForwardBatch
 from freetoken.layers.step_context import DecodeContext, PagedDecode, TorchPagedDecode
 from freetoken.log import get_logger, kv
+from freetoken.types.forward_batch import ForwardBatch
 
 log = get_logger("graph")
 

@@ -9,12 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken.engine.forward_batch import ForwardBatch, KVPool
+from freetoken.cache.tensors import KVPool
 from freetoken.layers import fast_ops
 from freetoken.layers.linear import Linear, fuse_linears, split_linear
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import apply_rotary
-from freetoken.models.config import ModelConfig
+from freetoken.types.forward_batch import ForwardBatch
+from freetoken.types.model_config import ModelConfig
 from kernels.cpu.attention_ops import cpu_decode_attention
 
 
@@ -94,7 +95,8 @@ class Attention(nn.Module):
             o = o * torch.sigmoid(gate)
         return self.o_proj(o)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int
+                ) -> torch.Tensor:
         # q [n, Hq, D]; k, v [L, Hk, D] with L = prefix + n; query i sees keys j <= prefix + i
         n, L = q.shape[0], k.shape[0]
         qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, n|L, D]

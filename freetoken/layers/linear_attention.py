@@ -11,12 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken.engine.forward_batch import ForwardBatch, StateTensors
+from freetoken.cache.tensors import StateTensors
 from freetoken.layers import fast_ops
 from freetoken.layers.gated_delta import chunk_gated_delta, recurrent_gated_delta
 from freetoken.layers.linear import Linear, fuse_linears, split_linear
 from freetoken.layers.norm import GatedRMSNorm
-from freetoken.models.config import ModelConfig
+from freetoken.types.forward_batch import ForwardBatch
+from freetoken.types.model_config import ModelConfig
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -76,7 +77,8 @@ class GatedDeltaNet(nn.Module):
         cu = batch.cu
         decode, rows, slots = batch.decode_index(x.device)  # [D] packed rows, [D] state slots
         if decode:
-            window = torch.cat([conv_pool[slots], mixed[rows, :, None].to(conv_pool.dtype)], -1)  # [B,C,Kc]
+            window = torch.cat([conv_pool[slots], mixed[rows, :, None].to(conv_pool.dtype)],
+                               -1)  # [B, C, Kc]
             conv_pool[slots] = window[..., 1:]
             conv_out = F.silu((window.to(w.dtype) * w).sum(-1)).to(x.dtype)  # [B, C]
             q, k, v = self._split(conv_out)
@@ -87,7 +89,8 @@ class GatedDeltaNet(nn.Module):
             if batch.new_lens[b] == 1:
                 continue
             lo, hi, slot = cu[b], cu[b + 1], batch.state_slots[b]
-            xs = torch.cat([conv_pool[slot], mixed[lo:hi].t().to(conv_pool.dtype)], -1)  # [C, Kc-1+n]
+            xs = torch.cat([conv_pool[slot], mixed[lo:hi].t().to(conv_pool.dtype)],
+                           -1)  # [C, Kc-1+n]
             conv_pool[slot] = xs[:, -(self.kc - 1):]
             conv_out = F.silu(F.conv1d(xs[None].to(w.dtype), w[:, None, :],
                                        groups=self.conv_dim))[0].t().to(x.dtype)  # [n, C]

@@ -16,7 +16,7 @@ from torch import nn
 
 from freetoken.layers import fast_ops
 from freetoken.layers.linear import Linear, fuse_linears, split_linear
-from freetoken.models.config import ModelConfig
+from freetoken.types.model_config import ModelConfig
 
 
 class MLP(nn.Module):
@@ -38,7 +38,8 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def expert_group_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def expert_group_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+                         ) -> torch.Tensor:
     """One expert on the tokens routed to it. x [n, H]; gate_up [2I, H]; down [H, I] -> [n, H]."""
     gu = F.linear(x, gate_up)  # [n, 2I]
     i = gu.shape[-1] // 2
@@ -67,7 +68,7 @@ def gathered_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Ten
     return y
 
 
-def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor,
+def dispatch_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None = None,
                     bank_index: torch.Tensor | None = None, num_threads: int | None = None
                     ) -> torch.Tensor:
@@ -120,7 +121,7 @@ class FusedExperts(nn.Module):
         y = torch.zeros(T, K, x.shape[-1], dtype=x.dtype, device=x.device)  # [T, K, H]
         if fast_ops.fused_moe(x, topk_ids, self.gate_up_proj, self.down_proj, y) is not None:
             return y
-        return grouped_experts(x, topk_ids, self.gate_up_proj, self.down_proj, y)
+        return dispatch_experts(x, topk_ids, self.gate_up_proj, self.down_proj, y)
 
 
 class Router(nn.Module):

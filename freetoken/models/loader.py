@@ -11,8 +11,8 @@ from freetoken.log import get_logger, kv
 
 if TYPE_CHECKING:
     from freetoken.experts.setup import MoEOptions
-from freetoken.models.config import ModelConfig, load_config
 from freetoken.models.qwen import QwenMoE
+from freetoken.types.model_config import ModelConfig, load_config
 
 log = get_logger("model")
 

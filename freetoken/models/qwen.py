@@ -9,13 +9,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from freetoken.engine.forward_batch import Caches, ForwardBatch
+from freetoken.cache.tensors import Caches
 from freetoken.layers.attention import Attention
 from freetoken.layers.linear_attention import GatedDeltaNet
 from freetoken.layers.moe import MLP, MoEBlock
 from freetoken.layers.norm import RMSNorm, add_rmsnorm
 from freetoken.layers.rotary import Rotary
-from freetoken.models.config import ModelConfig
+from freetoken.types.forward_batch import ForwardBatch
+from freetoken.types.model_config import ModelConfig
 from kernels.cpu.linear_ops import small_linear
 
 
@@ -67,7 +68,9 @@ class QwenMoE(nn.Module):
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
 
     def output_embedding(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        return (
+            self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        )
 
     def fuse_projections(self) -> QwenMoE:
         """Concatenate the projections that read the same input (q/k/v; the four gated-DeltaNet

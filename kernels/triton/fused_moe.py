@@ -6,7 +6,7 @@ experts under `fused`), N = T*K (token, k) entries, entry n = t*K + k.
     fused_moe(x [T, H], ids [T, K], gate_up [S, 2I, H], down [S, H, I], y [T, K, H]) -> y
     y[t, k] = down[id] @ (silu(gate[id] @ x[t]) * (up[id] @ x[t])),  id = ids[t, k]
 
-The same contract as `freetoken.layers.moe.grouped_experts` (unweighted outputs; entries with
+The same contract as `freetoken.layers.moe.dispatch_experts` (unweighted outputs; entries with
 id < 0 are not computed and keep y's value, which the CPU branch of `hybrid` writes). The banks
 are read through the ids, never gathered. fp32 accumulation throughout.
 
@@ -59,7 +59,8 @@ def _decode_gate_up_kernel(
     stride_xt, stride_we, stride_wn, stride_an,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    """a[n, i] = silu(gate[id] @ x[t])[i] * (up[id] @ x[t])[i] for one entry n and BLOCK_N rows i."""
+    """a[n, i] = silu(gate[id] @ x[t])[i] * (up[id] @ x[t])[i] for one entry n and BLOCK_N rows
+    i."""
     n = tl.program_id(0)
     pid_i = tl.program_id(1)
     row = tl.load(ids_ptr + n).to(tl.int64)

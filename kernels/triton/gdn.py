@@ -1,7 +1,7 @@
 """Gated DeltaNet decode step on the state pools in place: the short causal conv and the gated
 delta rule, each one launch, indexed by state slot (no gather, no scatter).
 
-Pools (`freetoken.engine.forward_batch.StateTensors`): conv_pool [S, C, Kc-1] in the model
+Pools (`freetoken.cache.tensors.StateTensors`): conv_pool [S, C, Kc-1] in the model
 dtype (the last Kc-1 conv inputs, oldest first); ssm_pool [S, Hv, dk, dv] fp32. `slots` [B]
 (int32 or int64) names each row's slot; slots must be distinct within a launch (two rows on one
 slot would race). Grids depend on shapes only and nothing is read back to the host, so both

@@ -1,6 +1,6 @@
 """Paged GQA attention over the KV pool in place (page size 1): split-K decode and causal prefill.
 
-Pool layout (`freetoken.engine.forward_batch.KVPool`): k_pool, v_pool [S, Hk, D], one slot per
+Pool layout (`freetoken.cache.tensors.KVPool`): k_pool, v_pool [S, Hk, D], one slot per
 token. Sequence b's keys sit at slots kv_indices[kv_indptr[b]:kv_indptr[b+1]] (CSR, int32 or
 int64), oldest first. Query head h reads KV head h // G, G = Hq / Hk (repeat_interleave order,
 as SDPA's enable_gqa). Shapes: B sequences, T packed new tokens, NS splits, D head dim.

@@ -3,7 +3,8 @@
 Shape legend: T tokens, H hidden, E experts (<= 512 tested; any E that fits a program's
 registers), K top-k (<= E).
 
-    fused_router(x [T, H], weight [E, H], top_k, renormalize) -> (w [T, K] x.dtype, ids [T, K] int64)
+    fused_router(x [T, H], weight [E, H], top_k, renormalize)
+        -> (w [T, K] x.dtype, ids [T, K] int64)
 
 The same function as `freetoken.layers.moe.Router.forward`. The logits stay one torch GEMM,
 `F.linear(x, weight)` in x's dtype exactly as the Router computes them (cuBLAS, capturable):

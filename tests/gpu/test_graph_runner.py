@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.engine.api import GenerateRequest, SamplingParams
 from freetoken.engine.core import EngineCore
 from freetoken.engine.generate import generate
 from freetoken.experts.setup import MoEOptions
 from freetoken.models.loader import load_model
+from freetoken.types.api import GenerateRequest, SamplingParams
 
 
 def _engine_tokens(model, prompts, n, **kw) -> tuple[list[list[int]], EngineCore]:

@@ -18,7 +18,7 @@ def linear_attention_config(hk: int = 2, hv: int = 4, d: int = 16, kc: int = 4,
                             hidden: int = 32):
     """A qwen3_5_moe text config whose layer 0 is Gated DeltaNet (key heads hk, value heads hv,
     dk = dv = d, conv kernel kc)."""
-    from freetoken.models.config import config_from_dict
+    from freetoken.types.model_config import config_from_dict
 
     return config_from_dict({
         "model_type": "qwen3_5_moe_text", "vocab_size": 64, "hidden_size": hidden,

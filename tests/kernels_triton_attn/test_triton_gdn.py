@@ -11,9 +11,10 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from freetoken.engine.forward_batch import ForwardBatch, StateTensors
+from freetoken.cache.tensors import StateTensors
 from freetoken.layers.gated_delta import recurrent_gated_delta
 from freetoken.layers.linear_attention import GatedDeltaNet, _l2norm
+from freetoken.types.forward_batch import ForwardBatch
 from kernels.triton.gdn import causal_conv1d_update_pool, gdn_gates, gdn_recurrent_pool
 from kernels.triton.norm import gated_rmsnorm
 from tests.kernels_triton_attn.helpers import DEVICE, linear_attention_config, rel_err

@@ -1,4 +1,5 @@
-"""The engine's small Triton kernels against float64 torch references: the MoE combine (weighted expert sum + gated shared expert + residual) and the device-driven
+"""The engine's small Triton kernels against float64 torch references: the MoE combine
+(weighted expert sum + gated shared expert + residual) and the device-driven
 expert fill. Interpreted on the CPU (tiny fp32 shapes), compiled on a GPU."""
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="sequences decoding together (through the engine's batch path)")
     p.add_argument("--route-trace", default=None,
                    help="replay decode routing from a trace (.npy [steps, L, N, K] or 'shared')")
-    from freetoken.engine.options import add_moe_args
+    from freetoken.cli_options import add_moe_args
 
     add_moe_args(p)
     p.set_defaults(func=run)
@@ -58,10 +58,10 @@ def run(args: argparse.Namespace) -> int:
         return run_shape(args)
     import torch
 
-    from freetoken.engine.api import SamplingParams
     from freetoken.engine.generate import generate
     from freetoken.models.demo import resolve_model_path
     from freetoken.models.loader import load_model
+    from freetoken.types.api import SamplingParams
 
     model = load_model(resolve_model_path(args.model),
                        dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device)
@@ -72,12 +72,15 @@ def run(args: argparse.Namespace) -> int:
     best = None
     for r in range(args.repeats):
         res = generate(model, prompt, sp, [])
-        print(f"  run {r + 1}/{args.repeats}: prefill {args.prompt_tokens / res.prefill_seconds:.1f} "
-              f"tok/s, decode {res.decode_tps:.1f} tok/s", flush=True)
+        print(
+            f"  run {r + 1}/{args.repeats}: prefill {args.prompt_tokens / res.prefill_seconds:.1f} "
+            f"tok/s, decode {res.decode_tps:.1f} tok/s",
+            flush=True,
+        )
         if best is None or res.decode_tps > best.decode_tps:
             best = res
     assert best is not None
-    from freetoken.engine.forward_batch import KVPool
+    from freetoken.cache.tensors import KVPool
 
     weights = active_weight_bytes(model)
     # every decode step also reads the K/V of its whole context (mean context over the run)
@@ -86,13 +89,16 @@ def run(args: argparse.Namespace) -> int:
     act = weights + kv
     step = 1.0 / best.decode_tps if best.decode_tps else float("inf")
     print(f"model={args.model} device={args.device} dtype={model.model.norm.weight.dtype}")
-    print(f"prefill: {args.prompt_tokens / best.prefill_seconds:10.1f} tok/s ({args.prompt_tokens} tokens)")
+    print(
+        f"prefill: {args.prompt_tokens / best.prefill_seconds:10.1f} tok/s "
+        f"({args.prompt_tokens} tokens)"
+    )
     print(f"decode:  {best.decode_tps:10.1f} tok/s  ({args.decode_tokens} tokens; "
           f"{weights / 1e6:.1f} MB active weights + {kv / 1e6:.1f} MB K/V per token -> "
           f"{act / step / 1e9:.2f} GB/s achieved)")
     bw, how = args.mem_gbps, "given"
     if bw is None and args.device == "cpu":
-        from freetoken.experts.bandwidth import host_read_gbps
+        from freetoken.bench.bandwidth import host_read_gbps
 
         bw, how = host_read_gbps(min(2e9, 4 * act)), "host read stream measured now"
     if bw:
@@ -105,15 +111,15 @@ def run_shape(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from freetoken.engine.bench_moe import RunResult, TraceRouter, install_trace, run_backend
-    from freetoken.engine.options import moe_options, resolve_device, resolve_dtype
+    from freetoken.bench.moe import RunResult, TraceRouter, install_trace, run_backend
+    from freetoken.bench.random_model import random_model
+    from freetoken.cli_options import moe_options, resolve_device, resolve_dtype
     from freetoken.experts.store import ExpertStore
-    from freetoken.models.random_init import random_model
-    from freetoken.models.shapes import shape_config
+    from freetoken.models.presets import preset_config
 
     if not args.random_weights:
         raise SystemExit("--shape needs --random-weights (no checkpoint is read)")
-    cfg = shape_config(args.shape, args.layers)
+    cfg = preset_config(args.shape, args.layers)
     device = torch.device(resolve_device(args.device if args.device != "cpu" else "auto"))
     dtype = resolve_dtype(args.dtype) or torch.bfloat16
     model = random_model(cfg, dtype, device)
@@ -125,7 +131,7 @@ def run_shape(args: argparse.Namespace) -> int:
     if args.route_trace:
         path = args.route_trace
         if path == "shared":  # a copy of ../shared/routing_traces travels with the repo
-            from freetoken.experts.routing import SHARED_TRACE_DIR
+            from freetoken.experts.record import SHARED_TRACE_DIR
 
             path = str(SHARED_TRACE_DIR / "decode_routing.npy")
         install_trace(model, TraceRouter(np.load(path), cfg.num_experts, cfg.top_k, device))

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from freetoken.engine.api import SamplingParams
 from freetoken.engine.generate import generate
 from freetoken.experts.setup import MoEOptions, MoERuntime, configure_experts, find_profile
 from freetoken.experts.store import ExpertStore
 from freetoken.layers.moe import FusedExperts
 from freetoken.models.qwen import QwenMoE
+from freetoken.types.api import SamplingParams
 
 
 class TraceRouter:
@@ -98,8 +98,8 @@ def decode_batch(model: QwenMoE, prompts: list[list[int]], n_tokens: int,
                  cuda_graph: bool) -> tuple[float, int]:
     """B requests decoding together through the engine: (decode tok/s summed over the rows,
     decode steps timed). Timing starts once every request has its first token."""
-    from freetoken.engine.api import GenerateRequest
     from freetoken.engine.core import EngineCore
+    from freetoken.types.api import GenerateRequest
 
     B, n = len(prompts), max(len(p) for p in prompts)
     core = EngineCore(model, [], kv_tokens=B * (n + n_tokens) + 64, state_slots=B + 4,
