@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from freetoken.engine.api import Anchor
+from freetoken.types.api import Anchor
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from freetoken.engine.api import Anchor
+from freetoken.types.api import Anchor
 from harness_adapters.base import (
     HarnessAdapter,
     HarnessRequest,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from freetoken.engine.api import Anchor
+from freetoken.types.api import Anchor
 from harness_adapters.base import HarnessAdapter, HarnessRequest, anchors_of, text_of
 
 PRUNED = "[Old tool result content cleared]"

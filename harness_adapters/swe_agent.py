@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from freetoken.engine.api import Anchor
+from freetoken.types.api import Anchor
 from harness_adapters.base import HarnessAdapter, HarnessRequest, anchors_of, system_text
 
 KEEP_LAST = 5  # SWE-agent's default `n` for LastNObservations

@@ -51,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-running", type=int, default=4)
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--kv-tokens", type=int, default=None)
-    from freetoken.engine.options import add_cache_args, add_moe_args
+    from freetoken.cli_options import add_cache_args, add_moe_args
 
     add_moe_args(p)
     add_cache_args(p)

@@ -19,11 +19,11 @@ from typing import Any
 
 import httpx
 
-from freetoken.engine.api import AdmissionError, Anchor, EngineEvent, GenerateRequest
 from freetoken.log import get_logger, kv
 from freetoken.proxy.metrics import RequestRecord
 from freetoken.proxy.sessions import SessionStore
 from freetoken.server.errors import APIError
+from freetoken.types.api import AdmissionError, Anchor, EngineEvent, GenerateRequest
 from harness_adapters.base import HarnessAdapter
 
 log = get_logger("proxy")

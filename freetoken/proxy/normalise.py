@@ -6,15 +6,17 @@ body; `count` is how many places it changed (0: did not fire). Steps are switcha
 says whether the step can change the text the model is asked (True: off by default everywhere;
 the proxy logs every step that fired, one line per request).
 
-| step | changes_prompt | what |
-|---|---|---|
-| strip_billing_header | no (a per-session fingerprint, no meaning) | drop Claude Code's `x-anthropic-billing-header: ...` system block |
-| drop_cache_control | no (not tokens) | remove every `cache_control` key |
-| drop_metadata | no (not tokens) | remove `metadata` (user/device ids) |
-| canonical_content | no (renders the same) | a single text block/part as a plain string |
-| stable_tool_ids | no (ids are not rendered) | give id-less tool calls a deterministic id |
-| system_in_place | only when folding | mid-conversation system messages stay in place; when the template forbids them there, fold into a user turn in place |
-| unify_model_suffix | yes | `claude-...[1m]` -> `claude-...` in system text and tool descriptions |
+Steps (changes the prompt? / what):
+- strip_billing_header (no: a per-session fingerprint, no meaning): drop Claude Code's
+  `x-anthropic-billing-header: ...` system block.
+- drop_cache_control (no: not tokens): remove `cache_control` keys.
+- drop_metadata (no: not tokens): remove `metadata` (user/device ids).
+- canonical_content (no: renders the same): a single text block/part as a plain string.
+- stable_tool_ids (no: ids are not rendered): give id-less tool calls a deterministic id.
+- system_in_place (only when folding): mid-conversation system messages stay in place; when the
+  template forbids them there, they become a user turn in the same place.
+- unify_model_suffix (yes; off by default): `claude-...[1m]` -> `claude-...` in system text
+  and tool descriptions.
 """
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from freetoken.engine.api import Anchor
 from freetoken.log import get_logger, kv
+from freetoken.types.api import Anchor
 
 log = get_logger("proxy")
 

@@ -21,13 +21,13 @@ from trace_replay import FILES, records, replay
 
 from freetoken.cache.policy import create_policy
 from freetoken.chat import ChatTokenizer
-from freetoken.engine.api import Anchor
 from freetoken.engine.async_engine import AsyncEngine
 from freetoken.engine.core import EngineCore
 from freetoken.models.loader import load_model
 from freetoken.proxy.app import create_proxy_app
 from freetoken.proxy.config import ProxyConfig
 from freetoken.server import create_app
+from freetoken.types.api import Anchor
 
 HOP = {"host", "content-length", "connection", "accept-encoding"}
 SUBSET = {"oc_prune": {1, 2, 3, 13}}  # 144k-token requests otherwise; 3 -> 13 is the prune edit

@@ -23,7 +23,8 @@ class Events(httpx.AsyncByteStream):
 
     def __init__(self, frames: list[str], delay: float = 0.0, first_delay: float = 0.0,
                  forever: bool = False) -> None:
-        self.frames, self.delay, self.first_delay, self.forever = frames, delay, first_delay, forever
+        self.frames, self.delay, self.first_delay = frames, delay, first_delay
+        self.forever = forever
         self.closed = False
         self.sent = 0
 
@@ -43,9 +44,9 @@ class Events(httpx.AsyncByteStream):
 
 
 def oa_chunk(delta: dict, finish: str | None = None) -> str:
-    return "data: " + json.dumps({"id": "chatcmpl-1", "object": "chat.completion.chunk",
-                                  "created": 1, "model": "up", "choices": [
-                                      {"index": 0, "delta": delta, "finish_reason": finish}]}) + "\n\n"
+    chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
+             "model": "up", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return "data: " + json.dumps(chunk) + "\n\n"
 
 
 def oa_stream(finish: str = "tool_calls") -> list[str]:
