@@ -76,6 +76,10 @@ class NativeEngine:
                     err = json.loads(raw)["error"]
                 except (ValueError, KeyError, TypeError):
                     err = {"message": raw.decode(errors="replace")[:500]}
+                if r.status_code in (401, 403):  # the proxy's configuration, not the client
+                    raise APIError(502, f"the engine refused the proxy's key ({err.get('message')})"
+                                   "; start the proxy with --upstream-api-key", None,
+                                   "upstream_auth")
                 if r.status_code < 500:
                     raise AdmissionError(str(err.get("message")), err.get("param"),
                                          str(err.get("code") or "invalid_request"))

@@ -23,7 +23,7 @@ HOP = {"host", "content-length", "connection", "accept-encoding"}
 @pytest.fixture(scope="module")
 def stack():
     tok = ChatTokenizer.from_dir(qwen3_tokenizer_dir())
-    engine = FakeEngine(tok, max_context=262144, kv_tokens=262144)
+    engine = FakeEngine(tok, max_context=262144)
     serve = Server(create_app(engine, tok, api_key=None, served_model_names=["fake"]))
     state = {}
 

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     tok = ChatTokenizer.from_dir(qwen3_tokenizer_dir())
-    engine = FakeEngine(tok, max_context=262144, kv_tokens=262144)
+    engine = FakeEngine(tok, max_context=262144)
     serve = Server(create_app(engine, tok, api_key=None, served_model_names=["fake"]))
     metrics = tmp_path_factory.mktemp("m") / "records.jsonl"
     cfg = ProxyConfig(native_url=serve.url, caps={"*": 256}, metrics_path=str(metrics))
