@@ -6,7 +6,7 @@ then told apart from every other harness by four answers, which are the whole co
 - `detect(req) -> bool`: this adapter owns the request. Pure; looks at headers and body only.
   Adapters are tried in registry order and `generic` (always True) comes last.
 - `normalise(req, steps) -> (body, fired)`: the body with what needlessly breaks prefix reuse
-  removed, through the proxy's named pipeline steps (`freetoken.proxy.normalise`). The adapter
+  removed, through the named pipeline steps of `harness_adapters.normalise`. The adapter
   picks which steps apply to it; the caller's `steps` switches override the defaults. `fired`
   names each step that changed something, with a count. Never mutates `req.body` unless told
   (`copy=False`, for a caller that owns a private parse of the body).
@@ -114,7 +114,7 @@ class HarnessAdapter:
     """
 
     name = "base"
-    #: pipeline steps on by default for this harness (freetoken.proxy.normalise.STEPS names)
+    #: pipeline steps on by default for this harness (harness_adapters.normalise.STEPS names)
     default_steps: tuple[str, ...] = ("strip_billing_header", "drop_cache_control",
                                       "drop_metadata", "canonical_content", "stable_tool_ids",
                                       "system_in_place")
@@ -127,7 +127,7 @@ class HarnessAdapter:
     def normalise(self, req: HarnessRequest, steps: Mapping[str, bool] | None = None,
                   fold_system: bool = False, copy: bool = True
                   ) -> tuple[dict[str, Any], dict[str, int]]:
-        from freetoken.proxy.normalise import run_pipeline
+        from harness_adapters.normalise import run_pipeline
 
         enabled = {s: True for s in self.default_steps}
         enabled.update(steps or {})

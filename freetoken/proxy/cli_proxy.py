@@ -93,7 +93,7 @@ def start_engine_server(args: argparse.Namespace) -> tuple[str, Any, str]:
 
 def build_config(args: argparse.Namespace, native_url: str | None) -> Any:
     from freetoken.proxy.config import DEMO_OUTPUT_CAP, ProxyConfig, parse_caps
-    from freetoken.proxy.normalise import parse_step_switches
+    from harness_adapters.normalise import parse_step_switches
 
     caps = parse_caps(args.output_cap)
     demo = native_url is not None and args.native_url is None and (args.model or "demo") == "demo"

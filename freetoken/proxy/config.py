@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from freetoken.proxy.normalise import STEPS
+from harness_adapters.normalise import STEPS
 
 DEMO_OUTPUT_CAP = 256  # the demo model never ends a reply on its own
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from freetoken.proxy.normalise import STEPS, parse_step_switches, run_pipeline
+from harness_adapters.normalise import STEPS, parse_step_switches, run_pipeline
 
 ALL = {s: True for s in STEPS}
 
