@@ -155,6 +155,10 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEOptio
             note = (f"host {1e3 * (runner.host_s - h0[0]) / k:.3f} ms/step, launch+wait "
                     f"{1e3 * (runner.wait_s - h0[1]) / k:.3f} ms/step"
                     + (f", graph replay alone {rep:.3f} ms" if rep else ""))
+            br = runner.bridge
+            if br is not None and br.steps_done:
+                note += (f"; CPU branch {1e3 * br.busy_s / br.steps_done:.3f} ms/step computing,"
+                         f" {1e3 * br.wait_go_s / br.steps_done:.3f} ms/step waiting for layers")
     if rt:
         rt.stats.sync()
     hit = fb = cb = 0.0
