@@ -12,7 +12,9 @@ carries SSE comments, after it a `ping` every PING_S seconds without output.
 Usage follows Anthropic's convention: `input_tokens` are the prompt tokens *not* read from
 cache, `cache_read_input_tokens` the reused ones (their sum is the prompt length).
 Fields not acted on (`metadata`, `context_management`, `output_config`, `cache_control`,
-`service_tier`, `container`, ...) are accepted and ignored.
+`service_tier`, `container`, ...) are accepted and ignored; the ones the API types strictly
+(`metadata` an object, `stop_sequences` an array, `thinking.budget_tokens` a positive integer)
+are still refused when malformed.
 """
 from __future__ import annotations
 
@@ -75,6 +77,7 @@ def _stop(f: Finished, saw_tools: bool) -> str:
 async def _prepare(st: ServerState, body: dict) -> tuple[Any, Any, str]:
     """Validate messages/tools/tool_choice, map to the template input and render."""
     shapes.anthropic_messages(body.get("messages"), body.get("system"))
+    shapes.anthropic_fields(body)
     choice = shapes.tool_choice(body.get("tool_choice"), shapes.anthropic_tools(body.get("tools")),
                                 "anthropic")
     ti = to_template(anthropic_to_template, body)

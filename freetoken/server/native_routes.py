@@ -91,7 +91,8 @@ def _anchors(v: Any, n: int) -> list[Anchor]:
         p = f"anchors[{i}]"
         pos = a.get("position") if isinstance(a, dict) else None
         if (not isinstance(a, dict) or isinstance(pos, bool) or not isinstance(pos, int)
-                or not 0 <= pos <= n or a.get("kind") not in ANCHOR_KINDS):
+                or not 0 <= pos <= n or not isinstance(a.get("kind"), str)
+                or a["kind"] not in ANCHOR_KINDS):  # str first: a list kind is unhashable
             raise APIError.bad(f"'{p}' must be {{position: int in [0, {n}], kind: one of "
                                f"{sorted(ANCHOR_KINDS)}, role?, cut_point?}}", p)
         role, cut = a.get("role"), a.get("cut_point", False)
