@@ -31,7 +31,15 @@ from freetoken.chat import ReasoningDelta, TextDelta, ToolCall, anthropic_to_tem
 from freetoken.log import get_logger, kv
 from freetoken.server import shapes
 from freetoken.server.errors import APIError, error_body
-from freetoken.server.generation import Finished, Started, drive, new_id, plan, session_key_from
+from freetoken.server.generation import (
+    Finished,
+    Started,
+    admit,
+    drive,
+    new_id,
+    plan,
+    session_key_from,
+)
 from freetoken.server.sse import (
     TICK,
     EventStreamResponse,
@@ -109,7 +117,7 @@ async def messages(request: Request) -> Response:
                 max_tokens=pl.req.sampling.max_tokens, stream=stream, tools=len(ti.tools or []),
                 thinking=ti.enable_thinking, choice=choice))
     parser = st.parser(ti.enable_thinking is not False, prompt, ti.tools, "toolu_")
-    events = drive(st.engine, pl, parser, params.stops, TextDelta, TextDelta)
+    events = drive(await admit(st.engine, pl), pl, parser, params.stops, TextDelta, TextDelta)
     base = {"id": rid, "type": "message", "role": "assistant", "model": model}
     if stream:
         return EventStreamResponse(_stream(events, base), pl.headers, rid)

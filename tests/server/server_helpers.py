@@ -54,6 +54,10 @@ class FakeEngine:
             raise AdmissionError(f"prompt of {len(req.input_ids)} tokens exceeds the KV pool "
                                  f"of {self.kv_tokens}", "messages", "kv_budget_exceeded")
 
+    async def start(self, req: GenerateRequest) -> AsyncIterator[EngineEvent]:
+        self.check(req)  # as the real engine: the admission check, then the stream
+        return self.generate(req)
+
     def stats(self) -> dict:
         return {"requests": len(self.requests), "aborted": len(self.aborted)}
 
