@@ -11,7 +11,10 @@ What uvicorn gives and what it does not (0.54, h11 protocol):
   `max_connections` at once, with a 503 in a shape both SDK families parse.
 - `h11_max_incomplete_event_size` caps the header size (uvicorn's default, 16 KiB, is kept).
 - Body read time, body size, and clients that stop reading a stream are handled in the ASGI
-  layer (`guard.py`, `sse.py`), where the request is known.
+  layer (`guard.py`, `sse.py`), where the request is known. A send blocks only once the bytes
+  queued towards a client fill its receive window, the kernel's send buffer and the transport's
+  buffer; the send buffer is set to SEND_BUFFER so that a client that stops reading is noticed
+  after a few hundred KB rather than the several MB loopback autotuning would allow.
 
 Repeated connection-level errors (accept failures when descriptors run out, invalid HTTP,
 timeouts) are logged at most once per `RateLimitFilter.every_s` per message, with the number
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +36,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from freetoken.log import get_logger, kv
 
 log = get_logger("server")
+SEND_BUFFER = 64 << 10  # bytes; the kernel doubles it for its bookkeeping
 
 
 @dataclass
@@ -124,6 +129,12 @@ class GuardedH11Protocol(H11Protocol):
                             + str(len(_OVERLOADED)).encode() + b"\r\n\r\n" + _OVERLOADED)
             transport.close()
             return
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+            except OSError:  # not a TCP socket (tests on pipes); nothing to bound
+                pass
         self._arm_header_timer()
 
     def _arm_header_timer(self) -> None:

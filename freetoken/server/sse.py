@@ -101,11 +101,13 @@ class EventStreamResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         disconnected = completed = stalled = False
+        sent = 0
         st = getattr(getattr(scope.get("app"), "state", None), "ft", None)
         stall_s = float(getattr(st, "stall_timeout_s", 30.0))
 
         async def timed_send(msg: Message) -> None:
-            nonlocal stalled
+            nonlocal stalled, sent
+            sent += len(msg.get("body", b""))
             try:
                 with anyio.fail_after(stall_s):
                     await send(msg)
@@ -135,7 +137,8 @@ class EventStreamResponse(StreamingResponse):
                     await _aclose(self.body_iterator)
                 tg.cancel_scope.cancel()
         if stalled:
-            log.info(kv("client_stalled", request=self.request_id, after_s=stall_s))
+            log.info(kv("client_stalled", request=self.request_id, after_s=stall_s,
+                        bytes_sent=sent))
         elif disconnected and not completed:
             log.info(kv("client_disconnect", request=self.request_id))
 
