@@ -11,7 +11,8 @@ from typing import Any
 
 from freetoken.server.errors import APIError
 
-OPENAI_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+# the roles the chat mapping renders (the legacy `function` role is refused here, not there)
+OPENAI_ROLES = {"system", "developer", "user", "assistant", "tool"}
 ANTHROPIC_ROLES = {"user", "assistant", "system"}
 MAX_NAME = 256
 
