@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from freetoken.engine.api import Anchor
+from freetoken.types.api import Anchor
 
 CUT_POINT, ANCHOR, INTERVAL, END = "cut_point", "anchor", "interval", "end"
 CLASS_RANK: dict[str, int] = {END: 0, INTERVAL: 1, ANCHOR: 1, CUT_POINT: 2}

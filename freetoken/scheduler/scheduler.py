@@ -17,7 +17,7 @@ import torch
 
 from freetoken.cache import HybridRadixCache, SlotAllocator, StatePool, create_policy
 from freetoken.cache.policy import END
-from freetoken.engine.forward_batch import StateTensors
+from freetoken.cache.tensors import StateTensors
 from freetoken.log import get_logger, kv
 from freetoken.scheduler.request import Request
 
@@ -120,7 +120,9 @@ class Scheduler:
     def _preempt_newest(self, keep: set[int]) -> bool:
         for r in reversed(self.running):
             if id(r) not in keep:
-                log.info(kv("preempt", rid=r.rid, computed=r.computed, kv_free=self.kv_alloc.num_free))
+                log.info(
+                    kv("preempt", rid=r.rid, computed=r.computed, kv_free=self.kv_alloc.num_free)
+                )
                 self.release(r)
                 r.computed = 0
                 self.running.remove(r)

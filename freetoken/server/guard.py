@@ -7,9 +7,9 @@ In order, before any route runs:
    rebinding, which this refuses (403 `host_not_allowed`).
 2. A request carrying an `Origin` is refused (403 `origin_not_allowed`) unless the origin's host
    passes the same test: pages on other sites cannot drive the server, even with no API key.
-3. POSTs to the JSON routes (`JSON_ROUTES`) must be `application/json` (or `+json`), charset UTF-8 if one is named (415
-   `unsupported_media_type`): `text/plain` and form posts are what a browser sends without a
-   CORS preflight.
+3. POSTs to the JSON routes (`JSON_ROUTES`) must be `application/json` (or `+json`), charset
+   UTF-8 if one is named (415 `unsupported_media_type`): `text/plain` and form posts are what
+   a browser sends without a CORS preflight.
 4. A POST body is read here, whole, within `body_timeout_s` (408 `body_timeout`) and
    `max_body_bytes` (413 `body_too_large`); a client that disconnects while sending it is logged
    as one info line and gets no answer. The route then reads the buffered body.

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from freetoken.engine.api import AdmissionError, EngineEvent, GenerateRequest, SamplingParams
 from freetoken.engine.async_engine import AsyncEngine
+from freetoken.types.api import AdmissionError, EngineEvent, GenerateRequest, SamplingParams
 
 
 class RecordingCore:

@@ -1,4 +1,4 @@
-"""What one forward pass needs besides the weights: the packed batch and the cache tensors.
+"""What one forward pass needs besides the weights and the cache tensors: the packed batch.
 
 A batch packs the new tokens of B sequences (prefill chunks and decode steps mixed) into one
 row-major stream of T tokens. Sequence b owns rows [cu[b], cu[b+1]); its cached prefix has
@@ -9,10 +9,9 @@ recurrent-state slot per sequence, read at the start of the chunk and overwritte
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-
-from freetoken.models.config import ModelConfig
 
 
 @dataclass
@@ -24,6 +23,10 @@ class ForwardBatch:
     kv_slots: list[torch.Tensor]  # B × [prefix+new] int64 slot of every position
     state_slots: list[int]  # [B] recurrent-state slot (hybrid models; else empty)
     logits_rows: torch.Tensor  # [R] rows of the packed stream whose logits are wanted
+    # decode-only steps of the graph runner: device-side inputs the layers read instead of the
+    # host lists above (a freetoken.layers.step_context.DecodeContext); None for every other
+    # batch. Typed loosely: this bottom-layer module imports no layer.
+    ctx: Any = None
     _dev: dict = field(default_factory=dict, repr=False)  # per-step index tensors, built once
 
     def decode_index(self, device: torch.device) -> tuple[list[int], torch.Tensor, torch.Tensor]:
@@ -65,64 +68,3 @@ class ForwardBatch:
             logits_rows=torch.arange(n, device=device) if all_logits
             else torch.tensor([n - 1], device=device),
         )
-
-
-class KVPool:
-    """K/V of every full-attention layer, one slot per token (page size 1).
-
-    k[l], v[l]: [num_slots, Hkv, D] for the l-th full-attention layer.
-    """
-
-    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device | str):
-        n_layers = len(cfg.full_attention_layers)
-        shape = (num_slots, cfg.num_kv_heads, cfg.head_dim)
-        self.num_slots = num_slots
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.layer_index = {layer: i for i, layer in enumerate(cfg.full_attention_layers)}
-
-    @staticmethod
-    def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-        el = torch.empty((), dtype=dtype).element_size()
-        return 2 * len(cfg.full_attention_layers) * cfg.num_kv_heads * cfg.head_dim * el
-
-
-class StateTensors:
-    """Recurrent state of every linear-attention layer, one slot per live sequence or snapshot.
-
-    conv[l]: [num_slots, conv_dim, K-1] (model dtype) — the last K-1 conv inputs.
-    ssm[l]:  [num_slots, Hv, dk, dv] float32 — the gated-delta-rule state.
-    """
-
-    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device | str):
-        n_layers = len(cfg.linear_attention_layers)
-        self.num_slots = num_slots
-        conv_shape = (num_slots, cfg.linear_conv_dim, cfg.linear_conv_kernel - 1)
-        ssm_shape = (num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                     cfg.linear_value_head_dim)
-        self.conv = [torch.zeros(conv_shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.ssm = [torch.zeros(ssm_shape, dtype=torch.float32, device=device) for _ in range(n_layers)]
-        self.layer_index = {layer: i for i, layer in enumerate(cfg.linear_attention_layers)}
-
-    def reset(self, slot: int) -> None:
-        for c, s in zip(self.conv, self.ssm):
-            c[slot].zero_()
-            s[slot].zero_()
-
-    def copy(self, src: int, dst: int) -> None:
-        for c, s in zip(self.conv, self.ssm):
-            c[dst].copy_(c[src])
-            s[dst].copy_(s[src])
-
-    @staticmethod
-    def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
-        el = torch.empty((), dtype=dtype).element_size()
-        conv = cfg.linear_conv_dim * (cfg.linear_conv_kernel - 1) * el
-        ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-        return len(cfg.linear_attention_layers) * (conv + ssm)
-
-
-@dataclass
-class Caches:
-    kv: KVPool
-    state: StateTensors | None
