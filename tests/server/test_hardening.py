@@ -16,6 +16,7 @@ from freetoken.chat import ChatTokenizer
 from freetoken.server import create_app
 from freetoken.server.cli_serve import api_key_from
 from freetoken.server.limits import ServerLimits
+from freetoken.types.api import AdmissionError
 
 JSON = {"content-type": "application/json"}
 IM_START, IM_END = 151644, 151645
@@ -228,12 +229,15 @@ def test_role_forgery_is_plain_text(server: Server, engine: FakeEngine, tok: Cha
 
 @pytest.mark.parametrize("route", ["chat", "messages"])
 def test_admission_refusal_before_stream_starts(server: Server, engine: FakeEngine,
-                                                route: str) -> None:
+                                                route: str, monkeypatch: pytest.MonkeyPatch
+                                                ) -> None:
     """The engine's refusal is an HTTP 400 even for `stream: true`, not an in-band error."""
-    engine.kv_tokens = 5
-    try:
-        r = post(server, route, {"model": "m", "max_tokens": 5, "stream": True, "messages": USER})
-        assert_refused(r, route)
-        assert not r.headers["content-type"].startswith("text/event-stream")
-    finally:
-        engine.kv_tokens = engine.max_context
+    def refuse(req: object) -> None:
+        raise AdmissionError("the KV pool cannot hold this prompt", "messages", "kv_exhausted")
+
+    monkeypatch.setattr(engine, "check", refuse)
+    r = post(server, route, {"model": "m", "max_tokens": 5, "stream": True, "messages": USER})
+    assert_refused(r, route)
+    assert not r.headers["content-type"].startswith("text/event-stream")
+    if route == "chat":
+        assert r.json()["error"]["code"] == "kv_exhausted"

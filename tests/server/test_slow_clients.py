@@ -154,7 +154,7 @@ def test_stream_client_that_stops_reading_is_aborted(srv: LimitedServer, slow_en
     slow_engine.script = lambda req: "word " * 200
     # the answer must outgrow the loopback socket buffers (a few MB) before the client's stall
     # can block a send; 40k tokens of Anthropic deltas (~2 MB) can fit in them
-    slow_engine.max_context = slow_engine.kv_tokens = 1 << 20
+    slow_engine.max_context = 1 << 20
     body = json.dumps({"model": "m", "max_tokens": 10**6, "ignore_eos": True, "stream": True,
                        "messages": [{"role": "user", "content": "hi"}]}).encode()
     s = srv.connect(rcvbuf=4096)
