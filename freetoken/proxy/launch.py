@@ -74,7 +74,10 @@ def opencode(proxy: str, lim: Limits) -> LaunchPlan:
                                "options": {"baseURL": proxy + "/v1", "apiKey": DUMMY_KEY},
                                "models": {lim.model: {"name": lim.model, "reasoning": True,
                                                       "tool_call": True, "limit": limit}}}}}
-    return LaunchPlan({"OPENCODE_CONFIG": "opencode.json"},
+    # no update check, no models.dev fetch, no sharing: runs offline and the same every time
+    env = {"OPENCODE_CONFIG": "opencode.json", "OPENCODE_DISABLE_AUTOUPDATE": "1",
+           "OPENCODE_DISABLE_MODELS_FETCH": "1", "OPENCODE_DISABLE_SHARE": "1"}
+    return LaunchPlan(env,
                       {"opencode.json": json.dumps(cfg, indent=2) + "\n"},
                       f"opencode run -m ft/{lim.model} '...'",
                       ["limit.output keeps OpenCode from asking for 32000 tokens"])
@@ -88,9 +91,11 @@ def openclaw(proxy: str, lim: Limits) -> LaunchPlan:
                            "input": ["text"], "cost": {"input": 0, "output": 0, "cacheRead": 0,
                                                        "cacheWrite": 0},
                            "contextWindow": lim.context, "maxTokens": lim.output or 8192}]}}}}
-    return LaunchPlan({"OPENCLAW_CONFIG_PATH": "openclaw.json"},
+    return LaunchPlan({"OPENCLAW_CONFIG_PATH": "openclaw.json", "OPENCLAW_NO_AUTO_UPDATE": "1"},
                       {"openclaw.json": json.dumps(cfg, indent=2) + "\n"},
-                      "openclaw agent --local -m '...'")
+                      "openclaw agent --local --session-id NAME -m '...'",
+                      [("the same --session-id continues a conversation; OpenClaw needs "
+                        "Node >= 24.16")])
 
 
 def mini(proxy: str, lim: Limits) -> LaunchPlan:

@@ -1,7 +1,7 @@
-"""The real Claude Code CLI and mini-swe-agent, driven through `ft agent-proxy` (native mode) in
-front of a real `ft serve` app (scripted FakeEngine, real Qwen3 tokenizer), configured only by
-what `ft launch` prints. Skipped unless the harnesses are installed
-(`scripts/install_harnesses.sh`, or on PATH). About 40 s on the dev machine."""
+"""The real Claude Code CLI, OpenCode, OpenClaw and mini-swe-agent, driven through
+`ft agent-proxy` (native mode) in front of a real `ft serve` app (scripted FakeEngine, real Qwen3
+tokenizer), configured only by what `ft launch` prints or writes. Skipped unless the harnesses
+are installed (`scripts/install_harnesses.sh`, or on PATH). About 40 s each on the dev machine."""
 from __future__ import annotations
 
 import itertools
@@ -31,6 +31,9 @@ def _find(name: str, local: Path) -> str | None:
 
 CLAUDE = _find("claude", PREFIX / "npm" / "node_modules" / ".bin" / "claude")
 MINI = _find("mini", PREFIX / "mini-venv" / "bin" / "mini")
+OPENCODE = _find("opencode", PREFIX / "npm" / "node_modules" / ".bin" / "opencode")
+OPENCLAW = _find("openclaw", PREFIX / "npm" / "node_modules" / ".bin" / "openclaw")
+NODE24_BIN = PREFIX / "node24" / "node_modules" / ".bin"  # OpenClaw needs Node >= 24.16
 pytestmark = pytest.mark.slow
 
 
@@ -119,3 +122,78 @@ def test_mini_swe_agent_runs_to_submission(stack, tmp_path) -> None:
     assert len(recs) >= 3 and {r["harness"] for r in recs} == {"swe_agent"}
     assert [r["edit_kind"] for r in recs][1:] == ["append"] * (len(recs) - 1)
     assert httpx.get(proxy.url + "/proxy/stats").json()["harnesses"]["swe_agent"]["errors"] == 0
+
+
+def _written_env(harness: str, proxy_url: str, cfg: Path) -> dict[str, str]:
+    """What `ft launch HARNESS --write DIR` writes, read back from its .env file."""
+    from freetoken.cli import main
+
+    assert main(["launch", harness, "--proxy", proxy_url, "--write", str(cfg)]) == 0
+    env = {}
+    for line in (cfg / f"{harness}.env").read_text().splitlines():
+        k, v = line.removeprefix("export ").split("=", 1)
+        env[k] = json.loads(v)
+    return env
+
+
+def _turn_records(metrics: Path, before: int, harness: str) -> list[dict]:
+    recs = [r for r in _records(metrics)[before:] if r["path"] == "/v1/chat/completions"]
+    assert recs and all(r["status"] == 200 and r["error"] is None for r in recs), recs
+    assert {r["harness"] for r in recs} == {harness}
+    return recs
+
+
+@pytest.mark.skipif(OPENCODE is None, reason="OpenCode not installed "
+                    "(scripts/install_harnesses.sh)")
+def test_opencode_run_and_continue(stack, tmp_path) -> None:
+    # catches: a config `ft launch opencode` writes that OpenCode rejects, a stream it cannot
+    # parse (it exits 0 with no text then), or a --continue that re-prefills the whole prompt
+    engine, proxy, metrics = stack
+    engine.reset()
+    engine.script = lambda req: "Hello from the fake engine."
+    before = len(_records(metrics))
+    env = _env(_written_env("opencode", proxy.url, tmp_path / "cfg"), tmp_path / "home")
+    model = json.loads((tmp_path / "cfg" / "opencode.json").read_text())["model"]
+    work = tmp_path / "repo"
+    work.mkdir()
+    for args in (["Say hi."], ["--continue", "Say it again."]):
+        p = subprocess.run([OPENCODE, "run", "-m", model, *args], check=False, cwd=work,
+                           env=env, capture_output=True, text=True, timeout=120,
+                           stdin=subprocess.DEVNULL)
+        assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
+        assert "fake engine" in p.stdout, (p.stdout[-2000:], p.stderr[-2000:])
+    recs = _turn_records(metrics, before, "opencode")
+    main = [r for r in recs if r["prompt_tokens"] > 3000]  # the title request is small
+    assert len(main) == 2, recs
+    assert main[1]["edit_kind"] == "append"
+    assert main[1]["cached_tokens"] >= 0.95 * main[0]["prompt_tokens"], main
+    assert all(r["max_tokens_sent"] <= 256 for r in recs)
+
+
+@pytest.mark.skipif(OPENCLAW is None, reason="OpenClaw not installed "
+                    "(scripts/install_harnesses.sh)")
+@pytest.mark.skipif(not (NODE24_BIN / "node").is_file() and shutil.which("node") is None,
+                    reason="no Node for OpenClaw")
+def test_openclaw_two_messages_one_session(stack, tmp_path) -> None:
+    # catches: an openai-completions config OpenClaw rejects, and a second message that loses
+    # reuse (each request re-appends the trailing internal-context turn: the edit must land on
+    # the cut point the adapter predicted)
+    engine, proxy, metrics = stack
+    engine.reset()
+    engine.script = lambda req: "Hello from the fake engine."
+    before = len(_records(metrics))
+    env = _env(_written_env("openclaw", proxy.url, tmp_path / "cfg"), tmp_path / "home")
+    env["PATH"] = f"{NODE24_BIN}:{env.get('PATH', '')}"
+    work = tmp_path / "repo"
+    work.mkdir()
+    for msg in ("Say hi.", "Say it again."):
+        p = subprocess.run([OPENCLAW, "agent", "--local", "--session-id", "ft-test", "-m", msg],
+                           check=False, cwd=work, env=env, capture_output=True, text=True,
+                           timeout=180, stdin=subprocess.DEVNULL)
+        assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
+        assert "fake engine" in p.stdout, (p.stdout[-2000:], p.stderr[-2000:])
+    recs = _turn_records(metrics, before, "openclaw")
+    assert len(recs) == 2, recs
+    assert recs[1]["session"] == recs[0]["session"]
+    assert recs[1]["edit_kind"] == "edit" and recs[1]["predicted_hit"] is True, recs[1]
+    assert recs[1]["cached_tokens"] >= 0.9 * recs[0]["prompt_tokens"], recs
