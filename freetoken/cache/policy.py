@@ -18,7 +18,9 @@ tokens fed back). `(total_len, "end")` is the request's own working state, donat
 copy; a next turn that extends the sequence resumes from it.
 
 Classes, from longest- to shortest-lived under state-pool pressure: `cut_point` (an anchor a
-harness adapter predicts to be the next edit point) > `anchor` = `interval` > `end`.
+harness adapter predicts to be the next edit point) > `head` (end of system + tools, shared by
+sub-agents and kept by compaction) > `anchor` = `interval` > `end`. The class is one term of a
+snapshot's value (`snapshots.py`).
 """
 from __future__ import annotations
 
@@ -28,8 +30,8 @@ from typing import Any
 
 from freetoken.engine.api import Anchor
 
-CUT_POINT, ANCHOR, INTERVAL, END = "cut_point", "anchor", "interval", "end"
-CLASS_RANK: dict[str, int] = {END: 0, INTERVAL: 1, ANCHOR: 1, CUT_POINT: 2}
+CUT_POINT, HEAD, ANCHOR, INTERVAL, END = "cut_point", "head", "anchor", "interval", "end"
+CLASS_RANK: dict[str, int] = {END: 0, INTERVAL: 1, ANCHOR: 1, HEAD: 2, CUT_POINT: 3}
 
 
 def class_rank(cls: str) -> int:
@@ -110,8 +112,8 @@ class IntervalPolicy(CheckpointPolicy):
 class SemanticPolicy(CheckpointPolicy):
     """Default: snapshot at chat-template anchors where harnesses edit their context.
 
-    Anchors with `cut_point=True` (any kind) get class `cut_point`; other `head_end` and
-    `turn_start` anchors get class `anchor`; other kinds are ignored. At most `max_per_request`
+    Anchors with `cut_point=True` (any kind) get class `cut_point`; other `head_end` anchors
+    get class `head`, other `turn_start` anchors class `anchor`; other kinds are ignored. At most `max_per_request`
     anchor snapshots per request (the end point is extra), chosen in this order: cut points
     deepest first, then `head_end` (shared by sub-agents and after compaction), then turn starts
     deepest first (the deepest snapshot saves the most recompute next turn).
@@ -130,7 +132,8 @@ class SemanticPolicy(CheckpointPolicy):
         turns = sorted({a.position for a in ok if not a.cut_point and a.kind == "turn_start"},
                        reverse=True)
         chosen: dict[int, str] = {}
-        for p, cls in [(p, CUT_POINT) for p in cuts] + [(p, ANCHOR) for p in heads + turns]:
+        pts = [(p, CUT_POINT) for p in cuts] + [(p, HEAD) for p in heads]
+        for p, cls in pts + [(p, ANCHOR) for p in turns]:
             if len(chosen) >= self.max_per_request:
                 break
             chosen.setdefault(p, cls)
