@@ -10,6 +10,7 @@ import time
 import torch
 
 from freetoken.engine.api import AdmissionError, EngineEvent, GenerateRequest
+from freetoken.engine.cache_ops import CacheOps, HostStates, host_slots_for
 from freetoken.engine.forward_batch import Caches, ForwardBatch, KVPool, StateTensors
 from freetoken.engine.sampler import RequestSampler
 from freetoken.engine.stats import EngineStats
@@ -28,14 +29,22 @@ class ResizeError(RuntimeError):
 class EngineCore:
     def __init__(self, model: QwenMoE, eos_ids: list[int], kv_tokens: int = 32768,
                  state_slots: int = 64, max_running: int = 4, chunk_tokens: int = 512,
-                 max_context: int | None = None, policy: str = "semantic"):
+                 max_context: int | None = None, policy: str = "semantic",
+                 state_host_mem: int | None = None):
         cfg = model.cfg
         self.model, self.cfg, self.eos_ids = model, cfg, list(eos_ids)
         w = model.model.embed_tokens.weight
         self.device, self.dtype = w.device, w.dtype
         state = StateTensors(cfg, state_slots, self.dtype, self.device) if cfg.is_hybrid else None
         self.caches = Caches(KVPool(cfg, kv_tokens, self.dtype, self.device), state)
-        self.sched = Scheduler(kv_tokens, state_slots, state, max_running, chunk_tokens, policy)
+        slot_bytes = StateTensors.bytes_per_slot(cfg, self.dtype) if state else 0
+        host_slots = host_slots_for(state_host_mem, slot_bytes, state_slots) if state else 0
+        self.cache_ops = CacheOps(state, HostStates(state, host_slots) if host_slots else None)
+        if state:
+            log.info(kv("state_host_tier", slots=host_slots, mb=host_slots * slot_bytes // 2**20,
+                        slot_kb=slot_bytes // 1024, pinned=self.device.type == "cuda"))
+        self.sched = Scheduler(kv_tokens, state_slots, state is not None, max_running,
+                               chunk_tokens, policy, host_slots)
         # a lone request must always fit in the KV pool, so the context never exceeds it
         self.max_context = min(max_context or cfg.max_position_embeddings, kv_tokens)
         self.stats = EngineStats()
@@ -73,7 +82,9 @@ class EngineCore:
         return self.sched.has_work()
 
     def step(self) -> None:
-        items = self.sched.schedule()
+        plan = self.sched.schedule()
+        self.cache_ops.run(plan.pre_ops)
+        items = plan.items
         if not items:
             return
         t0 = time.perf_counter()
@@ -81,6 +92,7 @@ class EngineCore:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
+        self.cache_ops.run(plan.post_ops)
         row = 0
         n_decode = sum(1 for i in items if i.n == 1)
         self.stats.on_step(dt, prefill_tokens=sum(i.n for i in items) - n_decode,
@@ -128,7 +140,9 @@ class EngineCore:
             self.sched.finish(r)
             r.finished = True
             log.info(kv("finish", rid=r.rid, prompt=r.prompt_len, cached=r.cached_tokens,
-                        generated=r.num_generated, reason=reason))
+                        kv_match=r.kv_match, resume_tier=r.state_tier,
+                        reuse=r.reuse_reason if r.kv_match > r.cached_tokens else None,
+                        lost=r.lost or None, generated=r.num_generated, reason=reason))
         r.emit(EngineEvent([tok], finished=reason is not None, finish_reason=reason,
                            prompt_tokens=r.prompt_len, cached_tokens=r.cached_tokens,
                            matched_stop_id=tok if reason == "stop" else None))
