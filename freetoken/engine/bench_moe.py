@@ -90,8 +90,12 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEOptio
     rt = install_backend(model, store, backend, opts, device)
     sp = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
     generate(model, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), [])
-    s0 = dict(rt.stats.__dict__) if rt else None
+    if rt:
+        rt.stats.sync()
+    s0 = {k: v for k, v in rt.stats.__dict__.items() if isinstance(v, int)} if rt else None
     res = generate(model, prompt, sp, [])
+    if rt:
+        rt.stats.sync()
     steps = max(1, len(res.token_ids) - 1)
     hit = fb = cb = 0.0
     floor = None

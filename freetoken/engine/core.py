@@ -12,6 +12,7 @@ import torch
 from freetoken.engine.api import AdmissionError, EngineEvent, GenerateRequest
 from freetoken.engine.cache_ops import CacheOps, HostStates, host_slots_for
 from freetoken.engine.forward_batch import Caches, ForwardBatch, KVPool, StateTensors
+from freetoken.engine.graph_runner import DecodeRow, DecodeRunner, sample_rows
 from freetoken.engine.sampler import RequestSampler
 from freetoken.engine.stats import EngineStats
 from freetoken.log import get_logger, kv
@@ -30,13 +31,21 @@ class EngineCore:
     def __init__(self, model: QwenMoE, eos_ids: list[int], kv_tokens: int = 32768,
                  state_slots: int = 64, max_running: int = 4, chunk_tokens: int = 512,
                  max_context: int | None = None, policy: str = "semantic",
+                 decode_runner: bool | None = None, cuda_graph: bool = True,
                  state_host_mem: int | None = None):
+        """`decode_runner`: run decode-only steps through the static-buffer runner (default: on
+        CUDA only; the CPU's eager path is the same math); `cuda_graph`: replay them from CUDA
+        graphs (off: the runner runs them eagerly, for comparison). `state_host_mem`: bytes of
+        the host tier for state snapshots (None: derived from free RAM, see `cache_ops`)."""
         cfg = model.cfg
         self.model, self.cfg, self.eos_ids = model, cfg, list(eos_ids)
         w = model.model.embed_tokens.weight
         self.device, self.dtype = w.device, w.dtype
-        state = StateTensors(cfg, state_slots, self.dtype, self.device) if cfg.is_hybrid else None
-        self.caches = Caches(KVPool(cfg, kv_tokens, self.dtype, self.device), state)
+        # one scratch KV slot and one scratch state slot past what the allocators hand out:
+        # the decode runner's padding rows write there
+        state = (StateTensors(cfg, state_slots + 1, self.dtype, self.device) if cfg.is_hybrid
+                 else None)
+        self.caches = Caches(KVPool(cfg, kv_tokens + 1, self.dtype, self.device), state)
         slot_bytes = StateTensors.bytes_per_slot(cfg, self.dtype) if state else 0
         host_slots = host_slots_for(state_host_mem, slot_bytes, state_slots) if state else 0
         self.cache_ops = CacheOps(state, HostStates(state, host_slots) if host_slots else None)
@@ -45,6 +54,12 @@ class EngineCore:
                         slot_kb=slot_bytes // 1024, pinned=self.device.type == "cuda"))
         self.sched = Scheduler(kv_tokens, state_slots, state is not None, max_running,
                                chunk_tokens, policy, host_slots)
+        if decode_runner is None:
+            decode_runner = self.device.type == "cuda"
+        self.runner = (DecodeRunner(model, self.caches, max_running, scratch_kv=kv_tokens,
+                                    scratch_state=state_slots if state is not None else None,
+                                    use_graphs=cuda_graph)
+                       if decode_runner else None)
         # a lone request must always fit in the KV pool, so the context never exceeds it
         self.max_context = min(max_context or cfg.max_position_embeddings, kv_tokens)
         self.stats = EngineStats()
@@ -88,20 +103,55 @@ class EngineCore:
         if not items:
             return
         t0 = time.perf_counter()
-        logits = self.model(self._batch(items), self.caches)  # [R, V]
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        rows = None
+        if self.runner is not None and all(i.n == 1 and i.wants_logits for i in items):
+            rows = [self._decode_row(it) for it in items]
+            if not self.runner.fits(rows):
+                rows = None
+        if rows is not None:
+            toks = self.runner.step(rows)  # one host read: the sampled ids
+        else:
+            logits = self.model(self._batch(items), self.caches)  # [R, V]
+            toks = self._sample([it for it in items if it.wants_logits], logits)
         dt = time.perf_counter() - t0
         self.cache_ops.run(plan.post_ops)
-        row = 0
         n_decode = sum(1 for i in items if i.n == 1)
         self.stats.on_step(dt, prefill_tokens=sum(i.n for i in items) - n_decode,
                            decode_tokens=n_decode)
+        row = 0
         for it in items:
             self.sched.after_forward(it)
             if it.wants_logits:
-                self._on_token(it, logits[row])
+                self._on_token(it, toks[row])
                 row += 1
+
+    def _decode_row(self, it: BatchItem) -> DecodeRow:
+        r = it.req
+        p = r.req.sampling
+        s = r.sampler
+        return DecodeRow(token=r.ids[r.computed], position=r.computed,
+                         out_slot=int(r.row[r.computed]),
+                         state_slot=r.state_slot if r.state_slot is not None else -1,
+                         kv_slots=r.row[: r.computed + 1], temperature=p.temperature,
+                         top_k=p.top_k, top_p=p.top_p, seed=s.seed, step=r.num_generated,
+                         blocked=tuple(s.blocked_ids(r.num_generated)))
+
+    def _sample(self, items: list[BatchItem], logits: torch.Tensor) -> list[int]:
+        """Next token of every row: on CUDA one batched call of the device sampler (the same
+        function the decode runner replays, so seeds draw the same tokens either way); on the CPU
+        each request's own sampler."""
+        if self.device.type != "cuda":
+            return [it.req.sampler.sample(logits[i], it.req.num_generated)
+                    for i, it in enumerate(items)]
+        rows = [self._decode_row_params(it) for it in items]
+        return sample_rows(logits, rows, self.device)
+
+    def _decode_row_params(self, it: BatchItem) -> DecodeRow:
+        r = it.req
+        p, s = r.req.sampling, r.sampler
+        return DecodeRow(0, 0, 0, -1, torch.empty(0, dtype=torch.long), p.temperature, p.top_k,
+                         p.top_p, s.seed, r.num_generated,
+                         tuple(s.blocked_ids(r.num_generated)))
 
     def _batch(self, items: list[BatchItem]) -> ForwardBatch:
         ids, pos, rows = [], [], []
@@ -122,9 +172,8 @@ class EngineCore:
             logits_rows=torch.tensor(rows, dtype=torch.long, device=d),
         )
 
-    def _on_token(self, it: BatchItem, logits: torch.Tensor) -> None:
+    def _on_token(self, it: BatchItem, tok: int) -> None:
         r = it.req
-        tok = r.sampler.sample(logits, r.num_generated)
         r.ids.append(tok)
         r.num_generated += 1
         first = r.t_first_token is None

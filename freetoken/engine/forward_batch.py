@@ -9,10 +9,14 @@ recurrent-state slot per sequence, read at the start of the chunk and overwritte
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from freetoken.models.config import ModelConfig
+
+if TYPE_CHECKING:  # the layers' type; the batch description itself imports no layer
+    from freetoken.layers.step_context import DecodeContext
 
 
 @dataclass
@@ -24,6 +28,9 @@ class ForwardBatch:
     kv_slots: list[torch.Tensor]  # B × [prefix+new] int64 slot of every position
     state_slots: list[int]  # [B] recurrent-state slot (hybrid models; else empty)
     logits_rows: torch.Tensor  # [R] rows of the packed stream whose logits are wanted
+    # decode-only steps of the graph runner: device-side inputs the layers read instead of the
+    # host lists above (see freetoken/layers/step_context.py); None for every other batch
+    ctx: DecodeContext | None = None
     _dev: dict = field(default_factory=dict, repr=False)  # per-step index tensors, built once
 
     def decode_index(self, device: torch.device) -> tuple[list[int], torch.Tensor, torch.Tensor]:

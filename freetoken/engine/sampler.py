@@ -17,10 +17,18 @@ class RequestSampler:
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self._blocked = sorted(set(params.stop_token_ids) | set(eos_ids))
         self.gen: torch.Generator | None = None
+        # the request's seed (drawn when none was given): the CPU generator's, and the device
+        # sampler's counter-based noise (freetoken/engine/gpu_sampler.py) on CUDA
+        self.seed = (params.seed if params.seed is not None
+                     else int(torch.randint(0, 2**62, (1,)).item()))
         if params.temperature > 0:
             self.gen = torch.Generator(device="cpu")
-            self.gen.manual_seed(params.seed if params.seed is not None
-                                 else int(torch.randint(0, 2**62, (1,)).item()))
+            self.gen.manual_seed(self.seed)
+
+    def blocked_ids(self, num_generated: int) -> list[int]:
+        """Stop ids forbidden at this step (see `mask`)."""
+        p = self.params
+        return self._blocked if (p.ignore_eos or num_generated < p.min_tokens) else []
 
     def mask(self, logits: torch.Tensor, num_generated: int) -> torch.Tensor:
         """Stop ids are forbidden while `min_tokens` is not reached, and always with ignore_eos."""

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from freetoken.experts.slot_cache import SlotCache
 from freetoken.experts.store import ExpertStore
+from freetoken.layers import fast_ops
 from freetoken.layers.moe import grouped_experts
 from freetoken.log import get_logger, kv
 
@@ -49,11 +50,35 @@ def cpu_branch(x: Tensor, ids: Tensor, mask: Tensor, store: ExpertStore, layer: 
 class MoEStats:
     """Counters shared by the backends of one model (hit rate, bytes moved, CPU work)."""
 
-    def __init__(self) -> None:
+    def __init__(self, expert_bytes: int = 0) -> None:
         self.hits = self.misses = self.fetched = self.cpu_experts = self.steps = 0
         self.fetch_bytes = self.cpu_bytes = 0
+        self.expert_bytes = expert_bytes
+        # (hits, misses, fetched) summed on the device by layers that never sync (device fills);
+        # folded into the host counters when read
+        self._dev: Tensor | None = None
+
+    def add_device(self, counters: Tensor) -> None:
+        """Accumulate a decision's counters [3] without reading them (no host sync)."""
+        if self._dev is None:
+            self._dev = torch.zeros(3, dtype=torch.int64, device=counters.device)
+        self._dev.add_(counters)
+
+    def sync(self) -> None:
+        """Fold the device counters into the host ones (one device read)."""
+        if self._dev is None:
+            return
+        hits, miss, fetched = (int(v) for v in self._dev.tolist())
+        self._dev.zero_()
+        self.hits += hits
+        self.misses += miss
+        self.fetched += fetched
+        self.fetch_bytes += fetched * self.expert_bytes
+        self.cpu_experts += miss - fetched
+        self.cpu_bytes += (miss - fetched) * self.expert_bytes
 
     def as_dict(self) -> dict:
+        self.sync()
         routed = self.hits + self.misses
         return {"hit_rate": round(self.hits / routed, 4) if routed else 0.0, "hits": self.hits,
                 "misses": self.misses, "fetched": self.fetched, "cpu_experts": self.cpu_experts,
@@ -73,9 +98,28 @@ class SlotExperts(nn.Module):
         self.fixed_fetch = fixed_fetch  # offload (-1) and cpu (0) need no miss count: no sync
         self.cpu_threads = cpu_threads  # CPU branch threads (None: torch's thread count)
         self.guard: AutoGuard | None = None  # `auto`: layer 0 marks decode step boundaries
+        self._device_fill: bool | None = None  # decided on first use (see device_fill)
+
+    @property
+    def device_fill(self) -> bool:
+        """Offload with fills driven by the device: no host sync in the layer, capturable."""
+        if self._device_fill is None:
+            self._device_fill = (self.fixed_fetch == -1 and self.guard is None
+                                 and self.cache.can_fill_on_device(self.store))
+        return self._device_fill
 
     def forward(self, layer: int, x: Tensor, topk_ids: Tensor) -> Tensor:
         T, K = topk_ids.shape
+        if self.device_fill:
+            d = self.cache.decide(self.m, topk_ids, -1)
+            self.cache.fill_device(self.m, d.fetch_experts, d.fetch_slots, self.store)
+            self.stats.add_device(d.counters)
+            y = torch.zeros(T, K, x.shape[-1], dtype=x.dtype, device=x.device)  # [T, K, H]
+            if fast_ops.fused_moe(x, d.slot_ids, self.cache.gate_up_slots,
+                                  self.cache.down_slots, y) is None:
+                grouped_experts(x, d.slot_ids, self.cache.gate_up_slots,
+                                self.cache.down_slots, y, mask=d.slot_ids >= 0)
+            return y
         if self.guard is not None and self.m == 0:
             self.guard.on_step(decode=T == 1)
         q = (self.fixed_fetch if self.fixed_fetch is not None
@@ -101,9 +145,10 @@ class SlotExperts(nn.Module):
             worker = _CPU_POOL.submit(cpu_branch, x, topk_ids, d.cpu_mask, self.store, self.m,
                                       self.cpu_threads)
         self.cache.fill(self.m, fetch_experts, fetch_slots, self.store)
-        gpu_mask = d.slot_ids >= 0  # [T, K]
-        grouped_experts(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots, y,
-                        mask=gpu_mask)
+        if fast_ops.fused_moe(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots,
+                              y) is None:
+            grouped_experts(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots, y,
+                            mask=d.slot_ids >= 0)
         if worker is not None:
             cm = d.cpu_mask.to(x.device)
             y[cm] = worker.result().to(x.device)[cm]

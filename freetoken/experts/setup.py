@@ -93,6 +93,7 @@ def configure_experts(model: QwenMoE, opts: MoEOptions, device: torch.device | s
     if store is None:
         store = ExpertStore([b.experts.gate_up_proj.data for b in blocks],
                             [b.experts.down_proj.data for b in blocks], pin=device.type == "cuda")
+    stats.expert_bytes = store.expert_bytes
     pool = store.num_layers * store.num_experts
     slots = _num_slots(opts, pool, store.expert_bytes, device, kv_reserve_bytes)
     cache = SlotCache(store.num_layers, store.num_experts, store.hidden, store.intermediate, slots,

@@ -99,6 +99,26 @@ class SlotCache:
             log.debug(kv("fill", layer=layer, experts=experts, slots=slots))
         return len(experts)
 
+    def can_fill_on_device(self, store: ExpertBanks) -> bool:
+        """Whether `fill_device` applies: a CUDA cache over a pinned host store, with triton."""
+        if self.device.type != "cuda" or not getattr(store, "pinned", False):
+            return False
+        try:
+            import kernels.triton.uva_fill  # noqa: F401
+        except Exception:
+            return False
+        return True
+
+    def fill_device(self, layer: int, fetch_experts: Tensor, fetch_slots: Tensor,
+                    store: ExpertBanks) -> None:
+        """`fill` without leaving the device: a kernel reads the chosen experts from the pinned
+        store through its mapped address into their slots (padding entries are skipped on the
+        device), so nothing syncs and the call can be captured in a CUDA graph."""
+        from kernels.triton.uva_fill import fill_rows
+
+        fill_rows(store.gate_up(layer), self.gate_up_slots, fetch_experts, fetch_slots)
+        fill_rows(store.down(layer), self.down_slots, fetch_experts, fetch_slots)
+
     def resize(self, num_slots: int) -> None:
         """Re-budget to `num_slots` slots at run time, all or nothing.
 

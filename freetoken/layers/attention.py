@@ -47,6 +47,11 @@ class Attention(nn.Module):
 
         li = kv.layer_index[self.layer_id]
         k_pool, v_pool = kv.k[li], kv.v[li]  # [S, Hk, D]
+        if batch.ctx is not None:  # decode-only step: device slots, attention planned per step
+            k_pool.index_copy_(0, batch.ctx.out_slots, k.to(k_pool.dtype))
+            v_pool.index_copy_(0, batch.ctx.out_slots, v.to(v_pool.dtype))
+            out = batch.ctx.attn.run(q, k_pool, v_pool, self.scale)  # [B, Hq, D]
+            return self._out(out, gate)
         out = torch.empty(T, self.hq, self.d, dtype=x.dtype, device=x.device)  # [T, Hq, D]
         cu = batch.cu
         for b in range(batch.num_seqs):
@@ -60,7 +65,11 @@ class Attention(nn.Module):
                     out[lo] = o1.to(out.dtype)
                     continue
             out[lo:hi] = self._attend(q[lo:hi], k_pool[slots], v_pool[slots], p)
-        o = out.reshape(T, self.hq * self.d)
+        return self._out(out, gate)
+
+    def _out(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        # out [T, Hq, D] -> [T, hidden]
+        o = out.reshape(out.shape[0], self.hq * self.d)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(o)

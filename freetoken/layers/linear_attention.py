@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.engine.forward_batch import ForwardBatch, StateTensors
+from freetoken.layers import fast_ops
 from freetoken.layers.gated_delta import chunk_gated_delta, recurrent_gated_delta
 from freetoken.layers.linear import Linear
 from freetoken.layers.norm import GatedRMSNorm
@@ -53,6 +54,15 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [T, Hv]
         w = self.conv1d.weight[:, 0, :]  # [C, Kc]
 
+        if batch.ctx is not None:  # decode-only step: state read and written in place
+            slots = batch.ctx.state_slots  # [B]
+            conv_out = fast_ops.conv_update(mixed, conv_pool, w, slots)  # [B, C]
+            q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], -1)
+            o = fast_ops.gdn_recurrent(q.view(T, self.hk, self.dk), k.view(T, self.hk, self.dk),
+                                       v.reshape(T, self.hv, self.dv), g, beta, ssm_pool,
+                                       slots)  # [B, Hv, dv] fp32
+            y = self.norm(o.to(x.dtype), z)  # [B, Hv, dv]
+            return self.out_proj(y.reshape(T, self.value_dim))
         core = torch.empty(T, self.hv, self.dv, dtype=torch.float32, device=x.device)  # [T, Hv, dv]
         cu = batch.cu
         decode, rows, slots = batch.decode_index(x.device)  # [D] packed rows, [D] state slots

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetoken.layers import fast_ops
 from freetoken.layers.linear import Linear
 from freetoken.models.config import ModelConfig
 
@@ -81,9 +82,8 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tens
         y[keep] = o[keep].to(y.dtype)
         return y
     flat = topk_ids.reshape(-1)  # [T*K]
-    sel = torch.arange(flat.numel(), device=flat.device)
-    if mask is not None:
-        sel = sel[mask.reshape(-1)]
+    valid = flat >= 0 if mask is None else mask.reshape(-1) & (flat >= 0)  # ids < 0: no expert
+    sel = torch.arange(flat.numel(), device=flat.device)[valid]
     if sel.numel() == 0:
         return y
     order = sel[torch.argsort(flat[sel], stable=True)]  # entries grouped by expert
@@ -110,6 +110,8 @@ class FusedExperts(nn.Module):
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         T, K = topk_ids.shape
         y = torch.zeros(T, K, x.shape[-1], dtype=x.dtype, device=x.device)  # [T, K, H]
+        if fast_ops.fused_moe(x, topk_ids, self.gate_up_proj, self.down_proj, y) is not None:
+            return y
         return grouped_experts(x, topk_ids, self.gate_up_proj, self.down_proj, y)
 
 
@@ -120,6 +122,9 @@ class Router(nn.Module):
         self.top_k, self.renormalize = top_k, renormalize
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        fused = fast_ops.router(x, self.weight, self.top_k, self.renormalize)
+        if fused is not None:
+            return fused
         probs = F.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float)  # [T, E] fp32
         w, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, K]
         if self.renormalize:
@@ -140,8 +145,12 @@ class MoEBlock(nn.Module):
             self.shared_expert_gate = Linear(H, 1, bias=False)
         self.route_hook = None  # callable(layer_id, topk_ids) for routing traces
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, row_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]. `row_mask [T]` bool: rows that route (a graph bucket's padding
+        rows do not: their ids become -1, so they move no expert and compute none)."""
         w, ids = self.gate(x)  # [T, K], [T, K]
+        if row_mask is not None:
+            ids = ids.masked_fill(~row_mask[:, None], -1)
         if self.route_hook is not None:
             self.route_hook(self.layer_id, ids)
         y = self.experts(self.layer_id, x, ids)  # [T, K, H] unweighted

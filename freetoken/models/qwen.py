@@ -27,7 +27,8 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg, i)
         else:
             self.self_attn = Attention(cfg, i)
-        self.mlp: nn.Module = (MoEBlock(cfg, i) if cfg.is_moe_layer(i)
+        self.is_moe = cfg.is_moe_layer(i)
+        self.mlp: nn.Module = (MoEBlock(cfg, i) if self.is_moe
                                else MLP(cfg.hidden_size, cfg.intermediate_size))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
@@ -42,7 +43,10 @@ class DecoderLayer(nn.Module):
         else:
             h = self.self_attn(h, cos, sin, batch, caches.kv)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if batch.ctx is not None and batch.ctx.row_mask is not None and self.is_moe:
+            return x + self.mlp(h, batch.ctx.row_mask)
+        return x + self.mlp(h)
 
 
 class Backbone(nn.Module):

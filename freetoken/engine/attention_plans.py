@@ -1,0 +1,85 @@
+"""Paged decode attention for the graph runner on CUDA: flashinfer where it is installed (the
+`gpu` extra), our Triton split-K kernel otherwise. Both read the pool in place through a CSR of
+slots (`kv_indptr [B+1]`, `kv_indices`) held in fixed device buffers, which the runner rewrites
+before each replay; `prepare` (host side, outside the graph) plans the step.
+
+Page size is 1 (the pool is `[S, Hk, D]` per layer; flashinfer sees it as `[S, 1, Hk, D]`).
+flashinfer is pinned to its `fa2` tensor-core decode on Hopper (SGLang does the same: fa3
+regressed there), planned once per step for every full-attention layer.
+
+Shapes: B rows, Hq/Hk heads, D head dim, S pool slots, N = kv_indptr[B] keys in the step.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from freetoken.layers.step_context import PagedDecode
+from freetoken.log import get_logger, kv
+
+log = get_logger("engine")
+
+
+def flashinfer_available() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+class FlashInferDecode(PagedDecode):
+    name = "flashinfer"
+
+    def __init__(self, batch: int, indptr: Tensor, indices: Tensor, hq: int, hk: int, d: int,
+                 dtype: torch.dtype, scale: float, workspace: Tensor):
+        import flashinfer
+
+        self.batch, self.hq, self.hk, self.d, self.dtype, self.scale = batch, hq, hk, d, dtype, scale
+        self.indptr = indptr[: batch + 1]  # [B+1] int32 device (a view the wrapper keeps)
+        self.indices = indices  # [cap] int32 device
+        self.last_len = torch.ones(batch, dtype=torch.int32, device=indices.device)
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+            paged_kv_indptr_buffer=self.indptr, paged_kv_indices_buffer=self.indices,
+            paged_kv_last_page_len_buffer=self.last_len, backend="fa2")
+        self._ones_host = torch.ones(batch, dtype=torch.int32)
+
+    def prepare(self, indptr_host: Tensor, n: int) -> None:
+        """Plan the step: indptr_host [B+1] int32 on the host; the indices are already in the
+        device buffer's first n entries."""
+        self.wrapper.plan(indptr_host, self.indices[:n], self._ones_host, self.hq, self.hk, self.d,
+                          1, q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
+
+    def run(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, scale: float) -> Tensor:
+        S = k_pool.shape[0]
+        cache = (k_pool.view(S, 1, self.hk, self.d), v_pool.view(S, 1, self.hk, self.d))
+        return self.wrapper.run(q, cache)
+
+
+class TritonDecode(PagedDecode):
+    name = "triton"
+
+    def __init__(self, batch: int, indptr: Tensor, indices: Tensor):
+        from kernels.triton.paged_attention import paged_decode_attention
+
+        self._kernel = paged_decode_attention
+        self.batch = batch
+        self.indptr = indptr[: batch + 1]
+        self.indices = indices
+
+    def prepare(self, indptr_host: Tensor, n: int) -> None:
+        pass  # the kernel reads the device CSR as it is
+
+    def run(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, scale: float) -> Tensor:
+        return self._kernel(q, k_pool, v_pool, self.indptr, self.indices, scale)
+
+
+def choose_backend(requested: str = "auto") -> str:
+    """'flashinfer' | 'triton' for the graph runner's decode attention."""
+    if requested in ("auto", "flashinfer") and flashinfer_available():
+        return "flashinfer"
+    if requested == "flashinfer":
+        log.warning(kv("flashinfer_missing", using="triton",
+                       hint="pip install the gpu extra (flashinfer-python)"))
+    return "triton"

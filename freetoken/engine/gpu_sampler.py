@@ -1,0 +1,91 @@
+"""Batched sampling on the device, with per-row parameters in tensors so a decode step's sampling
+can be captured in a CUDA graph: greedy, temperature, top-k, top-p, stop ids blocked while
+`min_tokens` is not reached (or always with `ignore_eos`), and per-request seeds.
+
+Randomness is a counter-based hash, not a generator with state: the Gumbel noise of row b at
+vocabulary index v is a function of (seed_b, step_b, v) only, where step_b is the number of
+tokens the request has generated. So a seeded request draws the same tokens whatever batch it
+shares, whichever bucket or graph it runs in, and eager and replayed steps agree exactly.
+Sampling is `argmax(logits / T + gumbel)` over the tokens top-k and top-p allow, which draws from
+exactly the softmax of the allowed logits (the Gumbel-max trick).
+
+Shapes: B rows, V vocabulary, NB blocked-id columns.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = (_signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9),
+                         _signed(0x94D049BB133111EB))
+
+
+def _shr(x: Tensor, s: int) -> Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def uniform_noise(seed: Tensor, step: Tensor, vocab: int) -> Tensor:
+    """u [B, V] float64 in (0, 1): splitmix64 of (seed, step, index)."""
+    idx = torch.arange(vocab, device=seed.device, dtype=torch.int64)  # [V]
+    x = (seed[:, None] * _GOLDEN + step[:, None] * _MIX1) + idx[None, :] * _MIX2  # [B, V]
+    x = x ^ _shr(x, 30)
+    x = x * _MIX1
+    x = x ^ _shr(x, 27)
+    x = x * _MIX2
+    x = x ^ _shr(x, 31)
+    return (_shr(x, 11).double() + 0.5) * (1.0 / (1 << 53))
+
+
+@dataclass
+class SamplingRows:
+    """Per-row sampling parameters as device tensors (the graph runner's static buffers)."""
+
+    temperature: Tensor  # [B] float32; <= 0 is greedy
+    top_k: Tensor  # [B] int64; 0 = off
+    top_p: Tensor  # [B] float32 in (0, 1]
+    seed: Tensor  # [B] int64
+    step: Tensor  # [B] int64: tokens generated so far
+    block_ids: Tensor  # [B, NB] int64 stop ids
+    block_on: Tensor  # [B, NB] bool: forbid that id this step
+
+    def narrow(self, n: int) -> SamplingRows:
+        return SamplingRows(*(t[:n] for t in (self.temperature, self.top_k, self.top_p,
+                                              self.seed, self.step, self.block_ids,
+                                              self.block_on)))
+
+
+def block_stop_ids(logits: Tensor, rows: SamplingRows) -> Tensor:
+    vals = torch.where(rows.block_on, float("-inf"), logits.gather(1, rows.block_ids))
+    return logits.scatter(1, rows.block_ids, vals)  # [B, V]
+
+
+def greedy(logits: Tensor, rows: SamplingRows) -> Tensor:
+    """[B] int64: argmax of the logits with the blocked stop ids removed."""
+    return block_stop_ids(logits.float(), rows).argmax(-1)
+
+
+def sample(logits: Tensor, rows: SamplingRows) -> Tensor:
+    """[B] int64 next tokens; rows with temperature <= 0 take the argmax."""
+    lg = block_stop_ids(logits.float(), rows)  # [B, V]
+    B, V = lg.shape
+    z = lg / rows.temperature.clamp(min=1e-5)[:, None]  # [B, V]
+    sz, _ = z.sort(-1, descending=True)  # [B, V]
+    k = torch.where(rows.top_k > 0, rows.top_k, V).clamp(1, V)  # [B]
+    rank = torch.arange(V, device=lg.device)[None, :]  # [1, V]
+    sz_k = sz.masked_fill(rank >= k[:, None], float("-inf"))
+    p = torch.softmax(sz_k, -1)  # [B, V] sorted probabilities after top-k
+    keep = ((p.cumsum(-1) - p) < rows.top_p[:, None]) & (rank < k[:, None])  # sorted prefix
+    n_keep = keep.sum(-1).clamp(min=1)  # [B]
+    thresh = sz.gather(1, (n_keep - 1)[:, None])  # [B, 1] smallest kept scaled logit
+    gumbel = -torch.log(-torch.log(uniform_noise(rows.seed, rows.step, V)))  # [B, V] f64
+    score = torch.where(z >= thresh, z.double() + gumbel, float("-inf"))
+    drawn = score.argmax(-1)  # [B]
+    return torch.where(rows.temperature > 0, drawn, lg.argmax(-1))

@@ -1,0 +1,295 @@
+"""Decode-only steps through static device buffers, captured once per batch-size bucket in a CUDA
+graph and replayed (eagerly run through the same buffers on the CPU, with --no-cuda-graph, or
+when a bucket cannot be captured).
+
+Per step the host writes the rows' inputs into pinned staging buffers and issues one
+asynchronous copy per buffer; the only read back is the sampled token ids, copied into pinned
+memory at the end of the replay. Everything else a layer needs — the KV slot of each new token,
+the recurrent-state slots, the CSR of the pool slots each row attends over — sits in device
+buffers the graph reads in place (see freetoken/layers/step_context.py).
+
+A bucket larger than the batch is padded with rows that write to a scratch KV slot and a scratch
+state slot (one of each reserved beyond what the allocators hand out) and whose routed experts
+are masked to -1, so padding never moves an expert or touches live state.
+
+Shapes: B rows of the step, Bk its bucket, V vocabulary, NB blocked stop ids per row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from freetoken.engine import gpu_sampler
+from freetoken.engine.attention_plans import FlashInferDecode, TritonDecode, choose_backend
+from freetoken.engine.forward_batch import Caches, ForwardBatch
+from freetoken.layers.step_context import DecodeContext, PagedDecode, TorchPagedDecode
+from freetoken.log import get_logger, kv
+
+log = get_logger("graph")
+
+MAX_BLOCKED = 16  # stop ids a row may need blocked in one step (more: the step runs eagerly)
+
+
+def buckets_for(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, 16, then every 16 up to max_batch (always including max_batch)."""
+    out = [b for b in (1, 2, 4, 8, 16) if b < max_batch]
+    b = 32
+    while b < max_batch:
+        out.append(b)
+        b += 16
+    return sorted(set(out + [max_batch]))
+
+
+@dataclass
+class DecodeRow:
+    """One sequence's decode step: feed `token` at `position` (its KV goes to `out_slot`), attend
+    over `kv_slots` (the whole context, `out_slot` last), sample with the request's parameters."""
+
+    token: int
+    position: int
+    out_slot: int
+    state_slot: int  # -1 for attention-only models
+    kv_slots: Tensor  # [position + 1] int64 on the host
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    step: int = 0  # tokens the request has generated
+    blocked: tuple[int, ...] = ()  # stop ids forbidden this step
+
+
+class _Bucket:
+    def __init__(self, size: int):
+        self.size = size
+        self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}  # greedy? -> graph
+        self.failed = False
+        self.attn: PagedDecode | None = None
+
+
+class DecodeRunner:
+    def __init__(self, model, caches: Caches, max_batch: int, scratch_kv: int,
+                 scratch_state: int | None, use_graphs: bool = True, attention: str = "auto"):
+        self.model, self.caches = model, caches
+        cfg = model.cfg
+        w = model.model.embed_tokens.weight
+        self.device, self.dtype = w.device, w.dtype
+        self.vocab = cfg.vocab_size
+        self.scratch_kv, self.scratch_state = scratch_kv, scratch_state
+        self.use_graphs = use_graphs and self.device.type == "cuda"
+        self.buckets = {b: _Bucket(b) for b in buckets_for(max_batch)}
+        self.max_batch = max(self.buckets)
+        Bm, d = self.max_batch, self.device
+        pin = self.device.type == "cuda"
+        # host staging (pinned) and device buffers: rows of the int64 block are
+        # ids, positions, out_slots, state_slots, seeds, steps, top_k
+        self.h_i64 = torch.zeros(7, Bm, dtype=torch.int64, pin_memory=pin)
+        self.h_f32 = torch.zeros(2, Bm, dtype=torch.float32, pin_memory=pin)  # temp, top_p
+        self.h_blk = torch.zeros(Bm, MAX_BLOCKED, dtype=torch.int64, pin_memory=pin)
+        self.h_blk_on = torch.zeros(Bm, MAX_BLOCKED, dtype=torch.bool, pin_memory=pin)
+        self.d_i64 = torch.zeros(7, Bm, dtype=torch.int64, device=d)
+        self.d_f32 = torch.zeros(2, Bm, dtype=torch.float32, device=d)
+        self.d_blk = torch.zeros(Bm, MAX_BLOCKED, dtype=torch.int64, device=d)
+        self.d_blk_on = torch.zeros(Bm, MAX_BLOCKED, dtype=torch.bool, device=d)
+        self.row_mask = torch.zeros(Bm, dtype=torch.bool, device=d)
+        self.h_mask = torch.zeros(Bm, dtype=torch.bool, pin_memory=pin)
+        self.logits_rows = torch.arange(Bm, device=d)
+        self.out_ids = torch.zeros(Bm, dtype=torch.int64, device=d)
+        self.h_out = torch.zeros(Bm, dtype=torch.int64, pin_memory=pin)
+        cap = caches.kv.num_slots + Bm  # every key of every row, padding rows included
+        self.h_indices = torch.zeros(cap, dtype=torch.int32, pin_memory=pin)
+        self.d_indices = torch.zeros(cap, dtype=torch.int32, device=d)
+        self.d_indptr = torch.zeros(Bm + 1, dtype=torch.int32, device=d)
+        self.h_indptr = torch.zeros(Bm + 1, dtype=torch.int32, pin_memory=pin)
+        self.attention = choose_backend(attention) if self.device.type == "cuda" else "torch"
+        self._workspace = None
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.steps = self.replays = 0
+        log.info(kv("decode_runner", buckets=list(self.buckets), graphs=self.use_graphs,
+                    attention=self.attention, kv_cap=cap))
+
+    # -- host side -------------------------------------------------------------------------
+
+    def bucket(self, n: int) -> _Bucket | None:
+        for b in sorted(self.buckets):
+            if b >= n:
+                return self.buckets[b]
+        return None
+
+    def fits(self, rows: list[DecodeRow]) -> bool:
+        return (0 < len(rows) <= self.max_batch
+                and all(len(r.blocked) <= MAX_BLOCKED for r in rows))
+
+    def _stage(self, rows: list[DecodeRow], Bk: int) -> tuple[Tensor, int]:
+        """Write the rows (padded to Bk) into the staging buffers; returns indptr and key count."""
+        hi, hf = self.h_i64, self.h_f32
+        n = len(rows)
+        state_pad = self.scratch_state if self.scratch_state is not None else 0
+        for b in range(Bk):
+            if b < n:
+                r = rows[b]
+                hi[:, b] = torch.tensor([r.token, r.position, r.out_slot, max(r.state_slot, 0),
+                                         r.seed, r.step, r.top_k])
+                hf[0, b], hf[1, b] = r.temperature, r.top_p
+                blk = list(r.blocked) or [0]
+                on = bool(r.blocked)
+                for j in range(MAX_BLOCKED):
+                    self.h_blk[b, j] = blk[min(j, len(blk) - 1)]
+                    self.h_blk_on[b, j] = on
+                self.h_mask[b] = True
+            else:
+                hi[:, b] = torch.tensor([0, 0, self.scratch_kv, state_pad, 0, 0, 0])
+                hf[0, b], hf[1, b] = 0.0, 1.0
+                self.h_blk[b].zero_()
+                self.h_blk_on[b].zero_()
+                self.h_mask[b] = False
+        lens = [r.kv_slots.numel() for r in rows] + [1] * (Bk - n)
+        ptr = self.h_indptr
+        ptr[0] = 0
+        ptr[1:Bk + 1] = torch.tensor(lens, dtype=torch.int32).cumsum(0)
+        total = int(ptr[Bk])
+        parts = [r.kv_slots for r in rows]
+        if Bk > n:
+            parts.append(torch.full((Bk - n,), self.scratch_kv, dtype=torch.int64))
+        self.h_indices[:total].copy_(torch.cat(parts))
+        return ptr[:Bk + 1], total
+
+    def _upload(self, Bk: int, total: int) -> None:
+        nb = self.device.type == "cuda"
+        self.d_i64[:, :Bk].copy_(self.h_i64[:, :Bk], non_blocking=nb)
+        self.d_f32[:, :Bk].copy_(self.h_f32[:, :Bk], non_blocking=nb)
+        self.d_blk[:Bk].copy_(self.h_blk[:Bk], non_blocking=nb)
+        self.d_blk_on[:Bk].copy_(self.h_blk_on[:Bk], non_blocking=nb)
+        self.row_mask[:Bk].copy_(self.h_mask[:Bk], non_blocking=nb)
+        self.d_indptr[:Bk + 1].copy_(self.h_indptr[:Bk + 1], non_blocking=nb)
+        self.d_indices[:total].copy_(self.h_indices[:total], non_blocking=nb)
+
+    # -- device side -------------------------------------------------------------------------
+
+    def _attn(self, bk: _Bucket, rows: list[DecodeRow] | None) -> PagedDecode:
+        if self.attention == "torch":
+            assert rows is not None
+            slots = [r.kv_slots.to(self.device) for r in rows]
+            slots += [torch.tensor([self.scratch_kv], device=self.device)] * (bk.size - len(rows))
+            return TorchPagedDecode(slots)
+        if bk.attn is None:
+            cfg = self.model.cfg
+            if self.attention == "flashinfer":
+                if self._workspace is None:
+                    self._workspace = torch.empty(128 << 20, dtype=torch.uint8, device=self.device)
+                bk.attn = FlashInferDecode(bk.size, self.d_indptr, self.d_indices, cfg.num_heads,
+                                           cfg.num_kv_heads, cfg.head_dim, self.dtype,
+                                           cfg.head_dim ** -0.5, self._workspace)
+            else:
+                bk.attn = TritonDecode(bk.size, self.d_indptr, self.d_indices)
+        return bk.attn
+
+    def _forward(self, Bk: int, attn: PagedDecode, greedy: bool) -> None:
+        """The whole decode step on the static buffers: forward, LM head, sampling into
+        out_ids[:Bk]. Issues no host sync (this is what a graph captures)."""
+        d = self.d_i64
+        state = d[3, :Bk] if self.caches.state is not None else None
+        ctx = DecodeContext(out_slots=d[2, :Bk], state_slots=state, attn=attn,
+                            row_mask=self.row_mask[:Bk])
+        batch = ForwardBatch(input_ids=d[0, :Bk], positions=d[1, :Bk], new_lens=[1] * Bk,
+                             prefix_lens=[0] * Bk, kv_slots=[], state_slots=[],
+                             logits_rows=self.logits_rows[:Bk], ctx=ctx)
+        logits = self.model(batch, self.caches)  # [Bk, V] fp32
+        rows = gpu_sampler.SamplingRows(self.d_f32[0, :Bk], d[6, :Bk], self.d_f32[1, :Bk],
+                                        d[4, :Bk], d[5, :Bk], self.d_blk[:Bk],
+                                        self.d_blk_on[:Bk])
+        ids = gpu_sampler.greedy(logits, rows) if greedy else gpu_sampler.sample(logits, rows)
+        self.out_ids[:Bk].copy_(ids)
+
+    def _capture(self, bk: _Bucket, greedy: bool) -> torch.cuda.CUDAGraph | None:
+        """Capture the bucket's step; the warm-up runs before it use the scratch slots only."""
+        Bk = bk.size
+        self.h_i64[:, :Bk] = torch.tensor([0, 0, self.scratch_kv, self.scratch_state or 0,
+                                           0, 0, 0])[:, None]
+        self.h_f32[0, :Bk], self.h_f32[1, :Bk] = 1.0, 1.0
+        self.h_blk[:Bk].zero_()
+        self.h_blk_on[:Bk].zero_()
+        self.h_mask[:Bk] = False
+        self.h_indptr[: Bk + 1] = torch.arange(Bk + 1, dtype=torch.int32)
+        self.h_indices[:Bk] = self.scratch_kv
+        self._upload(Bk, Bk)
+        attn = self._attn(bk, None)
+        if hasattr(attn, "prepare"):
+            attn.prepare(self.h_indptr[: Bk + 1], Bk)
+        stats = getattr(getattr(self.model, "moe_runtime", None), "stats", None)
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(2):
+                    self._forward(Bk, attn, greedy)
+            torch.cuda.current_stream().wait_stream(s)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool):
+                self._forward(Bk, attn, greedy)
+            torch.cuda.synchronize()
+        except Exception as e:  # a host sync or an uncapturable op somewhere in the step
+            log.warning(kv("capture_failed", bucket=Bk, greedy=greedy, error=repr(e)[:200]))
+            torch.cuda.synchronize()
+            bk.failed = True
+            return None
+        finally:
+            if stats is not None and stats._dev is not None:
+                stats._dev.zero_()  # the warm-up's routing is not the workload's
+        log.info(kv("captured", bucket=Bk, greedy=greedy, attention=self.attention))
+        return g
+
+    def step(self, rows: list[DecodeRow]) -> list[int]:
+        """Run one decode step for `rows` (at most max_batch); returns the sampled token ids."""
+        bk = self.bucket(len(rows))
+        assert bk is not None and self.fits(rows)
+        greedy = all(r.temperature <= 0 for r in rows)
+        graph = None
+        if self.use_graphs and not bk.failed:
+            graph = bk.graphs.get(greedy)
+            if graph is None:
+                graph = self._capture(bk, greedy)
+                if graph is not None:
+                    bk.graphs[greedy] = graph
+        ptr, total = self._stage(rows, bk.size)
+        self._upload(bk.size, total)
+        attn = self._attn(bk, rows)
+        if hasattr(attn, "prepare"):
+            attn.prepare(ptr, total)
+        if graph is not None:
+            graph.replay()
+            self.replays += 1
+        else:
+            self._forward(bk.size, attn, greedy)
+        self.steps += 1
+        n = len(rows)
+        if self.device.type == "cuda":
+            self.h_out[:n].copy_(self.out_ids[:n], non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+            return self.h_out[:n].tolist()
+        return self.out_ids[:n].tolist()
+
+
+def sample_rows(logits: Tensor, rows: list[DecodeRow], device: torch.device) -> list[int]:
+    """Sample the next token of each row of `logits [R, V]` with the device sampler outside the
+    runner (mixed prefill/decode steps), with the rows' parameters uploaded for this call."""
+    n = len(rows)
+    if n == 0:
+        return []
+    nb = max(1, max(len(r.blocked) for r in rows))
+    blk = [list(r.blocked) or [0] for r in rows]
+    sr = gpu_sampler.SamplingRows(
+        torch.tensor([r.temperature for r in rows], dtype=torch.float32),
+        torch.tensor([r.top_k for r in rows], dtype=torch.int64),
+        torch.tensor([r.top_p for r in rows], dtype=torch.float32),
+        torch.tensor([r.seed for r in rows], dtype=torch.int64),
+        torch.tensor([r.step for r in rows], dtype=torch.int64),
+        torch.tensor([[b[min(j, len(b) - 1)] for j in range(nb)] for b in blk]),
+        torch.tensor([[bool(r.blocked)] * nb for r in rows]))
+    sr = gpu_sampler.SamplingRows(*(t.to(device, non_blocking=True) for t in (
+        sr.temperature, sr.top_k, sr.top_p, sr.seed, sr.step, sr.block_ids, sr.block_on)))
+    greedy = all(r.temperature <= 0 for r in rows)
+    ids = gpu_sampler.greedy(logits, sr) if greedy else gpu_sampler.sample(logits, sr)
+    return ids.tolist()

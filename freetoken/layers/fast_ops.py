@@ -1,0 +1,87 @@
+"""Decode-step operations with one entry point each: our Triton kernels on CUDA when they are
+importable, plain torch otherwise. The torch versions are the reference the kernels are tested
+against and are themselves free of host syncs (index_select / index_copy_ by device slot
+tensors), so a decode step stays capturable either way; the kernels remove the state gathers
+and scatters and the launch count.
+
+Shapes: B rows, C conv channels, Kc conv kernel, Hk key heads, Hv value heads, dk/dv head dims,
+S pool slots.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from freetoken.layers.gated_delta import recurrent_gated_delta
+from freetoken.log import get_logger, kv
+
+log = get_logger("kernels")
+
+
+@functools.cache
+def triton_module(name: str):
+    """kernels.triton.<name>, or None when triton or the module is missing (logged once)."""
+    try:
+        return importlib.import_module(f"kernels.triton.{name}")
+    except Exception as e:  # ImportError, or triton failing to find a driver
+        log.info(kv("triton_unavailable", module=name, error=type(e).__name__))
+        return None
+
+
+def _use_triton(x: Tensor, name: str):
+    return triton_module(name) if x.is_cuda else None
+
+
+def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def conv_update(x: Tensor, conv_pool: Tensor, weight: Tensor, slots: Tensor) -> Tensor:
+    """One causal depthwise-conv step per row, state in place: window = [conv_pool[slot] | x],
+    out = silu(Σ window·w), conv_pool[slot] = window[..., 1:].
+    x [B, C]; conv_pool [S, C, Kc-1]; weight [C, Kc]; slots [B] -> out [B, C] in x's dtype."""
+    mod = _use_triton(x, "gdn")
+    if mod is not None:
+        return mod.causal_conv1d_update_pool(x, conv_pool, weight, slots)
+    window = torch.cat([conv_pool.index_select(0, slots),
+                        x[:, :, None].to(conv_pool.dtype)], -1)  # [B, C, Kc]
+    conv_pool.index_copy_(0, slots, window[..., 1:])
+    return F.silu((window.to(weight.dtype) * weight).sum(-1)).to(x.dtype)  # [B, C]
+
+
+def gdn_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_pool: Tensor,
+                  slots: Tensor) -> Tensor:
+    """One gated-delta-rule step per row with the state read and written in place.
+    q, k [B, Hk, dk] raw (L2-normalised here); v [B, Hv, dv]; g, beta [B, Hv];
+    ssm_pool [S, Hv, dk, dv] fp32; slots [B] -> o [B, Hv, dv] fp32."""
+    mod = _use_triton(q, "gdn")
+    if mod is not None:
+        return mod.gdn_recurrent_pool(q, k, v, g, beta, ssm_pool, slots)
+    r = v.shape[1] // q.shape[1]
+    qf = l2norm(q.float()).repeat_interleave(r, dim=1)  # [B, Hv, dk]
+    kf = l2norm(k.float()).repeat_interleave(r, dim=1)  # [B, Hv, dk]
+    o, s = recurrent_gated_delta(qf, kf, v, g, beta, ssm_pool.index_select(0, slots))
+    ssm_pool.index_copy_(0, slots, s)
+    return o
+
+
+def fused_moe(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor) -> Tensor | None:
+    """The Triton fused MoE (unweighted [T, K, H] into y, ids < 0 left untouched) on CUDA, or
+    None when it is unavailable (the caller keeps its torch path)."""
+    mod = _use_triton(x, "fused_moe")
+    if mod is None:
+        return None
+    return mod.fused_moe(x, ids, gate_up, down, y)
+
+
+def router(x: Tensor, weight: Tensor, top_k: int, renormalize: bool
+           ) -> tuple[Tensor, Tensor] | None:
+    """Fused softmax → top-k → renormalise on CUDA, or None (the caller's torch path)."""
+    mod = _use_triton(x, "router")
+    if mod is None:
+        return None
+    return mod.fused_router(x, weight, top_k, renormalize)

@@ -1,0 +1,74 @@
+"""Device-side inputs of a decode-only step: what the layers read instead of host lists, so the
+whole step can be captured once in a CUDA graph and replayed (freetoken/engine/graph_runner.py).
+
+A decode step feeds one token for each of B sequences. Everything a layer needs beyond its
+weights and the pools sits in device tensors of fixed size that the runner rewrites in place
+before each replay:
+
+- `out_slots [B]` int64: the KV-pool slot of each row's new token (attention layers write K/V
+  there with `index_copy_`);
+- `state_slots [B]` int64: each row's recurrent-state slot (gated DeltaNet layers read and write
+  their conv and SSM state there in place);
+- `attn`: a `PagedDecode` planned for this step (which pool slots each row attends over);
+- `row_mask [B]` bool: the real rows; a bucket's padding rows route no expert.
+
+Shapes: B rows, Hq query heads, Hk KV heads, D head dim, S pool slots, L keys of one row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kernels.cpu.attention_ops import cpu_decode_attention
+
+
+class PagedDecode:
+    """Decode attention over the paged pool for one step. Contract: `run(q [B, Hq, D], k_pool,
+    v_pool [S, Hk, D], scale) -> [B, Hq, D]` in q's dtype, row b attending over the pool slots the
+    step was planned with (its whole context, the new token included, whose K/V the layer wrote
+    before calling). Implementations may keep per-step plans; `run` issues no host sync."""
+
+    name = "base"
+
+    def run(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, scale: float) -> Tensor:
+        raise NotImplementedError
+
+
+class TorchPagedDecode(PagedDecode):
+    """Reference and CPU path: each row's keys are its slot list (host-side row tensors); rows
+    with many keys on the CPU read the pool in place through the C++ kernel, the rest gather and
+    run SDPA. Not capturable (one loop iteration per row)."""
+
+    name = "torch"
+
+    def __init__(self, rows: list[Tensor]):
+        self.rows = rows  # B × [L_b] int64 slots
+
+    def run(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, scale: float) -> Tensor:
+        out = torch.empty_like(q)  # [B, Hq, D]
+        hq, hk = q.shape[1], k_pool.shape[1]
+        for b, slots in enumerate(self.rows):
+            o1 = cpu_decode_attention(q[b], k_pool, v_pool, slots, scale)
+            if o1 is not None:
+                out[b] = o1.to(out.dtype)
+                continue
+            k, v = k_pool[slots].to(q.dtype), v_pool[slots].to(q.dtype)  # [L, Hk, D]
+            o = F.scaled_dot_product_attention(
+                q[b][:, None, :].unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                v.transpose(0, 1).unsqueeze(0), scale=scale, enable_gqa=hq != hk)  # [1,Hq,1,D]
+            out[b] = o[0, :, 0]
+        return out
+
+
+@dataclass
+class DecodeContext:
+    """The device-side inputs of one decode-only step (see the module docstring)."""
+
+    out_slots: Tensor  # [B] int64
+    state_slots: Tensor | None  # [B] int64 (hybrid models), else None
+    attn: PagedDecode
+    # [B] bool: real rows; padding rows of a graph bucket route no expert (ids masked to -1)
+    row_mask: Tensor | None = None

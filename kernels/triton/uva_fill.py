@@ -1,0 +1,61 @@
+"""Expert fills driven by the device: copy the experts a slot decision chose to fetch from the
+pinned host pool into their GPU slots, reading host memory straight through its device-mapped
+address (UVA zero-copy) — no value of the decision travels to the host, so the fill can sit in a
+captured decode step.
+
+A fill is `dst[slots[i]] = src[experts[i]]` for the valid entries of the decision's padded lists
+(`experts [F]`, `slots [F]`, -1 past q), one row = one expert's bank (gate_up [2I, H] or down
+[H, I]). Programs of padding entries return at once, so the launch grid depends only on F and
+the row size.
+
+Pinned host memory allocated by CUDA (torch's `pin_memory()`) is mapped into the device's
+address space under unified addressing, with the same pointer; the SMs' loads then travel over
+PCIe, so throughput depends on how many 16-byte loads are in flight: BLOCK elements per program
+and many programs per row keep the link busy (measured against the copy engine in
+scripts/bench_uva_fill.py).
+
+Shapes: F fetch entries, N elements per expert row (2I·H or H·I).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _fill_kernel(src_ptr, dst_ptr, experts_ptr, slots_ptr, N, BLOCK: tl.constexpr,
+                 ITERS: tl.constexpr):
+    i = tl.program_id(0)  # fetch entry
+    c = tl.program_id(1)  # chunk of the row
+    e = tl.load(experts_ptr + i)
+    s = tl.load(slots_ptr + i)
+    if (e >= 0) & (s >= 0):
+        src = src_ptr + e.to(tl.int64) * N
+        dst = dst_ptr + s.to(tl.int64) * N
+        base = c.to(tl.int64) * (BLOCK * ITERS)
+        for j in tl.static_range(ITERS):
+            offs = base + j * BLOCK + tl.arange(0, BLOCK)
+            m = offs < N
+            tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+
+
+def fill_rows(src: Tensor, dst: Tensor, experts: Tensor, slots: Tensor,
+              block: int = 2048, iters: int = 4) -> None:
+    """dst[slots[i]] = src[experts[i]] for entries with both >= 0.
+    src [E, ...] (pinned host, or any tensor the device can address); dst [S, ...] on the device
+    with the same row shape and dtype; experts, slots [F] int64 on the device."""
+    assert src.shape[1:] == dst.shape[1:] and src.dtype == dst.dtype
+    assert src.is_contiguous() and dst.is_contiguous()
+    n = src[0].numel()
+    F = experts.numel()
+    if F == 0:
+        return
+    grid = (F, triton.cdiv(n, block * iters))
+    _fill_kernel[grid](src, dst, experts, slots, n, BLOCK=block, ITERS=iters, num_warps=4)
+
+
+def device_can_read(t: Tensor) -> bool:
+    """Whether kernels can read host tensor `t` through its mapped address (pinned, with CUDA)."""
+    return t.device.type == "cpu" and t.is_pinned() and torch.cuda.is_available()
