@@ -24,6 +24,7 @@ _BENCH_COMMANDS = [
     "freetoken.experts.cli_bench",
     "freetoken.experts.cli_bench_bw",
     "workloads.cli_bench",
+    "freetoken.bench.anchors",
 ]
 
 

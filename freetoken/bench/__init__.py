@@ -1,0 +1,1 @@
+"""Benchmark and measurement tooling (not imported by the serving path)."""
