@@ -289,8 +289,21 @@ class HybridRadixCache:
                          cls=old.cls))
             return False
         self.tiers.attach(node, state_slot, cls, user)
+        self._supersede(node, user)
         log.debug(kv("snapshot", pos=node.depth, slot=state_slot, cls=cls))
         return True
+
+    def _supersede(self, node: TreeNode, user: str | None) -> None:
+        """A deeper snapshot of the same session now covers the path: the plain snapshots above
+        it (class <= anchor, no other session) lose their resume bonus; a session that keeps
+        appending resumed from them only because they were its latest."""
+        mine = {user} if user is not None else set()
+        x = node.parent
+        while x is not None and x is not self.radix.root:
+            s = self._snaps.get(x)
+            if s is not None and s.hits and s.users <= mine and class_rank(s.cls) <= 1:
+                s.hits = 0
+            x = x.parent
 
     def insert_snapshot(self, ids_prefix: Sequence[int] | torch.Tensor, state_slot: int,
                         cls: str, user: str | None = None) -> bool:

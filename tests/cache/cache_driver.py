@@ -111,9 +111,13 @@ class Driver:
         self.ref.sclock += 1
         old = self.ref.snaps.get(prefix)
         if old is None:
+            mine = {user} if user else set()
             self.ref.snaps[prefix] = {"slot": slot, "cls": cls, "t": self.ref.sclock,
-                                      "tier": "device", "hits": 0,
-                                      "users": {user} if user else set()}
+                                      "tier": "device", "hits": 0, "users": mine}
+            for i in range(1, len(prefix)):  # superseded: same session, plain class
+                v = self.ref.snaps.get(prefix[:i])
+                if v is not None and v["users"] <= mine and CLASS_RANK[v["cls"]] <= 1:
+                    v["hits"] = 0
             return True
         if CLASS_RANK[cls] > CLASS_RANK[old["cls"]]:
             old["cls"] = cls
