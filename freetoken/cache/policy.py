@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 from typing import Any
 
 from freetoken.engine.api import Anchor
@@ -138,7 +139,7 @@ class SemanticPolicy(CheckpointPolicy):
     def _fill(self, points: list[int], prompt_len: int) -> list[tuple[int, str]]:
         f, margin = self.fill_every, self.fill_every // 8
         edges = sorted({0, prompt_len - 1, *points})
-        cands = [m for a, b in zip(edges, edges[1:]) if b - a > f
+        cands = [m for a, b in pairwise(edges) if b - a > f
                  for m in range((a // f + 1) * f, b, f) if m - a >= margin and b - m >= margin]
         return [(p, INTERVAL) for p in sorted(cands)[::-1][: self.max_fill]]
 

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import torch
 from cache_model import (
     Prefix,
-    node_prefix,
     RefModel,
     check_eviction,
     check_slots,
     check_snapshots,
     check_tree,
     dump_tree,
+    node_prefix,
 )
 
 from freetoken.cache import CLASS_RANK, HybridRadixCache, RadixCache, SlotAllocator, StatePool
