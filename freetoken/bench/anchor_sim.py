@@ -117,6 +117,7 @@ class SimResult:
                 "recomputed": rec, "unavoidable": need,
                 "recomputed_per_turn": round(rec / n, 1),
                 "unavoidable_per_turn": round(need / n, 1),
+                "avoidable_per_turn": round((rec - need) / n, 1),
                 "ratio": round(rec / max(need, 1), 4),
                 "snapshots_taken": self.snapshots_taken,
                 "snapshot_bytes": self.snapshots_taken * slot_bytes,

@@ -152,11 +152,13 @@ def run(args: argparse.Namespace) -> int:
           f"prompt tokens; budget {args.state_slots} device + {args.host_slots} host slots of "
           f"{args.slot_bytes / 2**20:.1f} MiB")
     print("per turn after each session's first; all: every request, first ones included")
-    print(f"{'policy':<15}{'recomp/turn':>12}{'floor/turn':>11}{'ratio':>8}{'snap GiB':>10}"
+    print(f"{'policy':<15}{'recomp/turn':>12}{'floor/turn':>11}{'ratio':>8}{'excess/turn':>12}"
+          f"{'snap GiB':>10}"
           f"{'evicted':>9}{'spilled':>9}{'restored':>9}{'all recomp':>11}{'all floor':>10}")
     for name, r in res.items():
         print(f"{name:<15}{r['recomputed_per_turn']:>12}{r['unavoidable_per_turn']:>11}"
-              f"{r['ratio']:>8}{r['snapshot_bytes'] / 2**30:>10.1f}{r['evicted']:>9}"
+              f"{r['ratio']:>8}{r['avoidable_per_turn']:>12}"
+              f"{r['snapshot_bytes'] / 2**30:>10.1f}{r['evicted']:>9}"
               f"{r['spilled']:>9}{r['restored']:>9}{r['recomputed_all']:>11}"
               f"{r['unavoidable_all']:>10}")
     return 0
