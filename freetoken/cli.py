@@ -11,18 +11,18 @@ import importlib
 import os
 import sys
 
-# (module, attribute) pairs; a module that is missing or fails to import is reported only when
-# its command is used, so one broken optional part never takes down the whole CLI.
+# Subcommand modules. A module listed here that does not exist is a packaging error and fails
+# `ft` at once; a module whose *third-party* dependency is missing (a GPU image without
+# starlette) is reported only when its command is used, so the other commands keep working.
 _COMMANDS = [
     "freetoken.engine.cli_generate",
     "freetoken.server.cli_serve",
     "freetoken.server.cli_ctl",
-    "freetoken.proxy.cli_proxy",
 ]
 _BENCH_COMMANDS = [
-    "freetoken.engine.cli_bench_decode",
-    "freetoken.experts.cli_bench",
-    "freetoken.experts.cli_bench_bw",
+    "freetoken.bench.cli_decode",
+    "freetoken.bench.cli_routing",
+    "freetoken.bench.cli_bw",
     "workloads.cli_bench",
     "freetoken.bench.anchors",
 ]
@@ -33,8 +33,8 @@ def _register_all(modules: list[str], sub: argparse._SubParsersAction) -> None:
         try:
             mod = importlib.import_module(name)
         except ModuleNotFoundError as e:
-            if e.name == name:
-                continue
+            if e.name and (name == e.name or name.startswith(e.name + ".")):
+                raise ImportError(f"ft: subcommand module {name!r} is missing") from e
             # a third-party package is missing (e.g. a GPU image without starlette): keep every
             # other command working and say what to install when this one is used
             _unavailable(sub, name.rsplit(".", 1)[-1].removeprefix("cli_"), str(e.name))

@@ -2,7 +2,8 @@
 
 Ceiling: an all-thread read stream over --read-gb (best of plain and software-prefetched
 passes). The rows run in --rounds rounds, each opened by a ceiling stream, so drift of the
-machine's bandwidth lands on all rows alike; the table holds medians over rounds. Then for each T in --tokens: torch's grouped
+machine's bandwidth lands on all rows alike; the table holds medians over rounds. Then for each
+T in --tokens: torch's grouped
 bf16 F.linear (cpu_experts_torch) and the C++ kernel (with and without its software prefetch),
 each on routes that move to a new window of --layer-experts experts every step, cycling through a
 pool of --pool-gb (far larger than the LLC, so weights come from DRAM). GB/s counts the unique
@@ -26,14 +27,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from freetoken.experts import bandwidth as bw
+from freetoken.bench import bandwidth as bw
+from freetoken.experts import profile as bwp
 from kernels.cpu.expert_ops import cpu_experts_torch
 from kernels.cpu.ext import PREFETCH_HINTS, cpu_model, load_kernel
 
 
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--shape", choices=sorted(bw.SHAPES), default="qwen3.6-35b-a3b")
+    p.add_argument("--shape", choices=sorted(bwp.SHAPES), default="qwen3.6-35b-a3b")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--pool-gb", type=float, default=6.0)
     p.add_argument("--read-gb", type=float, default=4.0)
@@ -74,7 +76,7 @@ def _args() -> argparse.Namespace:
 
 def main() -> int:
     a = _args()
-    shape, dtype = bw.SHAPES[a.shape], getattr(torch, a.dtype)
+    shape, dtype = bwp.SHAPES[a.shape], getattr(torch, a.dtype)
     threads = [int(v) for v in a.threads.split(",")]
     tokens = [int(v) for v in a.tokens.split(",")]
     window = a.layer_experts or shape.experts

@@ -2,7 +2,7 @@
 # One call on the GPU machine (device tool): GPU tests, then the benchmarks of
 # docs/benchmarks.md. Writes logs under $OUT.
 # Usage: OUT=/tmp/out scripts/gpu_run.sh [stage ...]
-#   stages: tests gputests kernel kdiag kunbound ksweep linear bw decode profile
+#   stages: tests gputests fast kprof kernel kdiag kunbound ksweep linear bw decode profile
 # (default: gputests kernel linear bw, about 6 min; `decode` alone takes about 5 min more)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,9 +18,30 @@ fi
   echo "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)"; free -g;
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"; } > "$OUT/machine.txt" 2>&1
 FT="python3 -m freetoken.cli"
+# kernel JIT caches (flashinfer's nvcc builds, triton) travel between calls as one archive
+# under $OUT; bring the previous call's back with `carry: [.jitcache]`
+export FLASHINFER_WORKSPACE_BASE=/tmp/ft-jit/flashinfer TRITON_CACHE_DIR=/tmp/ft-jit/triton
+mkdir -p /tmp/ft-jit
+[ -f .jitcache/jit_cache.tgz ] && tar -xzf .jitcache/jit_cache.tgz -C /tmp/ft-jit 2>/dev/null
+save_jit() { tar -czf "$OUT/jit_cache.tgz" -C /tmp/ft-jit . 2>/dev/null
+  [ "$(stat -c %s "$OUT/jit_cache.tgz")" -lt 16000000 ] || rm -f "$OUT/jit_cache.tgz"; }
+trap save_jit EXIT
 if has tests; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/experts tests/engine \
     tests/kernels_cpu 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
+fi
+if has fast; then
+  # the decode fast path: GPU tests of the graph runner and kernels, then decode tok/s of
+  # fused and offload with graphs on and off (random router, 20 layers)
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/gpu 2>&1 | tail -30 \
+    | tee "$OUT/gpu_only_tests.log"
+  for trace in ${FT_TRACES:-random shared}; do
+    extra=(); [ "$trace" = shared ] && extra=(--route-trace shared)
+    timeout 280 $FT bench decode --shape qwen3.6-35b-a3b --layers 20 --random-weights \
+      --moe-cache-rate 0.37 --prompt-tokens 32 --decode-tokens 128 --repeats 1 \
+      --backends ${FT_BACKENDS:-fused,offload} --graphs ${FT_GRAPHS:-both} "${extra[@]}" 2>&1 \
+      | grep -v "random weights:" | tee "$OUT/decode_fast_$trace.log"
+  done
 fi
 if has gputests; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -30 \
@@ -69,6 +90,11 @@ if has decode; then
       --backends fused,offload,cpu,hybrid "${extra[@]}" 2>&1 | grep -v "random weights:" \
       | tee "$OUT/decode_$trace.log"
   done
+fi
+if has kprof; then
+  # GPU kernels of one decode step by device time (the runner run eagerly, fused, 8 layers)
+  timeout 200 python3 scripts/profile_decode.py --layers 8 --backends fused --tokens 32 \
+    --sort device --rows 30 2>&1 | grep -v "^USDT\|^STAGE" | tee "$OUT/profile_kernels.log"
 fi
 if has profile; then
   timeout 240 python3 scripts/profile_decode.py --layers 8 --backends fused,offload,hybrid \

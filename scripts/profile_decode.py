@@ -15,13 +15,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from freetoken.engine.api import SamplingParams
-from freetoken.engine.bench_moe import drop_fused, install_backend
+from freetoken.bench.moe import drop_fused, install_backend
+from freetoken.bench.random_model import random_model
 from freetoken.engine.generate import generate
 from freetoken.experts.setup import MoEOptions
 from freetoken.experts.store import ExpertStore
-from freetoken.models.random_init import random_model
-from freetoken.models.shapes import shape_config
+from freetoken.models.presets import preset_config
+from freetoken.types.api import SamplingParams
 
 
 def main() -> int:
@@ -31,9 +31,12 @@ def main() -> int:
     p.add_argument("--backends", default="fused,offload")
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--sort", choices=["cpu", "device"], default="cpu",
+                   help="cpu: host overhead by op; device: GPU kernels by time (the decode "
+                        "runner run eagerly, so each kernel of the graph shows up)")
     a = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = shape_config(a.shape, a.layers)
+    cfg = preset_config(a.shape, a.layers)
     model = random_model(cfg, torch.bfloat16, device)
     blocks = model.moe_blocks()
     store = ExpertStore([b.experts.gate_up_proj.data for b in blocks],
@@ -51,14 +54,22 @@ def main() -> int:
         acts = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             acts.append(torch.profiler.ProfilerActivity.CUDA)
+        graphs = a.sort == "cpu"
+        generate(model, prompt, sp, [], cuda_graph=graphs)  # warm the eager runner too
         with torch.profiler.profile(activities=acts) as prof:
-            generate(model, prompt, sp, [])
+            generate(model, prompt, sp, [], cuda_graph=graphs)
             if device.type == "cuda":
                 torch.cuda.synchronize()
         print(f"\n=== {be}: {res.decode_tps:.1f} decode tok/s ({a.layers} layers; "
               f"{wall:.2f}s for {a.tokens} tokens incl. prefill) ===", flush=True)
-        sort = "self_cpu_time_total"
-        print(prof.key_averages().table(sort_by=sort, row_limit=a.rows, max_name_column_width=48))
+        sort = "self_cpu_time_total" if a.sort == "cpu" else "self_device_time_total"
+        avg = prof.key_averages()
+        if a.sort == "device":
+            kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            busy = sum(e.device_time_total for e in kern) / 1e3
+            print(f"{len(kern) / a.tokens:.0f} kernels and {busy / a.tokens:.3f} ms of GPU time "
+                  f"per token (prefill included, {a.tokens} tokens)")
+        print(avg.table(sort_by=sort, row_limit=a.rows, max_name_column_width=60))
         if be == "fused":
             drop_fused(model, device)
     return 0

@@ -7,4 +7,6 @@ cd "$(dirname "$0")/.."
 python -m pip install -q --upgrade pip
 python -m pip install -q -e ".[dev]"
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
+# lint first: a ruff finding fails the run before the (minutes-long) suite starts
+python -m ruff check .
 exec python -m pytest -q "$@"

@@ -42,7 +42,8 @@ def make_issue(seed: int) -> Issue:
     new = f"    value = int(text)\n    if value < 0:\n        return -{func}(text[1:])"
     text = (f"{func}() silently clamps negative inputs to 0\n\n"
             f"### Description\n`{func}(\"-15\")` returns `0` instead of `-15`. This regressed in "
-            f"4.2.0; callers that subtract offsets now get wrong totals.\n\n### Steps to reproduce\n"
+            f"4.2.0; callers that subtract offsets now get wrong totals.\n\n"
+            f"### Steps to reproduce\n"
             f"```python\n>>> from pkg.{module} import {func}\n>>> {func}(\"-15\")\n0\n```\n\n"
             f"### Expected\n`-15`, as in 4.1.x. Please fix it and add a regression test; the "
             f"existing suite in tests/test_{module}.py should keep passing.")
@@ -78,7 +79,8 @@ def test_run(issue: Issue, seed: int, tokens: int, *, passing: bool) -> str:
     if passing:
         body = sized(_verbose_passes(rng, issue), max(1, tokens - 30))
         n = body.count(" PASSED")
-        return body + f"\n\n=========================== {n} passed in 4.07s ==========================="
+        rule = "=" * 27
+        return body + f"\n\n{rule} {n} passed in 4.07s {rule}"
     body = sized(pytest_run(rng, issue.module, 3), max(1, tokens - 80))
     return body + "\n" + pytest_summary(rng, issue.module, 3, rng.randint(80, 300))
 

@@ -13,8 +13,8 @@ import random
 from typing import Any
 
 from workloads.build import b62_id, compact, hex_id, numbered, shrink_text, shrink_tools, thinking
+from workloads.harness_shapes import shapes
 from workloads.issue import make_issue, source_file, test_run
-from workloads.shapes import shapes
 from workloads.spec import Scale, Turn, Workload
 
 VERSION = "1"

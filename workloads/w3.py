@@ -18,8 +18,8 @@ from typing import Any
 
 from workloads.build import b62_id, numbered, shrink_text, shrink_tools, thinking
 from workloads.content import prose, sized
+from workloads.harness_shapes import shapes
 from workloads.issue import Issue, grep_output, make_issue, source_file, test_run, tests_file
-from workloads.shapes import shapes
 from workloads.spec import Scale, Turn, Workload
 from workloads.tokens import request_tokens
 
@@ -119,7 +119,10 @@ def build_w3(scale: Scale = "full", seed: int = 0) -> Workload:
     system = sh["system"][:2] + [{**sh["system"][2], "text": shrink(sh["system"][2]["text"])}]
     sub_system = sh["sub_system"][:2] + [{**sh["sub_system"][2],
                                           "text": shrink(sh["sub_system"][2]["text"])}]
-    headers = {**sh["headers"], "X-Claude-Code-Session-Id": str(uuid.UUID(int=rng.getrandbits(128)))}
+    headers = {
+        **sh["headers"],
+        "X-Claude-Code-Session-Id": str(uuid.UUID(int=rng.getrandbits(128))),
+    }
     reminder = {"type": "text", "text": sh["reminder"]}
     main = _Session(headers["X-Claude-Code-Session-Id"], "M", sh["params"], system,
                     pick(sh["tools"], size["tools"]),

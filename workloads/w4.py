@@ -17,7 +17,7 @@ from typing import Any
 
 from workloads.build import compact, hex_id, shrink_text, shrink_tools, thinking
 from workloads.content import calendar_rows, email_body, inbox_rows, memory_notes, person, sized
-from workloads.shapes import shapes
+from workloads.harness_shapes import shapes
 from workloads.spec import Scale, Turn, Workload
 from workloads.tokens import request_tokens
 

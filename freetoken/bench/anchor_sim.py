@@ -30,7 +30,7 @@ from freetoken.cache import (
     StatePool,
     create_policy,
 )
-from freetoken.engine.api import Anchor
+from freetoken.types.api import Anchor
 
 CHUNK = 8192
 

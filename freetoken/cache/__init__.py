@@ -8,9 +8,9 @@ Snapshot eviction (what survives when the device state pool is full):
   cut_point 3), +1 once a request has resumed from it, +2 once two or more sessions have
   created or resumed from it. The resume bonus of a plain snapshot (class <= anchor) used by
   one session only is cleared when that session attaches a deeper snapshot below it: an
-  appending session resumed from it only because it was its latest. Its `keep_until` is its last use (snapshot clock: one tick per
-  snapshot taken and per resume) plus `level * horizon` ticks (default horizon: twice the
-  device + host slot count).
+  appending session resumed from it only because it was its latest. Its `keep_until` is its
+  last use (snapshot clock: one tick per snapshot taken and per resume) plus
+  `level * horizon` ticks (default horizon: twice the device + host slot count).
 - The device victim is the unpinned snapshot with the smallest `keep_until`. It moves to the
   host tier (pinned RAM, `--state-host-mem`) with one copy; if the host tier is full, the host
   snapshot with the smallest `keep_until` is dropped to make room, unless the incoming one has
@@ -50,6 +50,6 @@ __all__ = [
     "ANCHOR", "CLASS_RANK", "CUT_POINT", "DEVICE", "END", "HEAD", "HOST", "INTERVAL",
     "CheckpointPolicy", "Committed", "EndOnlyPolicy", "HybridMatch", "HybridRadixCache",
     "IntervalPolicy", "MatchResult", "RadixCache", "Released", "SemanticPolicy", "SlotAllocator",
-    "Snapshot", "StateOp", "StatePool", "TreeNode", "available_policies", "class_rank", "create_policy",
-    "register_policy",
+    "Snapshot", "StateOp", "StatePool", "TreeNode", "available_policies", "class_rank",
+    "create_policy", "register_policy",
 ]

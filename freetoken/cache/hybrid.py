@@ -21,9 +21,9 @@ Snapshots live in two tiers (`tiers.py`): when the device pool is short, `evict_
 room worth taking); KV eviction of a node drops its snapshot in either tier. A match resumes from
 the deepest snapshot of either tier; `load_state` turns it into one op for the engine (device:
 `copy`, host: `restore`, none: `reset`). Every decided state movement waits in `ops` until the
-scheduler hands it to the engine (`take_ops`). `lock(node)` also pins the snapshot at exactly `node`, so the
-`state_slot` of a match stays valid while its node is locked (copy it into the working slot,
-then the first `commit` moves the lock and the pin on).
+scheduler hands it to the engine (`take_ops`). `lock(node)` also pins the snapshot at exactly
+`node`, so the `state_slot` of a match stays valid while its node is locked (load it into the
+working slot, then the first `commit` moves the lock and the pin on).
 
 Scheduler flow for one request (`RadixCache`'s module docstring has the KV side):
 `m = match(ids)`; `lock(m.node)`; `row = cat(m.kv_slots, alloc_kv(len(ids) - m.length))`;

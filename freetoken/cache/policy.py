@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from itertools import pairwise
 from typing import Any
 
-from freetoken.engine.api import Anchor
+from freetoken.types.api import Anchor
 
 CUT_POINT, HEAD, ANCHOR, INTERVAL, END = "cut_point", "head", "anchor", "interval", "end"
 CLASS_RANK: dict[str, int] = {END: 0, INTERVAL: 1, ANCHOR: 1, HEAD: 2, CUT_POINT: 3}

@@ -12,9 +12,9 @@ Value (the eviction rule; the cache package docstring states it for users):
     keep_until(s) = s.last_access + level(s) * horizon
 
 with rank: end 0, interval 1, anchor 1, head 2, cut_point 3 (`hits` of a plain single-session
-snapshot is cleared when its session attaches a deeper one below it: `HybridRadixCache`). The victim is the unpinned snapshot
-with the smallest `keep_until` (ties: the least recently used; every tick goes to one snapshot,
-so last uses never tie). Each level buys `horizon` ticks of the
+snapshot is cleared when its session attaches a deeper one below it: `HybridRadixCache`). The
+victim is the unpinned snapshot with the smallest `keep_until` (ties: the least recently used;
+every tick goes to one snapshot, so last uses never tie). Each level buys `horizon` ticks of the
 snapshot clock (one tick per attach and per resume), so value delays eviction but never makes a
 snapshot immortal. With `eviction="lru"` the victim is the least recently used (the baselines).
 """

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from freetoken.engine.api import Anchor
+from freetoken.types.api import Anchor
 
 _TAG_KINDS = {
     "think_start": "<think>",

@@ -109,7 +109,9 @@ def openai_to_template(body: dict[str, Any]) -> TemplateInput:
         role = m.get("role")
         role = _ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in _ROLES:
-            raise ChatInputError(f"{param}.role {m.get('role')!r} is not supported", f"{param}.role")
+            raise ChatInputError(
+                f"{param}.role {m.get('role')!r} is not supported", f"{param}.role"
+            )
         if role == "assistant":
             out.append(_assistant(m, param))
             continue

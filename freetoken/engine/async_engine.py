@@ -16,9 +16,10 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
-from freetoken.engine.api import EngineEvent, GenerateRequest
 from freetoken.engine.core import EngineCore
+from freetoken.experts.setup import WORKSPACE_MARGIN_BYTES
 from freetoken.log import get_logger, kv
+from freetoken.types.api import EngineEvent, GenerateRequest
 
 log = get_logger("engine")
 _ids = itertools.count(1)
@@ -126,39 +127,51 @@ class AsyncEngine:
                     r.emit(RuntimeError(f"engine step failed: {e!r}"))  # type: ignore[arg-type]
 
 
+def kv_pool_tokens(max_context: int, bytes_per_token: int, device_type: str, free_bytes: int,
+                   reserve_tokens: int | None = None) -> int:
+    """KV pool size in tokens when `--kv-tokens` is not given: the whole context if memory allows,
+    never under 1024. `free_bytes` is what is free now, after the weights (and the slot cache).
+
+    CPU: a quarter of the available RAM. CUDA, all experts on the device: 90% of the free memory.
+    CUDA with a slot cache (`reserve_tokens` given): `--kv-reserve-tokens` is a floor (DESIGN §4):
+    the slot cache was sized to leave it plus the workspace margin free, and KV also takes any
+    memory the cache left beyond that (a small `--moe-cache-size`), keeping the same margin."""
+    if device_type == "cuda":
+        if reserve_tokens is not None:
+            budget = max(reserve_tokens * bytes_per_token, free_bytes - WORKSPACE_MARGIN_BYTES)
+        else:
+            budget = int(free_bytes * 0.9)
+    else:
+        budget = free_bytes // 4
+    return max(1024, min(max_context, budget // max(1, bytes_per_token)))
+
+
 def default_kv_tokens(model, max_context: int, moe) -> int:
-    """KV pool size when `--kv-tokens` is not given: the whole context if memory allows.
-    CPU: at most a quarter of the available RAM. CUDA: 90% of the free memory after the weights,
-    or just the `--kv-reserve-tokens` floor when a slot cache took the rest of the VRAM."""
+    """`kv_pool_tokens` for a loaded model on its device; logs the decision."""
     import os
 
     import torch
 
-    from freetoken.engine.forward_batch import KVPool
+    from freetoken.cache.tensors import KVPool
 
     w = model.model.embed_tokens.weight
     per_tok = max(1, KVPool.bytes_per_token(model.cfg, w.dtype))
     if w.device.type == "cuda":
-        if moe is not None and moe.backend != "fused":
-            budget = moe.kv_reserve_tokens * per_tok
-        else:
-            budget = int(torch.cuda.mem_get_info(w.device)[0] * 0.9)
+        free = int(torch.cuda.mem_get_info(w.device)[0])
     else:
-        budget = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
-    n = max(1024, min(max_context, budget // per_tok))
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    reserve = moe.kv_reserve_tokens if moe is not None and moe.backend != "fused" else None
+    n = kv_pool_tokens(max_context, per_tok, w.device.type, free, reserve)
     log.info(kv("kv_pool_size", tokens=n, max_context=max_context, bytes_per_token=per_tok,
-                mb=n * per_tok // 2**20))
+                mb=n * per_tok // 2**20, floor_tokens=reserve))
     return n
 
 
 def build_engine(args: argparse.Namespace) -> AsyncEngine:
     """From `ft serve` arguments: model path/demo, dtype, device, pool sizes."""
-    import torch
 
     from freetoken.chat import ChatTokenizer
-    from freetoken.engine.forward_batch import KVPool
-    from freetoken.engine.options import moe_options, resolve_device, resolve_dtype
-    from freetoken.models.config import load_config
+    from freetoken.cli_options import moe_from_args, resolve_device, resolve_dtype
     from freetoken.models.demo import resolve_model_path
     from freetoken.models.loader import load_model
 
@@ -167,13 +180,7 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
     dtype = resolve_dtype(getattr(args, "dtype", None))
     moe, reserve = None, 0
     if hasattr(args, "moe_backend"):
-        from freetoken.engine.options import default_backend
-
-        cfg = load_config(model_dir)
-        wdt = dtype or (cfg.torch_dtype if device != "cpu" else torch.float32)
-        backend = args.moe_backend or default_backend(cfg, wdt, device, args.kv_reserve_tokens)
-        moe = moe_options(args, backend)
-        reserve = KVPool.bytes_per_token(cfg, wdt) * moe.kv_reserve_tokens
+        moe, reserve = moe_from_args(args, model_dir, dtype, device)
     model = load_model(model_dir, dtype=dtype, device=device, moe=moe, kv_reserve_bytes=reserve)
     tok = ChatTokenizer.from_dir(model_dir)
     if getattr(args, "record_routing", None):
@@ -190,6 +197,7 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
         chunk_tokens=getattr(args, "chunk_tokens", None) or 512,
         max_context=getattr(args, "max_context", None),
         policy=getattr(args, "checkpoint_policy", None) or "semantic",
+        cuda_graph=getattr(args, "cuda_graph", True),
         state_host_mem=getattr(args, "state_host_mem", None),
     )
     name = "demo" if str(getattr(args, "model", "demo") or "demo") == "demo" else model_dir.name

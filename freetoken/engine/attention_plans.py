@@ -23,7 +23,7 @@ log = get_logger("engine")
 def flashinfer_available() -> bool:
     try:
         import flashinfer  # noqa: F401
-    except Exception:
+    except (ImportError, RuntimeError):
         return False
     return True
 
@@ -35,7 +35,8 @@ class FlashInferDecode(PagedDecode):
                  dtype: torch.dtype, scale: float, workspace: Tensor):
         import flashinfer
 
-        self.batch, self.hq, self.hk, self.d, self.dtype, self.scale = batch, hq, hk, d, dtype, scale
+        self.batch, self.hq, self.hk, self.d = batch, hq, hk, d
+        self.dtype, self.scale = dtype, scale
         self.indptr = indptr[: batch + 1]  # [B+1] int32 device (a view the wrapper keeps)
         self.indices = indices  # [cap] int32 device
         self.last_len = torch.ones(batch, dtype=torch.int32, device=indices.device)
@@ -75,11 +76,20 @@ class TritonDecode(PagedDecode):
         return self._kernel(q, k_pool, v_pool, self.indptr, self.indices, scale)
 
 
-def choose_backend(requested: str = "auto") -> str:
-    """'flashinfer' | 'triton' for the graph runner's decode attention."""
-    if requested in ("auto", "flashinfer") and flashinfer_available():
+def choose_backend(requested: str = "auto", dtype: torch.dtype = torch.bfloat16,
+                   head_dim: int = 128) -> str:
+    """'flashinfer' | 'triton' | 'torch' for the graph runner's decode attention. flashinfer
+    takes fp16/bf16 pools only; 'torch' (per-row gathers, not capturable) is the last resort."""
+    # flashinfer's fa2 decode is instantiated for 16-bit pools and head dims 64/128/256 (a tiny
+    # test model's 16 fails with "Invalid configuration")
+    fits = dtype in (torch.float16, torch.bfloat16) and head_dim in (64, 128, 256)
+    if requested in ("auto", "flashinfer") and fits and flashinfer_available():
         return "flashinfer"
     if requested == "flashinfer":
-        log.warning(kv("flashinfer_missing", using="triton",
-                       hint="pip install the gpu extra (flashinfer-python)"))
+        log.warning(kv("flashinfer_unusable", dtype=str(dtype), head_dim=head_dim, using="triton",
+                       hint="flashinfer needs the gpu extra and a 16-bit pool"))
+    try:
+        import kernels.triton.paged_attention  # noqa: F401
+    except (ImportError, RuntimeError):
+        return "torch"
     return "triton"

@@ -16,7 +16,7 @@ import os
 import torch
 
 from freetoken.cache import StateOp
-from freetoken.engine.forward_batch import StateTensors
+from freetoken.cache.tensors import StateTensors
 from freetoken.log import get_logger, kv
 
 log = get_logger("engine")

@@ -23,6 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--record-routing", default=None, metavar="FILE",
                    help="write the per-step, per-layer routed expert ids to FILE")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    from freetoken.cli_options import add_moe_args
+
+    add_moe_args(p)  # the expert backend and cache flags of `ft serve`, to compare backends
     p.set_defaults(func=run)
 
 
@@ -30,18 +33,23 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from freetoken.chat import ChatTokenizer, IncrementalDetokenizer
-    from freetoken.engine.api import SamplingParams
+    from freetoken.cli_options import moe_from_args
     from freetoken.engine.generate import generate
     from freetoken.models.demo import resolve_model_path
     from freetoken.models.loader import load_model
+    from freetoken.types.api import SamplingParams
 
     model_dir = resolve_model_path(args.model)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    model = load_model(model_dir, dtype=dtype, device=args.device, progress=not args.json)
+    moe, reserve = moe_from_args(args, model_dir, dtype, args.device)
+    model = load_model(model_dir, dtype=dtype, device=args.device, progress=not args.json,
+                       moe=moe, kv_reserve_bytes=reserve)
     tok = ChatTokenizer.from_dir(model_dir)
     if args.chat:
         thinking = None if args.thinking is None else args.thinking == "on"
-        ids = tok.apply([{"role": "user", "content": args.prompt}], enable_thinking=thinking).input_ids
+        ids = tok.apply(
+            [{"role": "user", "content": args.prompt}], enable_thinking=thinking
+        ).input_ids
     else:
         ids = tok.encode(args.prompt)
     if not ids:
@@ -64,10 +72,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"prompt_token_ids": ids, "token_ids": res.token_ids,
                           "text": tok.decode(res.token_ids), "finish_reason": res.finish_reason,
                           "prefill_seconds": round(res.prefill_seconds, 4),
-                          "decode_tokens_per_second": round(res.decode_tps, 2)}))
+                          "decode_tokens_per_second": round(res.decode_tps, 2),
+                          "moe_backend": model.moe_runtime.backend,
+                          "moe_stats": model.moe_runtime.stats.as_dict()}))
     else:
         print(detok.flush())
         pf = len(ids) / res.prefill_seconds if res.prefill_seconds > 0 else 0.0
         print(f"\n[{len(ids)} prompt tokens, {pf:.1f} tok/s prefill; {len(res.token_ids)} tokens, "
-              f"{res.decode_tps:.1f} tok/s decode; finish={res.finish_reason}]", file=sys.stderr)
+              f"{res.decode_tps:.1f} tok/s decode; finish={res.finish_reason}; "
+              f"moe={model.moe_runtime.backend}]", file=sys.stderr)
     return 0

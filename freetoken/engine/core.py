@@ -9,16 +9,17 @@ import time
 
 import torch
 
-from freetoken.engine.api import AdmissionError, EngineEvent, GenerateRequest
+from freetoken.cache.tensors import Caches, KVPool, StateTensors
 from freetoken.engine.cache_ops import CacheOps, HostStates, host_slots_for
-from freetoken.engine.forward_batch import Caches, ForwardBatch, KVPool, StateTensors
 from freetoken.engine.graph_runner import DecodeRow, DecodeRunner, sample_rows
-from freetoken.engine.sampler import RequestSampler
 from freetoken.engine.stats import EngineStats
 from freetoken.log import get_logger, kv
 from freetoken.models.qwen import QwenMoE
+from freetoken.sampler import RequestSampler
 from freetoken.scheduler.request import Request
 from freetoken.scheduler.scheduler import BatchItem, Scheduler
+from freetoken.types.api import AdmissionError, EngineEvent, GenerateRequest
+from freetoken.types.forward_batch import ForwardBatch
 
 log = get_logger("engine")
 
@@ -43,8 +44,8 @@ class EngineCore:
         self.device, self.dtype = w.device, w.dtype
         # one scratch KV slot and one scratch state slot past what the allocators hand out:
         # the decode runner's padding rows write there
-        state = (StateTensors(cfg, state_slots + 1, self.dtype, self.device) if cfg.is_hybrid
-                 else None)
+        state = (StateTensors(cfg, state_slots + 1, self.dtype, self.device)
+                 if cfg.has_linear_attention else None)
         self.caches = Caches(KVPool(cfg, kv_tokens + 1, self.dtype, self.device), state)
         slot_bytes = StateTensors.bytes_per_slot(cfg, self.dtype) if state else 0
         host_slots = host_slots_for(state_host_mem, slot_bytes, state_slots) if state else 0

@@ -8,10 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
-from freetoken.engine.api import SamplingParams
-from freetoken.engine.forward_batch import Caches, ForwardBatch, KVPool, StateTensors
-from freetoken.engine.sampler import RequestSampler
+from freetoken.cache.tensors import Caches, KVPool, StateTensors
+from freetoken.engine.graph_runner import DecodeRow, DecodeRunner, sample_rows
 from freetoken.models.qwen import QwenMoE
+from freetoken.sampler import RequestSampler
+from freetoken.types.api import SamplingParams
+from freetoken.types.forward_batch import ForwardBatch
 
 
 @dataclass
@@ -32,30 +34,71 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _Private:
+    """The private caches of `generate` (one sequence: slots 0..total-1, state slot 0, plus one
+    scratch slot of each for the decode runner) and the runner over them, kept on the model so
+    repeated calls reuse the captured graphs."""
+
+    def __init__(self, model: QwenMoE, total: int, device: torch.device, dtype: torch.dtype):
+        cfg = model.cfg
+        self.total = total
+        state = StateTensors(cfg, 2, dtype, device) if cfg.has_linear_attention else None
+        self.caches = Caches(KVPool(cfg, total + 1, dtype, device), state)
+        self.runners: dict[tuple, DecodeRunner] = {}
+
+    def runner(self, model: QwenMoE, use_graphs: bool) -> DecodeRunner:
+        # a backend swap (benchmarks) replaces the experts modules: capture anew for it
+        key = (use_graphs, tuple(id(b.experts) for b in model.moe_blocks()))
+        if key not in self.runners:
+            self.runners.clear()
+            self.runners[key] = DecodeRunner(model, self.caches, 1, scratch_kv=self.total,
+                                             scratch_state=1 if self.caches.state else None,
+                                             use_graphs=use_graphs)
+        return self.runners[key]
+
+
+def _private(model: QwenMoE, total: int, device: torch.device, dtype: torch.dtype) -> _Private:
+    p = getattr(model, "_ft_private", None)
+    if p is None or p.total < total:
+        p = _Private(model, max(total, 1024), device, dtype)
+        model._ft_private = p  # type: ignore[attr-defined]
+    if p.caches.state is not None:
+        p.caches.state.reset(0)
+    return p
+
+
 def generate(model: QwenMoE, prompt: list[int], sampling: SamplingParams, eos_ids: list[int],
-             on_token: Callable[[int], None] | None = None, prefill_chunk: int = 2048
-             ) -> GenerationResult:
+             on_token: Callable[[int], None] | None = None, prefill_chunk: int = 2048,
+             cuda_graph: bool = True) -> GenerationResult:
+    """Greedy or sampled generation of one prompt. On CUDA the decode steps run through the
+    decode runner (CUDA graphs unless `cuda_graph` is False) and sample on the device."""
     cfg = model.cfg
     device = model.model.embed_tokens.weight.device
     dtype = model.model.embed_tokens.weight.dtype
     total = len(prompt) + sampling.max_tokens
-    caches = Caches(KVPool(cfg, total, dtype, device),
-                    StateTensors(cfg, 1, dtype, device) if cfg.is_hybrid else None)
-    slots = torch.arange(total, device=device)
-    state = 0 if cfg.is_hybrid else None
+    priv = _private(model, total, device, dtype)
+    caches = priv.caches
+    slots = torch.arange(priv.total, device=device)
+    state = 0 if cfg.has_linear_attention else None
     sampler = RequestSampler(sampling, eos_ids, device)
+    runner = priv.runner(model, cuda_graph) if device.type == "cuda" else None
+    host_slots = torch.arange(priv.total)
     t0 = time.perf_counter()
     logits = None
     for s in range(0, len(prompt), prefill_chunk):
         chunk = prompt[s:s + prefill_chunk]
-        logits = model(ForwardBatch.single(chunk, s, slots[: s + len(chunk)], state, device), caches)
+        batch = ForwardBatch.single(chunk, s, slots[: s + len(chunk)], state, device)
+        logits = model(batch, caches)
     assert logits is not None, "empty prompt"
     _sync(device)
     t1 = time.perf_counter()
     out: list[int] = []
     reason = "length"
+    p = sampling
+    tok = (sampler.sample(logits[0], 0) if runner is None else sample_rows(
+        logits, [DecodeRow(0, 0, 0, -1, host_slots[:0], p.temperature, p.top_k, p.top_p,
+                           sampler.seed, 0, tuple(sampler.blocked_ids(0)))], device)[0])
     while True:
-        tok = sampler.sample(logits[0], len(out))
         out.append(tok)
         if on_token:
             on_token(tok)
@@ -65,6 +108,13 @@ def generate(model: QwenMoE, prompt: list[int], sampling: SamplingParams, eos_id
         if len(out) >= sampling.max_tokens:
             break
         pos = len(prompt) + len(out) - 1
+        if runner is not None:
+            n = len(out)
+            tok = runner.step([DecodeRow(tok, pos, pos, 0 if state is not None else -1,
+                                         host_slots[: pos + 1], p.temperature, p.top_k, p.top_p,
+                                         sampler.seed, n, tuple(sampler.blocked_ids(n)))])[0]
+            continue
         logits = model(ForwardBatch.single([tok], pos, slots[: pos + 1], state, device), caches)
+        tok = sampler.sample(logits[0], len(out))
     _sync(device)
     return GenerationResult(out, reason, t1 - t0, time.perf_counter() - t1)

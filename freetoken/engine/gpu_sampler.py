@@ -75,7 +75,7 @@ def greedy(logits: Tensor, rows: SamplingRows) -> Tensor:
 def sample(logits: Tensor, rows: SamplingRows) -> Tensor:
     """[B] int64 next tokens; rows with temperature <= 0 take the argmax."""
     lg = block_stop_ids(logits.float(), rows)  # [B, V]
-    B, V = lg.shape
+    V = lg.shape[1]
     z = lg / rows.temperature.clamp(min=1e-5)[:, None]  # [B, V]
     sz, _ = z.sort(-1, descending=True)  # [B, V]
     k = torch.where(rows.top_k > 0, rows.top_k, V).clamp(1, V)  # [B]

@@ -16,16 +16,18 @@ Shapes: B rows of the step, Bk its bucket, V vocabulary, NB blocked stop ids per
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from freetoken.cache.tensors import Caches
 from freetoken.engine import gpu_sampler
 from freetoken.engine.attention_plans import FlashInferDecode, TritonDecode, choose_backend
-from freetoken.engine.forward_batch import Caches, ForwardBatch
 from freetoken.layers.step_context import DecodeContext, PagedDecode, TorchPagedDecode
 from freetoken.log import get_logger, kv
+from freetoken.types.forward_batch import ForwardBatch
 
 log = get_logger("graph")
 
@@ -77,7 +79,10 @@ class DecodeRunner:
         self.device, self.dtype = w.device, w.dtype
         self.vocab = cfg.vocab_size
         self.scratch_kv, self.scratch_state = scratch_kv, scratch_state
-        self.use_graphs = use_graphs and self.device.type == "cuda"
+        # every MoE layer must decode without host syncs (the CPU-branch backends sync per
+        # layer; they run through the same buffers eagerly)
+        self.capturable = all(getattr(b.experts, "capturable", True) for b in model.moe_blocks())
+        self.use_graphs = use_graphs and self.device.type == "cuda" and self.capturable
         self.buckets = {b: _Bucket(b) for b in buckets_for(max_batch)}
         self.max_batch = max(self.buckets)
         Bm, d = self.max_batch, self.device
@@ -102,11 +107,17 @@ class DecodeRunner:
         self.d_indices = torch.zeros(cap, dtype=torch.int32, device=d)
         self.d_indptr = torch.zeros(Bm + 1, dtype=torch.int32, device=d)
         self.h_indptr = torch.zeros(Bm + 1, dtype=torch.int32, pin_memory=pin)
-        self.attention = choose_backend(attention) if self.device.type == "cuda" else "torch"
+        self.attention = (choose_backend(attention, self.dtype, cfg.head_dim)
+                          if self.device.type == "cuda"
+                          else "torch")
+        if self.attention == "torch":  # per-row slot lists: not capturable
+            self.use_graphs = False
         self._workspace = None
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.steps = self.replays = 0
+        self.host_s = self.wait_s = 0.0  # staging + planning; launch to tokens on the host
         log.info(kv("decode_runner", buckets=list(self.buckets), graphs=self.use_graphs,
+                    capturable=self.capturable,
                     attention=self.attention, kv_cap=cap))
 
     # -- host side -------------------------------------------------------------------------
@@ -230,14 +241,15 @@ class DecodeRunner:
             with torch.cuda.graph(g, pool=self._pool):
                 self._forward(Bk, attn, greedy)
             torch.cuda.synchronize()
-        except Exception as e:  # a host sync or an uncapturable op somewhere in the step
+        except RuntimeError as e:  # a host sync or an uncapturable op somewhere in the step
             log.warning(kv("capture_failed", bucket=Bk, greedy=greedy, error=repr(e)[:200]))
             torch.cuda.synchronize()
             bk.failed = True
             return None
         finally:
             if stats is not None and stats._dev is not None:
-                stats._dev.zero_()  # the warm-up's routing is not the workload's
+                with torch.inference_mode():
+                    stats._dev.zero_()  # the warm-up's routing is not the workload's
         log.info(kv("captured", bucket=Bk, greedy=greedy, attention=self.attention))
         return g
 
@@ -253,11 +265,14 @@ class DecodeRunner:
                 graph = self._capture(bk, greedy)
                 if graph is not None:
                     bk.graphs[greedy] = graph
+        t0 = time.perf_counter()
         ptr, total = self._stage(rows, bk.size)
         self._upload(bk.size, total)
         attn = self._attn(bk, rows)
         if hasattr(attn, "prepare"):
             attn.prepare(ptr, total)
+        t1 = time.perf_counter()
+        self.host_s += t1 - t0
         if graph is not None:
             graph.replay()
             self.replays += 1
@@ -268,8 +283,28 @@ class DecodeRunner:
         if self.device.type == "cuda":
             self.h_out[:n].copy_(self.out_ids[:n], non_blocking=True)
             torch.cuda.current_stream().synchronize()
-            return self.h_out[:n].tolist()
-        return self.out_ids[:n].tolist()
+            out = self.h_out[:n].tolist()
+        else:
+            out = self.out_ids[:n].tolist()
+        self.wait_s += time.perf_counter() - t1
+        return out
+
+    def replay_ms(self, n: int, iters: int = 50) -> float | None:
+        """Device time of one replay of bucket n's greedy graph (inputs as last staged), or None
+        when it has not been captured: the step's floor with no host work at all. The replays
+        write the last staged rows' K/V and state again: for benchmarks, after their run."""
+        bk = self.bucket(n)
+        g = bk.graphs.get(True) if bk else None
+        if g is None:
+            return None
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        g.replay()
+        a.record()
+        for _ in range(iters):
+            g.replay()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / iters
 
 
 def sample_rows(logits: Tensor, rows: list[DecodeRow], device: torch.device) -> list[int]:

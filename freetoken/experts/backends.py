@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from freetoken.experts.slot_cache import SlotCache
 from freetoken.experts.store import ExpertStore
 from freetoken.layers import fast_ops
-from freetoken.layers.moe import grouped_experts
+from freetoken.layers.moe import dispatch_experts
 from freetoken.log import get_logger, kv
 
 log = get_logger("experts")
@@ -41,7 +41,7 @@ def cpu_branch(x: Tensor, ids: Tensor, mask: Tensor, store: ExpertStore, layer: 
         # fp32: the same function as `fused` on the CPU (grouped F.linear, or the C++ kernel for
         # a single decode row), so results are bit-identical
         y = torch.zeros(*ic.shape, xc.shape[-1], dtype=xc.dtype)
-        return grouped_experts(xc, ic, gu, dn, y, mask=mc, num_threads=num_threads)
+        return dispatch_experts(xc, ic, gu, dn, y, mask=mc, num_threads=num_threads)
     from kernels.cpu.expert_ops import cpu_experts
 
     return cpu_experts(xc, ic, gu, dn, compute_mask=mc, num_threads=num_threads).to(x.dtype)
@@ -69,7 +69,8 @@ class MoEStats:
         if self._dev is None:
             return
         hits, miss, fetched = (int(v) for v in self._dev.tolist())
-        self._dev.zero_()
+        with torch.inference_mode():  # the counters were made inside the model's forward
+            self._dev.zero_()
         self.hits += hits
         self.misses += miss
         self.fetched += fetched
@@ -101,6 +102,11 @@ class SlotExperts(nn.Module):
         self._device_fill: bool | None = None  # decided on first use (see device_fill)
 
     @property
+    def capturable(self) -> bool:
+        """Whether a decode step through this layer can be captured in a CUDA graph."""
+        return self.device_fill
+
+    @property
     def device_fill(self) -> bool:
         """Offload with fills driven by the device: no host sync in the layer, capturable."""
         if self._device_fill is None:
@@ -117,7 +123,7 @@ class SlotExperts(nn.Module):
             y = torch.zeros(T, K, x.shape[-1], dtype=x.dtype, device=x.device)  # [T, K, H]
             if fast_ops.fused_moe(x, d.slot_ids, self.cache.gate_up_slots,
                                   self.cache.down_slots, y) is None:
-                grouped_experts(x, d.slot_ids, self.cache.gate_up_slots,
+                dispatch_experts(x, d.slot_ids, self.cache.gate_up_slots,
                                 self.cache.down_slots, y, mask=d.slot_ids >= 0)
             return y
         if self.guard is not None and self.m == 0:
@@ -147,7 +153,7 @@ class SlotExperts(nn.Module):
         self.cache.fill(self.m, fetch_experts, fetch_slots, self.store)
         if fast_ops.fused_moe(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots,
                               y) is None:
-            grouped_experts(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots, y,
+            dispatch_experts(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots, y,
                             mask=d.slot_ids >= 0)
         if worker is not None:
             cm = d.cpu_mask.to(x.device)

@@ -103,7 +103,11 @@ class ResidencyTable:
         if impl == "triton":
             from kernels.triton.slot_decide import slot_decide
 
-            return slot_decide(self, layer, topk_ids, num_fetch)
+            T, K = topk_ids.shape
+            cap = fetch_capacity(T, K, self.num_experts, self.num_slots)
+            return Decision(*slot_decide(self.slot_owner, self.expert_slot, self.slot_last_use,
+                                         self.clock, self.num_experts, layer, topk_ids, num_fetch,
+                                         cap))
         raise ValueError(f"unknown decide impl {impl!r} (reference|triton)")
 
     def resize(self, num_slots: int) -> tuple[Tensor, Tensor]:

@@ -8,20 +8,32 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from freetoken.experts.backends import AutoGuard, MoEStats, SlotExperts
-from freetoken.experts.policy import BandwidthProfile, q_star, q_star_overlapped, recommend_backend
+from freetoken.experts.cost_model import (
+    BandwidthProfile,
+    q_star,
+    q_star_overlapped,
+    recommend_backend,
+)
+from freetoken.experts.profile import SHAPES, load_profile, profile_key
 from freetoken.experts.slot_cache import SlotCache
 from freetoken.experts.store import ExpertStore
 from freetoken.log import get_logger, kv
-from freetoken.models.qwen import QwenMoE
+
+if TYPE_CHECKING:
+    from freetoken.models.qwen import QwenMoE
 
 log = get_logger("experts")
 BACKENDS = ("auto", "fused", "offload", "cpu", "hybrid")
 # DESIGN §9 figures, used only when no profile was measured on this machine
 _FALLBACK_BP, _FALLBACK_BH = 48.5, 88.0
+# device memory kept free for activations and workspaces when the slot cache and the KV pool
+# are sized from what is free
+WORKSPACE_MARGIN_BYTES = 1 << 30
 
 
 @dataclass
@@ -63,20 +75,18 @@ def _num_slots(opts: MoEOptions, pool: int, expert_bytes: int, device: torch.dev
         s = opts.cache_mem // expert_bytes
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        s = (free - kv_reserve_bytes - (1 << 30)) // expert_bytes
+        s = (free - kv_reserve_bytes - WORKSPACE_MARGIN_BYTES) // expert_bytes
     else:
         s = pool // 4
     return max(1, min(int(s), pool))
 
 
 def find_profile(model: QwenMoE, dtype: torch.dtype) -> BandwidthProfile | None:
-    from freetoken.experts import bandwidth as bw
-
     cfg = model.cfg
-    for name, sh in bw.SHAPES.items():
+    for name, sh in SHAPES.items():
         if (sh.hidden, sh.inter) == (cfg.hidden_size, cfg.moe_intermediate_size):
-            return bw.load_profile(bw.profile_key(name, dtype))
-    return bw.load_profile(bw.profile_key(f"{cfg.hidden_size}x{cfg.moe_intermediate_size}", dtype))
+            return load_profile(profile_key(name, dtype))
+    return load_profile(profile_key(f"{cfg.hidden_size}x{cfg.moe_intermediate_size}", dtype))
 
 
 def configure_experts(model: QwenMoE, opts: MoEOptions, device: torch.device | str,
@@ -95,7 +105,12 @@ def configure_experts(model: QwenMoE, opts: MoEOptions, device: torch.device | s
                             [b.experts.down_proj.data for b in blocks], pin=device.type == "cuda")
     stats.expert_bytes = store.expert_bytes
     pool = store.num_layers * store.num_experts
-    slots = _num_slots(opts, pool, store.expert_bytes, device, kv_reserve_bytes)
+    # the rest of the model moves to the device after this: keep room for it too
+    others = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                 if ".experts." not in n)
+    slots = _num_slots(opts, pool, store.expert_bytes, device, kv_reserve_bytes + others)
+    log.info(kv("vram_plan", slots=slots, slot_mb=store.expert_bytes * slots // 2**20,
+                kv_reserve_mb=kv_reserve_bytes // 2**20, other_weights_mb=others // 2**20))
     cache = SlotCache(store.num_layers, store.num_experts, store.hidden, store.intermediate, slots,
                       dtype=store.dtype, device=device,
                       impl="triton" if device.type == "cuda" else "reference")

@@ -78,7 +78,9 @@ class SlotCache:
         """The layer's decision (see residency.py); call `fill` with its fetch lists next."""
         return self.table.decide(layer, topk_ids, num_fetch, impl=self.impl)
 
-    def fill(self, layer: int, fetch_experts: Tensor, fetch_slots: Tensor, store: ExpertBanks) -> int:
+    def fill(
+        self, layer: int, fetch_experts: Tensor, fetch_slots: Tensor, store: ExpertBanks
+    ) -> int:
         """Copy the fetched experts of `layer` from `store` into their slots; returns q.
 
         `fetch_experts [F]` / `fetch_slots [F]` are a decision's padded lists (-1 past q). This
@@ -105,7 +107,7 @@ class SlotCache:
             return False
         try:
             import kernels.triton.uva_fill  # noqa: F401
-        except Exception:
+        except (ImportError, RuntimeError):
             return False
         return True
 

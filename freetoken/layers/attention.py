@@ -9,11 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken.engine.forward_batch import ForwardBatch, KVPool
-from freetoken.layers.linear import Linear
+from freetoken.cache.tensors import KVPool
+from freetoken.layers import fast_ops
+from freetoken.layers.linear import Linear, fuse_linears, split_linear
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import apply_rotary
-from freetoken.models.config import ModelConfig
+from freetoken.types.forward_batch import ForwardBatch
+from freetoken.types.model_config import ModelConfig
 from kernels.cpu.attention_ops import cpu_decode_attention
 
 
@@ -32,18 +34,27 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, cfg.zero_centered_norm)
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, cfg.zero_centered_norm)
         self.scale = self.d ** -0.5
+        self.fused_qkv: torch.Tensor | None = None  # see fuse_projections
+        self.qkv_sizes = [q_out, self.hk * self.d, self.hk * self.d]
+
+    def fuse_projections(self) -> None:
+        self.fused_qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
         T = x.shape[0]
+        if self.fused_qkv is not None:  # one GEMM for q, k and v
+            qp, kp, vp = split_linear(x, self.fused_qkv, self.qkv_sizes)
+        else:
+            qp, kp, vp = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.gated:
-            qg = self.q_proj(x).view(T, self.hq, 2 * self.d)  # [T, Hq, 2D]: per head [q | gate]
+            qg = qp.reshape(T, self.hq, 2 * self.d)  # [T, Hq, 2D]: per head [q | gate]
             q, gate = qg[..., : self.d], qg[..., self.d:].reshape(T, self.hq * self.d)
         else:
-            q, gate = self.q_proj(x).view(T, self.hq, self.d), None
-        q = apply_rotary(self.q_norm(q), cos, sin)  # [T, Hq, D]
-        k = apply_rotary(self.k_norm(self.k_proj(x).view(T, self.hk, self.d)), cos, sin)  # [T, Hk, D]
-        v = self.v_proj(x).view(T, self.hk, self.d)  # [T, Hk, D]
+            q, gate = qp.reshape(T, self.hq, self.d), None
+        q = self._norm_rope(self.q_norm, q, cos, sin)  # [T, Hq, D]
+        k = self._norm_rope(self.k_norm, kp.reshape(T, self.hk, self.d), cos, sin)  # [T, Hk, D]
+        v = vp.reshape(T, self.hk, self.d)  # [T, Hk, D]
 
         li = kv.layer_index[self.layer_id]
         k_pool, v_pool = kv.k[li], kv.v[li]  # [S, Hk, D]
@@ -67,6 +78,16 @@ class Attention(nn.Module):
             out[lo:hi] = self._attend(q[lo:hi], k_pool[slots], v_pool[slots], p)
         return self._out(out, gate)
 
+    @staticmethod
+    def _norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                   ) -> torch.Tensor:
+        # per-head norm then partial rotary; one launch on CUDA
+        if x.is_cuda:
+            mod = fast_ops.triton_module("norm")
+            if mod is not None:
+                return mod.rmsnorm_rope(x, norm.weight, norm.eps, norm.zero_centered, cos, sin)
+        return apply_rotary(norm(x), cos, sin)
+
     def _out(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         # out [T, Hq, D] -> [T, hidden]
         o = out.reshape(out.shape[0], self.hq * self.d)
@@ -74,7 +95,8 @@ class Attention(nn.Module):
             o = o * torch.sigmoid(gate)
         return self.o_proj(o)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int
+                ) -> torch.Tensor:
         # q [n, Hq, D]; k, v [L, Hk, D] with L = prefix + n; query i sees keys j <= prefix + i
         n, L = q.shape[0], k.shape[0]
         qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, n|L, D]

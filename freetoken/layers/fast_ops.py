@@ -27,7 +27,7 @@ def triton_module(name: str):
     """kernels.triton.<name>, or None when triton or the module is missing (logged once)."""
     try:
         return importlib.import_module(f"kernels.triton.{name}")
-    except Exception as e:  # ImportError, or triton failing to find a driver
+    except (ImportError, RuntimeError) as e:  # no triton, or triton finding no driver
         log.info(kv("triton_unavailable", module=name, error=type(e).__name__))
         return None
 
@@ -85,3 +85,26 @@ def router(x: Tensor, weight: Tensor, top_k: int, renormalize: bool
     if mod is None:
         return None
     return mod.fused_router(x, weight, top_k, renormalize)
+
+
+def gdn_gates(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
+    """g = -exp(A_log)·softplus(a + dt_bias) fp32, beta = sigmoid(b) in b's dtype: a, b
+    [T, Hv] -> [T, Hv] each."""
+    mod = _use_triton(a, "gdn")
+    if mod is not None:
+        return mod.gdn_gates(a, b, a_log, dt_bias)
+    return -a_log.float().exp() * F.softplus(a.float() + dt_bias), torch.sigmoid(b)
+
+
+def moe_combine(y: Tensor, w: Tensor, residual: Tensor, shared: Tensor | None,
+                shared_gate: Tensor | None) -> Tensor:
+    """residual + Σ_k w·y (+ sigmoid(shared_gate)·shared): y [T, K, H], w [T, K], residual,
+    shared [T, H], shared_gate [T, 1]."""
+    mod = _use_triton(y, "decode_fusions")
+    if mod is not None:
+        return mod.moe_combine(y, w, residual, shared, shared_gate)
+    out = (y * w[..., None]).sum(1)  # [T, H]
+    if shared is not None:
+        out = out + torch.sigmoid(shared_gate) * shared
+    return residual + out
+

@@ -12,8 +12,14 @@ import torch
 import torch.nn.functional as F
 
 
-def recurrent_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                          beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def recurrent_gated_delta(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One step for a batch. q, k [B, H, K]; v [B, H, V]; g, beta [B, H]; state [B, H, K, V] fp32.
     Returns o [B, H, V] fp32 and the new state."""
     q, k, v = q.float() * (q.shape[-1] ** -0.5), k.float(), v.float()
@@ -43,7 +49,9 @@ def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     g, beta = prep(g), prep(beta)  # [H, N, C]
     gc = g.cumsum(-1)  # [H, N, C] cumulative log-decay inside the chunk
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [H,N,C,C]
+    decay = (
+        (gc[..., :, None] - gc[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    )  # [H,N,C,C]
     kb, vb = k * beta[..., None], v * beta[..., None]
     # Solve (I + tril(diag(β) K Kᵀ ⊙ decay, -1)) X = [β V | β K exp(gc)] (UT transform)
     a = (kb @ k.transpose(-1, -2)) * decay  # [H, N, C, C]

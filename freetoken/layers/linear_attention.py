@@ -11,12 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken.engine.forward_batch import ForwardBatch, StateTensors
+from freetoken.cache.tensors import StateTensors
 from freetoken.layers import fast_ops
 from freetoken.layers.gated_delta import chunk_gated_delta, recurrent_gated_delta
-from freetoken.layers.linear import Linear
+from freetoken.layers.linear import Linear, fuse_linears, split_linear
 from freetoken.layers.norm import GatedRMSNorm
-from freetoken.models.config import ModelConfig
+from freetoken.types.forward_batch import ForwardBatch
+from freetoken.types.model_config import ModelConfig
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -43,15 +44,24 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, H, bias=False)
+        self.fused_in: torch.Tensor | None = None  # see fuse_projections
+        self.in_sizes = [self.conv_dim, self.value_dim, self.hv, self.hv]
+
+    def fuse_projections(self) -> None:
+        self.fused_in = fuse_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
+                                      self.in_proj_a])
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: StateTensors) -> torch.Tensor:
         T = x.shape[0]
         li = pool.layer_index[self.layer_id]
         conv_pool, ssm_pool = pool.conv[li], pool.ssm[li]  # [S, C, Kc-1], [S, Hv, dk, dv]
-        mixed = self.in_proj_qkv(x)  # [T, C]
-        z = self.in_proj_z(x).view(T, self.hv, self.dv)  # [T, Hv, dv]
-        beta = torch.sigmoid(self.in_proj_b(x))  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [T, Hv]
+        if self.fused_in is not None:  # one GEMM for the four input projections
+            mixed, z, b, a = split_linear(x, self.fused_in, self.in_sizes)
+        else:
+            mixed, z = self.in_proj_qkv(x), self.in_proj_z(x)  # [T, C], [T, Hv·dv]
+            b, a = self.in_proj_b(x), self.in_proj_a(x)  # [T, Hv]
+        z = z.reshape(T, self.hv, self.dv)  # [T, Hv, dv]
+        g, beta = fast_ops.gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] each
         w = self.conv1d.weight[:, 0, :]  # [C, Kc]
 
         if batch.ctx is not None:  # decode-only step: state read and written in place
@@ -67,7 +77,8 @@ class GatedDeltaNet(nn.Module):
         cu = batch.cu
         decode, rows, slots = batch.decode_index(x.device)  # [D] packed rows, [D] state slots
         if decode:
-            window = torch.cat([conv_pool[slots], mixed[rows, :, None].to(conv_pool.dtype)], -1)  # [B,C,Kc]
+            window = torch.cat([conv_pool[slots], mixed[rows, :, None].to(conv_pool.dtype)],
+                               -1)  # [B, C, Kc]
             conv_pool[slots] = window[..., 1:]
             conv_out = F.silu((window.to(w.dtype) * w).sum(-1)).to(x.dtype)  # [B, C]
             q, k, v = self._split(conv_out)
@@ -78,7 +89,8 @@ class GatedDeltaNet(nn.Module):
             if batch.new_lens[b] == 1:
                 continue
             lo, hi, slot = cu[b], cu[b + 1], batch.state_slots[b]
-            xs = torch.cat([conv_pool[slot], mixed[lo:hi].t().to(conv_pool.dtype)], -1)  # [C, Kc-1+n]
+            xs = torch.cat([conv_pool[slot], mixed[lo:hi].t().to(conv_pool.dtype)],
+                           -1)  # [C, Kc-1+n]
             conv_pool[slot] = xs[:, -(self.kc - 1):]
             conv_out = F.silu(F.conv1d(xs[None].to(w.dtype), w[:, None, :],
                                        groups=self.conv_dim))[0].t().to(x.dtype)  # [n, C]

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.layers import fast_ops
-from freetoken.layers.linear import Linear
-from freetoken.models.config import ModelConfig
+from freetoken.layers.linear import Linear, fuse_linears, split_linear
+from freetoken.types.model_config import ModelConfig
 
 
 class MLP(nn.Module):
@@ -25,12 +25,21 @@ class MLP(nn.Module):
         self.gate_proj = Linear(hidden, inter, bias=False)
         self.up_proj = Linear(hidden, inter, bias=False)
         self.down_proj = Linear(inter, hidden, bias=False)
+        self.fused_gu: torch.Tensor | None = None  # see fuse_projections
+        self.inter = inter
+
+    def fuse_projections(self) -> None:
+        self.fused_gu = fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_gu is not None:
+            g, u = split_linear(x, self.fused_gu, [self.inter, self.inter])
+            return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def expert_group_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def expert_group_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+                         ) -> torch.Tensor:
     """One expert on the tokens routed to it. x [n, H]; gate_up [2I, H]; down [H, I] -> [n, H]."""
     gu = F.linear(x, gate_up)  # [n, 2I]
     i = gu.shape[-1] // 2
@@ -59,7 +68,7 @@ def gathered_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Ten
     return y
 
 
-def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor,
+def dispatch_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None = None,
                     bank_index: torch.Tensor | None = None, num_threads: int | None = None
                     ) -> torch.Tensor:
@@ -112,7 +121,7 @@ class FusedExperts(nn.Module):
         y = torch.zeros(T, K, x.shape[-1], dtype=x.dtype, device=x.device)  # [T, K, H]
         if fast_ops.fused_moe(x, topk_ids, self.gate_up_proj, self.down_proj, y) is not None:
             return y
-        return grouped_experts(x, topk_ids, self.gate_up_proj, self.down_proj, y)
+        return dispatch_experts(x, topk_ids, self.gate_up_proj, self.down_proj, y)
 
 
 class Router(nn.Module):
@@ -145,16 +154,20 @@ class MoEBlock(nn.Module):
             self.shared_expert_gate = Linear(H, 1, bias=False)
         self.route_hook = None  # callable(layer_id, topk_ids) for routing traces
 
-    def forward(self, x: torch.Tensor, row_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, H] -> [T, H]. `row_mask [T]` bool: rows that route (a graph bucket's padding
-        rows do not: their ids become -1, so they move no expert and compute none)."""
+    def forward(self, x: torch.Tensor, row_mask: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H] (plus `residual` [T, H] when given, merged in the same pass).
+        `row_mask [T]` bool: rows that route (a graph bucket's padding rows do not: their ids
+        become -1, so they move no expert and compute none)."""
         w, ids = self.gate(x)  # [T, K], [T, K]
         if row_mask is not None:
             ids = ids.masked_fill(~row_mask[:, None], -1)
         if self.route_hook is not None:
             self.route_hook(self.layer_id, ids)
         y = self.experts(self.layer_id, x, ids)  # [T, K, H] unweighted
-        out = (y * w[..., None]).sum(1)  # [T, H]
+        shared = gate = None
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+            shared, gate = self.shared_expert(x), self.shared_expert_gate(x)  # [T, H], [T, 1]
+        if residual is None:
+            residual = torch.zeros_like(x)
+        return fast_ops.moe_combine(y, w, residual, shared, gate)

@@ -14,7 +14,9 @@ class Rotary(nn.Module):
         self.inv_freq = inv
         self.rotary_dim = rotary_dim
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [T] -> cos, sin [T, rotary_dim]
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from freetoken.checkpoint.layout import expected_tensors
 from freetoken.log import get_logger, kv
-from freetoken.models.config import config_from_dict
-from freetoken.models.weights import expected_tensors
+from freetoken.types.model_config import config_from_dict
 
 log = get_logger("model")
 

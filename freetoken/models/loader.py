@@ -11,8 +11,8 @@ from freetoken.log import get_logger, kv
 
 if TYPE_CHECKING:
     from freetoken.experts.setup import MoEOptions
-from freetoken.models.config import ModelConfig, load_config
 from freetoken.models.qwen import QwenMoE
+from freetoken.types.model_config import ModelConfig, load_config
 
 log = get_logger("model")
 
@@ -44,7 +44,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None,
     model = build_model(cfg, tensors, "cpu", dtype)
     del tensors
     model.moe_runtime = configure_experts(model, moe or MoEOptions(), device, kv_reserve_bytes)
-    model = model.to(device)
+    model = model.to(device).fuse_projections()
     if torch.device(device).type == "cpu" or model.moe_runtime.backend in ("cpu", "hybrid", "auto"):
         # the C++ CPU kernels (decode linears, attention, experts) are built on first use, about
         # 10 s once per machine: now, rather than inside the first request

@@ -9,13 +9,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from freetoken.engine.forward_batch import Caches, ForwardBatch
+from freetoken.cache.tensors import Caches
 from freetoken.layers.attention import Attention
 from freetoken.layers.linear_attention import GatedDeltaNet
 from freetoken.layers.moe import MLP, MoEBlock
-from freetoken.layers.norm import RMSNorm
+from freetoken.layers.norm import RMSNorm, add_rmsnorm
 from freetoken.layers.rotary import Rotary
-from freetoken.models.config import ModelConfig
+from freetoken.types.forward_batch import ForwardBatch
+from freetoken.types.model_config import ModelConfig
 from kernels.cpu.linear_ops import small_linear
 
 
@@ -42,10 +43,10 @@ class DecoderLayer(nn.Module):
             h = self.linear_attn(h, batch, caches.state)
         else:
             h = self.self_attn(h, cos, sin, batch, caches.kv)
-        x = x + h
-        h = self.post_attention_layernorm(x)
-        if batch.ctx is not None and batch.ctx.row_mask is not None and self.is_moe:
-            return x + self.mlp(h, batch.ctx.row_mask)
+        h, x = add_rmsnorm(self.post_attention_layernorm, h, x)  # x += h; h = norm(x)
+        if self.is_moe:  # the block adds the residual itself (one fused pass on CUDA)
+            mask = batch.ctx.row_mask if batch.ctx is not None else None
+            return self.mlp(h, mask, residual=x)
         return x + self.mlp(h)
 
 
@@ -67,7 +68,19 @@ class QwenMoE(nn.Module):
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
 
     def output_embedding(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        return (
+            self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        )
+
+    def fuse_projections(self) -> QwenMoE:
+        """Concatenate the projections that read the same input (q/k/v; the four gated-DeltaNet
+        input projections; a shared expert's gate and up) into one weight each, the layers'
+        weights becoming views of it: one GEMM per group in every path. Call after the model is
+        on its device (moving it afterwards would copy the views apart)."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "fuse_projections"):
+                m.fuse_projections()
+        return self
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoEBlock)]

@@ -9,8 +9,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from freetoken.engine.api import EngineEvent, GenerateRequest
-from freetoken.engine.sampler import RequestSampler
+from freetoken.sampler import RequestSampler
+from freetoken.types.api import EngineEvent, GenerateRequest
 
 
 @dataclass

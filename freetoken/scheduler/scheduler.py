@@ -157,7 +157,9 @@ class Scheduler:
     def _preempt_newest(self, keep: set[int]) -> bool:
         for r in reversed(self.running):
             if id(r) not in keep:
-                log.info(kv("preempt", rid=r.rid, computed=r.computed, kv_free=self.kv_alloc.num_free))
+                log.info(
+                    kv("preempt", rid=r.rid, computed=r.computed, kv_free=self.kv_alloc.num_free)
+                )
                 self.release(r)
                 r.computed = 0
                 self.running.remove(r)

@@ -18,11 +18,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from freetoken.chat.output import FAMILIES
-from freetoken.engine.api import EngineClient
 from freetoken.log import get_logger, kv
 from freetoken.server import anthropic_routes, native_routes, openai_routes
 from freetoken.server.errors import APIError, error_response, request_family
 from freetoken.server.state import ServerState
+from freetoken.types.api import EngineClient
 
 log = get_logger("server")
 Handler = Callable[[Request], Awaitable[Response]]

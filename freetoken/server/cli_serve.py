@@ -23,7 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--strict-model", action="store_true",
                    help="answer 404 model_not_found to names not in --served-model-name "
                         "(default: any name is served)")
-    p.add_argument("--dtype", default="auto", help="weight/activation dtype (auto, bf16, fp16, fp32)")
+    p.add_argument(
+        "--dtype", default="auto", help="weight/activation dtype (auto, bf16, fp16, fp32)"
+    )
     p.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto")
     p.add_argument("--max-running", type=int, default=4, help="concurrently decoding requests")
     p.add_argument("--max-context", type=int, default=None,
@@ -32,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="KV pool size in tokens (default: what memory allows)")
     # The engine's own flag groups (MoE backend and expert cache, state slots, chunking,
     # checkpoint policy), shared with `ft agent-proxy --model`; `build_engine` reads them.
-    from freetoken.engine.options import add_cache_args, add_moe_args
+    from freetoken.cli_options import add_cache_args, add_moe_args
 
     add_moe_args(p)
     add_cache_args(p)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from freetoken.engine.api import AdmissionError
+from freetoken.types.api import AdmissionError
 
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",

@@ -15,17 +15,17 @@ from typing import Any, Protocol
 
 import anyio
 
-from freetoken.engine.api import (
+from freetoken.log import get_logger, kv
+from freetoken.server.errors import APIError
+from freetoken.server.stops import StopMatcher
+from freetoken.server.validation import CommonParams
+from freetoken.types.api import (
     AdmissionError,
     Anchor,
     EngineClient,
     GenerateRequest,
     SamplingParams,
 )
-from freetoken.log import get_logger, kv
-from freetoken.server.errors import APIError
-from freetoken.server.stops import StopMatcher
-from freetoken.server.validation import CommonParams
 
 log = get_logger("server")
 
@@ -134,7 +134,12 @@ async def drive(engine: EngineClient, pl: Plan, parser: Parser, stops: list[str]
                 yield Started(prompt_tokens, cached)
             ids = list(ev.token_ids)
             out_tokens += len(ids)
-            if ev.finished and ev.matched_stop_id is not None and ids and ids[-1] == ev.matched_stop_id:
+            if (
+                ev.finished
+                and ev.matched_stop_id is not None
+                and ids
+                and ids[-1] == ev.matched_stop_id
+            ):
                 ids = ids[:-1]  # the end-of-turn token is counted, never shown
             events = parser.push(ids) if ids else []
             if ev.finished:

@@ -21,13 +21,13 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from freetoken.engine.api import Anchor
 from freetoken.log import get_logger, kv
 from freetoken.server.errors import APIError, error_body
 from freetoken.server.generation import Plan, new_id, plan, session_key_from
 from freetoken.server.sse import TICK, EventStreamResponse, sse, sse_comment, with_ticks
 from freetoken.server.state import ServerState
 from freetoken.server.validation import CommonParams, common_params, opt_dict, opt_str, read_json
+from freetoken.types.api import Anchor
 
 log = get_logger("server")
 KEEPALIVE_S = 10.0
@@ -47,8 +47,8 @@ async def stats(request: Request) -> Response:
 
 
 async def control_experts(request: Request) -> Response:
-    from freetoken.engine.api import AdmissionError
     from freetoken.engine.core import ResizeError
+    from freetoken.types.api import AdmissionError
 
     st: ServerState = request.app.state.ft
     body = await read_json(request)

@@ -186,9 +186,11 @@ def tool_choice(v: Any, names: list[str], family: str) -> str:
         return "auto"
     if family == "openai":
         if isinstance(v, str):
-            _need(v in ("auto", "none", "required"),
-                  f"'tool_choice' must be 'auto', 'none', 'required' or a named function, got {v!r}",
-                  "tool_choice")
+            _need(
+                v in ("auto", "none", "required"),
+                f"'tool_choice' must be 'auto', 'none', 'required' or a named function, got {v!r}",
+                "tool_choice",
+            )
             return v
         _need(isinstance(v, dict) and v.get("type") == "function"
               and isinstance(v.get("function"), dict), "'tool_choice' must be a string or "

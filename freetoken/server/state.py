@@ -11,9 +11,9 @@ import jinja2
 from anyio import to_thread
 
 from freetoken.chat import ChatInputError, OutputParser, TemplateInput
-from freetoken.engine.api import EngineClient
 from freetoken.server.errors import APIError
 from freetoken.server.validation import req_str
+from freetoken.types.api import EngineClient
 
 
 @dataclass

@@ -76,7 +76,7 @@ def detect_isa(flags: set[str] | None = None) -> str:
     if platform.machine() not in ("x86_64", "AMD64"):
         return "scalar"
     f = cpu_flags() if flags is None else flags
-    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"} <= f
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"} <= f
     if avx512 and "avx512_bf16" in f:
         return "avx512bf16"
     if avx512:

@@ -24,8 +24,8 @@ MAX_ROWS = {torch.float32: 16, torch.bfloat16: 2}
 
 def small_linear(x: Tensor, weight: Tensor, num_threads: int | None = None) -> Tensor:
     """F.linear(x, weight) (no bias) for x [..., K]; through the kernel when x and weight are
-    on the CPU, x has at most MAX_ROWS[weight dtype] rows, the weight is contiguous fp32 or bf16 of at least
-    MIN_WEIGHT_BYTES and the kernel is available; else torch. The result has x's dtype,
+    on the CPU, x has at most MAX_ROWS[weight dtype] rows, the weight is contiguous fp32 or bf16
+    of at least MIN_WEIGHT_BYTES and the kernel is available; else torch. The result has x's dtype,
     accumulated in fp32."""
     if weight.numel() * weight.element_size() < MIN_WEIGHT_BYTES or x.device.type != "cpu":
         return F.linear(x, weight)

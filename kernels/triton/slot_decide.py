@@ -25,8 +25,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from freetoken.experts.residency import Decision, ResidencyTable, fetch_capacity
-
 _EXCLUDED = tl.constexpr(2**62)
 
 
@@ -109,17 +107,20 @@ def _pow2(n: int) -> int:
 
 
 def slot_decide(
-    table: ResidencyTable, layer: int, topk_ids: Tensor, num_fetch: int | Tensor = -1
-) -> Decision:
-    """Launch the decision kernel for `topk_ids [T, K]`; updates `table` in place on its device.
+    slot_owner: Tensor, expert_slot: Tensor, slot_last_use: Tensor, clock: Tensor,
+    num_experts: int, layer: int, topk_ids: Tensor, num_fetch: int | Tensor, fetch_cap: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Launch the decision kernel for `topk_ids [T, K]` over one residency table's tensors
+    (`slot_owner [S]`, `expert_slot [L*E]`, `slot_last_use [S]`, `clock [1]`, all on one device),
+    updating them in place. Returns `(slot_ids [T, K], cpu_mask [T, K], fetch_experts [F],
+    fetch_slots [F], counters [3])` with F = `fetch_cap`; `ResidencyTable.decide` wraps them.
 
-    `num_fetch` may be a python int or a 0-d/1-element int tensor on the table's device.
+    `num_fetch` may be a python int or a 0-d/1-element int tensor on the tables' device.
     """
-    dev = table.device
-    E, S = table.num_experts, table.num_slots
+    dev = slot_owner.device
+    E, S, F = num_experts, int(slot_owner.numel()), fetch_cap
     ids = topk_ids.to(device=dev, dtype=torch.int64).contiguous()  # [T, K]
     T, K = ids.shape
-    F = fetch_capacity(T, K, E, S)
     if isinstance(num_fetch, Tensor):
         nf = num_fetch.to(device=dev, dtype=torch.int64).reshape(1)  # [1]
     else:
@@ -131,10 +132,10 @@ def slot_decide(
     counters = torch.empty((3,), dtype=torch.int64, device=dev)  # [3]
     block_s = _pow2(S)
     _slot_decide_kernel[(1,)](
-        ids, nf, table.slot_owner, table.expert_slot, table.slot_last_use, table.clock,
+        ids, nf, slot_owner, expert_slot, slot_last_use, clock,
         slot_ids, cpu_mask, fetch_e, fetch_s, counters,
         layer, T * K, E, S, F,
         BLOCK_TK=min(_pow2(T * K), 32), BLOCK_E=_pow2(E), BLOCK_S=block_s, BLOCK_F=_pow2(F),
         num_warps=8 if block_s >= 2048 else 4,
     )
-    return Decision(slot_ids, cpu_mask, fetch_e, fetch_s, counters)
+    return slot_ids, cpu_mask, fetch_e, fetch_s, counters

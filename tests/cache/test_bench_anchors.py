@@ -13,7 +13,7 @@ from freetoken.bench.anchor_sim import (
 )
 from freetoken.cache import create_policy
 from freetoken.cli import main
-from freetoken.engine.api import Anchor
+from freetoken.types.api import Anchor
 
 TRACES = Path(__file__).parents[1] / "data" / "harness_traces"
 

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from freetoken.cache import CLASS_RANK, available_policies, create_policy
-from freetoken.engine.api import Anchor
+from freetoken.types.api import Anchor
 
 
 def test_registry() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from freetoken.chat import ChatTokenizer, anthropic_to_template, detect_anchors, openai_to_template
-from freetoken.engine.api import Anchor
+from freetoken.types.api import Anchor
 
 _TAGS = {"<think>": "think_start", "</think>": "think_end", "<tool_call>": "tool_call_start",
          "<tool_response>": "tool_result_start", "</tool_response>": "tool_result_end"}

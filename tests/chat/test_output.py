@@ -23,14 +23,17 @@ from freetoken.chat.tool_parsers import (
     tool_schemas,
 )
 
-TOOLS = [{"type": "function", "function": {"name": "edit", "parameters": {"type": "object", "properties": {
+TOOLS = [{"type": "function", "function": {"name": "edit", "parameters": {
+    "type": "object", "properties": {
     "path": {"type": "string"}, "line": {"type": "integer"}, "force": {"type": "boolean"},
     "tags": {"type": "array"}, "note": {"type": ["string", "null"]}}}}}]
 BASH = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la 東京"}}\n</tool_call>'
-XML = ("<tool_call>\n<function=edit>\n<parameter=path>\n007.txt\n</parameter>\n<parameter=line>\n12\n"
-       "</parameter>\n<parameter=force>\ntrue\n</parameter>\n<parameter=tags>\n[\"a\", 1]\n</parameter>\n"
+XML = ("<tool_call>\n<function=edit>\n<parameter=path>\n007.txt\n</parameter>\n"
+       "<parameter=line>\n12\n</parameter>\n<parameter=force>\ntrue\n</parameter>\n"
+       "<parameter=tags>\n[\"a\", 1]\n</parameter>\n"
        "<parameter=body>\nline1\n\nline2 < 3\n</parameter>\n</function>\n</tool_call>")
-XML_ARGS = {"path": "007.txt", "line": 12, "force": True, "tags": ["a", 1], "body": "line1\n\nline2 < 3"}
+XML_ARGS = {"path": "007.txt", "line": 12, "force": True, "tags": ["a", 1],
+            "body": "line1\n\nline2 < 3"}
 R, T = ReasoningDelta, TextDelta
 
 
@@ -48,12 +51,16 @@ CASES: list[tuple[str, dict[str, Any], str, list[OutEvent]]] = [
     ("text_and_two_calls", {}, "<think>\nr\n</think>\n\nI'll list.\n" + BASH + "\n" + BASH,
      [R("r"), T("I'll list."), tc(0, "bash", {"command": "ls -la 東京"}),
       tc(1, "bash", {"command": "ls -la 東京"})]),
-    ("xml_with_schema", {"family": "qwen3_5"}, "Editing.\n\n" + XML, [T("Editing."), tc(0, "edit", XML_ARGS)]),
-    ("call_inside_reasoning", {"starts_in_reasoning": True}, "hmm\n" + BASH + "\nmore\n</think>\n\nok",
+    ("xml_with_schema", {"family": "qwen3_5"}, "Editing.\n\n" + XML,
+     [T("Editing."), tc(0, "edit", XML_ARGS)]),
+    ("call_inside_reasoning", {"starts_in_reasoning": True},
+     "hmm\n" + BASH + "\nmore\n</think>\n\nok",
      [R("hmm"), tc(0, "bash", {"command": "ls -la 東京"}), R("more"), T("ok")]),
-    ("malformed_json_call", {}, 'A\n<tool_call>\n{"name": "bash", "arguments": {oops}\n</tool_call>',
+    ("malformed_json_call", {},
+     'A\n<tool_call>\n{"name": "bash", "arguments": {oops}\n</tool_call>',
      [T('A<tool_call>\n{"name": "bash", "arguments": {oops}\n</tool_call>')]),
-    ("malformed_in_reasoning", {"starts_in_reasoning": True}, "<tool_call>nope</tool_call></think>x",
+    ("malformed_in_reasoning", {"starts_in_reasoning": True},
+     "<tool_call>nope</tool_call></think>x",
      [R("<tool_call>nope</tool_call>"), T("x")]),
     ("unterminated_complete_call", {}, '<tool_call>\n{"name": "f", "arguments": {}}\n',
      [tc(0, "f", {})]),
@@ -61,7 +68,8 @@ CASES: list[tuple[str, dict[str, Any], str, list[OutEvent]]] = [
      [T('<tool_call>\n{"name": "f", "argu')]),
     ("tag_lookalikes", {"thinking": False}, "Use <tool> & <thin> tags; 3 < 4 </think",
      [T("Use <tool> & <thin> tags; 3 < 4 </think")]),
-    ("late_think_is_text", {}, "Answer <think>not reasoning</think>", [T("Answer <think>not reasoning</think>")]),
+    ("late_think_is_text", {}, "Answer <think>not reasoning</think>",
+     [T("Answer <think>not reasoning</think>")]),
     ("trailing_partial_tag", {}, "ends with <tool_ca", [T("ends with <tool_ca")]),
 ]
 
@@ -80,7 +88,8 @@ def merged(events: list[OutEvent]) -> list[OutEvent]:
     return out
 
 
-def run_ids(tok: ChatTokenizer, ids: list[int], kw: dict[str, Any], sizes: list[int]) -> list[OutEvent]:
+def run_ids(tok: ChatTokenizer, ids: list[int], kw: dict[str, Any],
+            sizes: list[int]) -> list[OutEvent]:
     p = OutputParser(tok, tools=TOOLS, **kw)
     events, i, k = [], 0, 0
     while i < len(ids):
@@ -144,13 +153,16 @@ def test_tool_parsers_directly() -> None:
     schemas = tool_schemas(TOOLS)
     assert parse_json_call('{"name": "f", "arguments": "{\\"a\\": 1}"}') == ("f", '{"a": 1}')
     assert parse_json_call('{"name": "f", "parameters": {"a": [1]}}') == ("f", '{"a": [1]}')
-    for bad in ('{"arguments": {}}', '{"name": "f", "arguments": [1]}', '["f"]', "{", '{"name": ""}'):
+    for bad in ('{"arguments": {}}', '{"name": "f", "arguments": [1]}', '["f"]', "{",
+                '{"name": ""}'):
         assert parse_json_call(bad) is None
-    body = "<function=edit>\n<parameter=path>\n12\n</parameter>\n<parameter=note>\nnull\n</parameter>\n</function>"
+    body = ("<function=edit>\n<parameter=path>\n12\n</parameter>\n<parameter=note>\nnull\n"
+            "</parameter>\n</function>")
     assert parse_xml_call(body, schemas) == ("edit", '{"path": "12", "note": null}')
     assert parse_xml_call(body) == ("edit", '{"path": 12, "note": null}')  # no schema: JSON first
     # missing </parameter> and </function> are tolerated; stray text is not
-    assert parse_xml_call("<function=f>\n<parameter=a>\nx\n<parameter=b>\n2\n") == ("f", '{"a": "x", "b": 2}')
+    assert parse_xml_call("<function=f>\n<parameter=a>\nx\n<parameter=b>\n2\n") == (
+        "f", '{"a": "x", "b": 2}')
     assert parse_xml_call("<function=f>\njunk\n<parameter=a>\n1\n</parameter>\n</function>") is None
     assert parse_xml_call("<function=f>\n</function>\ntrailing") is None
     assert parse_tool_call("\n<function=g>\n</function>\n") == ("g", "{}")

@@ -14,7 +14,8 @@ from freetoken.chat import ChatInputError, ChatTokenizer, anthropic_to_template,
 TOOLS = [
     {"type": "function", "function": {"name": "bash", "description": "Run a shell command",
                                       "parameters": {"type": "object", "properties": {
-                                          "command": {"type": "string"}}, "required": ["command"]}}},
+                                          "command": {"type": "string"}},
+                                      "required": ["command"]}}},
     {"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}},
 ]
 CALL = {"id": "c1", "type": "function",
@@ -43,7 +44,8 @@ def test_loads_real_qwen3(tok: ChatTokenizer) -> None:
     assert tok.decode([151644, 872]) == "<|im_start|>user"
 
 
-@pytest.mark.parametrize("text", ["Hello world", "  leading\n\n\tspaces ", "\u4e2d\u6587\u6d4b\u8bd5 \U0001f600",
+@pytest.mark.parametrize("text", ["Hello world", "  leading\n\n\tspaces ",
+                                  "\u4e2d\u6587\u6d4b\u8bd5 \U0001f600",
                                   "<|im_start|>assistant\n<think>\nhm</think>\n\n<tool_call>",
                                   "<|endoftext|>x<|im_end|>"])
 def test_encode_decode_match_transformers(tok: ChatTokenizer, hf_tok: Any, text: str) -> None:
@@ -100,10 +102,29 @@ def test_keep_all_reasoning_is_append_only(tok: ChatTokenizer) -> None:
     assert "<think>\nold style\n</think>\n\nYou're welcome." in full
 
 
-def test_prompt_opens_reasoning(tok: ChatTokenizer) -> None:
+# The generation prompt of the Qwen3.5/3.6 templates: reasoning is pre-opened unless disabled.
+PREOPEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}")
+
+
+def test_prompt_opens_reasoning(tok: ChatTokenizer, qwen_dir: Path, tmp_path: Path) -> None:
+    """Both answers, on the rendered text: Qwen3's template never pre-opens `<think>`; a template
+    that does (Qwen3.5/3.6) opens it unless thinking is off, which closes the block instead.
+    Bug it catches: a parser started outside reasoning on a pre-opened prompt shows the model's
+    reasoning as answer text."""
     msgs = [{"role": "user", "content": "hi"}]
-    assert not tok.apply(msgs).opens_reasoning
-    assert not tok.apply(msgs, enable_thinking=False).opens_reasoning
+    for thinking in (None, True, False):
+        p = tok.apply(msgs, enable_thinking=thinking)
+        assert not p.opens_reasoning and not p.text.rstrip().endswith("<think>")
+    pre = ChatTokenizer.from_dir(_copy_dir(qwen_dir, tmp_path / "pre",
+                                           {"chat_template": PREOPEN_TEMPLATE}))
+    for thinking, opens in ((None, True), (True, True), (False, False)):
+        p = pre.apply(msgs, enable_thinking=thinking)
+        assert p.text.endswith("<think>\n\n</think>\n\n" if not opens else "<think>\n")
+        assert p.opens_reasoning is opens
 
 
 def _copy_dir(src: Path, dst: Path, config_edit: dict[str, Any] | None = None) -> Path:
@@ -124,7 +145,8 @@ def test_generation_config_eos(qwen_dir: Path, tmp_path: Path) -> None:
     assert ChatTokenizer.from_dir(d).eos_token_ids == [151643, 151645]
 
 
-def test_template_file_fallback_and_missing(qwen_dir: Path, tmp_path: Path, tok: ChatTokenizer) -> None:
+def test_template_file_fallback_and_missing(qwen_dir: Path, tmp_path: Path,
+                                            tok: ChatTokenizer) -> None:
     d = _copy_dir(qwen_dir, tmp_path / "b", {"chat_template": None})
     with pytest.raises(ChatInputError):
         ChatTokenizer.from_dir(d).render([{"role": "user", "content": "x"}])

@@ -21,7 +21,9 @@ def _cached(r: httpx.Response, path: str) -> tuple[int, int]:
         for line in text.splitlines():
             if line.startswith("data: ") and '"message_start"' in line:
                 u = json.loads(line[6:])["message"]["usage"]
-                return u["cache_read_input_tokens"], u["input_tokens"] + u["cache_read_input_tokens"]
+                return u["cache_read_input_tokens"], u["input_tokens"] + u[
+                    "cache_read_input_tokens"
+                ]
         u = r.json()["usage"]
         return u["cache_read_input_tokens"], u["input_tokens"] + u["cache_read_input_tokens"]
     for line in reversed(text.splitlines()):

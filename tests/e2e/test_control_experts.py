@@ -11,13 +11,13 @@ import torch
 from server_helpers import Server
 
 from freetoken.chat import ChatTokenizer
-from freetoken.engine.api import SamplingParams
 from freetoken.engine.async_engine import AsyncEngine
 from freetoken.engine.core import EngineCore
 from freetoken.engine.generate import generate
 from freetoken.experts.setup import MoEOptions
 from freetoken.models.loader import load_model
 from freetoken.server import create_app
+from freetoken.types.api import SamplingParams
 
 IDS = list(range(1000, 1040))
 
@@ -56,7 +56,12 @@ def _resize(url: str, **body: object) -> httpx.Response:
 def test_resize_keeps_results(offload) -> None:
     server, model, want = offload
     assert _tokens(server.url) == want
-    for body, n in (({"slots": 3}, 3), ({"rate": 0.5}, 16), ({"mem": 10**9}, 32), ({"slots": 6}, 6)):
+    for body, n in (
+        ({"slots": 3}, 3),
+        ({"rate": 0.5}, 16),
+        ({"mem": 10**9}, 32),
+        ({"slots": 6}, 6),
+    ):
         r = _resize(server.url, **body)
         assert r.status_code == 200, r.text
         assert r.json()["slots"] == n and model.moe_runtime.cache.num_slots == n

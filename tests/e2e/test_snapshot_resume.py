@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from freetoken.cache import StateOp
+from freetoken.cache.tensors import Caches, KVPool, StateTensors
 from freetoken.chat import ChatTokenizer
 from freetoken.engine.cache_ops import CacheOps, HostStates
-from freetoken.engine.forward_batch import Caches, ForwardBatch, KVPool, StateTensors
 from freetoken.models.loader import load_model
+from freetoken.types.forward_batch import ForwardBatch
 
 TOOLS = [{"type": "function", "function": {
     "name": "read", "description": "Read a file",

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.engine.api import GenerateRequest, SamplingParams
 from freetoken.engine.core import EngineCore
 from freetoken.engine.graph_runner import buckets_for
 from freetoken.models.loader import load_model
+from freetoken.types.api import GenerateRequest, SamplingParams
 
 
 def _prompt(vocab: int, n: int, seed: int) -> list[int]:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.engine.api import Anchor, EngineEvent, GenerateRequest, SamplingParams
 from freetoken.engine.core import EngineCore
 from freetoken.engine.generate import generate
 from freetoken.models.loader import load_model
+from freetoken.types.api import Anchor, EngineEvent, GenerateRequest, SamplingParams
 
 
 def _prompt(vocab: int, n: int, seed: int) -> list[int]:

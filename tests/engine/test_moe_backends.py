@@ -5,17 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.engine.api import SamplingParams
-from freetoken.engine.forward_batch import Caches, ForwardBatch, KVPool, StateTensors
+from freetoken.cache.tensors import Caches, KVPool, StateTensors
 from freetoken.engine.generate import generate
 from freetoken.experts.setup import MoEOptions
 from freetoken.models.loader import load_model
+from freetoken.types.api import SamplingParams
+from freetoken.types.forward_batch import ForwardBatch
 
 
 def _logits(model, ids: list[int]) -> torch.Tensor:
     cfg = model.cfg
     c = Caches(KVPool(cfg, 128, torch.float32, "cpu"),
-               StateTensors(cfg, 1, torch.float32, "cpu") if cfg.is_hybrid else None)
+               StateTensors(cfg, 1, torch.float32, "cpu") if cfg.has_linear_attention else None)
     out = [model(ForwardBatch.single(ids[:40], 0, torch.arange(40), 0, all_logits=True), c)]
     for t in range(40, len(ids)):  # decode steps: batch-1 routing, the offload regime
         out.append(model(ForwardBatch.single([ids[t]], t, torch.arange(t + 1), 0), c))
@@ -101,7 +102,7 @@ def test_auto_guard_keeps_a_faster_choice() -> None:
 
 def test_gathered_decode_path_matches_grouped() -> None:
     """The CUDA decode path (gathered bmm, no host sync) against the grouped path, on CPU."""
-    from freetoken.layers.moe import gathered_experts, grouped_experts
+    from freetoken.layers.moe import dispatch_experts, gathered_experts
 
     g = torch.Generator().manual_seed(0)
     E, H, I, T, K = 6, 32, 16, 3, 4
@@ -111,7 +112,7 @@ def test_gathered_decode_path_matches_grouped() -> None:
     ids[1, 2] = -1  # a CPU-flagged entry in slot terms
     mask = torch.rand(T, K, generator=g) > 0.3
     base = torch.full((T, K, H), 7.0)
-    want = grouped_experts(x, ids.clamp(min=0), gu, dn, base.clone(), mask=mask & (ids >= 0))
+    want = dispatch_experts(x, ids.clamp(min=0), gu, dn, base.clone(), mask=mask & (ids >= 0))
     got = gathered_experts(x, ids, gu, dn, base.clone(), mask=mask)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(got[~(mask & (ids >= 0))], base[~(mask & (ids >= 0))])
@@ -155,7 +156,7 @@ def test_cpu_branch_thread_count(tiny_hf, monkeypatch, dtype: torch.dtype) -> No
 def test_profile_thread_mismatch_is_logged(tiny_hf, caplog) -> None:
     """B_H was measured with some thread count; a CPU branch run with another count gets a
     q* from the wrong B_H, and says so in one log line."""
-    from freetoken.experts.policy import BandwidthProfile
+    from freetoken.experts.cost_model import BandwidthProfile
     from freetoken.experts.setup import configure_experts
 
     d = tiny_hf("qwen3_5_moe")

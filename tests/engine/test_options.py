@@ -6,7 +6,7 @@ import argparse
 import pytest
 import torch
 
-from freetoken.engine.options import (
+from freetoken.cli_options import (
     _size,
     add_cache_args,
     add_moe_args,
@@ -14,7 +14,7 @@ from freetoken.engine.options import (
     moe_options,
     resolve_dtype,
 )
-from freetoken.models.shapes import shape_config
+from freetoken.models.presets import preset_config
 
 
 def test_sizes_and_dtypes() -> None:
@@ -25,15 +25,65 @@ def test_sizes_and_dtypes() -> None:
         resolve_dtype("int4")
 
 
-def test_moe_flags_and_default_backend() -> None:
+# Qwen3.6-35B-A3B in bf16, by hand: 40 MoE layers x 256 experts x 3*2048*512 weights x 2 bytes,
+# and K+V of 10 full-attention layers x 2 KV heads x 256 dims x 2 bytes per token.
+QWEN36_EXPERT_BYTES = 40 * 256 * 3 * 2048 * 512 * 2  # 64.4 GB
+QWEN36_KV_BYTES_PER_TOKEN = 2 * 10 * 2 * 256 * 2  # 20 KiB
+
+
+def test_default_backend_is_fused_only_when_everything_fits(monkeypatch) -> None:
+    """On a GPU: `fused` when the experts, the rest of the model and the KV floor fit in 90% of
+    the free memory, else `auto`; on the CPU always `fused` (host RAM holds the experts anyway)."""
+    cfg = preset_config("qwen3.6-35b-a3b")
+    free = {"bytes": 0}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 0))
+
+    def choice(free_bytes: float, reserve: int = 8192) -> str:
+        free["bytes"] = int(free_bytes)
+        return default_backend(cfg, torch.bfloat16, "cuda", reserve)
+
+    assert choice(QWEN36_EXPERT_BYTES * 0.9) == "auto"  # not even the experts fit
+    assert choice(2 * QWEN36_EXPERT_BYTES) == "fused"
+    # find the smallest free memory that still gives fused, then show the KV floor counts
+    lo, hi = QWEN36_EXPERT_BYTES, 2 * QWEN36_EXPERT_BYTES
+    while hi - lo > 2**20:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if choice(mid) == "fused" else (mid, hi)
+    assert hi > QWEN36_EXPERT_BYTES / 0.9  # the experts alone need more than that
+    floor_tokens = 4 * 2**30 // QWEN36_KV_BYTES_PER_TOKEN  # a 4 GiB floor
+    assert choice(hi + 2**20, 8192) == "fused" and choice(hi + 2**20, floor_tokens) == "auto"
+    assert choice(hi + 2**20 + 4 * 2**30 / 0.9, floor_tokens) == "fused"
+    assert default_backend(cfg, torch.bfloat16, "cpu", 8192) == "fused"
+
+
+def test_moe_flags_reach_the_options() -> None:
     p = argparse.ArgumentParser()
     add_moe_args(p)
     add_cache_args(p)
-    a = p.parse_args(["--moe-cache-rate", "0.37", "--moe-cpu-layers", "2"])
-    assert a.moe_backend is None  # resolved at load time
-    o = moe_options(a, default_backend(shape_config("qwen3.6-35b-a3b"), torch.bfloat16, "cpu",
-                                       a.kv_reserve_tokens))
-    assert (o.backend, o.cache_rate, o.cpu_layers, o.kv_reserve_tokens) == ("fused", 0.37, 2, 8192)
+    a = p.parse_args(["--moe-cache-rate", "0.37", "--moe-cpu-layers", "2",
+                      "--kv-reserve-tokens", "100", "--moe-hybrid-max-fetch", "3"])
+    assert a.moe_backend is None  # resolved at load time, by default_backend
+    o = moe_options(a, "auto")
+    assert (o.backend, o.cache_rate, o.cpu_layers, o.kv_reserve_tokens, o.hybrid_max_fetch) == (
+        "auto", 0.37, 2, 100, 3)
     assert moe_options(p.parse_args(["--moe-backend", "hybrid"])).backend == "hybrid"
+    assert moe_options(p.parse_args(["--moe-cache-mem", "2GiB"]), "cpu").cache_mem == 2 * 2**30
     with pytest.raises(ValueError):
         moe_options(p.parse_args(["--moe-cache-rate", "1.5"]))
+
+
+def test_kv_pool_tokens_reserve_is_a_floor() -> None:
+    """`--kv-reserve-tokens` is a floor (DESIGN §4), not a ceiling: with a slot cache on the GPU,
+    KV gets at least the floor and any memory the cache left beyond it, less the workspace
+    margin. Bug it catches: the pool was sized to exactly the floor, wasting the rest of VRAM."""
+    from freetoken.engine.async_engine import kv_pool_tokens
+    from freetoken.experts.setup import WORKSPACE_MARGIN_BYTES as M
+
+    per, ctx = 1000, 10**6
+    assert kv_pool_tokens(ctx, per, "cuda", 8192 * per + M, 8192) == 8192
+    assert kv_pool_tokens(ctx, per, "cuda", 50_000 * per + M, 8192) == 50_000
+    assert kv_pool_tokens(ctx, per, "cuda", 100 * per, 8192) == 8192  # floor kept when short
+    assert kv_pool_tokens(ctx, per, "cuda", 50_000 * per) == 45_000  # fused: 90% of free
+    assert kv_pool_tokens(ctx, per, "cpu", 40_000 * per) == 10_000  # a quarter of the RAM
+    assert kv_pool_tokens(4096, per, "cpu", 10**12) == 4096  # never more than the context
+    assert kv_pool_tokens(ctx, per, "cpu", 0) == 1024  # never under 1024

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from freetoken.engine.api import SamplingParams
-from freetoken.engine.sampler import RequestSampler
+from freetoken.sampler import RequestSampler
+from freetoken.types.api import SamplingParams
 
 
 def reference(logits: list[float], t: float, top_k: int, top_p: float) -> list[float]:

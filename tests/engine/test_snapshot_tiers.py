@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.engine.api import Anchor, GenerateRequest, SamplingParams
+from freetoken.cache.tensors import StateTensors
 from freetoken.engine.core import EngineCore
-from freetoken.engine.forward_batch import StateTensors
 from freetoken.engine.generate import generate
 from freetoken.models.loader import load_model
 from freetoken.scheduler.request import Request
 from freetoken.scheduler.scheduler import Scheduler
+from freetoken.types.api import Anchor, GenerateRequest, SamplingParams
 
 
 def _prompt(vocab: int, n: int, seed: int) -> list[int]:

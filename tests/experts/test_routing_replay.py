@@ -8,23 +8,21 @@ import numpy as np
 import pytest
 import torch
 
-from freetoken.experts import cli_bench
-from freetoken.experts.replay import FastLru, lru_miss_rate, replay
-from freetoken.experts.residency import ResidencyTable
-from freetoken.experts.routing import (
+from freetoken.bench import cli_routing as cli_bench
+from freetoken.bench.replay import FastLru, lru_miss_rate, replay
+from freetoken.bench.routing import (
     CALIBRATION_CAPACITY,
     CALIBRATION_STEPS,
     CALIBRATION_TARGET_MISS,
     CALIBRATION_WARMUP,
     QWEN36_SHAPE,
-    SHARED_TRACE_DIR,
     SYNTH_LOCALITY_QWEN36,
-    RoutingRecorder,
-    RoutingTrace,
-    load_trace,
     synthetic_routing,
     synthetic_trace,
 )
+from freetoken.experts.record import SHARED_TRACE_DIR, RoutingRecorder, RoutingTrace, load_trace
+from freetoken.experts.residency import ResidencyTable
+from tests.experts.lru_model import LruModel
 
 
 def test_recorder_round_trip(tmp_path) -> None:
@@ -138,7 +136,24 @@ def test_static_policies_against_plain_loops() -> None:
     assert replay(tr, "prefill_hot", L * E) == 0.0 == replay(tr, "static_layers", L * E)
 
 
+def _lru_model_miss_rate(decode: np.ndarray, prefill: np.ndarray, E: int, slots: int) -> float:
+    """The oracle: the OrderedDict LRU model, seeded token by token with the prompt, then the
+    decode steps counted (each distinct expert of a layer's step once)."""
+    lru = LruModel(E, slots)
+    for t in range(prefill.shape[1]):
+        for layer in range(prefill.shape[0]):
+            lru.step(layer, [prefill[layer, t].tolist()], -1)
+    misses = total = 0
+    for step in decode:
+        for layer, ids in enumerate(step):
+            _, _, _, (h, m, _) = lru.step(layer, [ids.tolist()], -1)
+            misses, total = misses + m, total + h + m
+    return misses / total
+
+
 def test_cli_json(tmp_path, capsys) -> None:
+    """`ft bench routing --json` on a recorded file: LRU miss rates equal an independent LRU
+    model's, a full-capacity static split never misses, `uniform` is 1 - capacity."""
     tr = synthetic_routing(2, 8, 2, 20, 0.5, prompt_tokens=5)
     rec = RoutingRecorder(2, 8, 2)
     for layer in range(2):
@@ -150,9 +165,13 @@ def test_cli_json(tmp_path, capsys) -> None:
     parser = argparse.ArgumentParser()
     cli_bench.register(parser.add_subparsers())
     args = parser.parse_args(["routing", "--trace", str(tmp_path / "s.npz"),
-                              "--capacities", "0.25,1.0", "--json"])
+                              "--capacities", "0.25,0.5,1.0", "--json"])
     assert args.func(args) == 0
     out = json.loads(capsys.readouterr().out)
-    assert [r["slots"] for r in out["rows"]] == [4, 16]
-    assert out["rows"][1]["static_layers"] == 0.0
-    assert out["rows"][0]["lru"] == replay(tr, "lru", 4)
+    assert [r["slots"] for r in out["rows"]] == [4, 8, 16]
+    assert [r["uniform"] for r in out["rows"]] == [0.75, 0.5, 0.0]
+    assert out["rows"][2]["static_layers"] == 0.0
+    for row in out["rows"]:
+        want = _lru_model_miss_rate(tr.decode[0], tr.prefill[0], 8, row["slots"])
+        assert row["lru"] == pytest.approx(want, abs=1e-12)
+    assert out["rows"][0]["lru"] > out["rows"][1]["lru"]  # the trace is not degenerate

@@ -65,8 +65,9 @@ def test_kernel_chunks_long_id_lists() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_realistic_shapes_gpu() -> None:
-    """Qwen3.6-sized pool (40 x 256, top-8) at 37% capacity, batch 4: GPU kernel == CPU reference."""
-    from freetoken.experts.routing import synthetic_trace
+    """Qwen3.6-sized pool (40 x 256, top-8) at 37% capacity, batch 4: GPU kernel == CPU
+    reference."""
+    from freetoken.bench.routing import synthetic_trace
 
     L, E, K, S, B = 40, 256, 8, 3789, 4
     trace = torch.from_numpy(synthetic_trace(L, E, K, 12 * B, 0.583, seed=3))  # [steps, L, K]
@@ -86,7 +87,7 @@ def test_kernel_realistic_shapes_gpu() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_decide_step_replays_from_cuda_graph() -> None:
     """A whole decode step's decisions (every layer) captured once, replayed on new routing."""
-    from freetoken.experts.routing import synthetic_trace
+    from freetoken.bench.routing import synthetic_trace
 
     L, E, K, S = 6, 64, 8, 100
     trace = torch.from_numpy(synthetic_trace(L, E, K, 20, 0.5, seed=9))  # [steps, L, K]

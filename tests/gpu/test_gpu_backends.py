@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.engine.api import SamplingParams
 from freetoken.engine.generate import generate
 from freetoken.experts.setup import MoEOptions
 from freetoken.models.loader import load_model
+from freetoken.types.api import SamplingParams
 from tests.models.fixtures import hf_reference
 
 
@@ -32,7 +32,8 @@ def test_backend_bf16_on_gpu(tiny_hf, backend: str) -> None:
     tokens are identical. The CPU branch accumulates in fp32 and keeps fp32 activations where
     cuBLAS rounds them to bf16, so a random-weight model's near-tied argmax can flip: there we
     teacher-force the fused tokens and require near-total top-1 agreement and close logits."""
-    from freetoken.engine.forward_batch import Caches, ForwardBatch, KVPool, StateTensors
+    from freetoken.cache.tensors import Caches, KVPool, StateTensors
+    from freetoken.types.forward_batch import ForwardBatch
 
     d = tiny_hf("qwen3_5_moe")
     prompt = list(range(3, 40))
@@ -62,7 +63,8 @@ def test_backend_bf16_on_gpu(tiny_hf, backend: str) -> None:
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_next", "qwen3_5_moe"])
 def test_cuda_logits_match_transformers(tiny_hf, kind: str) -> None:
-    from freetoken.engine.forward_batch import Caches, ForwardBatch, KVPool, StateTensors
+    from freetoken.cache.tensors import Caches, KVPool, StateTensors
+    from freetoken.types.forward_batch import ForwardBatch
 
     d = tiny_hf(kind)
     ours = load_model(d, dtype=torch.float32, device="cuda", progress=False)
@@ -72,8 +74,10 @@ def test_cuda_logits_match_transformers(tiny_hf, kind: str) -> None:
         want = ref(ids[None]).logits[0]
     cfg = ours.cfg
     c = Caches(KVPool(cfg, 128, torch.float32, "cuda"),
-               StateTensors(cfg, 1, torch.float32, "cuda") if cfg.is_hybrid else None)
-    got = ours(ForwardBatch.single(ids.tolist(), 0, torch.arange(100), 0, "cuda", all_logits=True), c)
+               StateTensors(cfg, 1, torch.float32, "cuda") if cfg.has_linear_attention else None)
+    got = ours(
+        ForwardBatch.single(ids.tolist(), 0, torch.arange(100), 0, "cuda", all_logits=True), c
+    )
     assert (got.cpu() - want).abs().max().item() < 1e-3 * max(1.0, want.abs().max().item())
 
 
@@ -81,8 +85,8 @@ def test_cuda_logits_match_transformers(tiny_hf, kind: str) -> None:
 def test_engine_core_batches_on_cuda(tiny_hf, backend: str) -> None:
     """The serving engine (continuous batching, prefix reuse, snapshots) on the GPU equals the
     plain path, with the expert cache on the device."""
-    from freetoken.engine.api import GenerateRequest
     from freetoken.engine.core import EngineCore
+    from freetoken.types.api import GenerateRequest
 
     d = tiny_hf("qwen3_5_moe")
     moe = None if backend == "fused" else MoEOptions(backend=backend, cache_size=6)

@@ -8,23 +8,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from freetoken.experts import bandwidth as bw
-from freetoken.experts.cli_bench_bw import register
-from freetoken.experts.policy import BandwidthProfile
+from freetoken.bench import bandwidth as bw
+from freetoken.bench.cli_bw import register
+from freetoken.experts import profile as bwp
+from freetoken.experts.cost_model import BandwidthProfile
 
 
 def test_profile_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    key = bw.profile_key("qwen3.6-35b-a3b", torch.bfloat16)
+    key = bwp.profile_key("qwen3.6-35b-a3b", torch.bfloat16)
     prof = BandwidthProfile(key=key, b_h=71.5, b_p=48.2, b_p_overlap=40.0, b_h_overlap=39.5,
                             host_read=88.0, link=55.0, expert_bytes=6291456, measured_at="now")
-    path = bw.save_profile(prof)
+    path = bwp.save_profile(prof)
     assert path.is_relative_to(tmp_path / "freetoken" / "profiles")
-    assert bw.load_profile(key) == prof
+    assert bwp.load_profile(key) == prof
     other = dict(key, dtype="torch.float32")
-    assert bw.load_profile(other) is None
+    assert bwp.load_profile(other) is None
     path.write_text("{not json")
-    assert bw.load_profile(key) is None
+    assert bwp.load_profile(key) is None
 
 
 def test_fresh_routes_move_through_the_pool() -> None:
@@ -52,4 +53,4 @@ def test_bench_bw_cpu_only_saves_b_h(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert len(files) == 1
     data = json.loads(files[0].read_text())
     assert data["b_p"] is None and data["b_h"] > 0 and data["key"]["gpu"] == "none"
-    assert bw.load_profile(data["key"]) is not None
+    assert bwp.load_profile(data["key"]) is not None

@@ -111,9 +111,28 @@ def test_all_masked_out_writes_nothing(kernel: CpuKernel) -> None:
     assert (out == 7.0).all()
 
 
-def test_isa_names_cover_detection() -> None:
-    assert detect_isa(set()) in ISAS
-    assert detect_isa({"avx2", "fma", "f16c"}) in ("avx2", "scalar")  # scalar off x86
+# gcc's -m option -> the /proc/cpuinfo flag of the feature it lets the compiler emit
+_CPUINFO_FLAG = {"-mavx512f": "avx512f", "-mavx512bw": "avx512bw", "-mavx512vl": "avx512vl",
+                 "-mavx512dq": "avx512dq", "-mavx512bf16": "avx512_bf16", "-mavx2": "avx2",
+                 "-mfma": "fma", "-mf16c": "f16c"}
+
+
+def test_detected_isa_is_one_this_cpu_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On x86, a CPU with exactly the features an ISA's build is compiled for gets that build,
+    and a CPU missing any one of them gets a lower one (never a build that would SIGILL).
+    Bug it catches: the avx512 builds use -mf16c but detection did not require f16c."""
+    from kernels.cpu import ext
+
+    monkeypatch.setattr(ext.platform, "machine", lambda: "x86_64")
+    for isa in ISAS[:-1]:
+        needs = {_CPUINFO_FLAG[f] for f in ext._ISA_FLAGS[isa]}
+        assert detect_isa(needs | {"sse4_2", "avx"}) == isa
+        for missing in needs:
+            got = detect_isa(needs - {missing})
+            assert ISAS.index(got) > ISAS.index(isa), (isa, missing, got)
+    assert detect_isa(set()) == "scalar"
+    monkeypatch.setattr(ext.platform, "machine", lambda: "aarch64")
+    assert detect_isa({_CPUINFO_FLAG[f] for f in ext._ISA_FLAGS["avx512bf16"]}) == "scalar"
 
 
 def _runnable_isas() -> list[str]:

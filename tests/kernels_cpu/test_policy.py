@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from freetoken.experts.policy import (
+from freetoken.experts.cost_model import (
     BandwidthProfile,
     expected_misses,
     hybrid_time,

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from freetoken.checkpoint.safetensors_reader import load_checkpoint
-from freetoken.models.config import load_config
 from freetoken.models.demo import (
     DEMO_NAME,
     ModelPathError,
@@ -17,6 +16,7 @@ from freetoken.models.demo import (
     resolve_model_path,
     tokenizer_source_dir,
 )
+from freetoken.types.model_config import load_config
 
 
 def _sha256(path: Path) -> str:
@@ -46,21 +46,41 @@ def test_build_is_byte_identical(demo_dir: Path, tmp_path: Path) -> None:
     assert _sha256(other / "model.safetensors") == _sha256(demo_dir / "model.safetensors")
 
 
-def test_config_parses_as_hybrid_qwen3_5_moe(demo_dir: Path) -> None:
+def test_config_parses_as_transformers_reads_it(demo_dir: Path) -> None:
+    """Our parse of the demo's config.json against transformers' own (the oracle), field by
+    field; plus what the demo promises: a hybrid qwen3_5_moe over the real Qwen3 vocabulary."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(demo_dir).get_text_config()
     cfg = load_config(demo_dir)
-    assert cfg.model_type == "qwen3_5_moe" and cfg.is_hybrid
-    assert cfg.layer_types.count("linear_attention") == 6
-    assert cfg.full_attention_layers == [3, 7]
+    assert cfg.model_type == "qwen3_5_moe" and cfg.has_linear_attention
+    assert cfg.layer_types == tuple(hf.layer_types)
+    assert cfg.full_attention_layers == [i for i, t in enumerate(hf.layer_types)
+                                         if t == "full_attention"]
+    pairs = {"vocab_size": "vocab_size", "hidden_size": "hidden_size",
+             "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+             "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+             "num_experts": "num_experts", "top_k": "num_experts_per_tok",
+             "moe_intermediate_size": "moe_intermediate_size",
+             "shared_expert_intermediate_size": "shared_expert_intermediate_size",
+             "linear_num_key_heads": "linear_num_key_heads",
+             "linear_num_value_heads": "linear_num_value_heads",
+             "linear_key_head_dim": "linear_key_head_dim",
+             "linear_value_head_dim": "linear_value_head_dim",
+             "linear_conv_kernel": "linear_conv_kernel_dim", "rms_norm_eps": "rms_norm_eps",
+             "max_position_embeddings": "max_position_embeddings",
+             "tie_word_embeddings": "tie_word_embeddings"}
+    for ours, theirs in pairs.items():
+        assert getattr(cfg, ours) == getattr(hf, theirs), ours
+    assert cfg.rope_theta == hf.rope_parameters["rope_theta"]
+    assert cfg.partial_rotary_factor == hf.rope_parameters["partial_rotary_factor"]
+    assert set(cfg.eos_token_ids) == set(hf.eos_token_id)
+    # qwen3_5's router always renormalises its top-k (transformers leaves the flag unset)
+    assert cfg.norm_topk_prob
     assert cfg.vocab_size % 64 == 0 and 151669 <= cfg.vocab_size < 151669 + 64
-    assert (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (256, 4, 2, 64)
-    assert (cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size) == (32, 4, 128)
-    assert cfg.shared_expert_intermediate_size == 256 and cfg.norm_topk_prob
-    assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads) == (4, 8)
-    assert cfg.rope_theta == 1e7 and cfg.partial_rotary_factor == 0.25
     assert cfg.weight_prefix == "model." and not cfg.linear_fused_qkvz
-    assert set(cfg.eos_token_ids) == {151645, 151643}
     gen = json.loads((demo_dir / "generation_config.json").read_text())
-    assert set(gen["eos_token_id"]) == {151645, 151643}
+    assert set(gen["eos_token_id"]) == set(hf.eos_token_id)
 
 
 def test_tokenizer_files_are_the_real_qwen3_ones(demo_dir: Path) -> None:
@@ -98,14 +118,20 @@ def test_transformers_loads_it_exactly(demo_dir: Path) -> None:
     ours = load_checkpoint(demo_dir, load_config(demo_dir), torch.bfloat16, progress=False)
     params = dict(model.named_parameters())
     assert sorted(ours) == sorted(params)
-    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.7.self_attn.q_proj.weight",
-                 "model.layers.2.linear_attn.A_log", "lm_head.weight"):
+    for name in (
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.7.self_attn.q_proj.weight",
+        "model.layers.2.linear_attn.A_log",
+        "lm_head.weight",
+    ):
         assert torch.equal(ours[name], params[name]), name
     a_log = ours["model.layers.2.linear_attn.A_log"].float()
     assert bool(((a_log >= 0) & (a_log <= torch.log(torch.tensor(16.0)) + 1e-2)).all())
 
 
-def test_resolve_model_path(tmp_path: Path, demo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resolve_model_path(
+    tmp_path: Path, demo_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     # prebuilt cache: link the module's build instead of building again
     (tmp_path / "xdg" / "freetoken" / "models").mkdir(parents=True)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.engine.api import SamplingParams
-from freetoken.engine.forward_batch import Caches, ForwardBatch, KVPool, StateTensors
+from freetoken.cache.tensors import Caches, KVPool, StateTensors
 from freetoken.engine.generate import generate
 from freetoken.models.loader import load_model
+from freetoken.types.api import SamplingParams
+from freetoken.types.forward_batch import ForwardBatch
 from tests.models.fixtures import hf_reference
 
 KINDS = ["qwen3_moe", "qwen3_moe_dense_layers", "qwen3_moe_num_local_experts", "qwen3_next",
@@ -18,7 +19,7 @@ KINDS = ["qwen3_moe", "qwen3_moe_dense_layers", "qwen3_moe_num_local_experts", "
 def _caches(model, n: int) -> Caches:
     cfg = model.cfg
     return Caches(KVPool(cfg, n, torch.float32, "cpu"),
-                  StateTensors(cfg, 2, torch.float32, "cpu") if cfg.is_hybrid else None)
+                  StateTensors(cfg, 2, torch.float32, "cpu") if cfg.has_linear_attention else None)
 
 
 def _prompt(vocab: int, n: int, seed: int = 0) -> list[int]:
@@ -38,7 +39,9 @@ def test_logits_match_transformers(tiny_hf, kind: str) -> None:
     # chunked prefill (prefix reuse) + token-by-token decode must give the same logits
     c = _caches(ours, 256)
     parts = [ours(ForwardBatch.single(ids[:97], 0, torch.arange(97), 0, all_logits=True), c)]
-    parts.append(ours(ForwardBatch.single(ids[97:140], 97, torch.arange(140), 0, all_logits=True), c))
+    parts.append(
+        ours(ForwardBatch.single(ids[97:140], 97, torch.arange(140), 0, all_logits=True), c)
+    )
     for t in range(140, 150):
         parts.append(ours(ForwardBatch.single([ids[t]], t, torch.arange(t + 1), 0), c))
     assert (torch.cat(parts) - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())

@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from freetoken.checkpoint.layout import expected_tensors
 from freetoken.checkpoint.safetensors_reader import CheckpointError, _Reader, load_checkpoint
-from freetoken.models.config import load_config
-from freetoken.models.weights import expected_tensors
+from freetoken.types.model_config import load_config
 from tests.models.conftest import TinyFactory
 from tests.models.fixtures import KINDS, hf_reference
 
@@ -52,7 +52,9 @@ def test_loaded_tensors_equal_transformers(tiny_hf: TinyFactory, kind: str) -> N
     ref = _hf_runtime_params(hf_reference(d), cfg.tie_word_embeddings)
     if cfg.linear_fused_qkvz:
         # the fused projections are checked through HF's own reordering below
-        ref = {k: v for k, v in ref.items() if ".in_proj_qkvz." not in k and ".in_proj_ba." not in k}
+        ref = {
+            k: v for k, v in ref.items() if ".in_proj_qkvz." not in k and ".in_proj_ba." not in k
+        }
         converted = {k for k in ours if any(f".{p}.weight" in k for p in
                                             ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))}
         assert len(converted) == 4 * len(cfg.linear_attention_layers)

@@ -1,4 +1,5 @@
-"""Shared by the server tests: a scripted fake engine behind a real uvicorn server, with the real Qwen3 tokenizer.
+"""Shared by the server tests: a scripted fake engine behind a real uvicorn server, with the
+real Qwen3 tokenizer.
 
 `FakeEngine` implements `EngineClient`: each request emits the token ids of its script (text
 encoded with the Qwen3 tokenizer, then `<|im_end|>`), a few ids per event, and honours
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 import uvicorn
 
 from freetoken.chat import ChatTokenizer
-from freetoken.engine.api import AdmissionError, EngineEvent, GenerateRequest
+from freetoken.types.api import AdmissionError, EngineEvent, GenerateRequest
 
 API_KEY = "test-key"
 MAX_CONTEXT = 40960
@@ -31,7 +32,6 @@ class FakeEngine:
     model_name: str = "fake-qwen3"
     max_context: int = MAX_CONTEXT
     model_dir: str = ""
-    kv_tokens: int = MAX_CONTEXT
     script: Callable[[GenerateRequest], str] = lambda req: "Hello from the fake engine."
     per_event: int = 3
     delay_s: float = 0.0
@@ -50,9 +50,10 @@ class FakeEngine:
         self.finished.clear()
 
     def check(self, req: GenerateRequest) -> None:
-        if len(req.input_ids) > self.kv_tokens:
-            raise AdmissionError(f"prompt of {len(req.input_ids)} tokens exceeds the KV pool "
-                                 f"of {self.kv_tokens}", "messages", "kv_budget_exceeded")
+        # the real engine's rule (EngineCore.check), so the server's error path is exercised
+        if len(req.input_ids) + 1 > self.max_context:
+            raise AdmissionError(f"the prompt has {len(req.input_ids)} tokens; the context holds "
+                                 f"{self.max_context}", "messages", "context_length_exceeded")
 
     def stats(self) -> dict:
         return {"requests": len(self.requests), "aborted": len(self.aborted)}

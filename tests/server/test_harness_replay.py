@@ -53,7 +53,7 @@ def _check_openai_stream(text: str, tool: bool, usage: bool) -> None:
 
 @pytest.mark.parametrize("path", FILES, ids=[f"{p.parent.name}/{p.stem}" for p in FILES])
 def test_replay(server: Server, engine: FakeEngine, path: Path) -> None:
-    engine.max_context = engine.kv_tokens = 262144  # the pruning traces grow past 100k tokens
+    engine.max_context = 262144  # the pruning traces grow past 100k tokens
     try:
         with httpx.Client(base_url=server.url, timeout=60) as c:
             for line in path.read_text().splitlines():
@@ -73,8 +73,9 @@ def test_replay(server: Server, engine: FakeEngine, path: Path) -> None:
                     else:
                         assert r.json()["type"] == "message"
                 elif body.get("stream"):
-                    _check_openai_stream(r.text, tool,
-                                         bool((body.get("stream_options") or {}).get("include_usage")))
+                    _check_openai_stream(
+                        r.text, tool, bool((body.get("stream_options") or {}).get("include_usage"))
+                    )
                 else:
                     ch = r.json()["choices"][0]
                     assert ch["finish_reason"] == ("tool_calls" if tool else "stop"), where
@@ -86,4 +87,4 @@ def test_replay(server: Server, engine: FakeEngine, path: Path) -> None:
                         or hdrs.get("x-session-affinity"))
                 assert req.session_key == want, where
     finally:
-        engine.max_context = engine.kv_tokens = 40960
+        engine.max_context = 40960

@@ -64,24 +64,39 @@ def test_generate_bad_input(server: Server, engine: FakeEngine, body: dict) -> N
     assert engine.requests == []
 
 
-def test_health_and_stats(server: Server, engine: FakeEngine) -> None:
+def test_health_reports_the_engine(server: Server, engine: FakeEngine) -> None:
+    """/health names the engine's model and context, read from the engine (not configured in the
+    app), so a resized or swapped engine reports itself. /v1/stats is checked against the real
+    engine in tests/e2e/test_engine_paths.py."""
     h = httpx.get(server.url + "/health").json()
-    assert h == {"status": "ok", "model": "fake-qwen3", "max_context": MAX_CONTEXT}
-    httpx.post(server.url + "/v1/completions", headers=H,
-               json={"model": "m", "prompt": "x", "max_tokens": 2})
-    assert httpx.get(server.url + "/v1/stats", headers=H).json() == {"requests": 1, "aborted": 0}
+    assert h == {"status": "ok", "model": engine.model_name, "max_context": engine.max_context}
+    engine.max_context, engine.model_name = 77, "renamed"
+    try:
+        h = httpx.get(server.url + "/health").json()
+        assert (h["model"], h["max_context"]) == ("renamed", 77)
+    finally:
+        engine.max_context, engine.model_name = MAX_CONTEXT, "fake-qwen3"
 
 
-def test_cli_register_defaults() -> None:
+def test_serve_defaults_are_the_documented_ones() -> None:
+    """Every `[--flag VALUE]` default written in docs/cli.md's `ft serve` synopsis is the parser's
+    default (the docs are the oracle: a changed default must change the docs with it)."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "cli.md").read_text()
+    synopsis = doc.split("## `ft serve`", 1)[1].split("```", 2)[1]
+    documented = dict(re.findall(r"\[(--[a-z-]+) ([0-9][0-9.]*|[a-z0-9.]+)\]", synopsis))
+    assert len(documented) >= 6, documented
     p = argparse.ArgumentParser()
     register(p.add_subparsers(dest="command"))
     a = p.parse_args(["serve"])
-    assert (a.model, a.host, a.port, a.api_key, a.max_running, a.strict_model) == (
-        "demo", "127.0.0.1", 8000, None, 4, False)
+    for flag, text in documented.items():
+        assert str(getattr(a, flag[2:].replace("-", "_"))) == text, flag
+    assert callable(a.func)
     a = p.parse_args(["serve", "--served-model-name", "a", "--served-model-name", "b",
                       "--strict-model", "--kv-tokens", "1000", "--max-context", "512"])
     assert a.served_model_name == ["a", "b"] and a.strict_model and a.kv_tokens == 1000
-    assert callable(a.func)
 
 
 def test_parser_family_for(tmp_path: object) -> None:

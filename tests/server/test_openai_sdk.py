@@ -49,7 +49,9 @@ def test_chat_stream_and_usage(client: openai.OpenAI, engine: FakeEngine) -> Non
     reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or ""
                         for c in chunks if c.choices)
     assert text.strip() == "Done here." and reasoning.strip() == "step one"
-    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finals = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finals == ["stop"]
     assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == len(
         engine.requests[-1].input_ids)
@@ -134,7 +136,9 @@ def test_max_tokens_length_and_clamp(server: Server, engine: FakeEngine) -> None
     r = httpx.post(server.url + "/v1/chat/completions", json=body,
                    headers={"Authorization": f"Bearer {API_KEY}"})
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
-    assert r.json()["usage"]["completion_tokens"] == 4 and "x-ft-max-tokens-clamped" not in r.headers
+    assert (
+        r.json()["usage"]["completion_tokens"] == 4 and "x-ft-max-tokens-clamped" not in r.headers
+    )
     body["max_completion_tokens"] = 10**9
     r = httpx.post(server.url + "/v1/chat/completions", json=body,
                    headers={"Authorization": f"Bearer {API_KEY}"})

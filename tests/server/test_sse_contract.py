@@ -87,7 +87,8 @@ def test_anthropic_pings_on_silence(server: Server, engine: FakeEngine,
 
 def test_openai_chunks(server: Server, engine: FakeEngine) -> None:
     engine.script = lambda req: "<think>\nr\n</think>\n\nok"
-    r = httpx.post(server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   headers={"Authorization": f"Bearer {API_KEY}"},
                    json={"model": "m", "stream": True, "stream_options": {"include_usage": True},
                          "messages": [{"role": "user", "content": "x"}]})
     evs = parse_sse(r.text)
@@ -110,14 +111,16 @@ def test_error_after_stream_started(server: Server, engine: FakeEngine) -> None:
                                     "messages": [{"role": "user", "content": "x"}]})
     assert evs[0][0] == "message_start" and evs[-1][0] == "error"
     assert evs[-1][1]["type"] == "error" and evs[-1][1]["error"]["type"] == "overloaded_error"
-    r = httpx.post(server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   headers={"Authorization": f"Bearer {API_KEY}"},
                    json={"model": "m", "stream": True,
                          "messages": [{"role": "user", "content": "x"}]})
     evs = parse_sse(r.text)
     assert evs[-1] == (None, "[DONE]") and evs[-2][1]["error"]["code"] == "engine_abort"
     # non-streamed: a 503 in the API's error shape
     r = httpx.post(server.url + "/v1/messages", headers=H,
-                   json={"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": "x"}]})
+                   json={"model": "m", "max_tokens": 50,
+                         "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 503 and r.json()["type"] == "error"
 
 
@@ -165,7 +168,8 @@ def test_disconnect_non_streamed_aborts(server: Server, engine: FakeEngine) -> N
     t = threading.Thread(target=call)
     t.start()
     t.join()
-    assert _wait_for(lambda: engine.aborted and engine.aborted[-1] == engine.requests[-1].request_id)
+    assert _wait_for(lambda: engine.aborted
+                     and engine.aborted[-1] == engine.requests[-1].request_id)
     # and the server keeps serving
     engine.reset()
     r = httpx.post(server.url + "/v1/chat/completions", headers=H,
@@ -178,7 +182,8 @@ def test_keepalive_comment_for_openai(server: Server, engine: FakeEngine,
     monkeypatch.setattr(openai_routes, "KEEPALIVE_S", 0.1)
     engine.first_delay_s = 0.35
     r = httpx.post(server.url + "/v1/chat/completions", headers=H,
-                   json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]})
+                   json={"model": "m", "stream": True,
+                         "messages": [{"role": "user", "content": "x"}]})
     names = [n for n, _ in parse_sse(r.text)]
     assert "#comment" in names and names[-1] is None
 

@@ -49,7 +49,10 @@ def test_append_only_sessions_w2_w3() -> None:
         w = build_workload(name, "tiny")
         for turns in w.sessions().values():
             for prev, cur in itertools.pairwise(turns):
-                p, c = strip_cache_control(prev.body["messages"]), strip_cache_control(cur.body["messages"])
+                p, c = (
+                    strip_cache_control(prev.body["messages"]),
+                    strip_cache_control(cur.body["messages"]),
+                )
                 assert c[: len(p)] == p
                 added = c[len(p)]
                 assert added["role"] == "assistant"

@@ -4,7 +4,7 @@
 turn (system prompt, tool list, parameters, identifying headers) as recorded in
 `shared/harness_traces/` (Claude Code 2.1.197, OpenCode 1.18.33, OpenClaw 2026.9.6). The workload
 generators build every request from these shapes, so the package needs no access to the traces at
-run time. Regenerate with `python -m workloads.shapes <harness_traces dir>`.
+run time. Regenerate with `python -m workloads.harness_shapes <harness_traces dir>`.
 """
 from __future__ import annotations
 

@@ -71,7 +71,7 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
-    def is_hybrid(self) -> bool:
+    def has_linear_attention(self) -> bool:
         return "linear_attention" in self.layer_types
 
     @property
@@ -134,7 +134,9 @@ def config_from_dict(raw: dict) -> ModelConfig:
         model_type = raw.get("model_type", model_type)
     model_type = _TEXT_TYPES.get(model_type, model_type)
     if model_type not in FAMILIES:
-        raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(FAMILIES)}")
+        raise ConfigError(
+            f"unsupported model_type {model_type!r}; supported: {', '.join(FAMILIES)}"
+        )
     hybrid = model_type in ("qwen3_next", "qwen3_5_moe")
     try:
         n_layers = int(raw["num_hidden_layers"])
@@ -147,12 +149,15 @@ def config_from_dict(raw: dict) -> ModelConfig:
         if hybrid:
             interval = int(raw.get("full_attention_interval", 4))
             layer_types = [
-                "linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)
+                "linear_attention" if (i + 1) % interval else "full_attention"
+                for i in range(n_layers)
             ]
         else:
             layer_types = ["full_attention"] * n_layers
     if len(layer_types) != n_layers:
-        raise ConfigError(f"layer_types has {len(layer_types)} entries, num_hidden_layers={n_layers}")
+        raise ConfigError(
+            f"layer_types has {len(layer_types)} entries, num_hidden_layers={n_layers}"
+        )
     for t in layer_types:
         if t not in ("full_attention", "linear_attention"):
             raise ConfigError(f"unknown layer type {t!r}")
@@ -192,7 +197,9 @@ def config_from_dict(raw: dict) -> ModelConfig:
         moe_intermediate_size=int(_get(raw, "moe_intermediate_size", default=0)),
         # qwen3_5_moe always renormalises (its config has no field for it)
         norm_topk_prob=bool(raw.get("norm_topk_prob", model_type == "qwen3_5_moe")),
-        shared_expert_intermediate_size=int(_get(raw, "shared_expert_intermediate_size", default=0)),
+        shared_expert_intermediate_size=int(
+            _get(raw, "shared_expert_intermediate_size", default=0)
+        ),
         intermediate_size=int(_get(raw, "intermediate_size", default=0)),
         mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
         decoder_sparse_step=int(_get(raw, "decoder_sparse_step", default=1)),

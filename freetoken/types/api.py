@@ -39,7 +39,9 @@ class SamplingParams:
             return AdmissionError(msg, param)
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
+            raise bad(
+                f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens"
+            )
         t = self.temperature
         if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or t > 100:
             raise bad(f"temperature must be in [0, 100], got {t!r}", "temperature")
@@ -48,10 +50,14 @@ class SamplingParams:
             raise bad(f"top_p must be in (0, 1], got {p!r}", "top_p")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise bad(f"top_k must be a non-negative integer, got {self.top_k!r}", "top_k")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0 or self.seed >= 2**63):
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or self.seed < 0 or self.seed >= 2**63
+        ):
             raise bad(f"seed must be a non-negative 64-bit integer, got {self.seed!r}", "seed")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}", "min_tokens")
+            raise bad(
+                f"min_tokens must be a non-negative integer, got {self.min_tokens!r}", "min_tokens"
+            )
 
 
 @dataclass
@@ -60,7 +66,9 @@ class Anchor:
     (state checkpointed *before* it covers tokens [0, position))."""
 
     position: int
-    kind: str  # head_end, turn_start, think_start, think_end, tool_call_start, tool_result_start, tool_result_end
+    # head_end, turn_start, think_start, think_end, tool_call_start, tool_result_start,
+    # tool_result_end
+    kind: str
     role: str | None = None
     cut_point: bool = False  # predicted by a harness adapter to be an edit point next turn
 

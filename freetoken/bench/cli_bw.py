@@ -10,15 +10,21 @@ import time
 
 import torch
 
-from freetoken.experts import bandwidth as bw
-from freetoken.experts.policy import BandwidthProfile, q_star, q_star_overlapped, recommend_backend
+from freetoken.bench import bandwidth as bw
+from freetoken.experts import profile as bwp
+from freetoken.experts.cost_model import (
+    BandwidthProfile,
+    q_star,
+    q_star_overlapped,
+    recommend_backend,
+)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bw", help="host/link bandwidths, q*, backend recommendation")
-    p.add_argument("--shape", choices=sorted(bw.SHAPES), default="qwen3.6-35b-a3b")
+    p.add_argument("--shape", choices=sorted(bwp.SHAPES), default="qwen3.6-35b-a3b")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
     p.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
     p.add_argument("--pool-gb", type=float, default=4.0,
@@ -39,7 +45,7 @@ def _pct(v: float | None, ceil: float | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    shape, dtype = bw.SHAPES[args.shape], _DTYPES[args.dtype]
+    shape, dtype = bwp.SHAPES[args.shape], _DTYPES[args.dtype]
     if args.threads is None:
         from freetoken.experts.setup import default_cpu_threads
 
@@ -84,13 +90,13 @@ def run(args: argparse.Namespace) -> int:
         print("[bw] no CUDA device: B_P skipped (the profile holds B_H only)", flush=True)
 
     prof = BandwidthProfile(
-        key=bw.profile_key(args.shape, dtype), b_h=b_h, b_p=b_p, b_p_overlap=b_p_o,
+        key=bwp.profile_key(args.shape, dtype), b_h=b_h, b_p=b_p, b_p_overlap=b_p_o,
         b_h_overlap=b_h_o, host_read=host_read, link=link, expert_bytes=s_bytes,
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), cpu_threads=args.threads,
     )
     _print_table(prof)
     if not args.no_save:
-        print(f"[bw] saved {bw.save_profile(prof)}")
+        print(f"[bw] saved {bwp.save_profile(prof)}")
     return 0
 
 

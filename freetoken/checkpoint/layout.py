@@ -10,7 +10,7 @@ hd head_dim, Hq/Hkv attention heads, Hk/Hv linear key/value heads, dk/dv their h
 """
 from __future__ import annotations
 
-from freetoken.models.config import ModelConfig
+from freetoken.types.model_config import ModelConfig
 
 Shape = tuple[int, ...]
 

@@ -10,14 +10,9 @@ import argparse
 import json
 import time
 
-from freetoken.experts.replay import POLICIES, replay
-from freetoken.experts.routing import (
-    SYNTH_LOCALITY_QWEN36,
-    RoutingTrace,
-    calibrate_locality,
-    load_trace,
-    synthetic_routing,
-)
+from freetoken.bench.replay import POLICIES, replay
+from freetoken.bench.routing import SYNTH_LOCALITY_QWEN36, calibrate_locality, synthetic_routing
+from freetoken.experts.record import RoutingTrace, load_trace
 from freetoken.log import get_logger, kv
 
 log = get_logger("experts")
@@ -33,7 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="comma-separated fractions of the expert pool")
     p.add_argument("--lru-impl", choices=["fast", "reference", "triton"], default="fast",
                    help="fast: exact Python model of the decision; reference/triton: the real one")
-    p.add_argument("--device", default="cpu", help="device of the residency table (reference/triton)")
+    p.add_argument(
+        "--device", default="cpu", help="device of the residency table (reference/triton)"
+    )
     p.add_argument("--max-sequences", type=int, default=None)
     syn = p.add_argument_group("synthetic trace (Qwen3.6-sized pool: 40 layers x 256, top-8)")
     syn.add_argument("--locality", type=float, default=SYNTH_LOCALITY_QWEN36)

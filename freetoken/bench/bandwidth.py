@@ -1,4 +1,4 @@
-"""Bandwidth measurements behind the decode equation, and the cached machine profile.
+"""Bandwidth measurements behind the decode equation (`ft bench bw`).
 
 Shape legend: P experts in the measured pool, E experts per layer window, T tokens, K top-k,
 H hidden, I intermediate. S = 3 * H * I * element bytes per expert.
@@ -8,45 +8,23 @@ window of the pool, and the pool is far larger than the LLC, so weights come fro
 B_P: the real fill path: per-expert non_blocking copies from a pinned host pool into GPU slots
 on a copy stream, timed with CUDA events. Both, concurrently: a Python thread runs the CPU kernel
 (the GIL is released inside it) while the copy stream fills.
-Profiles are JSON under `$XDG_CACHE_HOME/freetoken/profiles/`, keyed by GPU, CPU, shape, dtype.
+The measured profile is saved through `freetoken.experts.profile` (the runtime reads it).
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from freetoken.experts.policy import BandwidthProfile
-from freetoken.log import get_logger, kv
-from kernels.cpu.ext import cache_root, cpu_model, load_kernel
+from freetoken.experts.profile import ExpertShape
+from freetoken.log import get_logger
+from kernels.cpu.ext import load_kernel
 
 log = get_logger("experts")
 GB = 1e9
-
-
-@dataclass(frozen=True)
-class ExpertShape:
-    hidden: int
-    inter: int
-    experts: int
-    top_k: int
-    layers: int
-
-    def expert_bytes(self, dtype: torch.dtype) -> int:
-        return 3 * self.hidden * self.inter * torch.empty(0, dtype=dtype).element_size()
-
-
-SHAPES: dict[str, ExpertShape] = {
-    "qwen3.6-35b-a3b": ExpertShape(hidden=2048, inter=512, experts=256, top_k=8, layers=40),
-}
 
 
 def make_pool(shape: ExpertShape, dtype: torch.dtype, pool_bytes: float,
@@ -54,7 +32,7 @@ def make_pool(shape: ExpertShape, dtype: torch.dtype, pool_bytes: float,
     """Random expert banks holding about `pool_bytes`: gate_up [P, 2I, H], down [P, H, I]."""
     p = max(1, int(pool_bytes // shape.expert_bytes(dtype)))
     h, i = shape.hidden, shape.inter
-    from freetoken.experts.fill import random_fill_
+    from freetoken.bench.random_fill import random_fill_
 
     # random data, never zeros (zeros can run faster); filled first, pinned afterwards
     gate_up = random_fill_(torch.empty(p, 2 * i, h, dtype=dtype), h**-0.5, 1)  # [P, 2I, H]
@@ -218,35 +196,3 @@ def measure_overlap(fill: FillBench, cpu_pool: tuple[Tensor, Tensor], steps: int
     b_p = fill.run(steps)
     worker.join()
     return b_p, result["b_h"]
-
-
-def profile_key(shape_name: str, dtype: torch.dtype) -> dict[str, str]:
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    return {"gpu": gpu, "cpu": cpu_model(), "shape": shape_name, "dtype": str(dtype)}
-
-
-def profile_path(key: dict[str, str]) -> Path:
-    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root() / "profiles" / f"bw-{key['shape']}-{digest}.json"
-
-
-def save_profile(profile: BandwidthProfile) -> Path:
-    path = profile_path(profile.key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(dataclasses.asdict(profile), indent=2, sort_keys=True))
-    tmp.replace(path)
-    log.info(kv("bw_profile_saved", path=path))
-    return path
-
-
-def load_profile(key: dict[str, str]) -> BandwidthProfile | None:
-    """The saved profile for exactly this key, or None (missing or unreadable)."""
-    path = profile_path(key)
-    try:
-        data = json.loads(path.read_text())
-        prof = BandwidthProfile(**data)
-    except (OSError, ValueError, TypeError) as e:
-        log.debug(kv("bw_profile_missing", path=path, reason=type(e).__name__))
-        return None
-    return prof if prof.key == key else None

@@ -1,4 +1,5 @@
-"""Engine flags shared by `ft serve`, `ft agent-proxy --model` and benchmarks."""
+"""Engine flag groups shared by `ft serve`, `ft generate`, `ft agent-proxy --model` and
+`ft bench decode`, and their resolution into engine options."""
 from __future__ import annotations
 
 import argparse
@@ -56,7 +57,7 @@ def default_backend(cfg, dtype: torch.dtype, device: str, kv_reserve_tokens: int
     memory (always on the CPU, where the experts are in host RAM either way); else `auto`."""
     if not device.startswith("cuda"):
         return "fused"
-    from freetoken.engine.forward_batch import KVPool
+    from freetoken.cache.tensors import KVPool
     from freetoken.log import get_logger, kv
 
     el = torch.empty((), dtype=dtype).element_size()
@@ -73,11 +74,35 @@ def default_backend(cfg, dtype: torch.dtype, device: str, kv_reserve_tokens: int
 def moe_options(args: argparse.Namespace, backend: str | None = None):
     from freetoken.experts.setup import MoEOptions
 
-    return MoEOptions(backend=backend or args.moe_backend or "fused", cache_size=args.moe_cache_size,
-                      cache_rate=args.moe_cache_rate, cache_mem=args.moe_cache_mem,
-                      kv_reserve_tokens=args.kv_reserve_tokens, cpu_layers=args.moe_cpu_layers,
-                      hybrid_max_fetch=args.moe_hybrid_max_fetch,
-                      cpu_threads=getattr(args, "moe_cpu_threads", None))
+    return MoEOptions(
+        backend=backend or args.moe_backend or "fused",
+        cache_size=args.moe_cache_size,
+        cache_rate=args.moe_cache_rate,
+        cache_mem=args.moe_cache_mem,
+        kv_reserve_tokens=args.kv_reserve_tokens,
+        cpu_layers=args.moe_cpu_layers,
+        hybrid_max_fetch=args.moe_hybrid_max_fetch,
+        cpu_threads=getattr(args, "moe_cpu_threads", None),
+    )
+
+
+def moe_from_args(args: argparse.Namespace, model_dir, dtype: torch.dtype | None,
+                  device: str):
+    """`(MoEOptions, kv_reserve_bytes)` from the MoE flag group for the checkpoint in
+    `model_dir`: an unset `--moe-backend` resolves through `default_backend`, and the KV floor
+    and the context's K/V are turned into bytes so the slot cache is sized to leave them free."""
+    from freetoken.cache.tensors import KVPool
+    from freetoken.types.model_config import load_config
+
+    cfg = load_config(model_dir)
+    wdt = dtype or (cfg.torch_dtype if device != "cpu" else torch.float32)
+    backend = args.moe_backend or default_backend(cfg, wdt, device, args.kv_reserve_tokens)
+    moe = moe_options(args, backend)
+    # the KV pool is sized for the context first (the model's, or --max-context), never below
+    # the --kv-reserve-tokens floor; the slot cache is sized to leave that free
+    context = getattr(args, "max_context", None) or cfg.max_position_embeddings
+    tokens = max(moe.kv_reserve_tokens, context)
+    return moe, KVPool.bytes_per_token(cfg, wdt) * tokens
 
 
 def parse_bytes_arg(text: str) -> int:
@@ -106,3 +131,5 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
                    choices=["semantic", "interval", "end_only"])
     g.add_argument("--record-routing", default=None, metavar="FILE",
                    help="write the routed expert ids of every step and layer to FILE at exit")
+    g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+                   help="run decode steps eagerly through the runner's buffers (for comparison)")

@@ -21,7 +21,9 @@ def split_qkvz(
     Returns qkv [2·Hk·dk + Hv·dv, H] and z [Hv·dv, H], contiguous.
     """
     if num_v_heads % num_k_heads:
-        raise ValueError(f"linear value heads {num_v_heads} not a multiple of key heads {num_k_heads}")
+        raise ValueError(
+            f"linear value heads {num_v_heads} not a multiple of key heads {num_k_heads}"
+        )
     r = num_v_heads // num_k_heads
     dk, rdv = head_k_dim, r * head_v_dim
     H = w.shape[-1]
@@ -36,7 +38,8 @@ def split_qkvz(
 
 
 def split_ba(w: Tensor, num_k_heads: int, num_v_heads: int) -> tuple[Tensor, Tensor]:
-    """qwen3_next `in_proj_ba.weight` [2·Hv, H] (per group [b_g(r) | a_g(r)]) → (b, a), each [Hv, H]."""
+    """qwen3_next `in_proj_ba.weight` [2·Hv, H] (per group [b_g(r) | a_g(r)]) → (b, a),
+    each [Hv, H]."""
     r = num_v_heads // num_k_heads
     H = w.shape[-1]
     b, a = w.reshape(num_k_heads, 2 * r, H).split([r, r], dim=1)  # [Hk, r, H] each

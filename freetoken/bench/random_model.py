@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from freetoken.experts.fill import random_fill_
+from freetoken.bench.random_fill import random_fill_
 from freetoken.layers.moe import FusedExperts
-from freetoken.models.config import ModelConfig
 from freetoken.models.qwen import QwenMoE
+from freetoken.types.model_config import ModelConfig
 
 
 def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
@@ -37,4 +37,4 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | st
         setattr(model.get_submodule(mod_name), attr, torch.nn.Parameter(t, requires_grad=False))
     for b in model.moe_blocks():
         assert isinstance(b.experts, FusedExperts)
-    return model.eval()
+    return model.eval().fuse_projections()

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.engine.api import SamplingParams
+from freetoken.types.api import SamplingParams
 
 
 class RequestSampler:
     """Per-request sampling state (its own torch.Generator so seeds reproduce under batching)."""
 
-    def __init__(self, params: SamplingParams, eos_ids: list[int], device: torch.device | str = "cpu"):
+    def __init__(
+        self, params: SamplingParams, eos_ids: list[int], device: torch.device | str = "cpu"
+    ):
         self.params = params
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self._blocked = sorted(set(params.stop_token_ids) | set(eos_ids))

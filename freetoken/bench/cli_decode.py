@@ -25,9 +25,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--random-weights", action="store_true")
     p.add_argument("--backends", default="fused,offload,cpu,hybrid",
                    help="comma list run in this process over one host store")
+    p.add_argument("--graphs", choices=["on", "off", "both"], default="on",
+                   help="decode steps replayed from CUDA graphs (on), run eagerly through the "
+                        "same buffers (off), or each backend both ways in the same process")
+    p.add_argument("--batch", type=int, default=1,
+                   help="sequences decoding together (through the engine's batch path)")
     p.add_argument("--route-trace", default=None,
                    help="replay decode routing from a trace (.npy [steps, L, N, K] or 'shared')")
-    from freetoken.engine.options import add_moe_args
+    from freetoken.cli_options import add_moe_args
 
     add_moe_args(p)
     p.set_defaults(func=run)
@@ -53,10 +58,10 @@ def run(args: argparse.Namespace) -> int:
         return run_shape(args)
     import torch
 
-    from freetoken.engine.api import SamplingParams
     from freetoken.engine.generate import generate
     from freetoken.models.demo import resolve_model_path
     from freetoken.models.loader import load_model
+    from freetoken.types.api import SamplingParams
 
     model = load_model(resolve_model_path(args.model),
                        dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device)
@@ -67,12 +72,15 @@ def run(args: argparse.Namespace) -> int:
     best = None
     for r in range(args.repeats):
         res = generate(model, prompt, sp, [])
-        print(f"  run {r + 1}/{args.repeats}: prefill {args.prompt_tokens / res.prefill_seconds:.1f} "
-              f"tok/s, decode {res.decode_tps:.1f} tok/s", flush=True)
+        print(
+            f"  run {r + 1}/{args.repeats}: prefill {args.prompt_tokens / res.prefill_seconds:.1f} "
+            f"tok/s, decode {res.decode_tps:.1f} tok/s",
+            flush=True,
+        )
         if best is None or res.decode_tps > best.decode_tps:
             best = res
     assert best is not None
-    from freetoken.engine.forward_batch import KVPool
+    from freetoken.cache.tensors import KVPool
 
     weights = active_weight_bytes(model)
     # every decode step also reads the K/V of its whole context (mean context over the run)
@@ -81,13 +89,16 @@ def run(args: argparse.Namespace) -> int:
     act = weights + kv
     step = 1.0 / best.decode_tps if best.decode_tps else float("inf")
     print(f"model={args.model} device={args.device} dtype={model.model.norm.weight.dtype}")
-    print(f"prefill: {args.prompt_tokens / best.prefill_seconds:10.1f} tok/s ({args.prompt_tokens} tokens)")
+    print(
+        f"prefill: {args.prompt_tokens / best.prefill_seconds:10.1f} tok/s "
+        f"({args.prompt_tokens} tokens)"
+    )
     print(f"decode:  {best.decode_tps:10.1f} tok/s  ({args.decode_tokens} tokens; "
           f"{weights / 1e6:.1f} MB active weights + {kv / 1e6:.1f} MB K/V per token -> "
           f"{act / step / 1e9:.2f} GB/s achieved)")
     bw, how = args.mem_gbps, "given"
     if bw is None and args.device == "cpu":
-        from freetoken.experts.bandwidth import host_read_gbps
+        from freetoken.bench.bandwidth import host_read_gbps
 
         bw, how = host_read_gbps(min(2e9, 4 * act)), "host read stream measured now"
     if bw:
@@ -100,15 +111,15 @@ def run_shape(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from freetoken.engine.bench_moe import RunResult, TraceRouter, install_trace, run_backend
-    from freetoken.engine.options import moe_options, resolve_device, resolve_dtype
+    from freetoken.bench.moe import RunResult, TraceRouter, install_trace, run_backend
+    from freetoken.bench.random_model import random_model
+    from freetoken.cli_options import moe_options, resolve_device, resolve_dtype
     from freetoken.experts.store import ExpertStore
-    from freetoken.models.random_init import random_model
-    from freetoken.models.shapes import shape_config
+    from freetoken.models.presets import preset_config
 
     if not args.random_weights:
         raise SystemExit("--shape needs --random-weights (no checkpoint is read)")
-    cfg = shape_config(args.shape, args.layers)
+    cfg = preset_config(args.shape, args.layers)
     device = torch.device(resolve_device(args.device if args.device != "cpu" else "auto"))
     dtype = resolve_dtype(args.dtype) or torch.bfloat16
     model = random_model(cfg, dtype, device)
@@ -120,10 +131,10 @@ def run_shape(args: argparse.Namespace) -> int:
     if args.route_trace:
         path = args.route_trace
         if path == "shared":  # a copy of ../shared/routing_traces travels with the repo
-            from freetoken.experts.routing import SHARED_TRACE_DIR
+            from freetoken.experts.record import SHARED_TRACE_DIR
 
             path = str(SHARED_TRACE_DIR / "decode_routing.npy")
-        install_trace(model, TraceRouter(np.load(path), cfg.num_experts, cfg.top_k))
+        install_trace(model, TraceRouter(np.load(path), cfg.num_experts, cfg.top_k, device))
     opts = moe_options(args)
     if opts.cache_size is None and opts.cache_rate is None and opts.cache_mem is None:
         opts.cache_rate = 0.37
@@ -134,27 +145,32 @@ def run_shape(args: argparse.Namespace) -> int:
     # Rounds over all backends in turn, best round kept per backend: the first decode of a
     # fresh process can run at a third of its later speed (seen on the H200 host), whichever
     # backend goes first, so one pass in a fixed order would rank the backends by their order.
-    backends = args.backends.split(",")
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.graphs]
+    if device.type != "cuda":
+        modes = [False]
+    backends = [f"{b}{'' if g else '/eager'}" for b in args.backends.split(",") for g in modes]
     best: dict[str, RunResult] = {}
     for rnd in range(max(1, args.repeats)):
-        for be in backends:
+        for name in backends:
+            be, graphs = name.split("/")[0], not name.endswith("/eager")
             if (be == "fused" and device.type == "cuda"
                     and store.nbytes > 0.8 * torch.cuda.mem_get_info()[0]):
                 continue
-            r = run_backend(model, store, be, opts, device, prompt, args.decode_tokens)
-            print(f"[bench] round {rnd + 1}: {be} {r.tok_s:.1f} tok/s", flush=True)
-            if be not in best or r.tok_s > best[be].tok_s:
-                best[be] = r
-    print(f"best of {max(1, args.repeats)} rounds per backend")
-    print(f"{'backend':8} {'tok/s':>8} {'hit':>6} {'fetch MB/tok':>13} {'cpu MB/tok':>11} "
+            r = run_backend(model, store, be, opts, device, prompt, args.decode_tokens,
+                            cuda_graph=graphs, batch=args.batch)
+            print(f"[bench] round {rnd + 1}: {name} {r.tok_s:.1f} tok/s {r.note}", flush=True)
+            if name not in best or r.tok_s > best[name].tok_s:
+                best[name] = r
+    print(f"best of {max(1, args.repeats)} rounds per backend; batch {args.batch}")
+    print(f"{'backend':14} {'tok/s':>8} {'hit':>6} {'fetch MB/tok':>13} {'cpu MB/tok':>11} "
           f"{'GB/s moved':>11} {'floor tok/s':>12}")
     for be in backends:
         r = best.get(be)
         if r is None:
-            print(f"{be:8} skipped: the pool does not fit on the GPU")
+            print(f"{be:14} skipped: the pool does not fit on the GPU")
             continue
         moved = (r.fetch_bytes_tok + r.cpu_bytes_tok) * r.tok_s / 1e9
         floor = f"{r.floor_tok_s:12.1f}" if r.floor_tok_s else f"{'n/a':>12}"
-        print(f"{be:8} {r.tok_s:8.1f} {r.hit_rate:6.3f} {r.fetch_bytes_tok / 1e6:13.1f} "
+        print(f"{be:14} {r.tok_s:8.1f} {r.hit_rate:6.3f} {r.fetch_bytes_tok / 1e6:13.1f} "
               f"{r.cpu_bytes_tok / 1e6:11.1f} {moved:11.2f} {floor}", flush=True)
     return 0

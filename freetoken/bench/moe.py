@@ -8,32 +8,40 @@ from a trace (`--route-trace`) to model a trained router's locality.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from freetoken.engine.api import SamplingParams
 from freetoken.engine.generate import generate
 from freetoken.experts.setup import MoEOptions, MoERuntime, configure_experts, find_profile
 from freetoken.experts.store import ExpertStore
 from freetoken.layers.moe import FusedExperts
 from freetoken.models.qwen import QwenMoE
+from freetoken.types.api import SamplingParams
 
 
 class TraceRouter:
     """Replaces the router's choice with a recorded one: model layer l at decode step s takes
-    trace layer l % Lt of sequence (l // Lt + seq) % N, step s % steps."""
+    trace layer l % Lt of sequence (l // Lt + seq) % N, step s % steps. The trace and the step
+    counter live on the model's device and the step advances there, so a replayed CUDA graph
+    walks the trace like eager steps do."""
 
-    def __init__(self, decode: np.ndarray, num_experts: int, top_k: int):
-        self.t = decode  # [steps, Lt, N, K]
+    def __init__(self, decode: np.ndarray, num_experts: int, top_k: int,
+                 device: torch.device | str = "cpu"):
         assert decode.shape[-1] >= top_k and int(decode.max()) < num_experts
-        self.k, self.step = top_k, 0
+        self.t = torch.from_numpy(decode[..., :top_k].astype(np.int64)).to(device)  # [s,Lt,N,K]
+        self.k = top_k
+        self.step = torch.zeros(1, dtype=torch.int64, device=device)
 
     def ids(self, layer: int, seq: int = 0) -> torch.Tensor:
         steps, lt, n, _ = self.t.shape
-        row = self.t[self.step % steps, layer % lt, (layer // lt + seq) % n, : self.k]
-        return torch.from_numpy(row.astype(np.int64)).view(1, -1)
+        frame = self.t.index_select(0, self.step % steps)[0]  # [Lt, N, K]
+        return frame[layer % lt, (layer // lt + seq) % n].view(1, -1)  # [1, K]
+
+    def advance(self) -> None:
+        self.step.add_(1)
 
 
 @dataclass
@@ -44,6 +52,7 @@ class RunResult:
     fetch_bytes_tok: float
     cpu_bytes_tok: float
     floor_tok_s: float | None
+    note: str = ""  # where a decode step's time went (graph runner timers)
 
 
 def install_trace(model: QwenMoE, router: TraceRouter) -> None:
@@ -54,9 +63,9 @@ def install_trace(model: QwenMoE, router: TraceRouter) -> None:
         def fwd(x: torch.Tensor, _i: int = i, _orig=orig) -> tuple[torch.Tensor, torch.Tensor]:
             w, ids = _orig(x)
             if x.shape[0] == 1:  # decode: replay; prefill keeps the random router
-                ids = router.ids(_i).to(ids.device)
-            if _i == len(model.moe_blocks()) - 1:
-                router.step += 1
+                ids = router.ids(_i)
+                if _i == len(model.moe_blocks()) - 1:
+                    router.advance()
             return w, ids
 
         gate.forward = fwd  # type: ignore[method-assign]
@@ -85,18 +94,69 @@ def drop_fused(model: QwenMoE, device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def decode_batch(model: QwenMoE, prompts: list[list[int]], n_tokens: int,
+                 cuda_graph: bool) -> tuple[float, int]:
+    """B requests decoding together through the engine: (decode tok/s summed over the rows,
+    decode steps timed). Timing starts once every request has its first token."""
+    from freetoken.engine.core import EngineCore
+    from freetoken.types.api import GenerateRequest
+
+    B, n = len(prompts), max(len(p) for p in prompts)
+    core = EngineCore(model, [], kv_tokens=B * (n + n_tokens) + 64, state_slots=B + 4,
+                      max_running=B, chunk_tokens=max(512, n), decode_runner=True,
+                      cuda_graph=cuda_graph)
+    got = [0] * B
+
+    def on(i: int):
+        def emit(ev) -> None:
+            got[i] += len(ev.token_ids)
+        return emit
+
+    for i, p in enumerate(prompts):
+        core.add(GenerateRequest(p, SamplingParams(max_tokens=n_tokens, temperature=0.0,
+                                                   ignore_eos=True), request_id=f"b{i}"), on(i))
+    while core.has_work() and min(got) == 0:
+        core.step()
+    t0, start, steps = time.perf_counter(), sum(got), 0
+    while core.has_work():
+        core.step()
+        steps += 1
+    if model.model.embed_tokens.weight.is_cuda:
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    return (sum(got) - start) / dt if dt > 0 else 0.0, steps
+
+
 def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEOptions,
-                device: torch.device, prompt: list[int], n_tokens: int) -> RunResult:
+                device: torch.device, prompt: list[int], n_tokens: int, cuda_graph: bool = True,
+                batch: int = 1) -> RunResult:
     rt = install_backend(model, store, backend, opts, device)
+    note = ""
     sp = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
-    generate(model, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), [])
+    generate(model, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), [],
+             cuda_graph=cuda_graph)
     if rt:
         rt.stats.sync()
     s0 = {k: v for k, v in rt.stats.__dict__.items() if isinstance(v, int)} if rt else None
-    res = generate(model, prompt, sp, [])
+    if batch > 1:
+        # B prompts of the same length, each a rotation of the first (no shared prefix)
+        prompts = [prompt[i % len(prompt):] + prompt[:i % len(prompt)] for i in range(batch)]
+        tok_s, steps = decode_batch(model, prompts, n_tokens, cuda_graph)
+        res = None
+    else:
+        priv = getattr(model, "_ft_private", None)
+        runner = next(iter(priv.runners.values()), None) if priv else None
+        h0 = (runner.host_s, runner.wait_s, runner.steps) if runner else None
+        res = generate(model, prompt, sp, [], cuda_graph=cuda_graph)
+        tok_s, steps = res.decode_tps, max(1, len(res.token_ids) - 1)
+        if runner is not None and h0 is not None and runner.steps > h0[2]:
+            k = runner.steps - h0[2]
+            rep = runner.replay_ms(1) if cuda_graph else None
+            note = (f"host {1e3 * (runner.host_s - h0[0]) / k:.3f} ms/step, launch+wait "
+                    f"{1e3 * (runner.wait_s - h0[1]) / k:.3f} ms/step"
+                    + (f", graph replay alone {rep:.3f} ms" if rep else ""))
     if rt:
         rt.stats.sync()
-    steps = max(1, len(res.token_ids) - 1)
     hit = fb = cb = 0.0
     floor = None
     if rt is not None:
@@ -112,4 +172,4 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEOptio
             floor = 1.0 / t if t > 0 else None
     if backend == "fused":
         drop_fused(model, device)
-    return RunResult(backend, res.decode_tps, hit, fb, cb, floor)
+    return RunResult(backend, tok_s, hit, fb, cb, floor, note)

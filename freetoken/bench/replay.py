@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from freetoken.experts.record import RoutingTrace
 from freetoken.experts.residency import ResidencyTable
-from freetoken.experts.routing import RoutingTrace
 
 POLICIES = ("lru", "prefill_hot", "static_layers")
 

@@ -1,7 +1,7 @@
 """Real model shapes, for benchmarks with random weights built in memory (no checkpoint)."""
 from __future__ import annotations
 
-from freetoken.models.config import ModelConfig, config_from_dict
+from freetoken.types.model_config import ModelConfig, config_from_dict
 
 # Qwen3.6-35B-A3B (qwen3_5_moe text): 40 layers (3 gated-DeltaNet : 1 full attention),
 # 256 routed experts top-8 of 3×2048×512, a shared expert; 64.4 GB of experts in bf16.
@@ -26,7 +26,7 @@ SHAPES: dict[str, dict] = {
 }
 
 
-def shape_config(name: str, layers: int | None = None) -> ModelConfig:
+def preset_config(name: str, layers: int | None = None) -> ModelConfig:
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
     raw = dict(SHAPES[name])

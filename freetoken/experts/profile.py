@@ -1,0 +1,70 @@
+"""The machine's measured bandwidth profile on disk, and the expert shapes it is keyed by.
+
+`ft bench bw` measures and saves a `BandwidthProfile`; `configure_experts` loads the one for this
+GPU, CPU, expert shape and dtype to choose the backend and q*. Profiles are JSON under
+`$XDG_CACHE_HOME/freetoken/profiles/`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from freetoken.experts.cost_model import BandwidthProfile
+from freetoken.log import get_logger, kv
+from kernels.cpu.ext import cache_root, cpu_model
+
+log = get_logger("experts")
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+    layers: int
+
+    def expert_bytes(self, dtype: torch.dtype) -> int:
+        return 3 * self.hidden * self.inter * torch.empty(0, dtype=dtype).element_size()
+
+
+SHAPES: dict[str, ExpertShape] = {
+    "qwen3.6-35b-a3b": ExpertShape(hidden=2048, inter=512, experts=256, top_k=8, layers=40),
+}
+
+
+def profile_key(shape_name: str, dtype: torch.dtype) -> dict[str, str]:
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    return {"gpu": gpu, "cpu": cpu_model(), "shape": shape_name, "dtype": str(dtype)}
+
+
+def profile_path(key: dict[str, str]) -> Path:
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "profiles" / f"bw-{key['shape']}-{digest}.json"
+
+
+def save_profile(profile: BandwidthProfile) -> Path:
+    path = profile_path(profile.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(dataclasses.asdict(profile), indent=2, sort_keys=True))
+    tmp.replace(path)
+    log.info(kv("bw_profile_saved", path=path))
+    return path
+
+
+def load_profile(key: dict[str, str]) -> BandwidthProfile | None:
+    """The saved profile for exactly this key, or None (missing or unreadable)."""
+    path = profile_path(key)
+    try:
+        data = json.loads(path.read_text())
+        prof = BandwidthProfile(**data)
+    except (OSError, ValueError, TypeError) as e:
+        log.debug(kv("bw_profile_missing", path=path, reason=type(e).__name__))
+        return None
+    return prof if prof.key == key else None

@@ -1,0 +1,247 @@
+"""Fused MoE on the GPU: routed experts read in place through bank row ids, SwiGLU fused.
+
+Shape legend: T tokens, K top-k, H hidden, I expert intermediate, S bank rows (slots, or
+experts under `fused`), N = T*K (token, k) entries, entry n = t*K + k.
+
+    fused_moe(x [T, H], ids [T, K], gate_up [S, 2I, H], down [S, H, I], y [T, K, H]) -> y
+    y[t, k] = down[id] @ (silu(gate[id] @ x[t]) * (up[id] @ x[t])),  id = ids[t, k]
+
+The same contract as `freetoken.layers.moe.dispatch_experts` (unweighted outputs; entries with
+id < 0 are not computed and keep y's value, which the CPU branch of `hybrid` writes). The banks
+are read through the ids, never gathered. fp32 accumulation throughout.
+
+Two paths, picked by N (`decode=None`):
+  decode  (N <= DECODE_MAX_ENTRIES) GEMV per entry, two kernels: gate_up rows + SiLU*up into an
+          fp32 [N, I] intermediate, then the down rows. Grid (N, row blocks), fixed by the shapes;
+          no sort, no host read: capturable in a CUDA graph. Each weight byte is read once per
+          entry (a repeated expert within one step is read again; L2 may catch it since the
+          grid runs entries fastest, so the same row block of every entry is in flight at once).
+  grouped (larger N) entries sorted by bank row on the device (`moe_grouped.moe_align`), then a
+          tl.dot grouped GEMM per (expert block of BLOCK_M entries, column block), as vLLM's
+          `fused_moe_kernel`; each expert's weights are read once per row block of its entries.
+          No host read either (the sort is on the device, the grid is sized from the shapes).
+
+`moe_sum(y, w)` is the weighted merge sum_k w[t, k] * y[t, k] in one launch, for the block.
+Under TRITON_INTERPRET=1 (CPU tests) everything runs in fp32 math; the grouped path upcasts
+bf16 operands before tl.dot there, since the interpreter's bf16 dot is wrong.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# Above this many (token, k) entries the grouped path reads fewer weight bytes (repeated
+# experts share a read) and its sort is affordable. To be re-measured on the H200:
+# scripts/bench_triton_moe.py prints both paths at T=1, 4, 16.
+DECODE_MAX_ENTRIES = 128
+
+# H200 starting points for H=2048, I=512 (bf16), to be swept with scripts/bench_triton_moe.py:
+# T=1 gives 8 entries x 32 row blocks = 256 gate_up programs and 8 x 64 = 512 down programs
+# (132 SMs), each streaming 16-byte vector loads along the contiguous H (or I) axis.
+DECODE_CONFIG = {
+    "gate_up": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4},
+    "down": {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4},
+}
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _decode_gate_up_kernel(
+    x_ptr, ids_ptr, w_ptr, a_ptr,
+    H, I, TOPK,
+    stride_xt, stride_we, stride_wn, stride_an,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """a[n, i] = silu(gate[id] @ x[t])[i] * (up[id] @ x[t])[i] for one entry n and BLOCK_N rows
+    i."""
+    n = tl.program_id(0)
+    pid_i = tl.program_id(1)
+    row = tl.load(ids_ptr + n).to(tl.int64)
+    if row < 0:
+        return
+    t = n // TOPK
+    i = pid_i * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    kk = tl.arange(0, BLOCK_K)  # [BK]
+    x_row = x_ptr + t.to(tl.int64) * stride_xt
+    g_ptrs = w_ptr + row * stride_we + i[:, None] * stride_wn + kk[None, :]  # [BN, BK]
+    u_ptrs = g_ptrs + I * stride_wn
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            xv = tl.load(x_row + k0 + kk).to(tl.float32)  # [BK]
+        else:
+            xv = tl.load(x_row + k0 + kk, mask=k0 + kk < H, other=0.0).to(tl.float32)
+        if EVEN_N and EVEN_K:
+            g = tl.load(g_ptrs + k0)
+            u = tl.load(u_ptrs + k0)
+        else:
+            m = (i[:, None] < I) & (k0 + kk[None, :] < H)
+            g = tl.load(g_ptrs + k0, mask=m, other=0.0)
+            u = tl.load(u_ptrs + k0, mask=m, other=0.0)
+        acc_g += g.to(tl.float32) * xv[None, :]
+        acc_u += u.to(tl.float32) * xv[None, :]
+    gate = tl.sum(acc_g, axis=1)  # [BN]
+    up = tl.sum(acc_u, axis=1)  # [BN]
+    act = gate * tl.sigmoid(gate) * up
+    tl.store(a_ptr + n.to(tl.int64) * stride_an + i, act, mask=i < I)
+
+
+@triton.jit
+def _decode_down_kernel(
+    a_ptr, ids_ptr, w_ptr, y_ptr,
+    H, I, TOPK,
+    stride_an, stride_we, stride_wn, stride_yt, stride_yk, stride_yh,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """y[t, k, h] = down[id][h] @ a[n] for one entry n = t*K + k and BLOCK_N rows h."""
+    n = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    row = tl.load(ids_ptr + n).to(tl.int64)
+    if row < 0:
+        return
+    t = n // TOPK
+    k = n % TOPK
+    h = pid_h * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    kk = tl.arange(0, BLOCK_K)  # [BK]
+    a_row = a_ptr + n.to(tl.int64) * stride_an
+    w_ptrs = w_ptr + row * stride_we + h[:, None] * stride_wn + kk[None, :]  # [BN, BK]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        if EVEN_K:
+            av = tl.load(a_row + k0 + kk)  # [BK] fp32
+        else:
+            av = tl.load(a_row + k0 + kk, mask=k0 + kk < I, other=0.0)
+        if EVEN_N and EVEN_K:
+            w = tl.load(w_ptrs + k0)
+        else:
+            w = tl.load(w_ptrs + k0, mask=(h[:, None] < H) & (k0 + kk[None, :] < I), other=0.0)
+        acc += w.to(tl.float32) * av[None, :]
+    out = tl.sum(acc, axis=1)  # [BN]
+    y_ptrs = y_ptr + t.to(tl.int64) * stride_yt + k * stride_yk + h * stride_yh
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=h < H)
+
+
+@triton.jit
+def _moe_sum_kernel(
+    y_ptr, w_ptr, out_ptr, H,
+    stride_yt, stride_yk, stride_wt, stride_ot,
+    TOPK: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(TOPK):
+        wk = tl.load(w_ptr + t * stride_wt + k).to(tl.float32)
+        yk = tl.load(y_ptr + t * stride_yt + k * stride_yk + h, mask=h < H, other=0.0)
+        acc += wk * yk.to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + h, acc.to(out_ptr.dtype.element_ty), mask=h < H)
+
+
+def moe_sum(y: Tensor, w: Tensor, out: Tensor | None = None, block_h: int = 1024) -> Tensor:
+    """out [T, H] = sum_k w[t, k] * y[t, k] in fp32, k = 0..K-1 in order, cast to y.dtype.
+
+    y [T, K, H] and w [T, K] need a contiguous last dim. One launch instead of torch's mul + sum;
+    in bf16 it rounds once (torch rounds each product to bf16 first), so it is the same sum to
+    rounding, not bit-identical to `(y * w[..., None]).sum(1)`.
+    """
+    T, K, H = y.shape
+    if tuple(w.shape) != (T, K) or y.stride(2) != 1 or w.stride(1) != 1:
+        raise ValueError(f"moe_sum: y {tuple(y.shape)} and w {tuple(w.shape)} do not fit")
+    if out is None:
+        out = torch.empty((T, H), dtype=y.dtype, device=y.device)  # [T, H]
+    if T == 0:
+        return out
+    bh = _block(block_h, H)
+    _moe_sum_kernel[(T, triton.cdiv(H, bh))](
+        y, w, out, H, y.stride(0), y.stride(1), w.stride(0), out.stride(0),
+        TOPK=K, BLOCK_H=bh, num_warps=4,
+    )
+    return out
+
+
+def check_args(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor
+               ) -> tuple[int, int, int, int]:
+    """Validate shapes, dtypes and layouts; returns (T, K, H, I)."""
+    if x.dim() != 2 or ids.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3 or y.dim() != 3:
+        raise ValueError("expected x [T,H], ids [T,K], gate_up [S,2I,H], down [S,H,I], y [T,K,H]")
+    T, H = x.shape
+    K = ids.shape[1]
+    S, two_i, h2 = gate_up.shape
+    I = two_i // 2
+    if (ids.shape[0] != T or h2 != H or two_i != 2 * I or tuple(down.shape) != (S, H, I)
+            or tuple(y.shape) != (T, K, H)):
+        raise ValueError(
+            f"shape mismatch: x={tuple(x.shape)} ids={tuple(ids.shape)} "
+            f"gate_up={tuple(gate_up.shape)} down={tuple(down.shape)} y={tuple(y.shape)}")
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ids must be int32 or int64, got {ids.dtype}")
+    if gate_up.dtype != x.dtype or down.dtype != x.dtype:
+        raise ValueError(f"dtype mismatch: x {x.dtype}, gate_up {gate_up.dtype}, down {down.dtype}")
+    # the banks are never copied, so their rows must already be contiguous along the reduction
+    if x.stride(1) != 1 or gate_up.stride(2) != 1 or down.stride(2) != 1:
+        raise ValueError("x, gate_up and down need a contiguous last dimension")
+    devs = {x.device, ids.device, gate_up.device, down.device, y.device}
+    if len(devs) != 1:
+        raise ValueError(f"tensors on different devices: {sorted(map(str, devs))}")
+    return T, K, H, I
+
+
+def _block(want: int, dim: int, least: int = 1) -> int:
+    """The configured block, shrunk to the problem (tiny test shapes) but never below `least`."""
+    return max(least, min(want, triton.next_power_of_2(dim)))
+
+
+def fused_moe_decode(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor,
+                     config: dict | None = None) -> Tensor:
+    """The decode (GEMV) path. `config` overrides DECODE_CONFIG (same keys)."""
+    T, K, H, I = check_args(x, ids, gate_up, down, y)
+    N = T * K
+    if N == 0:
+        return y
+    cfg = DECODE_CONFIG if config is None else config
+    flat = ids.reshape(N)  # [N]
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    a = torch.empty((N, I), dtype=torch.float32, device=x.device)  # [N, I] SwiGLU output
+    c = cfg["gate_up"]
+    bn, bk = _block(c["BLOCK_N"], I), _block(c["BLOCK_K"], H)
+    _decode_gate_up_kernel[(N, triton.cdiv(I, bn))](
+        x, flat, gate_up, a, H, I, K,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), a.stride(0),
+        BLOCK_N=bn, BLOCK_K=bk, EVEN_N=I % bn == 0, EVEN_K=H % bk == 0,
+        num_warps=c.get("num_warps", 4),
+    )
+    c = cfg["down"]
+    bn, bk = _block(c["BLOCK_N"], H), _block(c["BLOCK_K"], I)
+    _decode_down_kernel[(N, triton.cdiv(H, bn))](
+        a, flat, down, y, H, I, K,
+        a.stride(0), down.stride(0), down.stride(1), y.stride(0), y.stride(1), y.stride(2),
+        BLOCK_N=bn, BLOCK_K=bk, EVEN_N=H % bn == 0, EVEN_K=I % bk == 0,
+        num_warps=c.get("num_warps", 4),
+    )
+    return y
+
+
+def fused_moe(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor, *,
+              decode: bool | None = None) -> Tensor:
+    """Fill y [T, K, H] with the unweighted expert outputs of every entry with ids >= 0.
+
+    x [T, H] (bf16/fp16/fp32), ids [T, K] int32/int64 bank rows, gate_up [S, 2I, H] (rows
+    [gate | up]), down [S, H, I], y [T, K, H] preallocated (any strides). decode: True for the
+    GEMV path, False for the grouped path, None to pick by T*K <= DECODE_MAX_ENTRIES.
+    """
+    if decode is None:
+        decode = ids.numel() <= DECODE_MAX_ENTRIES
+    if decode:
+        return fused_moe_decode(x, ids, gate_up, down, y)
+    from kernels.triton.moe_grouped import fused_moe_grouped  # imports this module
+
+    return fused_moe_grouped(x, ids, gate_up, down, y)

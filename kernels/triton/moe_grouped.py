@@ -1,0 +1,211 @@
+"""Grouped (prefill) path of `fused_moe`: entries sorted by bank row, one tl.dot GEMM per block.
+
+Shape legend: T tokens, K top-k, H hidden, I expert intermediate, S bank rows, N = T*K entries,
+BM = BLOCK_M, P = padded length N + min(N, S)*(BM-1) (an upper bound fixed by the shapes).
+
+`moe_align` is a torch equivalent of vLLM's `moe_align_block_size`: each bank row's entries are
+laid out contiguously, padded to a multiple of BM, so every BM-block belongs to one row. It is
+about a dozen device ops (scatter_add, cumsum, a stable argsort, searchsorted) with no Python
+loop over experts and no host read: the grid is sized from P, and blocks past the real padded
+total (read on the device) exit at once. So prefill pays ~10 small launches and no sync.
+
+The gate_up kernel computes the gate and the up columns of the same rows i in one program (two
+accumulators) so SiLU(gate)*up happens in its epilogue; vLLM writes [N, 2I] and runs a
+separate silu_and_mul. The intermediate [N, I] is in the model dtype (bf16 tensor cores for the
+down GEMM, as vLLM); in fp32 it is fp32.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels.triton.fused_moe import _block, check_args, interpreting
+
+
+def tile(bm: int, bn: int, bk: int, group_m: int, warps: int, stages: int) -> dict:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
+            "num_warps": warps, "num_stages": stages}
+
+
+# Per-T configs for the H200 at H=2048, I=512, E=256 (bf16), from SGLang's tuned
+# `E=256,N=512,device_name=NVIDIA_H200{,_down}.json` (T <= 256, 512, 1024) and, past 1024
+# tokens, its `E=128,N=512` H200 entry at the same tokens per expert (T=2048 there). Our
+# gate_up BLOCK_N counts row pairs (gate and up), so it is half of SGLang's N tile.
+# (max T, gate_up tile, down tile); tile = (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)
+GROUPED_CONFIGS: list[tuple[int, dict, dict]] = [
+    (256, tile(16, 16, 64, 1, 4, 3), tile(16, 32, 64, 1, 4, 3)),
+    (512, tile(32, 64, 128, 32, 8, 3), tile(32, 64, 128, 32, 4, 3)),
+    (1024, tile(64, 32, 64, 1, 4, 3), tile(64, 128, 64, 1, 4, 3)),
+    (1 << 62, tile(128, 128, 64, 32, 8, 3), tile(128, 128, 64, 32, 8, 3)),
+]
+
+
+def grouped_config(T: int) -> tuple[dict, dict]:
+    for max_t, gu, dn in GROUPED_CONFIGS:
+        if T <= max_t:
+            return gu, dn
+    raise AssertionError("unreachable: the last entry has no limit")
+
+
+def moe_align(ids: Tensor, num_rows: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Sort the N = ids.numel() entries by bank row, each row's run padded to block_m.
+
+    Returns sorted_entries [P] (entry index, or N for padding), block_row [cdiv(P, BM)] (the bank
+    row of each block, -1 past the end) and total [1] (padded length actually used, on device).
+    Entries with id < 0 are left out. Stable: a row's entries keep their (t, k) order.
+    """
+    flat = ids.reshape(-1).to(torch.int64)  # [N]
+    N, dev = flat.numel(), flat.device
+    P = N + min(N, num_rows) * (block_m - 1)
+    key = torch.where(flat >= 0, flat, num_rows)  # [N]; left-out entries -> bucket S
+    counts = torch.zeros(num_rows + 1, dtype=torch.int64, device=dev)  # [S+1]
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts + block_m - 1) // block_m * block_m  # [S+1]
+    padded[num_rows] = 0
+    pad_end = torch.cumsum(padded, 0)  # [S+1]
+    pad_start = pad_end - padded  # [S+1]
+    run_start = torch.cumsum(counts, 0) - counts  # [S+1] unpadded
+    order = torch.argsort(key, stable=True)  # [N] entries grouped by row
+    skey = key[order]  # [N]
+    pos = pad_start[skey] + torch.arange(N, device=dev) - run_start[skey]  # [N]
+    pos = torch.where(skey < num_rows, pos, P)  # left-out entries land on a dropped tail slot
+    sorted_entries = torch.full((P + 1,), N, dtype=torch.int64, device=dev)  # [P+1]
+    sorted_entries.scatter_(0, pos, order)
+    starts = torch.arange(0, P, block_m, device=dev)  # [cdiv(P, BM)]
+    total = pad_end[num_rows - 1:num_rows]  # [1]
+    block_row = torch.searchsorted(pad_end[:num_rows], starts, right=True)  # [cdiv(P, BM)]
+    block_row = torch.where(starts < total, block_row, -1)
+    return sorted_entries[:P], block_row, total
+
+
+@triton.jit
+def _tile_ids(pid, P, NCOLS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped program order (as in the Triton matmul tutorial and vLLM) for L2 reuse of x."""
+    num_m = tl.cdiv(P, BLOCK_M)
+    num_n = tl.cdiv(NCOLS, BLOCK_N)
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_size
+    pid_n = (pid % in_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _grouped_gate_up_kernel(
+    x_ptr, w_ptr, a_ptr, sorted_ptr, block_row_ptr, total_ptr,
+    N, P, H, I, TOPK,
+    stride_xt, stride_we, stride_wn, stride_an,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(tl.program_id(0), P, I, BLOCK_M, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    row = tl.load(block_row_ptr + pid_m).to(tl.int64)
+    ent = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
+    ent_ok = ent < N
+    tok = ent // TOPK
+    i = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    i_ok = i < I
+    kk = tl.arange(0, BLOCK_K)  # [BK]
+    x_ptrs = x_ptr + tok[:, None] * stride_xt + kk[None, :]  # [BM, BK]
+    g_ptrs = w_ptr + row * stride_we + i[None, :] * stride_wn + kk[:, None]  # [BK, BN]
+    u_ptrs = g_ptrs + I * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            xa = tl.load(x_ptrs + k0, mask=ent_ok[:, None], other=0.0)
+            g = tl.load(g_ptrs + k0, mask=i_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs + k0, mask=i_ok[None, :], other=0.0)
+        else:
+            k_ok = k0 + kk < H
+            xa = tl.load(x_ptrs + k0, mask=ent_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs + k0, mask=k_ok[:, None] & i_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs + k0, mask=k_ok[:, None] & i_ok[None, :], other=0.0)
+        if UPCAST:  # the interpreter's bf16 tl.dot is wrong (MODEL_FACTS §3)
+            xa, g, u = xa.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        acc_g = tl.dot(xa, g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(xa, u, acc_u, input_precision=PRECISION)
+    act = acc_g * tl.sigmoid(acc_g) * acc_u  # [BM, BN]
+    a_ptrs = a_ptr + ent[:, None] * stride_an + i[None, :]
+    tl.store(a_ptrs, act.to(a_ptr.dtype.element_ty), mask=ent_ok[:, None] & i_ok[None, :])
+
+
+@triton.jit
+def _grouped_down_kernel(
+    a_ptr, w_ptr, y_ptr, sorted_ptr, block_row_ptr, total_ptr,
+    N, P, H, I, TOPK,
+    stride_an, stride_we, stride_wn, stride_yt, stride_yk, stride_yh,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(tl.program_id(0), P, H, BLOCK_M, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    row = tl.load(block_row_ptr + pid_m).to(tl.int64)
+    ent = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
+    ent_ok = ent < N
+    h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    h_ok = h < H
+    kk = tl.arange(0, BLOCK_K)  # [BK]
+    a_ptrs = a_ptr + ent[:, None] * stride_an + kk[None, :]  # [BM, BK]
+    w_ptrs = w_ptr + row * stride_we + h[None, :] * stride_wn + kk[:, None]  # [BK, BN]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        if EVEN_K:
+            av = tl.load(a_ptrs + k0, mask=ent_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=h_ok[None, :], other=0.0)
+        else:
+            k_ok = k0 + kk < I
+            av = tl.load(a_ptrs + k0, mask=ent_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & h_ok[None, :], other=0.0)
+        if UPCAST:
+            av, w = av.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(av, w, acc, input_precision=PRECISION)
+    tok = ent // TOPK
+    k = ent % TOPK
+    y_ptrs = y_ptr + tok[:, None] * stride_yt + k[:, None] * stride_yk + h[None, :] * stride_yh
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ent_ok[:, None] & h_ok[None, :])
+
+
+def fused_moe_grouped(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor,
+                      config: tuple[dict, dict] | None = None) -> Tensor:
+    """The grouped path. `config` = (gate_up cfg, down cfg) overrides `grouped_config(T)`."""
+    T, K, H, I = check_args(x, ids, gate_up, down, y)
+    N, S = T * K, gate_up.shape[0]
+    if N == 0:
+        return y
+    cu, cd = grouped_config(T) if config is None else config
+    upcast = interpreting() and x.dtype != torch.float32
+    # fp32 operands stay exact ("ieee"), not tf32: fp32 runs are the bit-level test oracle
+    prec = "ieee" if x.dtype == torch.float32 or upcast else None
+    # both kernels must agree on BLOCK_M: it is the padding granularity of the sorted entries
+    bm = max(16, min(cu["BLOCK_M"], triton.next_power_of_2(N)))
+    sorted_entries, block_row, total = moe_align(ids, S, bm)  # [P], [cdiv(P, BM)], [1]
+    P = sorted_entries.numel()
+    a = torch.empty((N, I), dtype=x.dtype, device=x.device)  # [N, I] SwiGLU output
+    bn, bk = _block(cu["BLOCK_N"], I, 16), _block(cu["BLOCK_K"], H, 16)
+    grid = (triton.cdiv(P, bm) * triton.cdiv(I, bn),)
+    _grouped_gate_up_kernel[grid](
+        x, gate_up, a, sorted_entries, block_row, total,
+        N, P, H, I, K,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), a.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cu["GROUP_M"],
+        EVEN_K=H % bk == 0, UPCAST=upcast, PRECISION=prec,
+        num_warps=cu["num_warps"], num_stages=cu["num_stages"],
+    )
+    bn, bk = _block(cd["BLOCK_N"], H, 16), _block(cd["BLOCK_K"], I, 16)
+    grid = (triton.cdiv(P, bm) * triton.cdiv(H, bn),)
+    _grouped_down_kernel[grid](
+        a, down, y, sorted_entries, block_row, total,
+        N, P, H, I, K,
+        a.stride(0), down.stride(0), down.stride(1), y.stride(0), y.stride(1), y.stride(2),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cd["GROUP_M"],
+        EVEN_K=I % bk == 0, UPCAST=upcast, PRECISION=prec,
+        num_warps=cd["num_warps"], num_stages=cd["num_stages"],
+    )
+    return y

@@ -1,0 +1,213 @@
+"""RMSNorm (plain or zero-centred, optionally fused with the residual add) and the gated
+RMSNorm of Gated DeltaNet, one launch each, with the dtype semantics of
+`freetoken.layers.norm` exactly:
+
+  zero-centred: y = (norm(x)·(1 + w)) in fp32, cast to x's dtype            (qwen3_next / 3.5)
+  plain:        y = w · norm(x).to(x.dtype), in the promoted dtype of (w, x)  (qwen3_moe)
+  gated:        y = (w · norm(x).to(x.dtype)) · silu(z) in fp32, cast to x's dtype
+
+norm(x) = x·rsqrt(mean(x²) + eps) over the last dim, computed in fp32. With `residual`, the
+norm input is s = x + residual rounded to their promoted dtype (what `x = x + h` stores in a
+pre-norm decoder), and s is returned as the new residual stream.
+
+Shapes: any leading shape, N = the normalised (last) dim; R rows = numel / N. Each program
+takes BLOCK_R rows; the grid depends on shapes only (CUDA-graph capturable).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, R, N, eps,
+    s_x, s_r, s_y, s_s,
+    HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+    n = tl.arange(0, BLOCK_N)  # [BN]
+    ok = (r < R)[:, None] & (n < N)[None, :]  # [BR, BN]
+    r = r.to(tl.int64)
+    x = tl.load(x_ptr + r[:, None] * s_x + n[None, :], mask=ok, other=0.0)
+    if HAS_RES:
+        res = tl.load(res_ptr + r[:, None] * s_r + n[None, :], mask=ok, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + r[:, None] * s_s + n[None, :], x, mask=ok)
+    xf = x.to(tl.float32)
+    xn = xf * (1.0 / tl.sqrt(tl.sum(xf * xf, 1) / N + eps))[:, None]  # [BR, BN]
+    w = tl.load(w_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]  # [1, BN]
+    if ZERO_CENTERED:
+        y = xn * (1.0 + w)
+    else:
+        y = xn.to(x.dtype).to(tl.float32) * w
+    tl.store(y_ptr + r[:, None] * s_y + n[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _gated_rmsnorm_kernel(
+    x_ptr, z_ptr, w_ptr, y_ptr, R, N, eps,
+    s_x, s_z, s_y,
+    MID: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+    n = tl.arange(0, BLOCK_N)  # [BN]
+    ok = (r < R)[:, None] & (n < N)[None, :]
+    r = r.to(tl.int64)
+    x = tl.load(x_ptr + r[:, None] * s_x + n[None, :], mask=ok, other=0.0)
+    xf = x.to(tl.float32)
+    xn = xf * (1.0 / tl.sqrt(tl.sum(xf * xf, 1) / N + eps))[:, None]
+    w = tl.load(w_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+    y = (xn.to(x.dtype).to(tl.float32) * w).to(MID).to(tl.float32)  # w · norm(x) in torch's dtype
+    z = tl.load(z_ptr + r[:, None] * s_z + n[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + r[:, None] * s_y + n[None, :],
+             (y * (z * tl.sigmoid(z))).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def _rows(t: Tensor, n: int) -> Tensor:
+    """[..., N] -> [R, N] with unit stride along N (a view where torch allows one)."""
+    t2 = t.reshape(-1, n)
+    return t2 if t2.stride(1) == 1 else t2.contiguous()
+
+
+def _blocks(n: int) -> tuple[int, int, int]:
+    bn = triton.next_power_of_2(n)
+    br = max(1, min(16, 4096 // bn))
+    return br, bn, 4 if br * bn <= 4096 else 8
+
+
+def rmsnorm(x: Tensor, weight: Tensor, eps: float, zero_centered: bool,
+            residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """x [..., N], weight [N]. Returns y [..., N], or (y, x + residual) when `residual` is
+    given (normalised after the add)."""
+    N = x.shape[-1]
+    if weight.shape != (N,):
+        raise ValueError(f"weight {tuple(weight.shape)} does not match the last dim {N}")
+    x2 = _rows(x, N)  # [R, N]
+    R = x2.shape[0]
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} != x {tuple(x.shape)}")
+        r2 = _rows(residual, N)  # [R, N]
+        sdt = torch.promote_types(x.dtype, residual.dtype)
+        s2 = torch.empty(R, N, dtype=sdt, device=x.device)  # [R, N] the new residual
+    else:
+        r2 = s2 = x2  # unused
+        sdt = x.dtype
+    ydt = sdt if zero_centered else torch.promote_types(weight.dtype, sdt)
+    y2 = torch.empty(R, N, dtype=ydt, device=x.device)  # [R, N]
+    if R:
+        _launch_rmsnorm(x2, r2, weight, y2, s2, eps, residual is not None, zero_centered)
+    y = y2.view(x.shape)
+    return y if residual is None else (y, s2.view(x.shape))
+
+
+def _launch_rmsnorm(x2, r2, weight, y2, s2, eps, has_res, zero_centered) -> None:
+    R, N = x2.shape
+    br, bn, warps = _blocks(N)
+    _rmsnorm_kernel[(triton.cdiv(R, br),)](
+        x2, r2, weight, y2, s2, R, N, eps,
+        x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0),
+        HAS_RES=has_res, ZERO_CENTERED=zero_centered,
+        BLOCK_R=br, BLOCK_N=bn, num_warps=warps,
+    )
+
+
+def gated_rmsnorm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """GatedRMSNorm: (w · norm(x)) · silu(z). x, z [..., N]; weight [N]; y in x's dtype."""
+    N = x.shape[-1]
+    if z.shape != x.shape or weight.shape != (N,):
+        raise ValueError(f"shapes x {tuple(x.shape)}, z {tuple(z.shape)}, "
+                         f"weight {tuple(weight.shape)} do not match")
+    x2, z2 = _rows(x, N), _rows(z, N)  # [R, N]
+    R = x2.shape[0]
+    y2 = torch.empty(R, N, dtype=x.dtype, device=x.device)  # [R, N]
+    if not R:
+        return y2.view(x.shape)
+    br, bn, warps = _blocks(N)
+    _gated_rmsnorm_kernel[(triton.cdiv(R, br),)](
+        x2, z2, weight, y2, R, N, eps, x2.stride(0), z2.stride(0), y2.stride(0),
+        MID=_TL[torch.promote_types(weight.dtype, x.dtype)], BLOCK_R=br, BLOCK_N=bn,
+        num_warps=warps,
+    )
+    return y2.view(x.shape)
+
+
+@triton.jit
+def _norm_value(xn, w, X_DT: tl.constexpr, NORM_DT: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    # the RMSNorm module's rounding points, then back to fp32 for the rotation
+    if ZERO_CENTERED:
+        y = (xn * (1.0 + w)).to(NORM_DT)
+    else:
+        y = (xn.to(X_DT).to(tl.float32) * w).to(NORM_DT)
+    return y.to(tl.float32)
+
+
+@triton.jit
+def _rmsnorm_rope_kernel(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, R, H, N, eps,
+    s_xt, s_xh, s_c, s_s, s_yt, s_yh,
+    ROT: tl.constexpr, ZERO_CENTERED: tl.constexpr, NORM_DT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR] rows of [T*H]
+    n = tl.arange(0, BLOCK_N)  # [BN]
+    r_ok = r < R
+    ok = r_ok[:, None] & (n < N)[None, :]
+    t = (r // H).to(tl.int64)
+    xrow = x_ptr + t * s_xt + (r % H) * s_xh  # [BR]
+    x = tl.load(xrow[:, None] + n[None, :], mask=ok, other=0.0)
+    X_DT: tl.constexpr = x_ptr.dtype.element_ty
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / N + eps)  # [BR]
+    w = tl.load(w_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+    y = _norm_value(xf * rstd[:, None], w, X_DT, NORM_DT, ZERO_CENTERED)  # [BR, BN]
+    # rotate-half over the first ROT dims: dim d pairs with d ± ROT/2
+    rot_d = (n < ROT)[None, :]
+    p = tl.where(n < ROT // 2, n + ROT // 2, n - ROT // 2)  # [BN]
+    xp = tl.load(xrow[:, None] + p[None, :], mask=r_ok[:, None] & rot_d, other=0.0)
+    wp = tl.load(w_ptr + p, mask=n < ROT, other=0.0).to(tl.float32)[None, :]
+    yp = _norm_value(xp.to(tl.float32) * rstd[:, None], wp, X_DT, NORM_DT, ZERO_CENTERED)
+    yp = tl.where((n < ROT // 2)[None, :], -yp, yp)
+    c = tl.load(cos_ptr + t[:, None] * s_c + n[None, :], mask=r_ok[:, None] & rot_d,
+                other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t[:, None] * s_s + n[None, :], mask=r_ok[:, None] & rot_d,
+                other=0.0).to(tl.float32)
+    OUT_DT: tl.constexpr = y_ptr.dtype.element_ty
+    a = (y * c).to(OUT_DT).to(tl.float32)
+    b = (yp * s).to(OUT_DT).to(tl.float32)
+    out = tl.where(rot_d, a + b, y)
+    tl.store(y_ptr + (t * s_yt + (r % H) * s_yh)[:, None] + n[None, :], out.to(OUT_DT), mask=ok)
+
+
+def rmsnorm_rope(x: Tensor, weight: Tensor, eps: float, zero_centered: bool, cos: Tensor,
+                 sin: Tensor) -> Tensor:
+    """The attention's q/k prologue in one launch: apply_rotary(RMSNorm(x), cos, sin) with the
+    modules' roundings. x [T, H, D] (row strides free: the q half of the gated projection is a
+    view); weight [D]; cos, sin [T, R] with R <= D even (partial rotary: the first R dims rotate,
+    rotate-half convention). Returns [T, H, D], contiguous."""
+    T, H, N = x.shape
+    rot = cos.shape[-1]
+    if weight.shape != (N,) or cos.shape != (T, rot) or sin.shape != cos.shape:
+        raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)} do not match")
+    if rot % 2 or rot > N or x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError("rotary dims must be even, <= D, and the last dims contiguous")
+    ndt = x.dtype if zero_centered else torch.promote_types(weight.dtype, x.dtype)
+    odt = torch.promote_types(ndt, cos.dtype)
+    y = torch.empty(T, H, N, dtype=odt, device=x.device)  # [T, H, D]
+    R = T * H
+    if R:
+        br, bn, warps = _blocks(N)
+        _rmsnorm_rope_kernel[(triton.cdiv(R, br),)](
+            x, weight, cos, sin, y, R, H, N, eps,
+            x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), y.stride(0), y.stride(1),
+            ROT=rot, ZERO_CENTERED=zero_centered, NORM_DT=_TL[ndt], BLOCK_R=br, BLOCK_N=bn,
+            num_warps=warps,
+        )
+    return y
