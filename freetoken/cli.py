@@ -24,7 +24,7 @@ _BENCH_COMMANDS = [
     "freetoken.bench.cli_routing",
     "freetoken.bench.cli_bw",
     "workloads.cli_bench",
-    "freetoken.bench.anchors",
+    "freetoken.bench.cli_anchors",
 ]
 
 
