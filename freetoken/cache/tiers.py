@@ -118,7 +118,8 @@ class SnapshotTiers:
 
     def stats(self) -> dict[str, int]:
         on_host = sum(1 for s in self.snaps.values() if s.tier == HOST)
-        out = dict(self.counters, snapshots=len(self.snaps), snapshots_host=on_host,
+        # `snapshots` are the device pool's (state_free + snapshots + working = state_slots)
+        out = dict(self.counters, snapshots=len(self.snaps) - on_host, snapshots_host=on_host,
                    state_free=self.device.num_free, state_slots=self.device.num_slots)
         if self.host is not None:
             out.update(host_state_free=self.host.num_free, host_state_slots=self.host.num_slots)

@@ -32,7 +32,9 @@ class HostStates:
         self.pinned = pin
 
         def mk(t: torch.Tensor) -> torch.Tensor:
-            return torch.zeros((num_slots, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
+            # empty: a slot is always written by a spill before a restore reads it, and
+            # untouched pages of an unpinned tier cost no RAM until then
+            return torch.empty((num_slots, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
 
         self.conv = [mk(c) for c in like.conv]
         self.ssm = [mk(s) for s in like.ssm]
