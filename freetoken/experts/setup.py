@@ -154,6 +154,11 @@ def configure_experts(model: QwenMoE, opts: MoEOptions, device: torch.device | s
         fixed = 0 if on_cpu or backend == "cpu" else (-1 if backend == "offload" and not guard
                                                        else None)
         b.experts = SlotExperts(i, cache, store, stats, nf, backend, fixed, cpu_threads)
+        if overlap:
+            b.experts.q_ratio = b_p / (b_p + b_h)
+        else:
+            b.experts.q_ratio = 1.0 if b_h <= b_p else b_p / b_h
+        b.experts.max_fetch = opts.hybrid_max_fetch
         b.experts.guard = guard
     if backend == "cpu":
         _prefill_static(cache, store, slots)

@@ -50,6 +50,7 @@ class SlotCache:
         self.table = ResidencyTable(num_layers, num_experts, num_slots, device)
         self.hidden, self.intermediate, self.dtype = hidden, intermediate, dtype
         self.impl = impl
+        self.generation = 0  # bumped whenever the slot buffers are reallocated (resize)
         self.gate_up_slots = self._alloc_gate_up(num_slots)  # [S, 2I, H]
         self.down_slots = self._alloc_down(num_slots)  # [S, H, I]
 
@@ -144,5 +145,6 @@ class SlotCache:
             gate_up[dst] = self.gate_up_slots[src]
             down[dst] = self.down_slots[src]
         self.gate_up_slots, self.down_slots = gate_up, down
+        self.generation += 1  # captured decode graphs hold the old buffers: capture anew
         log.info(kv("slot_cache_resize", old=old, new=num_slots, moved=int(src.numel()),
                     resident=self.table.resident_count()))

@@ -136,8 +136,9 @@ def test_build_engine_from_serve_flags(tiny_chat_dir: Path, tmp_path: Path, monk
         rt = model.moe_runtime
         pool = rt.store.num_layers * rt.store.num_experts
         assert rt.backend == "offload" and rt.cache.num_slots == round(0.5 * pool)
-        assert core.max_context == 2048 and core.caches.kv.num_slots == 2048  # RAM allows it
-        assert core.caches.state.num_slots == 12 and core.sched.max_running == 3
+        assert core.max_context == 2048 and core.sched.kv_alloc.num_slots == 2048  # RAM allows it
+        assert core.caches.kv.num_slots == 2049  # plus the decode runner's scratch slot
+        assert core.sched.cache.state_pool.num_slots == 12 and core.sched.max_running == 3
         assert engine.model_name == tiny_chat_dir.name
         assert asyncio.run(asyncio.wait_for(_collect(engine, _req(5)), 60))
         saves = [f for f in at_exit if f.__qualname__.startswith("attach_recorder")]
@@ -153,7 +154,7 @@ def test_build_engine_from_serve_flags(tiny_chat_dir: Path, tmp_path: Path, monk
     engine = build_engine(_serve_args("--model", str(tiny_chat_dir), "--device", "cpu",
                                       "--kv-tokens", "1500"))
     try:  # an explicit pool bounds the context; no flag: fused, nothing recorded
-        assert engine.core.caches.kv.num_slots == 1500 and engine.max_context == 1500
+        assert engine.core.sched.kv_alloc.num_slots == 1500 and engine.max_context == 1500
         assert engine.core.model.moe_runtime.backend == "fused"
         assert all(b.route_hook is None for b in engine.core.model.moe_blocks())
     finally:
