@@ -3,8 +3,12 @@ a later request resumes from there with the same tokens as a plain run; and fair
 short prompt admitted beside a long one gets its first token within a few steps."""
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import torch
 
+import freetoken.scheduler as scheduler_pkg
 from freetoken.cache.tensors import StateTensors
 from freetoken.engine.core import EngineCore
 from freetoken.engine.generate import generate
@@ -90,3 +94,13 @@ def test_short_prompt_beside_a_long_one_gets_its_first_token_within_a_few_steps(
         assert sum(i.n for i in plan.items if i.req is long) >= s.chunk_tokens - 1
         for it in plan.items:
             s.after_forward(it)
+
+
+def test_scheduler_imports_no_device_state() -> None:
+    """Issue 9: the scheduler plans, the engine executes. A scheduler module that imports the
+    device pools or the engine (to copy a state slot itself) breaks the CUDA-graph seam."""
+    banned = ("freetoken.engine", "freetoken.cache.tensors")
+    for f in Path(scheduler_pkg.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.startswith(banned), (f.name, node.module)
