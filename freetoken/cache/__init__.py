@@ -8,7 +8,9 @@ Snapshot eviction (what survives when the device state pool is full):
   cut_point 3), +1 once a request has resumed from it, +2 once two or more sessions have
   created or resumed from it. The resume bonus of a plain snapshot (class <= anchor) used by
   one session only is cleared when that session attaches a deeper snapshot below it: an
-  appending session resumed from it only because it was its latest. Its `keep_until` is its
+  appending session resumed from it only because it was its latest. Such a plain one-session
+  snapshot with another snapshot below it in the tree loses 2 levels (an appending session
+  needs only its deepest). Its `keep_until` is its
   last use (snapshot clock: one tick per snapshot taken and per resume) plus
   `level * horizon` ticks (default horizon: twice the device + host slot count).
 - The device victim is the unpinned snapshot with the smallest `keep_until`. It moves to the

@@ -99,7 +99,8 @@ class HybridRadixCache:
         self.host_pool = host_pool
         self.policy = policy if policy is not None else create_policy("semantic")
         self.tiers = SnapshotTiers(state_pool if state_pool is not None else StatePool(0),
-                                   host_pool, eviction, horizon, lambda n: n.depth)
+                                   host_pool, eviction, horizon, lambda n: n.depth,
+                                   lambda n: n.parent)
         self._pins: dict[TreeNode, int] = {}
         self.counters = {"matches": 0, "reused_tokens": 0, "snapshot_hits": 0}
 

@@ -8,8 +8,13 @@ by a spill may be the destination of a later copy in the same list.
 
 Value (the eviction rule; the cache package docstring states it for users):
 
-    level(s)      = rank(class) + [s.hits >= 1] + 2 * [len(s.users) >= 2]
+    level(s)      = rank(class) + [s.hits >= 1] + 2 * [len(s.users) >= 2] - 2 * [covered plain]
     keep_until(s) = s.last_access + level(s) * horizon
+
+"covered plain": another snapshot (either tier) sits below it in the tree, its class is at most
+`anchor` and at most one session uses it: a session that keeps appending only needs its
+deepest snapshot, so the ones it left behind go first (measured on the shared traces at 16 + 32
+slots: recompute 1.13x -> 1.06x the floor).
 
 with rank: end 0, interval 1, anchor 1, head 2, cut_point 3 (`hits` of a plain single-session
 snapshot is cleared when its session attaches a deeper one below it: `HybridRadixCache`). The
@@ -51,19 +56,22 @@ class Snapshot:
     users: set[str] = field(default_factory=set)  # sessions that created or resumed from it
 
 
-def level(s: Snapshot) -> int:
-    return class_rank(s.cls) + (s.hits >= 1) + 2 * (len(s.users) >= 2)
+def level(s: Snapshot, covered: bool = False) -> int:
+    """`covered`: another snapshot sits below this one in the tree."""
+    plain = covered and len(s.users) <= 1 and class_rank(s.cls) <= 1
+    return class_rank(s.cls) + (s.hits >= 1) + 2 * (len(s.users) >= 2) - 2 * plain
 
 
-def keep_until(s: Snapshot, horizon: int) -> int:
-    return s.last_access + level(s) * horizon
+def keep_until(s: Snapshot, horizon: int, covered: bool = False) -> int:
+    return s.last_access + level(s, covered) * horizon
 
 
-def victim_key(s: Snapshot, eviction: str, horizon: int) -> tuple[int, int]:
+def victim_key(s: Snapshot, eviction: str, horizon: int,
+               covered: bool = False) -> tuple[int, int]:
     """Sort key: the smallest is evicted first."""
     if eviction == "lru":
         return (s.last_access, 0)
-    return (keep_until(s, horizon), s.last_access)
+    return (keep_until(s, horizon, covered), s.last_access)
 
 
 EVICTIONS = ("value", "lru")

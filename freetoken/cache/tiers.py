@@ -31,14 +31,16 @@ class SnapshotTiers:
     """Device + host snapshot bookkeeping under the value (or LRU) eviction rule."""
 
     def __init__(self, device: StatePool, host: StatePool | None, eviction: str,
-                 horizon: int | None, depth: Callable[[Node], int]) -> None:
+                 horizon: int | None, depth: Callable[[Node], int],
+                 parent: Callable[[Node], Node | None]) -> None:
         if eviction not in EVICTIONS:
             raise ValueError(f"unknown snapshot eviction {eviction!r}; known: {EVICTIONS}")
         self.device, self.host = device, host
         self.eviction = eviction
         total = device.num_slots + (host.num_slots if host is not None else 0)
         self.horizon = horizon if horizon is not None else max(2 * total, 1)
-        self.depth = depth
+        self.depth, self.parent = depth, parent
+        self._covered: set[Node] = set()  # nodes with a snapshot below them (see _victims)
         self.snaps: dict[Node, Snapshot] = {}
         self.ops: list[StateOp] = []
         # why the snapshot last attached at a node went away (for the per-request reason)
@@ -57,9 +59,19 @@ class SnapshotTiers:
         return pool
 
     def _key(self, node: Node) -> tuple[int, int]:
-        return victim_key(self.snaps[node], self.eviction, self.horizon)
+        return victim_key(self.snaps[node], self.eviction, self.horizon,
+                          node in self._covered)
 
     def _victims(self, tier: str, pinned: dict) -> list[Node]:
+        """Unpinned snapshots of `tier`, first victim first. Refreshes which snapshots have
+        another snapshot below them (`_covered`), which `_key` reads until the next call."""
+        covered: set[Node] = set()
+        for n in self.snaps:
+            x = self.parent(n)
+            while x is not None and x not in covered:
+                covered.add(x)
+                x = self.parent(x)
+        self._covered = covered
         return sorted((n for n, s in self.snaps.items() if s.tier == tier and n not in pinned),
                       key=self._key)
 

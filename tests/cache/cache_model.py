@@ -46,25 +46,30 @@ class RefModel:
     def deepest_snapshot(self, ids: list[int], limit: int) -> int:
         return max([p for p in range(1, limit + 1) if tuple(ids[:p]) in self.snaps], default=0)
 
-    def value_key(self, v: dict) -> tuple[int, int]:
-        level = CLASS_RANK[v["cls"]] + (v["hits"] >= 1) + 2 * (len(v["users"]) >= 2)
+    def value_key(self, p: Prefix) -> tuple[int, int]:
+        v = self.snaps[p]
+        covered = any(len(q) > len(p) and q[: len(p)] == p for q in self.snaps)
+        plain = covered and len(v["users"]) <= 1 and CLASS_RANK[v["cls"]] <= 1
+        level = CLASS_RANK[v["cls"]] + (v["hits"] >= 1) + 2 * (len(v["users"]) >= 2) - 2 * plain
         return (v["t"] + level * self.horizon, v["t"])
 
     def victims(self, tier: str, pinned: set[Prefix]) -> list[Prefix]:
-        return sorted((p for p, v in self.snaps.items() if v["tier"] == tier and p not in pinned),
-                      key=lambda p: self.value_key(self.snaps[p]))
+        keys = {p: self.value_key(p) for p, v in self.snaps.items()
+                if v["tier"] == tier and p not in pinned}
+        return sorted(keys, key=keys.__getitem__)
 
     def evict_device(self, pinned: set[Prefix], n: int) -> list[tuple[Prefix, int, str]]:
         """Apply device eviction of up to `n`; return `(prefix, old device slot, outcome)` with
         outcome `spill` or `drop`, in order (host drops made to fit a spill are applied too)."""
         out = []
-        for p in self.victims("device", pinned)[:n]:
+        cands = self.victims("device", pinned)[:n]
+        for p in cands:
             v = self.snaps[p]
             on_host = sum(1 for x in self.snaps.values() if x["tier"] == "host")
             ok = self.host_slots > 0
             if ok and on_host >= self.host_slots:
                 hv = self.victims("host", pinned)
-                ok = bool(hv) and self.value_key(self.snaps[hv[0]]) < self.value_key(v)
+                ok = bool(hv) and self.value_key(hv[0]) < self.value_key(p)
                 if ok:
                     del self.snaps[hv[0]]
             out.append((p, v["slot"], "spill" if ok else "drop"))

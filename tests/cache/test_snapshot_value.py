@@ -63,6 +63,7 @@ def test_shared_head_outlives_every_sessions_working_snapshots() -> None:
             ids += [7 + turn, 8 + turn]  # the session's next turn appends
             reused = _request(c, ids, [(200, "head"), (len(ids) - 2, "anchor")], user)
             assert turn == 0 or reused >= len(ids) - 5  # resumes from its own last turn
+            ids += [9000, 9001, 9002]  # the harness sends the model's answer back
     assert c.stats()["snapshots_evicted"] >= 10  # the pool really was under pressure
     m = c.match(head + [5, 5, 5], "s2")  # a new session (or sub-agent) with the same head
     assert (m.length, m.state_class) == (200, "head")
@@ -75,13 +76,16 @@ def test_device_victim_spills_to_host_and_a_match_restores_it() -> None:
     b = list(range(100, 140))
     m = c.match(b, "b")
     c.lock(m.node)
-    w = c.alloc_state()  # pool full: the lower-value snapshot (the end at 42) moves to the host
+    # pool full: the lower-value snapshot moves to the host: the anchor at 20, covered by the
+    # end at 42 below it (an appending session resumes from its deepest)
+    w = c.alloc_state()
     ops = c.take_ops()
     assert [o.kind for o in ops] == ["spill"] and c.stats()["snapshots_host"] == 1
     c.state_pool.free([w])
     c.unlock(m.node)
-    m = c.match(a + [9000, 9001, 9002, 55])  # resumes at the host snapshot (42)
-    assert (m.length, m.state_tier, m.state_slot) == (42, "host", ops[0].dst)
+    assert c.match(a + [9000, 9001, 9002, 55]).state_tier == "device"  # the end, at 42
+    m = c.match(a[:25] + [77])  # an edit after the anchor resumes at the host snapshot (20)
+    assert (m.length, m.state_tier, m.state_slot) == (20, "host", ops[0].dst)
     c.lock(m.node)
     work = c.alloc_state()
     c.load_state(m, work)
