@@ -19,12 +19,13 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from freetoken.experts.cpu_bridge import CpuBridge
 from freetoken.experts.slot_cache import SlotCache
 from freetoken.experts.store import ExpertStore
 from freetoken.layers import fast_ops
+from freetoken.layers.expert_backend import ExpertBackend
 from freetoken.layers.moe import dispatch_experts
 from freetoken.log import get_logger, kv
 
@@ -87,7 +88,7 @@ class MoEStats:
                 "fetch_bytes": self.fetch_bytes, "cpu_bytes": self.cpu_bytes}
 
 
-class SlotExperts(nn.Module):
+class SlotExperts(ExpertBackend):
     """One MoE layer's view of the shared slot cache. `num_fetch(m)` says how many of m misses
     to fetch this step (-1 = all)."""
 
@@ -171,6 +172,8 @@ class SlotExperts(nn.Module):
         return self._device_fill
 
     def forward(self, layer: int, x: Tensor, topk_ids: Tensor) -> Tensor:
+        if layer != self.m:
+            raise ValueError(f"MoE layer {layer} called the backend of layer {self.m}")
         T, K = topk_ids.shape
         if self.bridge is not None and self.bridge.active:
             return self._forward_bridged(x, topk_ids)

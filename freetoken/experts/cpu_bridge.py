@@ -73,7 +73,8 @@ class CpuBridge:
         self.rows = 0
         self._start = threading.Event()
         self._failed: BaseException | None = None
-        self._busy_s = 0.0
+        self.busy_s = self.wait_go_s = 0.0  # worker time computing / waiting for layers
+        self.steps_done = 0
         self._thread = threading.Thread(target=self._worker, name="ft-cpu-bridge", daemon=True)
         self._thread.start()
 
@@ -139,12 +140,17 @@ class CpuBridge:
                             raise BridgeError(f"layer {m} of step {seq} never arrived")
                         time.sleep(0)
                     t1 = time.perf_counter()
+                    self.wait_go_s += t1 - t0
+                    if t1 - t0 > 0.05:
+                        log.warning(kv("cpu_bridge_slow", seq=seq, layer=m,
+                                       waited_ms=f"{(t1 - t0) * 1e3:.1f}"))
                     mask = self.mask[m, :T]
                     if bool(mask.any()):
                         y = self.compute(m, self.x[m, :T], self.ids[m, :T], mask)  # [T, K, H]
                         self.out[m, :T].copy_(y)
                     done[m] = seq
-                    self._busy_s += time.perf_counter() - t1
+                    self.busy_s += time.perf_counter() - t1
+                self.steps_done += 1
             except BaseException as e:  # noqa: BLE001 — reported by begin_step / end_step
                 self._failed = e
                 log.error(kv("cpu_bridge_failed", seq=seq, error=repr(e)[:200]))

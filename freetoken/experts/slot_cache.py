@@ -14,6 +14,7 @@ from torch import Tensor
 
 from freetoken.experts.residency import Decision, ResidencyTable
 from freetoken.log import get_logger, kv
+from freetoken.types.model_config import expert_nbytes
 
 log = get_logger("experts")
 
@@ -64,8 +65,7 @@ class SlotCache:
 
     def slot_bytes(self) -> int:
         """Bytes of one slot (gate_up + down of one expert)."""
-        elt = torch.empty(0, dtype=self.dtype).element_size()
-        return 3 * self.intermediate * self.hidden * elt
+        return expert_nbytes(self.hidden, self.intermediate, self.dtype)
 
     def _alloc_gate_up(self, n: int) -> Tensor:
         shape = (n, 2 * self.intermediate, self.hidden)

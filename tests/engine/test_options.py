@@ -14,7 +14,7 @@ from freetoken.cli_options import (
     moe_options,
     resolve_dtype,
 )
-from freetoken.models.presets import preset_config
+from freetoken.types.presets import preset_config
 
 
 def test_sizes_and_dtypes() -> None:
