@@ -89,8 +89,8 @@ class SnapshotTiers:
         self.pool(s.tier).free([s.slot])
         self.gone[node] = f"{why}:{s.tier}"
         self.counters[counter] += 1
-        log.debug(kv("snapshot_drop", pos=self.depth(node), slot=s.slot, tier=s.tier, cls=s.cls,
-                     why=why))
+        event = "snapshot_evict" if counter == "snapshots_evicted" else "snapshot_drop"
+        log.debug(kv(event, pos=self.depth(node), slot=s.slot, tier=s.tier, cls=s.cls, why=why))
 
     def forget(self, node: Node) -> None:
         """The node left the tree: no reason to remember about it."""

@@ -1,4 +1,4 @@
-"""q* and the backend choice against hand computations (DESIGN §4)."""
+"""q* and the backend choice (experts/cost_model.py) against hand computations (DESIGN §4)."""
 from __future__ import annotations
 
 import pytest
