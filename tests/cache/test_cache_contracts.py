@@ -87,8 +87,8 @@ def test_hybrid_log_lines_counters_and_stats(caplog: pytest.LogCaptureFixture) -
         "snapshot pos=4 slot=2 cls=anchor",
         "snapshot_skip pos=3 kv=2 why=prefix_not_cached",
         "snapshot_keep pos=4 slot=2 tier=device cls=cut_point",
-        "match tokens=10 kv=9 state=4 reused=4 cls=cut_point tier=device "
-        "reason=no_snapshot_after=4 lost=None",
+        ("match tokens=10 kv=9 state=4 reused=4 cls=cut_point tier=device "
+         "reason=no_snapshot_after=4 lost=None"),
         "snapshot_evict pos=4 slot=2 tier=device cls=cut_point why=device_full",
         "snapshot pos=6 slot=1 cls=end",
         "match tokens=7 kv=6 state=6 reused=6 cls=end tier=device reason=last_token lost=None",
