@@ -15,7 +15,7 @@ per sequence, the oldest dropped first).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +41,7 @@ class SimRequest:
     ids: list[int]
     anchors: list[Anchor]
     gen: list[int] = field(default_factory=list)  # tokens generated and fed back
+    cuts: list[int] | None = None  # predicted cut points (positions), None: no predictor
 
 
 class UpstreamPolicy(CheckpointPolicy):
@@ -76,9 +77,6 @@ class LlamaCppPolicy(CheckpointPolicy):
         if prompt_len >= 2:
             out[prompt_len - 1] = END
         return sorted(out.items())
-
-
-CutPredictor = Callable[[list[Anchor]], list[Anchor]]
 
 
 def make_policy(spec: str) -> tuple[CheckpointPolicy, str]:
@@ -127,9 +125,16 @@ class SimResult:
                 "dropped_kv": self.stats.get("snapshots_dropped", 0)}
 
 
-def replay(reqs: list[SimRequest], spec: str, device_slots: int, host_slots: int,
-           cut_points: CutPredictor | None = None) -> SimResult:
-    """Run `reqs` in order through a fresh cache under policy `spec` (see `make_policy`)."""
+def with_cuts(r: SimRequest) -> list[Anchor]:
+    """`r.anchors` with `cut_point` set at the predicted positions."""
+    cuts = set(r.cuts or ())
+    return [Anchor(a.position, a.kind, a.role, a.cut_point or a.position in cuts)
+            for a in r.anchors]
+
+
+def replay(reqs: list[SimRequest], spec: str, device_slots: int, host_slots: int) -> SimResult:
+    """Run `reqs` in order through a fresh cache under policy `spec` (see `make_policy`);
+    `semantic+cuts` marks each request's predicted cut points (`SimRequest.cuts`)."""
     policy, eviction = make_policy(spec)
     total = sum(len(r.ids) + len(r.gen) for r in reqs) + 1
     cache = HybridRadixCache(SlotAllocator(total), StatePool(device_slots), policy,
@@ -139,9 +144,8 @@ def replay(reqs: list[SimRequest], spec: str, device_slots: int, host_slots: int
     started: set[str] = set()
     out = SimResult()
     for r in reqs:
-        ids, anchors = r.ids, r.anchors
-        if spec == "semantic+cuts" and cut_points is not None:
-            anchors = cut_points(anchors)
+        ids = r.ids
+        anchors = with_cuts(r) if spec == "semantic+cuts" else r.anchors
         m = cache.match(ids, r.session)
         cache.lock(m.node)
         path, n, _, k = seen.walk(ids[: len(ids) - 1])

@@ -7,15 +7,18 @@ all interleaved). Every request goes through the real renderer (the API mapping,
 template, anchor detection) and `anchor_sim.replay`, per policy, at the same device and host
 slot budgets. Prints recomputed prefill tokens per turn beside the unavoidable minimum.
 
-Predicted cut points (`semantic+cuts`) come from `--cut-points MODULE:FUNC`, a function
-`anchors -> anchors` with `cut_point` set (the agent proxy's `harness_adapters` provide
-`cut_points(anchors)`); without one, `semantic+cuts` is not run.
+Predicted cut points (`semantic+cuts`) come from the agent proxy's harness adapters by default
+(`harness_adapters.detect_adapter(request).cut_points(anchors, messages)`, what the proxy sends
+the engine), or from `--cut-points MODULE:FUNC`, a function `(request, anchors, messages) ->
+positions` with `request` a `harness_adapters.HarnessRequest`; without either, `semantic+cuts`
+is not run.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +33,28 @@ POLICIES = ["semantic", "semantic+cuts", "interval:4096", "end_only", "upstream"
 DEFAULT_TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "harness_traces"
 
 
-def _render(tok: ChatTokenizer, path: str, body: dict[str, Any]) -> tuple[list[int], list]:
-    to = anthropic_to_template if path.startswith("/v1/messages") else openai_to_template
-    ti = to(body)
+Predictor = Callable[[Any, list, list], list[int]]
+
+
+def adapter_cuts(req: Any, anchors: list, messages: list) -> list[int]:
+    """The proxy's prediction: the adapter that claims `req`, its `cut_points`."""
+    from harness_adapters import detect_adapter
+
+    return list(detect_adapter(req).cut_points(anchors, messages))
+
+
+def _render(tok: ChatTokenizer, path: str, body: dict[str, Any], headers: dict[str, str],
+            session: str, predictor: Predictor | None) -> SimRequest:
+    api = "anthropic" if path.startswith("/v1/messages") else "openai"
+    ti = (anthropic_to_template if api == "anthropic" else openai_to_template)(body)
     p = tok.apply(ti.messages, tools=ti.tools, enable_thinking=ti.enable_thinking)
-    return p.input_ids, p.anchors
+    cuts = None
+    if predictor is not None:
+        from harness_adapters import HarnessRequest
+
+        req = HarnessRequest(api, path, {k.lower(): v for k, v in headers.items()}, body)
+        cuts = predictor(req, p.anchors, ti.messages)
+    return SimRequest(session, p.input_ids, p.anchors, cuts=cuts)
 
 
 def _fill_gen(reqs: list[SimRequest], im_end: int) -> None:
@@ -56,7 +76,8 @@ def _fill_gen(reqs: list[SimRequest], im_end: int) -> None:
             fresh += 32
 
 
-def load_trace(tok: ChatTokenizer, path: Path, session: str) -> list[SimRequest]:
+def load_trace(tok: ChatTokenizer, path: Path, session: str,
+               predictor: Predictor | None = None) -> list[SimRequest]:
     out = []
     for line in path.read_text().splitlines():
         rec = json.loads(line)
@@ -65,22 +86,23 @@ def load_trace(tok: ChatTokenizer, path: Path, session: str) -> list[SimRequest]
                 or "messages" not in body:
             continue
         try:
-            ids, anchors = _render(tok, rec["path"], body)
+            out.append(_render(tok, rec["path"], body, rec.get("headers", {}), session,
+                               predictor))
         except ChatInputError:
             continue
-        out.append(SimRequest(session, ids, anchors))
     return out
 
 
-def load_workload(tok: ChatTokenizer, name: str, scale: str) -> list[list[SimRequest]]:
+def load_workload(tok: ChatTokenizer, name: str, scale: str,
+                  predictor: Predictor | None = None) -> list[list[SimRequest]]:
     from workloads.registry import build_workload
 
     w = build_workload(name, scale)  # type: ignore[arg-type]
     path = "/v1/messages" if w.api == "anthropic" else "/v1/chat/completions"
     per: dict[str, list[SimRequest]] = {}
     for t in w.turns:
-        ids, anchors = _render(tok, path, t.body)
-        per.setdefault(t.session, []).append(SimRequest(f"{name}/{t.session}", ids, anchors))
+        per.setdefault(t.session, []).append(
+            _render(tok, path, t.body, t.headers, f"{name}/{t.session}", predictor))
     return list(per.values())
 
 
@@ -92,24 +114,24 @@ def interleave(streams: list[list[SimRequest]]) -> list[SimRequest]:
     return out
 
 
-def load_cut_points(spec: str | None):
+def load_predictor(spec: str | None) -> Predictor | None:
     if not spec:
         try:
-            mod = importlib.import_module("harness_adapters")
-            return getattr(mod, "cut_points", None)
+            importlib.import_module("harness_adapters")
         except ImportError:
             return None
+        return adapter_cuts
     mod_name, _, func = spec.partition(":")
     return getattr(importlib.import_module(mod_name), func or "cut_points")
 
 
 def run_bench(reqs: list[SimRequest], policies: list[str], device_slots: int, host_slots: int,
-              cut_points=None, slot_bytes: int = QWEN36_SLOT_BYTES) -> dict[str, dict]:
+              slot_bytes: int = QWEN36_SLOT_BYTES) -> dict[str, dict]:
     out = {}
     for spec in policies:
-        if spec == "semantic+cuts" and cut_points is None:
+        if spec == "semantic+cuts" and any(r.cuts is None for r in reqs):
             continue
-        out[spec] = replay(reqs, spec, device_slots, host_slots, cut_points).summary(slot_bytes)
+        out[spec] = replay(reqs, spec, device_slots, host_slots).summary(slot_bytes)
     return out
 
 
@@ -124,25 +146,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host-slots", type=int, default=256, help="host-tier snapshot slots")
     p.add_argument("--slot-bytes", type=int, default=QWEN36_SLOT_BYTES)
     p.add_argument("--cut-points", default=None, metavar="MODULE:FUNC",
-                   help="predicted cut points for semantic+cuts (default: harness_adapters)")
+                   help="predictor for semantic+cuts: (request, anchors, messages) -> positions "
+                        "(default: the harness adapters')")
     p.add_argument("--json", action="store_true", help="one JSON object, figures per policy")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     tok = ChatTokenizer.from_dir(_tokenizer_dir())
+    predictor = load_predictor(args.cut_points) if "semantic+cuts" in args.policies else None
     streams: list[list[SimRequest]] = []
     if args.traces is not None or not args.workloads:
         paths = [Path(x) for x in (args.traces or [str(DEFAULT_TRACES)])]
         files = [f for p in paths for f in (sorted(p.glob("*/*.jsonl")) + sorted(p.glob("*.jsonl"))
                                              if p.is_dir() else [p])]
-        streams += [load_trace(tok, f, f.stem) for f in files]
+        streams += [load_trace(tok, f, f.stem, predictor) for f in files]
     for name in filter(None, args.workloads.split(",")):
-        streams += load_workload(tok, name.strip(), args.scale)
+        streams += load_workload(tok, name.strip(), args.scale, predictor)
     reqs = interleave(streams)
     _fill_gen(reqs, tok.special_ids["<|im_end|>"])
     res = run_bench(reqs, args.policies.split(","), args.state_slots, args.host_slots,
-                    load_cut_points(args.cut_points), args.slot_bytes)
+                    args.slot_bytes)
     if args.json:
         print(json.dumps({"sessions": len(streams), "requests": len(reqs),
                           "state_slots": args.state_slots, "host_slots": args.host_slots,
