@@ -107,6 +107,9 @@ def test_hybrid_misuse_is_refused() -> None:
     kv_only = HybridRadixCache(SlotAllocator(8), None, create_policy("end_only"))
     assert not kv_only.is_hybrid and "state_free" not in kv_only.stats()
     assert HybridRadixCache(SlotAllocator(8)).policy.name == "semantic"  # the default policy
+    assert _hybrid().policy.name == "end_only"  # a given one is kept
+    m = _hybrid().match([4, 5, 6])  # nothing cached: an empty slot list that can index the pool
+    assert m.kv_slots.dtype == torch.long and m.kv_slots.numel() == 0
     assert kv_only.evict_states(3) == 0
     with pytest.raises(ValueError, match=_exact("alloc_state on a cache without a state pool")):
         kv_only.alloc_state()
