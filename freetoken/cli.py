@@ -18,6 +18,8 @@ _COMMANDS = [
     "freetoken.engine.cli_generate",
     "freetoken.server.cli_serve",
     "freetoken.server.cli_ctl",
+    "freetoken.proxy.cli_proxy",
+    "freetoken.proxy.cli_launch",
 ]
 _BENCH_COMMANDS = [
     "freetoken.bench.cli_decode",

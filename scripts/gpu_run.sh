@@ -31,8 +31,9 @@ if has tests; then
     tests/kernels_cpu 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
 fi
 if has fast; then
-  # the decode fast path: GPU tests of the graph runner and kernels, then decode tok/s of
-  # fused and offload with graphs on and off (random router, 20 layers)
+  # the decode fast path: a short bandwidth profile (q* and the floors), the GPU tests of the
+  # graph runner and kernels, then decode tok/s per backend (20 layers, both routings)
+  timeout 120 $FT bench bw --pool-gb 3 --seconds 1 2>&1 | tail -8 | tee "$OUT/bw_short.log"
   timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/gpu 2>&1 | tail -30 \
     | tee "$OUT/gpu_only_tests.log"
   for trace in ${FT_TRACES:-random shared}; do

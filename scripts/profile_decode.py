@@ -20,8 +20,8 @@ from freetoken.bench.random_model import random_model
 from freetoken.engine.generate import generate
 from freetoken.experts.setup import MoEOptions
 from freetoken.experts.store import ExpertStore
-from freetoken.models.presets import preset_config
 from freetoken.types.api import SamplingParams
+from freetoken.types.presets import preset_config
 
 
 def main() -> int:

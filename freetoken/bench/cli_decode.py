@@ -115,7 +115,7 @@ def run_shape(args: argparse.Namespace) -> int:
     from freetoken.bench.random_model import random_model
     from freetoken.cli_options import moe_options, resolve_device, resolve_dtype
     from freetoken.experts.store import ExpertStore
-    from freetoken.models.presets import preset_config
+    from freetoken.types.presets import preset_config
 
     if not args.random_weights:
         raise SystemExit("--shape needs --random-weights (no checkpoint is read)")

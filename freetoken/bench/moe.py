@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from freetoken.engine.generate import generate
+from freetoken.experts.registry import create_backend
 from freetoken.experts.setup import MoEOptions, MoERuntime, configure_experts, find_profile
 from freetoken.experts.store import ExpertStore
 from freetoken.layers.moe import FusedExperts
@@ -77,10 +78,8 @@ def install_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEO
     every bank to the device (undo with drop_fused); the others configure the slot cache."""
     if backend == "fused":
         for m, b in enumerate(model.moe_blocks()):
-            fe = FusedExperts(1, 1, 1)
-            fe.gate_up_proj = torch.nn.Parameter(store.gate_up(m).to(device), requires_grad=False)
-            fe.down_proj = torch.nn.Parameter(store.down(m).to(device), requires_grad=False)
-            b.experts = fe
+            b.experts = create_backend("fused", m, banks=(store.gate_up(m).to(device),
+                                                          store.down(m).to(device)))
         return None
     return configure_experts(model, MoEOptions(**{**opts.__dict__, "backend": backend}), device,
                              store=store)
@@ -155,6 +154,10 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEOptio
             note = (f"host {1e3 * (runner.host_s - h0[0]) / k:.3f} ms/step, launch+wait "
                     f"{1e3 * (runner.wait_s - h0[1]) / k:.3f} ms/step"
                     + (f", graph replay alone {rep:.3f} ms" if rep else ""))
+            br = runner.bridge
+            if br is not None and br.steps_done:
+                note += (f"; CPU branch {1e3 * br.busy_s / br.steps_done:.3f} ms/step computing,"
+                         f" {1e3 * br.wait_go_s / br.steps_done:.3f} ms/step waiting for layers")
     if rt:
         rt.stats.sync()
     hit = fb = cb = 0.0

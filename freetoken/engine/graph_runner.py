@@ -79,9 +79,12 @@ class DecodeRunner:
         self.device, self.dtype = w.device, w.dtype
         self.vocab = cfg.vocab_size
         self.scratch_kv, self.scratch_state = scratch_kv, scratch_state
-        # every MoE layer must decode without host syncs (the CPU-branch backends sync per
-        # layer; they run through the same buffers eagerly)
+        self.bridge = self._attach_bridge(model, max_batch)
+        # every MoE layer must decode without host syncs: offload fills from the device, the
+        # CPU-branch backends hand off through the bridge (`auto` stays eager: its guard times
+        # steps on the host)
         self.capturable = all(getattr(b.experts, "capturable", True) for b in model.moe_blocks())
+        self._generation = self._cache_generation()
         self.use_graphs = use_graphs and self.device.type == "cuda" and self.capturable
         self.buckets = {b: _Bucket(b) for b in buckets_for(max_batch)}
         self.max_batch = max(self.buckets)
@@ -119,6 +122,43 @@ class DecodeRunner:
         log.info(kv("decode_runner", buckets=list(self.buckets), graphs=self.use_graphs,
                     capturable=self.capturable,
                     attention=self.attention, kv_cap=cap))
+
+    @staticmethod
+    def _attach_bridge(model, max_batch: int):
+        """One CpuBridge for the model's CPU-branch MoE layers (hybrid, cpu), or None."""
+        from freetoken.experts.backends import SlotExperts, cpu_branch
+        from freetoken.experts.cpu_bridge import CpuBridge
+
+        k = model.cfg.top_k
+        layers = [b.experts for b in model.moe_blocks()
+                  if isinstance(b.experts, SlotExperts) and b.experts.needs_bridge(max_batch * k)]
+        if not layers:
+            return None
+        e0 = layers[0]
+        blocks = model.moe_blocks()
+        store, threads = e0.store, e0.cpu_threads
+        cfg = model.cfg
+        w = model.model.embed_tokens.weight
+        bridge = CpuBridge(len(blocks), max_batch, cfg.top_k, cfg.hidden_size, w.dtype, w.device,
+                           lambda m, x, ids, mask: cpu_branch(x, ids, mask, store, m, threads))
+        for e in layers:
+            e.bridge = bridge
+        log.info(kv("cpu_bridge", layers=len(layers), rows=max_batch, threads=threads))
+        return bridge
+
+    def _cache_generation(self) -> tuple:
+        return tuple(getattr(getattr(b.experts, "cache", None), "generation", 0)
+                     for b in self.model.moe_blocks())
+
+    def _run_forward(self, Bk: int, attn: PagedDecode, greedy: bool) -> None:
+        """`_forward` with the CPU bridge switched on for its duration."""
+        if self.bridge is not None:
+            self.bridge.active = True
+        try:
+            self._forward(Bk, attn, greedy)
+        finally:
+            if self.bridge is not None:
+                self.bridge.active = False
 
     # -- host side -------------------------------------------------------------------------
 
@@ -234,12 +274,17 @@ class DecodeRunner:
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
                 for _ in range(2):
-                    self._forward(Bk, attn, greedy)
+                    if self.bridge is not None:
+                        self.bridge.begin_step(Bk)
+                    self._run_forward(Bk, attn, greedy)
+                    torch.cuda.synchronize()
+                    if self.bridge is not None:
+                        self.bridge.end_step()
             torch.cuda.current_stream().wait_stream(s)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self._pool):
-                self._forward(Bk, attn, greedy)
+                self._run_forward(Bk, attn, greedy)
             torch.cuda.synchronize()
         except RuntimeError as e:  # a host sync or an uncapturable op somewhere in the step
             log.warning(kv("capture_failed", bucket=Bk, greedy=greedy, error=repr(e)[:200]))
@@ -258,6 +303,13 @@ class DecodeRunner:
         bk = self.bucket(len(rows))
         assert bk is not None and self.fits(rows)
         greedy = all(r.temperature <= 0 for r in rows)
+        gen = self._cache_generation()
+        if gen != self._generation:  # the slot cache was re-budgeted: its buffers are new
+            for b in self.buckets.values():
+                b.graphs.clear()
+                b.failed = False
+            self._generation = gen
+            log.info(kv("graphs_dropped", why="slot_cache_resized"))
         graph = None
         if self.use_graphs and not bk.failed:
             graph = bk.graphs.get(greedy)
@@ -273,11 +325,13 @@ class DecodeRunner:
             attn.prepare(ptr, total)
         t1 = time.perf_counter()
         self.host_s += t1 - t0
+        if self.bridge is not None:
+            self.bridge.begin_step(bk.size)
         if graph is not None:
             graph.replay()
             self.replays += 1
         else:
-            self._forward(bk.size, attn, greedy)
+            self._run_forward(bk.size, attn, greedy)
         self.steps += 1
         n = len(rows)
         if self.device.type == "cuda":
@@ -286,6 +340,8 @@ class DecodeRunner:
             out = self.h_out[:n].tolist()
         else:
             out = self.out_ids[:n].tolist()
+        if self.bridge is not None:
+            self.bridge.end_step()
         self.wait_s += time.perf_counter() - t1
         return out
 
@@ -295,7 +351,7 @@ class DecodeRunner:
         write the last staged rows' K/V and state again: for benchmarks, after their run."""
         bk = self.bucket(n)
         g = bk.graphs.get(True) if bk else None
-        if g is None:
+        if g is None or self.bridge is not None:  # a bridged step needs its host worker's turn
             return None
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         g.replay()

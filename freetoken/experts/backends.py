@@ -19,11 +19,13 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
+from freetoken.experts.cpu_bridge import CpuBridge
 from freetoken.experts.slot_cache import SlotCache
 from freetoken.experts.store import ExpertStore
 from freetoken.layers import fast_ops
+from freetoken.layers.expert_backend import ExpertBackend
 from freetoken.layers.moe import dispatch_experts
 from freetoken.log import get_logger, kv
 
@@ -86,7 +88,7 @@ class MoEStats:
                 "fetch_bytes": self.fetch_bytes, "cpu_bytes": self.cpu_bytes}
 
 
-class SlotExperts(nn.Module):
+class SlotExperts(ExpertBackend):
     """One MoE layer's view of the shared slot cache. `num_fetch(m)` says how many of m misses
     to fetch this step (-1 = all)."""
 
@@ -100,11 +102,66 @@ class SlotExperts(nn.Module):
         self.cpu_threads = cpu_threads  # CPU branch threads (None: torch's thread count)
         self.guard: AutoGuard | None = None  # `auto`: layer 0 marks decode step boundaries
         self._device_fill: bool | None = None  # decided on first use (see device_fill)
+        # q* on the device (captured steps): fetch round(m·q_ratio) of m misses, at least one,
+        # at most max_fetch — the same rule as `num_fetch` (set by configure_experts)
+        self.q_ratio, self.max_fetch = 1.0, None
+        self.bridge: CpuBridge | None = None  # the CPU branch of captured steps (decode runner)
+
+    def all_fetched(self, entries: int) -> bool:
+        """Whether offload can fetch every miss of a step of `entries` (token, k) pairs: the
+        slots hold every distinct expert it can route (else the decision sends the overflow to
+        the CPU, which the device-driven path alone cannot compute)."""
+        return self.cache.num_slots >= min(entries, self.store.num_experts)
 
     @property
     def capturable(self) -> bool:
-        """Whether a decode step through this layer can be captured in a CUDA graph."""
-        return self.device_fill
+        """Whether a decode step through this layer can be captured in a CUDA graph: offload
+        with device-driven fills, or a CPU branch handed off through the bridge."""
+        return self.device_fill or (self.bridge is not None and self.guard is None)
+
+    def needs_bridge(self, max_entries: int) -> bool:
+        """Whether the decode runner must give this layer a CPU bridge: it can send work to
+        the CPU in a decode step of up to `max_entries` pairs (not `auto`, whose guard times
+        steps on the host and stays eager)."""
+        return self.guard is None and not (self.device_fill and self.all_fetched(max_entries))
+
+    def _device_num_fetch(self, topk_ids: Tensor) -> int | Tensor:
+        """`num_fetch` of this step as a device scalar: the distinct misses m counted against
+        the residency table on the device, then q = clamp(round(m·q_ratio), 1, m)."""
+        if self.fixed_fetch is not None:
+            return self.fixed_fetch
+        E, m = self.store.num_experts, self.m
+        dev = self.cache.device
+        ids = topk_ids.to(dev).reshape(-1)
+        idx = torch.where(ids >= 0, ids, E)  # padding -> a spare bucket
+        seen = torch.zeros(E + 1, dtype=torch.bool, device=dev).index_fill_(0, idx, True)[:E]
+        resident = self.cache.table.expert_slot[m * E:(m + 1) * E] >= 0  # [E]
+        misses = (seen & ~resident).sum()  # [] int64
+        q = torch.floor(misses.double() * self.q_ratio + 0.5).long()
+        q = torch.minimum(q.clamp(min=1), misses)
+        if self.max_fetch is not None:
+            q = q.clamp(max=max(0, self.max_fetch))
+        return q
+
+    def _forward_bridged(self, x: Tensor, topk_ids: Tensor) -> Tensor:
+        """The hybrid/cpu layer inside a captured step: decide on the device, hand the CPU
+        share to the bridge's worker, fill and compute the rest meanwhile, merge."""
+        assert self.bridge is not None
+        T, K = topk_ids.shape
+        d = self.cache.decide(self.m, topk_ids, self._device_num_fetch(topk_ids))
+        self.bridge.send(self.m, x, topk_ids, d.cpu_mask)
+        if self.cache.can_fill_on_device(self.store):
+            self.cache.fill_device(self.m, d.fetch_experts, d.fetch_slots, self.store)
+        else:  # the CPU device (tests): host lists are free there
+            self.cache.fill(self.m, d.fetch_experts, d.fetch_slots, self.store)
+        self.stats.add_device(d.counters)
+        y = torch.zeros(T, K, x.shape[-1], dtype=x.dtype, device=x.device)  # [T, K, H]
+        if fast_ops.fused_moe(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots,
+                              y) is None:
+            dispatch_experts(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots, y,
+                             mask=d.slot_ids >= 0)
+        y_cpu = self.bridge.receive(self.m, T)  # [T, K, H]
+        return torch.where(d.cpu_mask[..., None], y_cpu, y)
 
     @property
     def device_fill(self) -> bool:
@@ -115,8 +172,12 @@ class SlotExperts(nn.Module):
         return self._device_fill
 
     def forward(self, layer: int, x: Tensor, topk_ids: Tensor) -> Tensor:
+        if layer != self.m:
+            raise ValueError(f"MoE layer {layer} called the backend of layer {self.m}")
         T, K = topk_ids.shape
-        if self.device_fill:
+        if self.bridge is not None and self.bridge.active:
+            return self._forward_bridged(x, topk_ids)
+        if self.device_fill and self.all_fetched(T * K):
             d = self.cache.decide(self.m, topk_ids, -1)
             self.cache.fill_device(self.m, d.fetch_experts, d.fetch_slots, self.store)
             self.stats.add_device(d.counters)

@@ -16,6 +16,7 @@ import torch
 
 from freetoken.experts.cost_model import BandwidthProfile
 from freetoken.log import get_logger, kv
+from freetoken.types.model_config import expert_nbytes
 from kernels.cpu.ext import cache_root, cpu_model
 
 log = get_logger("experts")
@@ -30,12 +31,19 @@ class ExpertShape:
     layers: int
 
     def expert_bytes(self, dtype: torch.dtype) -> int:
-        return 3 * self.hidden * self.inter * torch.empty(0, dtype=dtype).element_size()
+        return expert_nbytes(self.hidden, self.inter, dtype)
 
 
-SHAPES: dict[str, ExpertShape] = {
-    "qwen3.6-35b-a3b": ExpertShape(hidden=2048, inter=512, experts=256, top_k=8, layers=40),
-}
+def _from_preset(name: str) -> ExpertShape:
+    from freetoken.types.presets import preset_config
+
+    cfg = preset_config(name)
+    return ExpertShape(hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size,
+                       experts=cfg.num_experts, top_k=cfg.top_k, layers=len(cfg.moe_layers))
+
+
+# the expert shapes bandwidth profiles are measured for: the presets' own dimensions
+SHAPES: dict[str, ExpertShape] = {"qwen3.6-35b-a3b": _from_preset("qwen3.6-35b-a3b")}
 
 
 def profile_key(shape_name: str, dtype: torch.dtype) -> dict[str, str]:

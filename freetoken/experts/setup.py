@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from freetoken.experts.backends import AutoGuard, MoEStats, SlotExperts
+from freetoken.experts.backends import AutoGuard, MoEStats
 from freetoken.experts.cost_model import (
     BandwidthProfile,
     q_star,
@@ -20,6 +20,7 @@ from freetoken.experts.cost_model import (
     recommend_backend,
 )
 from freetoken.experts.profile import SHAPES, load_profile, profile_key
+from freetoken.experts.registry import create_backend
 from freetoken.experts.slot_cache import SlotCache
 from freetoken.experts.store import ExpertStore
 from freetoken.log import get_logger, kv
@@ -153,8 +154,10 @@ def configure_experts(model: QwenMoE, opts: MoEOptions, device: torch.device | s
         nf = (lambda m: 0) if on_cpu else (guard.num_fetch if guard else q_for(backend))
         fixed = 0 if on_cpu or backend == "cpu" else (-1 if backend == "offload" and not guard
                                                        else None)
-        b.experts = SlotExperts(i, cache, store, stats, nf, backend, fixed, cpu_threads)
-        b.experts.guard = guard
+        q_ratio = b_p / (b_p + b_h) if overlap else (1.0 if b_h <= b_p else b_p / b_h)
+        b.experts = create_backend(backend, i, cache=cache, store=store, stats=stats,
+                                   num_fetch=nf, fixed_fetch=fixed, cpu_threads=cpu_threads,
+                                   q_ratio=q_ratio, max_fetch=opts.hybrid_max_fetch, guard=guard)
     if backend == "cpu":
         _prefill_static(cache, store, slots)
     log.info(kv("moe_backend", backend=backend, slots=slots, pool=pool,

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from freetoken.experts.residency import Decision, ResidencyTable
 from freetoken.log import get_logger, kv
+from freetoken.types.model_config import expert_nbytes
 
 log = get_logger("experts")
 
@@ -50,6 +51,7 @@ class SlotCache:
         self.table = ResidencyTable(num_layers, num_experts, num_slots, device)
         self.hidden, self.intermediate, self.dtype = hidden, intermediate, dtype
         self.impl = impl
+        self.generation = 0  # bumped whenever the slot buffers are reallocated (resize)
         self.gate_up_slots = self._alloc_gate_up(num_slots)  # [S, 2I, H]
         self.down_slots = self._alloc_down(num_slots)  # [S, H, I]
 
@@ -63,8 +65,7 @@ class SlotCache:
 
     def slot_bytes(self) -> int:
         """Bytes of one slot (gate_up + down of one expert)."""
-        elt = torch.empty(0, dtype=self.dtype).element_size()
-        return 3 * self.intermediate * self.hidden * elt
+        return expert_nbytes(self.hidden, self.intermediate, self.dtype)
 
     def _alloc_gate_up(self, n: int) -> Tensor:
         shape = (n, 2 * self.intermediate, self.hidden)
@@ -144,5 +145,6 @@ class SlotCache:
             gate_up[dst] = self.gate_up_slots[src]
             down[dst] = self.down_slots[src]
         self.gate_up_slots, self.down_slots = gate_up, down
+        self.generation += 1  # captured decode graphs hold the old buffers: capture anew
         log.info(kv("slot_cache_resize", old=old, new=num_slots, moved=int(src.numel()),
                     resident=self.table.resident_count()))

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from freetoken.log import get_logger, kv
+from freetoken.types.model_config import expert_nbytes
 
 log = get_logger("experts")
 
@@ -39,7 +40,7 @@ class ExpertStore:
 
     @property
     def expert_bytes(self) -> int:
-        return 3 * self.hidden * self.intermediate * self._gate_up[0].element_size()
+        return expert_nbytes(self.hidden, self.intermediate, self.dtype)
 
     @property
     def nbytes(self) -> int:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.layers import fast_ops
+from freetoken.layers.expert_backend import ExpertBackend
 from freetoken.layers.linear import Linear, fuse_linears, split_linear
 from freetoken.types.model_config import ModelConfig
 
@@ -108,8 +109,10 @@ def dispatch_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Ten
     return y
 
 
-class FusedExperts(nn.Module):
+class FusedExperts(ExpertBackend):
     """All routed experts resident on the compute device (the `fused` backend)."""
+
+    name = "fused"
 
     def __init__(self, num_experts: int, hidden: int, inter: int):
         super().__init__()
@@ -147,7 +150,9 @@ class MoEBlock(nn.Module):
         self.layer_id = layer_id
         H = cfg.hidden_size
         self.gate = Router(H, cfg.num_experts, cfg.top_k, cfg.norm_topk_prob)
-        self.experts: nn.Module = FusedExperts(cfg.num_experts, H, cfg.moe_intermediate_size)
+        self.moe_index = cfg.moe_layers.index(layer_id)  # the `layer` of the expert backend
+        self.experts: ExpertBackend = FusedExperts(cfg.num_experts, H,
+                                                   cfg.moe_intermediate_size)
         self.shared_expert: MLP | None = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size)
@@ -164,7 +169,7 @@ class MoEBlock(nn.Module):
             ids = ids.masked_fill(~row_mask[:, None], -1)
         if self.route_hook is not None:
             self.route_hook(self.layer_id, ids)
-        y = self.experts(self.layer_id, x, ids)  # [T, K, H] unweighted
+        y = self.experts(self.moe_index, x, ids)  # [T, K, H] unweighted
         shared = gate = None
         if self.shared_expert is not None:
             shared, gate = self.shared_expert(x), self.shared_expert_gate(x)  # [T, H], [T, 1]

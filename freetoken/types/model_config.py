@@ -109,8 +109,13 @@ class ModelConfig:
 
     def expert_bytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of one routed expert (gate + up + down)."""
-        el = torch.empty((), dtype=dtype or self.torch_dtype).element_size()
-        return 3 * self.hidden_size * self.moe_intermediate_size * el
+        return expert_nbytes(self.hidden_size, self.moe_intermediate_size,
+                             dtype or self.torch_dtype)
+
+
+def expert_nbytes(hidden: int, inter: int, dtype: torch.dtype) -> int:
+    """Bytes of one routed expert (gate + up + down) — the one place this is computed."""
+    return 3 * hidden * inter * torch.empty((), dtype=dtype).element_size()
 
 
 def _get(d: dict, *names: str, default: Any = None) -> Any:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from freetoken.log import get_logger
+from kernels.reference import expert_ffn_reference
 
 log = get_logger("experts")
 
@@ -65,21 +66,10 @@ def cpu_experts_ref(
     down: Tensor,
     compute_mask: Tensor | None = None,
 ) -> Tensor:
-    """Float64 per-(token, k) loop. Returns float64 [T, K, H]; unmasked entries are zero."""
-    t, k, _, h, i = _check_shapes(x, topk_ids, gate_up, down, compute_mask)
-    out = torch.zeros(t, k, h, dtype=torch.float64)  # [T, K, H]
-    xd = x.double()  # [T, H]
-    for ti in range(t):
-        for ki in range(k):
-            if compute_mask is not None and not bool(compute_mask[ti, ki]):
-                continue
-            e = int(topk_ids[ti, ki])
-            wgu = gate_up[e].double()  # [2I, H]
-            g = wgu[:i] @ xd[ti]  # [I]
-            u = wgu[i:] @ xd[ti]  # [I]
-            a = g * torch.sigmoid(g) * u  # [I]
-            out[ti, ki] = down[e].double() @ a  # [H]
-    return out
+    """The shared float64 reference (kernels/reference.py) after this module's shape checks.
+    Returns float64 [T, K, H]; unmasked entries are zero."""
+    _check_shapes(x, topk_ids, gate_up, down, compute_mask)
+    return expert_ffn_reference(x, topk_ids, gate_up, down, compute_mask)
 
 
 def _groups(topk_ids: Tensor, compute_mask: Tensor | None) -> list[tuple[int, Tensor]]:

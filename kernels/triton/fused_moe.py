@@ -237,6 +237,7 @@ def fused_moe(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor, 
     x [T, H] (bf16/fp16/fp32), ids [T, K] int32/int64 bank rows, gate_up [S, 2I, H] (rows
     [gate | up]), down [S, H, I], y [T, K, H] preallocated (any strides). decode: True for the
     GEMV path, False for the grouped path, None to pick by T*K <= DECODE_MAX_ENTRIES.
+    Ids must be < S: that is not checked, since checking would read them back to the host.
     """
     if decode is None:
         decode = ids.numel() <= DECODE_MAX_ENTRIES

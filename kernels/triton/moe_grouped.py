@@ -5,9 +5,12 @@ BM = BLOCK_M, P = padded length N + min(N, S)*(BM-1) (an upper bound fixed by th
 
 `moe_align` is a torch equivalent of vLLM's `moe_align_block_size`: each bank row's entries are
 laid out contiguously, padded to a multiple of BM, so every BM-block belongs to one row. It is
-about a dozen device ops (scatter_add, cumsum, a stable argsort, searchsorted) with no Python
+about 25 small device ops (scatter_add, cumsum, a stable argsort, searchsorted) with no Python
 loop over experts and no host read: the grid is sized from P, and blocks past the real padded
-total (read on the device) exit at once. So prefill pays ~10 small launches and no sync.
+total (read on the device) exit at once. So prefill pays those launches and no sync. For
+decode-sized N (<= 128 entries) `moe_align_small` computes the same three tensors in one
+Triton program (pairwise ranks, a histogram, a cumsum), so a batch of 4-16 tokens can take the
+grouped path (each distinct expert read once) for one extra launch instead of ~25.
 
 The gate_up kernel computes the gate and the up columns of the same rows i in one program (two
 accumulators) so SiLU(gate)*up happens in its epilogue; vLLM writes [N, 2I] and runs a
@@ -33,7 +36,8 @@ def tile(bm: int, bn: int, bk: int, group_m: int, warps: int, stages: int) -> di
 # `E=256,N=512,device_name=NVIDIA_H200{,_down}.json` (T <= 256, 512, 1024) and, past 1024
 # tokens, its `E=128,N=512` H200 entry at the same tokens per expert (T=2048 there). Our
 # gate_up BLOCK_N counts row pairs (gate and up), so it is half of SGLang's N tile.
-# (max T, gate_up tile, down tile); tile = (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)
+# (max T, gate_up tile, down tile); tile = (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages).
+# The gate_up tile's BLOCK_M is used by both kernels (the padding of the sorted entries).
 GROUPED_CONFIGS: list[tuple[int, dict, dict]] = [
     (256, tile(16, 16, 64, 1, 4, 3), tile(16, 32, 64, 1, 4, 3)),
     (512, tile(32, 64, 128, 32, 8, 3), tile(32, 64, 128, 32, 4, 3)),
@@ -78,6 +82,64 @@ def moe_align(ids: Tensor, num_rows: int, block_m: int) -> tuple[Tensor, Tensor,
     block_row = torch.searchsorted(pad_end[:num_rows], starts, right=True)  # [cdiv(P, BM)]
     block_row = torch.where(starts < total, block_row, -1)
     return sorted_entries[:P], block_row, total
+
+
+@triton.jit
+def _align_small_kernel(
+    ids_ptr, sorted_ptr, block_row_ptr, total_ptr, pad_start_ptr,
+    N, S, P, NB,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """`moe_align` in one program for decode-sized N (the torch version is ~25 tiny launches)."""
+    i = tl.arange(0, BLOCK_N)  # [BN] entries
+    r = tl.arange(0, BLOCK_S)  # [BS] bank rows, BLOCK_S > S: bin S collects the left-out
+    key = tl.load(ids_ptr + i, mask=i < N, other=-1).to(tl.int32)
+    valid = (i < N) & (key >= 0)
+    key = tl.where(valid, key, S)
+    # rank of an entry among the earlier entries of its row: stable, as the torch argsort
+    before = (key[:, None] == key[None, :]) & (i[None, :] < i[:, None])  # [BN, BN]
+    rank = tl.sum(before.to(tl.int32), axis=1)  # [BN]
+    counts = tl.where(r < S, tl.histogram(key, BLOCK_S), 0)  # [BS]
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, 0)  # [BS]
+    tl.store(pad_start_ptr + r, pad_end - padded)
+    tl.store(total_ptr, tl.sum(padded, 0).to(tl.int64))
+    for p0 in range(0, P, CHUNK):
+        o = p0 + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + o, tl.zeros([CHUNK], dtype=tl.int64) + N, mask=o < P)
+        tl.store(block_row_ptr + o, tl.full([CHUNK], -1, tl.int64), mask=o < NB)
+    tl.debug_barrier()  # the fills and pad_start are visible to every thread from here
+    pos = tl.load(pad_start_ptr + key, mask=valid, other=0) + rank  # [BN]
+    tl.store(sorted_ptr + pos, i.to(tl.int64), mask=valid)
+    # every block of a row's padded run holds at least one of its entries
+    tl.store(block_row_ptr + pos // BLOCK_M, key.to(tl.int64), mask=valid)
+
+
+# decode-sized alignments run in one program: N entries compared pairwise, S+1 histogram bins
+ALIGN_SMALL_MAX_N, ALIGN_SMALL_MAX_S = 128, 4095
+
+
+def moe_align_small(ids: Tensor, num_rows: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The same outputs as `moe_align` (bit for bit), in one launch; N <= 128, S <= 4095."""
+    flat = ids.reshape(-1)  # [N]
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    N, dev = flat.numel(), flat.device
+    if N > ALIGN_SMALL_MAX_N or num_rows > ALIGN_SMALL_MAX_S:
+        raise ValueError(f"moe_align_small: N={N} or S={num_rows} too large")
+    P = N + min(N, num_rows) * (block_m - 1)
+    NB = triton.cdiv(P, block_m)
+    sorted_entries = torch.empty((P,), dtype=torch.int64, device=dev)  # [P]
+    block_row = torch.empty((NB,), dtype=torch.int64, device=dev)  # [NB]
+    total = torch.empty((1,), dtype=torch.int64, device=dev)  # [1]
+    block_s = triton.next_power_of_2(num_rows + 1)
+    pad_start = torch.empty((block_s,), dtype=torch.int32, device=dev)  # [BS] scratch
+    _align_small_kernel[(1,)](
+        flat, sorted_entries, block_row, total, pad_start, N, num_rows, P, NB,
+        BLOCK_M=block_m, BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_S=block_s,
+        CHUNK=1024, num_warps=4,
+    )
+    return sorted_entries, block_row, total
 
 
 @triton.jit
@@ -185,7 +247,9 @@ def fused_moe_grouped(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: 
     prec = "ieee" if x.dtype == torch.float32 or upcast else None
     # both kernels must agree on BLOCK_M: it is the padding granularity of the sorted entries
     bm = max(16, min(cu["BLOCK_M"], triton.next_power_of_2(N)))
-    sorted_entries, block_row, total = moe_align(ids, S, bm)  # [P], [cdiv(P, BM)], [1]
+    small = N <= ALIGN_SMALL_MAX_N and S <= ALIGN_SMALL_MAX_S
+    align = moe_align_small if small else moe_align
+    sorted_entries, block_row, total = align(ids, S, bm)  # [P], [cdiv(P, BM)], [1]
     P = sorted_entries.numel()
     a = torch.empty((N, I), dtype=x.dtype, device=x.device)  # [N, I] SwiGLU output
     bn, bk = _block(cu["BLOCK_N"], I, 16), _block(cu["BLOCK_K"], H, 16)

@@ -13,15 +13,17 @@ Router takes its top-k of, and near-ties would then pick other experts. The kern
 rest (softmax in fp32, topk, sum, divide, cast: ~6 launches) with one launch and no host read,
 so it can be captured in a CUDA graph. `router_topk(logits, ...)` is the kernel alone.
 
-Selection is on the fp32 probabilities p = exp(l - max) / sum, as torch.topk on softmax's output;
-exact ties go to the lowest expert id. Ties are common with bf16 logits (E=256, top-8: 3 rows of
-37 had two equal logits inside the top 8), and torch.topk leaves their order unspecified (on the
-CPU: [2, 4, 1] for three equal values, and higher-id-first in those bf16 rows). Inside the top K
-a tie only permutes (id, weight) pairs of equal weight, which changes nothing downstream but the
-order of the weighted sum; a tie across the K-th place picks the lower id here, maybe not in
-torch. Ids come out in descending weight order.
-On the GPU `tl.exp` is the hardware approximation (~2 ulp), so a weight may differ from
-torch's in the last fp32 bits; the ids only differ if two probabilities are within that.
+Selection is on the logits (in fp32), which softmax maps monotonically to the probabilities
+torch.topk ranks, so the set is torch's without depending on how exactly `tl.exp` rounds (on the
+GPU it is the hardware approximation, ~1e-6 relative: selecting on those probabilities would let
+fp32 logits 1e-6 apart swap against torch's, about once per 10^4 routing decisions). Exact ties
+go to the lowest expert id. Ties are common with bf16 logits (E=256, top-8: 3 rows of 37 had
+two equal logits inside the top 8), and torch.topk leaves their order unspecified (on the CPU:
+[2, 4, 1] for three equal values, higher-id-first in those bf16 rows). Inside the top K a tie
+only permutes (id, weight) pairs of equal weight, which changes nothing downstream but the order
+of the weighted sum; a tie across the K-th place picks the lower id here, maybe not in torch.
+So does a tie torch's probabilities make where the logits differ (both underflowed to 0).
+Ids come out in descending weight order; a weight may differ from torch's in the last fp32 bits.
 """
 from __future__ import annotations
 
@@ -47,20 +49,21 @@ def _router_topk_kernel(
     lg = tl.load(ptrs, mask=t_ok[:, None] & (e[None, :] < E), other=float("-inf"))
     lg = tl.where(t_ok[:, None], lg.to(tl.float32), 0.0)  # [BT, BE]; no all -inf padding rows
     m = tl.max(lg, axis=1)  # [BT]
-    ex = tl.exp(lg - m[:, None])  # [BT, BE]; padding lanes exp(-inf) = 0
-    p = ex / tl.sum(ex, axis=1)[:, None]  # [BT, BE] softmax, fp32
-    # padding lanes have p = 0 and ids >= E, so they lose every tie, even to underflowed experts
-    cand = p
+    s = tl.sum(tl.exp(lg - m[:, None]), axis=1)  # [BT] softmax denominator; padding adds 0
+    avail = (e[None, :] < E) & t_ok[:, None]  # [BT, BE] real experts not yet picked
     sel_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     sel_i = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
     for k in tl.static_range(TOPK):
-        best = tl.max(cand, axis=1)  # [BT]
-        idx = tl.min(tl.where(cand == best[:, None], e[None, :], BLOCK_E), axis=1)  # [BT]
-        sel_w = tl.where(kk[None, :] == k, best[:, None], sel_w)
+        best = tl.max(tl.where(avail, lg, float("-inf")), axis=1)  # [BT]
+        hit = avail & (lg == best[:, None])
+        idx = tl.min(tl.where(hit, e[None, :], BLOCK_E), axis=1)  # [BT] lowest id of a tie
+        p = tl.exp(best - m) / s  # [BT] the softmax probability of the pick, fp32
+        sel_w = tl.where(kk[None, :] == k, p[:, None], sel_w)
         sel_i = tl.where(kk[None, :] == k, idx[:, None].to(tl.int64), sel_i)
-        cand = tl.where(e[None, :] == idx[:, None], -1.0, cand)
+        avail = avail & (e[None, :] != idx[:, None])
     if RENORM:
-        sel_w = sel_w / tl.sum(sel_w, axis=1)[:, None]
+        # the top pick has p > 0 in a real row; padding rows (all p = 0) divide by 1
+        sel_w = sel_w / tl.where(t_ok, tl.sum(sel_w, axis=1), 1.0)[:, None]
     out = t[:, None].to(tl.int64) * TOPK + kk[None, :]  # [BT, BK]
     ok = t_ok[:, None] & (kk[None, :] < TOPK)
     tl.store(w_ptr + out, sel_w.to(w_ptr.dtype.element_ty), mask=ok)

@@ -137,6 +137,7 @@ def test_build_engine_from_serve_flags(tiny_chat_dir: Path, tmp_path: Path, monk
         pool = rt.store.num_layers * rt.store.num_experts
         assert rt.backend == "offload" and rt.cache.num_slots == round(0.5 * pool)
         assert core.max_context == 2048 and core.sched.kv_alloc.num_slots == 2048  # RAM allows
+        assert core.caches.kv.num_slots == 2049  # plus the decode runner's scratch slot
         assert core.sched.cache.state_pool.num_slots == 12 and core.sched.max_running == 3
         assert engine.model_name == tiny_chat_dir.name
         assert asyncio.run(asyncio.wait_for(_collect(engine, _req(5)), 60))

@@ -58,3 +58,30 @@ def test_runner_equals_eager(tiny_hf, kind: str) -> None:
     if kind == "qwen3_5_moe":  # (this seed stops a row early; min_tokens held it back first)
         assert any(len(t) < 10 + 3 * i for i, t in enumerate(eager.values()))
     assert core.runner is not None and core.runner.steps > 10  # the runner did the decoding
+
+
+@pytest.mark.parametrize("backend", ["hybrid", "cpu", "offload"])
+def test_runner_slot_backends_equal_eager(tiny_hf, backend: str) -> None:
+    """The slot-cache backends through the runner: q* and the miss count on the device, the CPU
+    share handed to the bridge's worker thread (hybrid, cpu), fills, merge — the eager engine's
+    tokens exactly (fp32: every backend is bit-identical to fused)."""
+    from freetoken.experts.setup import MoEOptions
+
+    model = load_model(tiny_hf("qwen3_5_moe"), dtype=torch.float32, progress=False,
+                       moe=MoEOptions(backend=backend, cache_size=5))
+    V = model.cfg.vocab_size
+    prompts = [_prompt(V, 20 + 6 * i, 40 + i) for i in range(3)]
+    reqs = [GenerateRequest(p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                            request_id=f"s{i}") for i, p in enumerate(prompts)]
+    eager = _run(EngineCore(model, [2], kv_tokens=512, state_slots=8, max_running=4,
+                            chunk_tokens=32, decode_runner=False), reqs)
+    core = EngineCore(model, [2], kv_tokens=512, state_slots=8, max_running=4,
+                      chunk_tokens=32, decode_runner=True)
+    assert _run(core, reqs) == eager
+    runner = core.runner
+    assert runner is not None and runner.steps > 5
+    # 5 slots < 8 experts: steps of 3 rows can route more distinct experts than the slots
+    # hold, and the decision sends the overflow to the CPU even under offload
+    if backend != "offload":
+        assert runner.bridge is not None and runner.bridge.seq == runner.steps
+        assert model.moe_runtime.stats.as_dict()["cpu_experts"] > 0

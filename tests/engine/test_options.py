@@ -14,7 +14,7 @@ from freetoken.cli_options import (
     moe_options,
     resolve_dtype,
 )
-from freetoken.models.presets import preset_config
+from freetoken.types.presets import preset_config
 
 
 def test_sizes_and_dtypes() -> None:
@@ -87,3 +87,35 @@ def test_kv_pool_tokens_reserve_is_a_floor() -> None:
     assert kv_pool_tokens(ctx, per, "cpu", 40_000 * per) == 10_000  # a quarter of the RAM
     assert kv_pool_tokens(4096, per, "cpu", 10**12) == 4096  # never more than the context
     assert kv_pool_tokens(ctx, per, "cpu", 0) == 1024  # never under 1024
+
+
+def test_kv_reserved_for_the_context_before_the_slot_cache(tiny_hf) -> None:
+    """Non-fused on a GPU: the slot cache is sized to leave the whole context's K/V free (the
+    model's, or --max-context), never less than the --kv-reserve-tokens floor; the KV pool then
+    gets the context, not just the floor (bug: W3/W4-sized prompts refused at 8192 tokens)."""
+    import argparse
+
+    from freetoken.cache.tensors import KVPool
+    from freetoken.cli_options import add_moe_args, moe_from_args
+    from freetoken.engine.async_engine import kv_pool_tokens
+    from freetoken.types.model_config import load_config
+
+    d = tiny_hf("qwen3_5_moe")
+    cfg = load_config(d)
+    per = KVPool.bytes_per_token(cfg, torch.bfloat16)
+    p = argparse.ArgumentParser()
+    add_moe_args(p)
+    p.add_argument("--max-context", type=int, default=None)
+    for argv, want in (([], max(8192, cfg.max_position_embeddings)),
+                       (["--max-context", "40000"], 40000),
+                       (["--max-context", "100", "--kv-reserve-tokens", "300"], 300)):
+        args = p.parse_args(["--moe-backend", "offload", *argv])
+        moe, reserve = moe_from_args(args, d, torch.bfloat16, "cuda")
+        assert reserve == want * per, argv
+        # what the slot cache leaves (the reserve plus the workspace margin) is the KV pool
+        ctx = args.max_context or cfg.max_position_embeddings
+        free = reserve + (1 << 30)
+        assert kv_pool_tokens(ctx, per, "cuda", free, moe.kv_reserve_tokens) == max(
+            min(ctx, want), 1024)
+    # fused: no slot cache, the pool takes 90 % of what is free after the weights
+    assert kv_pool_tokens(50_000, per, "cuda", 10_000 * per, None) == 9000

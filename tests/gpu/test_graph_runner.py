@@ -26,7 +26,7 @@ def _engine_tokens(model, prompts, n, **kw) -> tuple[list[list[int]], EngineCore
     return [out[i] for i in range(len(prompts))], core
 
 
-@pytest.mark.parametrize("backend", ["fused", "offload", "hybrid"])
+@pytest.mark.parametrize("backend", ["fused", "offload", "hybrid", "cpu"])
 def test_graph_replay_equals_eager(tiny_hf, backend: str) -> None:
     d = tiny_hf("qwen3_5_moe")
     moe = None if backend == "fused" else MoEOptions(backend=backend, cache_size=6)
@@ -37,14 +37,12 @@ def test_graph_replay_equals_eager(tiny_hf, backend: str) -> None:
     eager, _ = _engine_tokens(model, prompts[:1], 256, decode_runner=False)
     graphs, core = _engine_tokens(model, prompts[:1], 256, decode_runner=True, cuda_graph=True)
     assert graphs == eager
-    if backend != "hybrid":
-        assert core.runner.replays >= 250
+    assert core.runner.replays >= 250  # hybrid too: its CPU share goes through the bridge
     # three requests decoding together (bucket 4: one padding row)
     eager3, _ = _engine_tokens(model, prompts, 64, decode_runner=False)
     graphs3, core3 = _engine_tokens(model, prompts, 64, decode_runner=True, cuda_graph=True)
     assert graphs3 == eager3
-    if backend != "hybrid":
-        assert core3.runner.replays > 0
+    assert core3.runner.replays > 0
     sp = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     assert generate(model, prompts[0], sp, []).token_ids == eager[0][:64]
 

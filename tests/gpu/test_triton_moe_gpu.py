@@ -13,8 +13,8 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F
 
-from freetoken.layers.moe import Router
 from kernels.triton.fused_moe import fused_moe, moe_sum
+from kernels.triton.moe_grouped import moe_align, moe_align_small
 from kernels.triton.router import fused_router
 
 H, I, K = 2048, 512, 8
@@ -69,18 +69,19 @@ def test_bf16_real_shape_matches_float_reference(banks, T, decode):
     assert rel < 1e-2 and worst < 2e-2, f"rel {rel:.2e}, worst entry {worst:.2e}"
 
 
-def test_decode_path_replays_from_a_cuda_graph(banks):
-    """Captured once, replayed with new ids and x: the same result as eager calls."""
+@pytest.mark.parametrize("T,decode", [(4, True), (16, False)])
+def test_replays_from_a_cuda_graph(banks, T, decode):
+    """Captured once, replayed with new ids and x: the same result as eager calls. The grouped
+    path at N <= 128 (one-program alignment) must capture as well as the decode path."""
     gate_up, down = banks
-    T = 4
     x_in = torch.zeros(T, H, device="cuda", dtype=torch.bfloat16)
     ids_in = torch.zeros(T, K, device="cuda", dtype=torch.int64)
     y = torch.zeros(T, K, H, device="cuda", dtype=torch.bfloat16)
-    fused_moe(x_in, ids_in, gate_up, down, y, decode=True)  # compile outside the capture
+    fused_moe(x_in, ids_in, gate_up, down, y, decode=decode)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fused_moe(x_in, ids_in, gate_up, down, y, decode=True)
+        fused_moe(x_in, ids_in, gate_up, down, y, decode=decode)
     for step in range(3):
         x = torch.randn(T, H, device="cuda").bfloat16()
         ids = route(T, 100 + step)
@@ -89,21 +90,31 @@ def test_decode_path_replays_from_a_cuda_graph(banks):
         y.fill_(7.0)
         graph.replay()
         want = torch.full_like(y, 7.0)
-        fused_moe(x, ids, gate_up, down, want, decode=True)
+        fused_moe(x, ids, gate_up, down, want, decode=decode)
         assert torch.equal(y, want), f"step {step}: replay differs from eager"
+
+
+def torch_router(x, weight, top_k, renormalize):
+    """Router.forward's torch path, written out: on CUDA the Router itself now calls
+    fused_router, so it cannot be the oracle here."""
+    probs = F.softmax(F.linear(x, weight), dim=-1, dtype=torch.float)  # [T, E]
+    w, ids = torch.topk(probs, top_k, dim=-1)  # [T, K]
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return w.to(x.dtype), ids
 
 
 def test_router_matches_torch_and_replays(banks):
     E, T = 256, 64
     g = torch.Generator(device="cuda").manual_seed(5)
     x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
-    r = Router(H, E, K, True).cuda().bfloat16().requires_grad_(False)
-    r.weight.copy_(torch.randn(E, H, device="cuda", generator=g) / H**0.5)
-    w_ref, ids_ref = r(x)
-    w, ids = fused_router(x, r.weight, K, True)
-    probs = F.softmax(F.linear(x, r.weight), dim=-1, dtype=torch.float)  # [T, E]
-    stable = torch.sort(-probs, dim=-1, stable=True).indices[:, :K]  # ties: lowest id first
+    weight = (torch.randn(E, H, device="cuda", generator=g) / H**0.5).bfloat16()
+    w_ref, ids_ref = torch_router(x, weight, K, True)
+    w, ids = fused_router(x, weight, K, True)
+    logits = F.linear(x, weight).float()  # [T, E] as the Router
+    stable = torch.sort(-logits, dim=-1, stable=True).indices[:, :K]  # ties: lowest id first
     assert torch.equal(ids, stable)
+    probs = F.softmax(logits, dim=-1)
     kth, next_p = torch.sort(probs, -1, descending=True).values[:, K - 1:K + 1].unbind(-1)
     clear = kth > next_p  # no bf16 tie across the K-th place, where torch may pick either
     assert all(set(a) == set(b) for a, b, c in
@@ -112,12 +123,24 @@ def test_router_matches_torch_and_replays(banks):
     x_in = x.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        w_g, ids_g = fused_router(x_in, r.weight, K, True)
+        w_g, ids_g = fused_router(x_in, weight, K, True)
     x2 = torch.randn(T, H, device="cuda").bfloat16()
     x_in.copy_(x2)
     graph.replay()
-    w2, ids2 = fused_router(x2, r.weight, K, True)
+    w2, ids2 = fused_router(x2, weight, K, True)
     assert torch.equal(ids_g, ids2) and torch.equal(w_g, w2)
+
+
+@pytest.mark.parametrize("bm", [16, 64])
+def test_align_small_kernel_equals_torch_on_gpu(bm):
+    """The one-program alignment against the torch one, many times: a missing barrier between
+    its fills and its scatter would show as a race here (the interpreter runs it serially)."""
+    for seed in range(20):
+        ids = route(16, seed)  # N = 128 entries, rows up to S-1
+        want = moe_align(ids, S, bm)
+        got = moe_align_small(ids, S, bm)
+        for name, a, b in zip(("sorted_entries", "block_row", "total"), want, got):
+            assert torch.equal(a, b), f"seed {seed}: {name}"
 
 
 def test_moe_sum_bf16():

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from kernels.triton.fused_moe import fused_moe, fused_moe_decode, moe_sum
-from kernels.triton.moe_grouped import fused_moe_grouped, moe_align, tile
+from kernels.triton.moe_grouped import fused_moe_grouped, moe_align, moe_align_small, tile
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, I, S = 64, 32, 8
@@ -136,6 +136,21 @@ def test_align_pads_each_row_to_the_block():
     assert sorted_e[:12].tolist() == [6, N, N, N, 1, 2, 7, N, 0, 4, 5, N]
     assert (sorted_e[12:] == N).all()
     assert block_row.tolist()[:3] == [0, 1, 3] and (block_row[3:] == -1).all()
+
+
+@pytest.mark.parametrize("T,K,S_,bm,seed", [(1, 2, 8, 16, 0), (5, 4, 8, 16, 1),
+                                             (16, 8, 300, 32, 2), (13, 3, 4095, 16, 3)])
+def test_align_small_kernel_equals_torch_align(T, K, S_, bm, seed):
+    """The one-program alignment gives moe_align's three outputs exactly. (fused_moe_grouped
+    uses it for N <= 128: the odd-shape and dispatch tests; T=33 (N=132) takes moe_align.)"""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, min(S_, 6), (T, K), generator=g)  # few rows: long runs
+    ids[torch.rand(T, K, generator=g) < 0.2] = -1
+    ids[0, -1] = S_ - 1
+    want = moe_align(ids, S_, bm)
+    got = moe_align_small(ids.to(DEVICE), S_, bm)
+    for name, a, b in zip(("sorted_entries", "block_row", "total"), want, got):
+        assert a.tolist() == b.cpu().tolist(), name
 
 
 def test_bad_arguments_raise():

@@ -144,7 +144,7 @@ def test_decode_step_of_the_layer_equals_torch_forward() -> None:
         y = gated_rmsnorm(o.to(xd.dtype), z, lay.norm.weight, lay.norm.eps)
         got = lay.out_proj(y.reshape(3, HV * D))
     assert rel_err(got, ref) <= 1e-5
-    assert rel_err(conv, state.conv[0]) <= 1e-6
+    assert rel_err(conv, state.conv[0]) <= 1e-5
     assert rel_err(ssm, state.ssm[0]) <= 1e-5
 
 

@@ -50,10 +50,11 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, first_li
 @pytest.mark.parametrize("hq,hk,index_dtype", [(4, 2, torch.int32), (8, 2, torch.int64),
                                                (2, 2, torch.int32)])
 def test_decode_matches_float64(num_splits: int, hq: int, hk: int, index_dtype) -> None:
-    """Sequences of length 1, 7 and 37 in one launch; 8 splits leave the short ones with empty
-    splits (lse = -inf in the merge); 37 keys cross several 16-key tiles per split."""
+    """Sequences of length 1, 37, 7 and 32 in one launch; 8 splits leave the short ones with
+    empty splits (lse = -inf in the merge); 37 keys cross several 16-key tiles per split, 32
+    fills two tiles exactly."""
     gen = torch.Generator().manual_seed(num_splits * 10 + hq)
-    d, lengths = 16, [1, 37, 7]
+    d, lengths = 16, [1, 37, 7, 32]
     k_pool, v_pool, indptr, indices = _pool_and_csr(lengths, hk, d, gen, index_dtype)
     q = torch.randn(len(lengths), hq, d, generator=gen) * 3  # peaked softmax
     out = torch.full((len(lengths), hq, d), float("nan"), device=DEVICE)
@@ -84,11 +85,11 @@ def test_decode_default_splits_and_allocated_output() -> None:
 @pytest.mark.parametrize("hq,hk", [(4, 2), (2, 1)])
 def test_prefill_causal_matches_float64(hq: int, hk: int) -> None:
     """(new tokens, kv length): a fresh prompt, a chunk after a 9-token prefix, a single token
-    after a prefix, and 20 new tokens over 33 keys (two 16-row query blocks under the
-    interpreter). Query i of sequence b sees keys 0..L_b - n_b + i."""
+    after a prefix, 20 new tokens over 33 keys (two 16-row query blocks under the
+    interpreter) and exactly one full block. Query i of sequence b sees keys 0..L_b - n_b + i."""
     gen = torch.Generator().manual_seed(hq)
     d = 16
-    news, lengths = [5, 3, 1, 20], [5, 12, 6, 33]
+    news, lengths = [5, 3, 1, 20, 16], [5, 12, 6, 33, 16]
     k_pool, v_pool, kv_indptr, indices = _pool_and_csr(lengths, hk, d, gen)
     qo_indptr = torch.tensor([0] + news).cumsum(0).to(torch.int32)
     T = sum(news)

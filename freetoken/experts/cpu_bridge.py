@@ -1,0 +1,157 @@
+"""The CPU expert branch of a captured decode step: the GPU hands each MoE layer's CPU share to a
+host worker through flags in mapped pinned memory, with no host sync of the compute stream.
+
+Per hybrid (or cpu) MoE layer m, inside the graph, in stream order:
+
+1. `send(m, x, ids, cpu_mask)`: the layer's input rows, routed ids and CPU mask are copied into
+   pinned buffers (device-to-host copy nodes), then a one-thread kernel stores the step's
+   sequence number into `go[m]` (kernels/triton/host_flags.py).
+2. the GPU fills the fetched experts and computes the resident ones meanwhile;
+3. `receive(m)`: a one-thread kernel spins until `done[m]` holds the sequence number, the CPU
+   results are copied back (host-to-device copy node) and merged with `torch.where`.
+
+The worker thread, told before each replay that step `seq` begins (`begin_step`), walks the
+layers in order: it waits for `go[m] == seq` (polling with `sleep(0)`, so it never holds the
+GIL against the thread that launched the graph), runs the C++ expert kernel on the masked
+entries (or nothing, when the layer has no CPU work), writes the results into the pinned output
+and then stores `done[m] = seq`. x86 stores are seen in program order, so the results are in
+place before the flag the GPU is waiting on.
+
+If the worker cannot answer (it died, or a layer took seconds), the wait kernel gives up after
+a bounded number of polls and sets an error flag that `end_step` raises as an error, so a
+broken host thread fails the step instead of hanging the GPU.
+
+Without CUDA (tests on the CPU) the same protocol runs with host writes for the flags and a
+host spin for the wait, so the worker and the bookkeeping are exercised everywhere.
+
+Shapes: L MoE layers, B rows of the bucket, K top-k, H hidden.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from freetoken.log import get_logger, kv
+
+log = get_logger("experts")
+
+# the worker gives up waiting for a layer after this long (the GPU side has its own bound)
+WORKER_TIMEOUT_S = 10.0
+
+
+class BridgeError(RuntimeError):
+    """The CPU branch did not answer a captured step in time."""
+
+
+class CpuBridge:
+    def __init__(self, num_layers: int, max_rows: int, top_k: int, hidden: int,
+                 dtype: torch.dtype, device: torch.device,
+                 compute: Callable[[int, Tensor, Tensor, Tensor], Tensor]):
+        """`compute(m, x [B, H], ids [B, K], mask [B, K]) -> y [B, K, H]`: the CPU branch of
+        MoE layer m on host tensors (entries outside the mask are not read)."""
+        self.L, self.B, self.K, self.H = num_layers, max_rows, top_k, hidden
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        pin = self.cuda
+        L, B, K, H = num_layers, max_rows, top_k, hidden
+        self.x = torch.zeros(L, B, H, dtype=dtype, pin_memory=pin)
+        self.ids = torch.zeros(L, B, K, dtype=torch.int64, pin_memory=pin)
+        self.mask = torch.zeros(L, B, K, dtype=torch.bool, pin_memory=pin)
+        self.out = torch.zeros(L, B, K, H, dtype=dtype, pin_memory=pin)
+        self.go = torch.full((L,), -1, dtype=torch.int64, pin_memory=pin)
+        self.done = torch.full((L,), -1, dtype=torch.int64, pin_memory=pin)
+        self._go_np, self._done_np = self.go.numpy(), self.done.numpy()
+        self.seq_dev = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.err_dev = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.compute = compute
+        self.active = False  # set by the decode runner around its forward
+        self.seq = 0  # host mirror of seq_dev after begin_step
+        self.rows = 0
+        self._start = threading.Event()
+        self._failed: BaseException | None = None
+        self.busy_s = self.wait_go_s = 0.0  # worker time computing / waiting for layers
+        self.steps_done = 0
+        self._thread = threading.Thread(target=self._worker, name="ft-cpu-bridge", daemon=True)
+        self._thread.start()
+
+    # -- device side (captured) -------------------------------------------------------------
+
+    def send(self, m: int, x: Tensor, ids: Tensor, mask: Tensor) -> None:
+        T = x.shape[0]
+        if m == 0:
+            self.seq_dev.add_(1)  # one step = one sequence number for every layer
+        self.x[m, :T].copy_(x, non_blocking=True)
+        self.ids[m, :T].copy_(ids, non_blocking=True)
+        self.mask[m, :T].copy_(mask, non_blocking=True)
+        if self.cuda:
+            from kernels.triton.host_flags import raise_flag
+
+            raise_flag(self.go, m, self.seq_dev)
+        else:
+            self._go_np[m] = int(self.seq_dev)
+
+    def receive(self, m: int, T: int) -> Tensor:
+        """[T, K, H] on the device: the CPU branch's outputs (zeros outside its mask)."""
+        if self.cuda:
+            from kernels.triton.host_flags import wait_flag
+
+            wait_flag(self.done, m, self.seq_dev, self.err_dev)
+        else:
+            seq, t0 = int(self.seq_dev), time.perf_counter()
+            while self._done_np[m] != seq:
+                if self._failed is not None or time.perf_counter() - t0 > WORKER_TIMEOUT_S:
+                    self.err_dev.fill_(1)
+                    break
+                time.sleep(0)
+        return self.out[m, :T].to(self.device, non_blocking=True)
+
+    # -- host side ----------------------------------------------------------------------------
+
+    def begin_step(self, rows: int) -> None:
+        """Before launching step seq+1 (a replay or an eager run through the runner)."""
+        if self._failed is not None:
+            raise BridgeError(f"the CPU branch worker failed: {self._failed!r}")
+        self.seq += 1
+        self.rows = rows
+        self._start.set()
+
+    def end_step(self) -> None:
+        """After the step's tokens are back: raise if any layer's wait gave up."""
+        if int(self.err_dev) != 0:
+            self.err_dev.zero_()
+            raise BridgeError("a captured step's CPU branch did not answer "
+                              f"(worker error: {self._failed!r})")
+
+    def _worker(self) -> None:
+        go, done = self._go_np, self._done_np
+        while True:
+            self._start.wait()
+            self._start.clear()
+            seq, T = self.seq, self.rows
+            try:
+                for m in range(self.L):
+                    t0 = time.perf_counter()
+                    while go[m] != seq:
+                        if time.perf_counter() - t0 > WORKER_TIMEOUT_S:
+                            raise BridgeError(f"layer {m} of step {seq} never arrived")
+                        time.sleep(0)
+                    t1 = time.perf_counter()
+                    self.wait_go_s += t1 - t0
+                    if t1 - t0 > 0.05:
+                        log.warning(kv("cpu_bridge_slow", seq=seq, layer=m,
+                                       waited_ms=f"{(t1 - t0) * 1e3:.1f}"))
+                    mask = self.mask[m, :T]
+                    if bool(mask.any()):
+                        y = self.compute(m, self.x[m, :T], self.ids[m, :T], mask)  # [T, K, H]
+                        self.out[m, :T].copy_(y)
+                    done[m] = seq
+                    self.busy_s += time.perf_counter() - t1
+                self.steps_done += 1
+            except BaseException as e:  # noqa: BLE001 — reported by begin_step / end_step
+                self._failed = e
+                log.error(kv("cpu_bridge_failed", seq=seq, error=repr(e)[:200]))
+                return

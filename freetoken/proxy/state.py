@@ -1,0 +1,89 @@
+"""The proxy's shared state: configuration, the upstream/engine clients, sessions, metrics."""
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+from starlette.requests import Request
+
+from freetoken.proxy.config import ProxyConfig
+from freetoken.proxy.metrics import Metrics
+from freetoken.proxy.native import NativeEngine
+from freetoken.proxy.sessions import SessionStore
+from freetoken.proxy.upstream import Upstream
+from freetoken.server.errors import APIError
+from freetoken.server.state import ServerState
+
+
+def template_rejects_mid_system(tokenizer: Any) -> bool:
+    """True when the chat template cannot render a system message after the first turn."""
+    msgs = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"},
+            {"role": "system", "content": "c"}, {"role": "user", "content": "d"}]
+    try:
+        tokenizer.render(msgs)
+        return False
+    except Exception:  # noqa: BLE001 - any refusal of the template means "fold"
+        return True
+
+
+class ProxyState:
+    def __init__(self, cfg: ProxyConfig, tokenizer: Any = None, parser_family: str = "qwen3",
+                 client: httpx.AsyncClient | None = None) -> None:
+        self.cfg, self.tokenizer, self.parser_family = cfg, tokenizer, parser_family
+        self._client = client
+        self.metrics = Metrics(cfg.metrics_path)
+        self.sessions = SessionStore()
+        self._native: NativeEngine | None = None
+        self._lock: asyncio.Lock | None = None
+        fold = cfg.fold_system
+        self.fold_system = fold == "fold" or (fold == "auto" and tokenizer is not None
+                                              and template_rejects_mid_system(tokenizer))
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:  # created in the serving loop; no pool limit: never serialise
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(None, connect=self.cfg.connect_timeout_s),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        return self._client
+
+    def upstream(self) -> Upstream:
+        assert self.cfg.upstream is not None
+        return Upstream(self.cfg.upstream, self.cfg.upstream_api, self.client,
+                        self.cfg.upstream_api_key, self.cfg.ping_s)
+
+    async def native(self) -> NativeEngine:
+        if self._native is None:
+            self._lock = self._lock or asyncio.Lock()
+            async with self._lock:
+                if self._native is None:
+                    assert self.cfg.native_url is not None
+                    try:
+                        key = self.cfg.upstream_api_key  # an `ft serve --api-key` engine
+                        auth = {"authorization": f"Bearer {key}"} if key else None
+                        self._native = await NativeEngine.connect(self.cfg.native_url,
+                                                                  self.client, auth)
+                    except httpx.HTTPError as e:
+                        raise APIError(502, f"engine unreachable at {self.cfg.native_url}: "
+                                       f"{e!r}", None, "upstream_error") from None
+        return self._native
+
+
+def inner_request(request: Request, body: dict, st: ServerState) -> Request:
+    """The same request with the normalised body and an app whose state is `st`."""
+    data = json.dumps(body).encode()
+    sent = False
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": data, "more_body": False}
+        return await request.receive()
+
+    scope = dict(request.scope)
+    scope["app"] = SimpleNamespace(state=SimpleNamespace(ft=st))
+    return Request(scope, receive)

@@ -1,0 +1,121 @@
+"""Forwarding to another OpenAI- or Anthropic-compatible server (vLLM, SGLang, llama.cpp, another
+`ft serve`): the normalised request goes out on the surface the upstream speaks, translated when
+it is not the client's.
+
+Streams are relayed by `relay.StreamRelay` (as they arrive, with backpressure, keep-alives and
+upstream cancellation on client disconnect). If the upstream answers an error before `ping_s`,
+its status is passed on with the error in the client's API shape.
+
+Auth: the client's `Authorization` / `x-api-key` go to the configured upstream only, or are
+replaced by `--upstream-api-key`; they are never logged or recorded.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from freetoken.log import get_logger
+from freetoken.proxy.translate_stream import json_or_none
+from freetoken.server.errors import APIError
+
+log = get_logger("proxy")
+FINISH = re.compile(r'"(finish_reason|stop_reason)":\s*"')
+_PASS_HEADERS = ("anthropic-version", "anthropic-beta", "user-agent", "x-session-id",
+                 "x-session-affinity", "x-claude-code-session-id")
+
+
+@dataclass
+class SSEEvent:
+    event: str | None
+    data: str
+    raw: str  # the event as received, comment lines dropped, with its blank-line terminator
+
+
+def parse_event(text: str) -> SSEEvent | None:
+    """One SSE event (the text between two blank lines); None for a comment-only one."""
+    event: str | None = None
+    data: list[str] = []
+    kept: list[str] = []
+    for line in text.split("\n"):
+        if not line or line.startswith(":"):
+            continue
+        kept.append(line)
+        if line.startswith("data:"):
+            data.append(line[6:] if line[5:6] == " " else line[5:])
+        elif line.startswith("event:"):
+            event = line[6:].strip()
+    if not data:
+        return None
+    raw = text if len(kept) == text.count("\n") + 1 else "\n".join(kept)
+    return SSEEvent(event, "\n".join(data), raw + "\n\n")
+
+
+async def sse_batches(chunks: AsyncIterator[str]) -> AsyncIterator[list[SSEEvent]]:
+    """The complete events of each upstream chunk, as they arrive (a partial event waits for
+    the rest of it, nothing else waits)."""
+    buf = ""
+    async for text in chunks:
+        buf += text.replace("\r\n", "\n") if "\r" in text else text
+        if "\n\n" not in buf:
+            continue
+        *complete, buf = buf.split("\n\n")
+        batch = [e for t in complete if t.strip() and (e := parse_event(t)) is not None]
+        if batch:
+            yield batch
+    if buf.strip() and (e := parse_event(buf)) is not None:
+        yield [e]
+
+
+class Upstream:
+    """`api`: 'openai', 'anthropic' or 'both' (what the upstream serves)."""
+
+    def __init__(self, base_url: str, api: str, client: httpx.AsyncClient,
+                 api_key: str | None = None, ping_s: float = 5.0) -> None:
+        if api not in ("openai", "anthropic", "both"):
+            raise ValueError(f"upstream api must be openai, anthropic or both, not {api!r}")
+        self.base_url, self.api, self.client = base_url.rstrip("/"), api, client
+        self.api_key, self.ping_s = api_key, ping_s
+
+    def api_out(self, api_in: str) -> str:
+        return api_in if self.api in ("both", api_in) else self.api
+
+    def headers(self, incoming: Any, api_out: str) -> dict[str, str]:
+        h = {k: v for k in _PASS_HEADERS if (v := incoming.get(k))}
+        h["content-type"] = "application/json"
+        key = self.api_key
+        if key is None:
+            auth = incoming.get("authorization") or ""
+            key = auth[7:].strip() if auth[:7].lower() == "bearer " else incoming.get("x-api-key")
+        if key:
+            if api_out == "anthropic":
+                h["x-api-key"] = key
+            else:
+                h["authorization"] = f"Bearer {key}"
+        if api_out == "anthropic":
+            h.setdefault("anthropic-version", "2023-06-01")
+        return h
+
+    def url(self, api_out: str, count_tokens: bool = False) -> str:
+        if api_out == "anthropic":
+            return self.base_url + ("/v1/messages/count_tokens" if count_tokens else "/v1/messages")
+        return self.base_url + "/v1/chat/completions"
+
+    async def open(self, url: str, body: dict, headers: dict[str, str],
+                   raw: bytes | None = None) -> httpx.Response:
+        content = raw if raw is not None else json.dumps(body).encode()
+        req = self.client.build_request("POST", url, content=content, headers=headers)
+        return await self.client.send(req, stream=True)
+
+
+def error_from(status: int, raw: bytes) -> APIError:
+    """An upstream error body (either shape) as an APIError with the upstream's status."""
+    msg = raw.decode(errors="replace")[:1000]
+    v = json_or_none(msg)
+    if isinstance(v, dict) and isinstance(v.get("error"), dict):
+        msg = str(v["error"].get("message") or msg)
+    return APIError(status, f"upstream: {msg}", None, "upstream_error")

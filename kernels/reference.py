@@ -1,0 +1,28 @@
+"""The reference expert FFN every implementation is tested against (plain float64 torch, no
+kernel, no batching trick): the grouped and gathered torch paths, the C++ CPU kernel, the Triton
+fused MoE, and every expert backend."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def expert_ffn_reference(x: Tensor, topk_ids: Tensor, gate_up: Tensor, down: Tensor,
+                         mask: Tensor | None = None) -> Tensor:
+    """y [T, K, H] float64: y[t, k] = down[e] · (silu(gate[e] · x[t]) ⊙ (up[e] · x[t])) with
+    e = topk_ids[t, k], for entries with e >= 0 (and mask[t, k] when a mask is given); 0
+    elsewhere. x [T, H]; gate_up [E, 2I, H] rows [gate | up]; down [E, H, I]."""
+    T, K = topk_ids.shape
+    inter = gate_up.shape[1] // 2
+    out = torch.zeros(T, K, x.shape[-1], dtype=torch.float64)
+    xd = x.detach().double().cpu()
+    for t in range(T):
+        for k in range(K):
+            e = int(topk_ids[t, k])
+            if e < 0 or (mask is not None and not bool(mask[t, k])):
+                continue
+            w = gate_up[e].detach().double().cpu()  # [2I, H]
+            g, u = w[:inter] @ xd[t], w[inter:] @ xd[t]  # [I]
+            out[t, k] = down[e].detach().double().cpu() @ (g * torch.sigmoid(g) * u)  # [H]
+    return out
+
