@@ -26,6 +26,7 @@ from tokenizers import Tokenizer
 
 from freetoken.chat.anchors import ROLES, AnchorTokens, detect_anchors
 from freetoken.chat.errors import ChatInputError
+from freetoken.chat.plain_text import PlainTextEscaper
 from freetoken.chat.template import (
     KEEP_REASONING_VAR,
     keep_reasoning_variant,
@@ -120,6 +121,7 @@ class ChatTokenizer:
             t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()
         }
         self.eos_token_ids = eos_token_ids
+        self._escaper = PlainTextEscaper(tokenizer)
         roles = {r: self.encode(r) for r in ROLES}
         self.anchor_tokens = AnchorTokens.from_vocab(self.special_ids, roles)
 
@@ -200,8 +202,15 @@ class ChatTokenizer:
         add_generation_prompt: bool = True,
         keep_all_reasoning: bool = True,
     ) -> Prompt:
-        """Render, tokenize and mark anchors. See the module docstring for keep_all_reasoning."""
+        """Render, tokenize and mark anchors. See the module docstring for keep_all_reasoning.
+        Control-token strings inside message text and tool definitions become plain-text tokens
+        (`freetoken.chat.plain_text`); the template's own stay control tokens."""
+        messages, tools, escaped = self._escaper.escape(messages, tools)
         text = self.render(messages, tools, enable_thinking, add_generation_prompt,
                            keep_all_reasoning)
-        ids = self.encode(text)
+        if escaped:
+            ids, text = self._escaper.encode(text)
+            log.debug(kv("plain_text_control_tokens", ids=len(ids)))
+        else:
+            ids = self.encode(text)
         return Prompt(ids, detect_anchors(ids, self.anchor_tokens), text)

@@ -1,7 +1,11 @@
 """AsyncEngine: EngineCore on a background thread, one asyncio queue per request.
 
-`generate()` is an async generator; closing it before the request finished (client
-disconnect, cancelled task) aborts the request in the core, which frees its KV and state.
+`start(req)` hands the request to the engine thread, which admits it (`EngineCore.add`, whose
+`check` is the one admission check of a request) and reports the result back: the caller gets
+`AdmissionError` before anything was sent to its client, or an `EventStream`. Closing that
+stream before the request finished (client disconnect, cancelled task) aborts the request in the
+core, which frees its KV and state; so does dropping it unclosed. `generate()` is `start` plus
+iteration, as one async generator.
 """
 from __future__ import annotations
 
@@ -41,32 +45,42 @@ class AsyncEngine:
     # -- EngineClient ------------------------------------------------------------------------
 
     def check(self, req: GenerateRequest) -> None:
+        """The admission check, on the caller's thread (for callers without an event loop;
+        `start` runs it on the engine thread)."""
         self.core.check(req)
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[EngineEvent]:
-        self.core.check(req)
+    async def start(self, req: GenerateRequest) -> EventStream:
+        """Admit `req` on the engine thread; raises its `AdmissionError`, else returns the
+        stream of its events."""
         if not req.request_id:
             req.request_id = f"req-{next(_ids)}"
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
+        admitted: asyncio.Future = loop.create_future()
 
         def emit(ev: EngineEvent) -> None:
             loop.call_soon_threadsafe(q.put_nowait, ev)
 
-        self._inbox.put(("add", req, emit))
-        done = False
+        def report(err: BaseException | None) -> None:
+            loop.call_soon_threadsafe(lambda: admitted.done() or admitted.set_result(err))
+
+        self._inbox.put(("add", req, (emit, report)))
         try:
-            while True:
-                ev = await q.get()
-                if isinstance(ev, BaseException):
-                    raise ev
+            err = await admitted
+        except BaseException:  # cancelled while waiting: the request may be admitted by now
+            self._inbox.put(("abort", req.request_id, None))
+            raise
+        if err is not None:
+            raise err
+        return EventStream(self._inbox, req.request_id, q)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[EngineEvent]:
+        stream = await self.start(req)
+        try:
+            async for ev in stream:
                 yield ev
-                if ev.finished:
-                    done = True
-                    return
         finally:
-            if not done:
-                self._inbox.put(("abort", req.request_id, None))
+            await stream.aclose()
 
     def stats(self) -> dict:
         return self.core.snapshot_stats()
@@ -96,10 +110,13 @@ class AsyncEngine:
         while True:
             op, a, b = msg
             if op == "add":
+                emit, report = b
                 try:
-                    self.core.add(a, b)
-                except Exception as e:  # noqa: BLE001  (admission raced with check: report, never crash)
-                    b(e)
+                    self.core.add(a, emit)
+                except Exception as e:  # noqa: BLE001  (refused or failed: report, never crash)
+                    report(e)
+                else:
+                    report(None)
             elif op == "abort":
                 self.core.abort(a)
             elif op == "call":
@@ -125,6 +142,39 @@ class AsyncEngine:
                 for r in list(self.core.sched.running) + list(self.core.sched.waiting):
                     self.core.abort(r.rid)
                     r.emit(RuntimeError(f"engine step failed: {e!r}"))  # type: ignore[arg-type]
+
+
+class EventStream:
+    """The events of one admitted request (async iterator). `aclose()` before the last event,
+    or dropping it unclosed, aborts the request on the engine thread."""
+
+    def __init__(self, inbox: queue.Queue, request_id: str, q: asyncio.Queue) -> None:
+        self._inbox, self.request_id, self._q = inbox, request_id, q
+        self._over = False  # finished, failed, or closed: nothing left to abort
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> EngineEvent:
+        if self._over:
+            raise StopAsyncIteration
+        ev = await self._q.get()
+        if isinstance(ev, BaseException):  # the step failed; the core aborted the request
+            self._over = True
+            raise ev
+        self._over = ev.finished
+        return ev
+
+    async def aclose(self) -> None:
+        self._abort()
+
+    def _abort(self) -> None:
+        if not self._over:
+            self._over = True
+            self._inbox.put(("abort", self.request_id, None))
+
+    def __del__(self) -> None:  # a stream dropped before its consumer started (a raced close)
+        self._abort()
 
 
 def kv_pool_tokens(max_context: int, bytes_per_token: int, device_type: str, free_bytes: int,

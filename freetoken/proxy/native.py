@@ -59,32 +59,49 @@ class NativeEngine:
     def generate(self, req: GenerateRequest) -> AsyncIterator[EngineEvent]:
         return self._gen(req)
 
-    async def _gen(self, req: GenerateRequest) -> AsyncIterator[EngineEvent]:
+    async def start(self, req: GenerateRequest) -> AsyncIterator[EngineEvent]:
+        """Open the engine's stream; its admission error (a 4xx the engine answers before any
+        event) raises here, before the client's response starts. Returns the event stream."""
+        r = await self.client.send(self.client.build_request(
+            "POST", self.base_url + "/ft/v1/generate", json=self._body(req),
+            headers=self.headers), stream=True)
+        try:
+            if r.status_code >= 400:
+                await self._raise_for(r)
+        except BaseException:
+            await r.aclose()
+            raise
+        return self._events(r)
+
+    @staticmethod
+    def _body(req: GenerateRequest) -> dict:
         sp = req.sampling
-        body = {"input_ids": req.input_ids, "session_key": req.session_key,
+        return {"input_ids": req.input_ids, "session_key": req.session_key,
                 "anchors": [{"position": a.position, "kind": a.kind, "role": a.role,
                              "cut_point": a.cut_point} for a in req.anchors],
                 "sampling": {"max_tokens": sp.max_tokens, "temperature": sp.temperature,
                              "top_p": sp.top_p, "top_k": sp.top_k, "seed": sp.seed,
                              "stop_token_ids": sp.stop_token_ids, "ignore_eos": sp.ignore_eos,
                              "min_tokens": sp.min_tokens}}
-        async with self.client.stream("POST", self.base_url + "/ft/v1/generate", json=body,
-                                      headers=self.headers) as r:
-            if r.status_code >= 400:
-                raw = await r.aread()
-                try:
-                    err = json.loads(raw)["error"]
-                except (ValueError, KeyError, TypeError):
-                    err = {"message": raw.decode(errors="replace")[:500]}
-                if r.status_code in (401, 403):  # the proxy's configuration, not the client
-                    raise APIError(502, f"the engine refused the proxy's key ({err.get('message')})"
-                                   "; start the proxy with --upstream-api-key", None,
-                                   "upstream_auth")
-                if r.status_code < 500:
-                    raise AdmissionError(str(err.get("message")), err.get("param"),
-                                         str(err.get("code") or "invalid_request"))
-                raise APIError(502, f"engine error {r.status_code}: {err.get('message')}",
-                               None, "upstream_error")
+
+    @staticmethod
+    async def _raise_for(r: httpx.Response) -> None:
+        raw = await r.aread()
+        try:
+            err = json.loads(raw)["error"]
+        except (ValueError, KeyError, TypeError):
+            err = {"message": raw.decode(errors="replace")[:500]}
+        if r.status_code in (401, 403):  # the proxy's configuration, not the client
+            raise APIError(502, f"the engine refused the proxy's key ({err.get('message')})"
+                           "; start the proxy with --upstream-api-key", None, "upstream_auth")
+        if r.status_code < 500:
+            raise AdmissionError(str(err.get("message")), err.get("param"),
+                                 str(err.get("code") or "invalid_request"))
+        raise APIError(502, f"engine error {r.status_code}: {err.get('message')}", None,
+                       "upstream_error")
+
+    async def _events(self, r: httpx.Response) -> AsyncIterator[EngineEvent]:
+        try:
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue  # keep-alive comments, event names
@@ -97,6 +114,12 @@ class NativeEngine:
                                   int(ev.get("cached_tokens") or 0), ev.get("matched_stop_id"))
                 if ev["finished"]:
                     return
+        finally:
+            await r.aclose()
+
+    async def _gen(self, req: GenerateRequest) -> AsyncIterator[EngineEvent]:
+        async for ev in await self.start(req):
+            yield ev
 
 
 @dataclass
@@ -126,7 +149,24 @@ class TurnEngine:
     def stats(self) -> dict:
         return self.inner.stats()
 
+    async def start(self, req: GenerateRequest) -> AsyncIterator[EngineEvent]:
+        """As `generate`, with the engine's admission answered before the stream starts."""
+        self._annotate(req)
+        try:
+            stream = await self.inner.start(req)
+        except AdmissionError as e:
+            self.turn.record.status, self.turn.record.error = 400, e.message
+            self.turn.record.duration_ms = round((time.time() - self.turn.record.t_start)
+                                                 * 1000, 2)
+            self.on_done(self.turn.record)
+            raise
+        return self._gen(req, stream)
+
     def generate(self, req: GenerateRequest) -> AsyncIterator[EngineEvent]:
+        self._annotate(req)
+        return self._gen(req, None)
+
+    def _annotate(self, req: GenerateRequest) -> None:
         t = self.turn
         cuts = set(t.adapter.cut_points(req.anchors, t.messages))
         req.anchors = [Anchor(a.position, a.kind, a.role, a.cut_point or a.position in cuts)
@@ -138,14 +178,14 @@ class TurnEngine:
         rec.edit_kind, rec.edit_unit, rec.edit_position = ep.kind, ep.unit, ep.position
         rec.edit_block, rec.predicted_hit = ep.block, ep.predicted_hit
         rec.max_tokens_sent = req.sampling.max_tokens
-        return self._gen(req)
 
-    async def _gen(self, req: GenerateRequest) -> AsyncIterator[EngineEvent]:
+    async def _gen(self, req: GenerateRequest, stream: AsyncIterator[EngineEvent] | None
+                   ) -> AsyncIterator[EngineEvent]:
         rec = self.turn.record
         t0 = rec.t_start
         t_first: float | None = None
         try:
-            async for ev in self.inner.generate(req):
+            async for ev in (stream if stream is not None else self.inner.generate(req)):
                 now = time.time()
                 if t_first is None:
                     t_first = now

@@ -12,7 +12,9 @@ carries SSE comments, after it a `ping` every PING_S seconds without output.
 Usage follows Anthropic's convention: `input_tokens` are the prompt tokens *not* read from
 cache, `cache_read_input_tokens` the reused ones (their sum is the prompt length).
 Fields not acted on (`metadata`, `context_management`, `output_config`, `cache_control`,
-`service_tier`, `container`, ...) are accepted and ignored.
+`service_tier`, `container`, ...) are accepted and ignored; the ones the API types strictly
+(`metadata` an object, `stop_sequences` an array, `thinking.budget_tokens` a positive integer)
+are still refused when malformed.
 """
 from __future__ import annotations
 
@@ -29,7 +31,15 @@ from freetoken.chat import ReasoningDelta, TextDelta, ToolCall, anthropic_to_tem
 from freetoken.log import get_logger, kv
 from freetoken.server import shapes
 from freetoken.server.errors import APIError, error_body
-from freetoken.server.generation import Finished, Started, drive, new_id, plan, session_key_from
+from freetoken.server.generation import (
+    Finished,
+    Started,
+    admit,
+    drive,
+    new_id,
+    plan,
+    session_key_from,
+)
 from freetoken.server.sse import (
     TICK,
     EventStreamResponse,
@@ -75,6 +85,7 @@ def _stop(f: Finished, saw_tools: bool) -> str:
 async def _prepare(st: ServerState, body: dict) -> tuple[Any, Any, str]:
     """Validate messages/tools/tool_choice, map to the template input and render."""
     shapes.anthropic_messages(body.get("messages"), body.get("system"))
+    shapes.anthropic_fields(body)
     choice = shapes.tool_choice(body.get("tool_choice"), shapes.anthropic_tools(body.get("tools")),
                                 "anthropic")
     ti = to_template(anthropic_to_template, body)
@@ -106,7 +117,7 @@ async def messages(request: Request) -> Response:
                 max_tokens=pl.req.sampling.max_tokens, stream=stream, tools=len(ti.tools or []),
                 thinking=ti.enable_thinking, choice=choice))
     parser = st.parser(ti.enable_thinking is not False, prompt, ti.tools, "toolu_")
-    events = drive(st.engine, pl, parser, params.stops, TextDelta, TextDelta)
+    events = drive(await admit(st.engine, pl), pl, parser, params.stops, TextDelta, TextDelta)
     base = {"id": rid, "type": "message", "role": "assistant", "model": model}
     if stream:
         return EventStreamResponse(_stream(events, base), pl.headers, rid)

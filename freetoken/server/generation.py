@@ -1,10 +1,12 @@
 """From a tokenized prompt to a stream of parsed output events, shared by every route.
 
-`plan()` turns prompt ids + API sampling fields into an admitted `GenerateRequest` (max_tokens
-clamped to the context room, `engine.check` applied). `drive()` iterates the engine, feeds the
-token ids through an output parser (reasoning / text / tool calls), matches stop strings in the
-decoded text channel, and yields `Started`, parser events and one final `Finished`. Closing the
-`drive()` generator early closes the engine's generator, which aborts the request.
+`plan()` turns prompt ids + API sampling fields into a `GenerateRequest` (max_tokens clamped to
+the context room, sampling values checked: O(1), on the event loop). `admit()` has the engine
+admit it on its own thread (the one admission check, O(prompt)) and maps a refusal to
+APIError(400) while the HTTP response can still carry it. `drive()` iterates the admitted
+stream, feeds the token ids through an output parser (reasoning / text / tool calls), matches
+stop strings in the decoded text channel, and yields `Started`, parser events and one final
+`Finished`. Closing the `drive()` generator early closes the stream, which aborts the request.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from freetoken.types.api import (
     AdmissionError,
     Anchor,
     EngineClient,
+    EngineEvent,
     GenerateRequest,
     SamplingParams,
 )
@@ -57,9 +60,9 @@ class Plan:
 def plan(engine: EngineClient, input_ids: list[int], anchors: list[Anchor], p: CommonParams,
          eos_ids: list[int], session_key: str | None, request_id: str,
          prompt_param: str = "messages") -> Plan:
-    """Admit a request or raise APIError(400). `max_tokens` is a ceiling: clamped to the room
-    left in the context and to the server's output cap if it has one (reported in
-    CLAMP_HEADER); absent, it is that room."""
+    """The request, or APIError(400). `max_tokens` is a ceiling: clamped to the room left in
+    the context and to the server's output cap if it has one (reported in CLAMP_HEADER);
+    absent, it is that room."""
     n = len(input_ids)
     if n == 0:
         raise APIError.bad("the prompt is empty", prompt_param)
@@ -85,10 +88,17 @@ def plan(engine: EngineClient, input_ids: list[int], anchors: list[Anchor], p: C
     req = GenerateRequest(list(input_ids), sampling, list(anchors), session_key, request_id)
     try:
         sampling.validate()
-        engine.check(req)
     except AdmissionError as e:
         raise APIError.from_admission(e) from None
     return Plan(req, n, headers)
+
+
+async def admit(engine: EngineClient, pl: Plan) -> AsyncIterator[EngineEvent]:
+    """The admitted request's event stream, or APIError(400) with the engine's reason."""
+    try:
+        return await engine.start(pl.req)
+    except AdmissionError as e:
+        raise APIError.from_admission(e) from None
 
 
 class Parser(Protocol):
@@ -117,12 +127,12 @@ class Finished:
     output_tokens: int
 
 
-async def drive(engine: EngineClient, pl: Plan, parser: Parser, stops: list[str],
+async def drive(gen: AsyncIterator[EngineEvent], pl: Plan, parser: Parser, stops: list[str],
                 text_type: type, make_text: Any) -> AsyncIterator[Any]:
-    """Yield Started, parser events (text events of type `text_type` cut at stop strings,
-    rebuilt with `make_text(str)`), then Finished. Raises APIError(503) if the engine aborts."""
+    """Over `gen` (from `admit`): yield Started, parser events (text events of type `text_type`
+    cut at stop strings, rebuilt with `make_text(str)`), then Finished. Raises APIError(503) if
+    the engine aborts."""
     matcher = StopMatcher(stops)
-    gen = engine.generate(pl.req)
     prompt_tokens, cached, out_tokens = pl.prompt_len, 0, 0
     started = False
     try:
@@ -168,8 +178,6 @@ async def drive(engine: EngineClient, pl: Plan, parser: Parser, stops: list[str]
                 yield Finished(reason, None, prompt_tokens, cached, out_tokens)
                 return
         raise APIError(500, "the engine stream ended without a finish event", None, "engine_error")
-    except AdmissionError as e:  # admission raced with another request after check()
-        raise APIError.from_admission(e) from None
     finally:
         with anyio.CancelScope(shield=True):
             await gen.aclose()  # type: ignore[attr-defined]

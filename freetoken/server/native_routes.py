@@ -23,11 +23,11 @@ from starlette.responses import JSONResponse, Response
 
 from freetoken.log import get_logger, kv
 from freetoken.server.errors import APIError, error_body
-from freetoken.server.generation import Plan, new_id, plan, session_key_from
+from freetoken.server.generation import Plan, admit, new_id, plan, session_key_from
 from freetoken.server.sse import TICK, EventStreamResponse, sse, sse_comment, with_ticks
 from freetoken.server.state import ServerState
 from freetoken.server.validation import CommonParams, common_params, opt_dict, opt_str, read_json
-from freetoken.types.api import Anchor
+from freetoken.types.api import Anchor, EngineEvent
 
 log = get_logger("server")
 KEEPALIVE_S = 10.0
@@ -91,7 +91,8 @@ def _anchors(v: Any, n: int) -> list[Anchor]:
         p = f"anchors[{i}]"
         pos = a.get("position") if isinstance(a, dict) else None
         if (not isinstance(a, dict) or isinstance(pos, bool) or not isinstance(pos, int)
-                or not 0 <= pos <= n or a.get("kind") not in ANCHOR_KINDS):
+                or not 0 <= pos <= n or not isinstance(a.get("kind"), str)
+                or a["kind"] not in ANCHOR_KINDS):  # str first: a list kind is unhashable
             raise APIError.bad(f"'{p}' must be {{position: int in [0, {n}], kind: one of "
                                f"{sorted(ANCHOR_KINDS)}, role?, cut_point?}}", p)
         role, cut = a.get("role"), a.get("cut_point", False)
@@ -121,11 +122,11 @@ async def generate(request: Request) -> Response:
     pl = _native_plan(st, body, request.headers)
     log.info(kv("native_generate", request=pl.req.request_id, prompt=pl.prompt_len,
                 anchors=len(pl.req.anchors), session=pl.req.session_key))
-    return EventStreamResponse(_stream(st, pl), pl.headers, pl.req.request_id)
+    gen = await admit(st.engine, pl)
+    return EventStreamResponse(_stream(gen, pl), pl.headers, pl.req.request_id)
 
 
-async def _events(st: ServerState, pl: Plan) -> AsyncIterator[dict]:
-    gen = st.engine.generate(pl.req)
+async def _events(gen: AsyncIterator[EngineEvent]) -> AsyncIterator[dict]:
     try:
         async for ev in gen:
             yield {"token_ids": list(ev.token_ids), "finished": ev.finished,
@@ -138,9 +139,9 @@ async def _events(st: ServerState, pl: Plan) -> AsyncIterator[dict]:
             await gen.aclose()  # type: ignore[attr-defined]
 
 
-async def _stream(st: ServerState, pl: Plan) -> AsyncIterator[str]:
+async def _stream(gen: AsyncIterator[EngineEvent], pl: Plan) -> AsyncIterator[str]:
     try:
-        async for ev in with_ticks(_events(st, pl), KEEPALIVE_S):
+        async for ev in with_ticks(_events(gen), KEEPALIVE_S):
             yield sse_comment() if ev is TICK else sse(ev)
     except Exception as e:
         log.exception(kv("stream_error", request=pl.req.request_id))

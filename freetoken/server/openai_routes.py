@@ -25,7 +25,7 @@ from freetoken.chat import (
 from freetoken.log import get_logger, kv
 from freetoken.server import shapes
 from freetoken.server.errors import APIError, error_body
-from freetoken.server.generation import Finished, drive, new_id, plan, session_key_from
+from freetoken.server.generation import Finished, admit, drive, new_id, plan, session_key_from
 from freetoken.server.sse import (
     TICK,
     EventStreamResponse,
@@ -99,7 +99,7 @@ async def chat_completions(request: Request) -> Response:
     log.info(kv("chat", request=rid, prompt=pl.prompt_len, max_tokens=pl.req.sampling.max_tokens,
                 stream=stream, tools=len(ti.tools or []), choice=choice))
     parser = st.parser(ti.enable_thinking is not False, prompt, ti.tools, "call_")
-    events = drive(st.engine, pl, parser, params.stops, TextDelta, TextDelta)
+    events = drive(await admit(st.engine, pl), pl, parser, params.stops, TextDelta, TextDelta)
     base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": model}
     if stream:
@@ -212,7 +212,8 @@ async def completions(request: Request) -> Response:
     rid = new_id("cmpl-")
     pl = plan(st.engine, ids, [], params, st.tokenizer.eos_token_ids,
               session_key_from(request.headers), rid, "prompt")
-    events = drive(st.engine, pl, _TextParser(st.tokenizer), params.stops, TextDelta, TextDelta)
+    parser = _TextParser(st.tokenizer)
+    events = drive(await admit(st.engine, pl), pl, parser, params.stops, TextDelta, TextDelta)
     base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
     if stream:
         return EventStreamResponse(_completion_stream(events, base, include_usage), pl.headers,

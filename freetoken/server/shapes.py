@@ -11,7 +11,8 @@ from typing import Any
 
 from freetoken.server.errors import APIError
 
-OPENAI_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+# the roles the chat mapping renders (the legacy `function` role is refused here, not there)
+OPENAI_ROLES = {"system", "developer", "user", "assistant", "tool"}
 ANTHROPIC_ROLES = {"user", "assistant", "system"}
 MAX_NAME = 256
 
@@ -53,6 +54,21 @@ def check_schema(schema: Any, param: str) -> None:
           f"'{param}.required' must be an array of strings", param + ".required")
 
 
+def _role(m: dict, allowed: set[str], p: str, expect: str) -> str:
+    role = m.get("role")
+    _need(isinstance(role, str) and role in allowed,  # str first: a list role is unhashable
+          f"'{p}.role' must be {expect}, got {role!r}"[:300], p + ".role")
+    return role  # type: ignore[return-value]
+
+
+def _unique(names: list[str], param: str) -> list[str]:
+    seen: set[str] = set()
+    for i, n in enumerate(names):
+        _need(n not in seen, f"tool names must be unique; {n!r} appears twice", f"{param}{i}")
+        seen.add(n)
+    return names
+
+
 def openai_tools(tools: Any) -> list[str]:
     """Validate OpenAI `tools`; returns the function names."""
     if tools is None:
@@ -71,12 +87,14 @@ def openai_tools(tools: Any) -> list[str]:
         _opt_str(fn, "description", p + ".function")
         if fn.get("parameters") is not None:
             check_schema(fn["parameters"], p + ".function.parameters")
-    return names
+    return _unique(names, "tools[")
 
 
 def anthropic_tools(tools: Any) -> list[str]:
-    """Validate Anthropic `tools` (custom tools need `input_schema`; typed server tools such as
-    `bash_20250124` carry only a name); returns the tool names."""
+    """Validate Anthropic `tools`; returns the tool names. Only custom tools (`type` absent or
+    'custom', with an `input_schema`): typed server tools such as `web_search_20250305` or
+    `bash_20250124` would need their schemas and executors, which this server does not have,
+    so they are refused here (the chat mapping refuses them the same way)."""
     if tools is None:
         return []
     _need(isinstance(tools, list), "'tools' must be an array", "tools")
@@ -87,10 +105,10 @@ def anthropic_tools(tools: Any) -> list[str]:
         names.append(check_name(t.get("name"), p + ".name"))
         _opt_str(t, "description", p)
         kind = t.get("type")
-        _need(kind is None or isinstance(kind, str), f"'{p}.type' must be a string", p + ".type")
-        if kind in (None, "custom") or t.get("input_schema") is not None:
-            check_schema(t.get("input_schema"), p + ".input_schema")
-    return names
+        _need(kind is None or kind == "custom", f"'{p}.type': tool type {kind!r} is not "
+              "supported (custom tools only)"[:300], p + ".type")
+        check_schema(t.get("input_schema"), p + ".input_schema")
+    return _unique([str(n) for n in names], "tools.")
 
 
 def _openai_content(c: Any, p: str) -> None:
@@ -106,17 +124,22 @@ def _openai_content(c: Any, p: str) -> None:
 
 
 def openai_messages(msgs: Any) -> None:
+    """Also refuses a tool message whose `tool_call_id` answers no earlier assistant tool call
+    (as OpenAI does); a tool message without an id is accepted (some clients omit it)."""
     _need(isinstance(msgs, list) and len(msgs) > 0, "'messages' must be a non-empty array",
           "messages")
+    call_ids: set[str] = set()
     for i, m in enumerate(msgs):
         p = f"messages[{i}]"
         _need(isinstance(m, dict), f"'{p}' must be an object", p)
-        _need(m.get("role") in OPENAI_ROLES,
-              f"'{p}.role' must be one of {sorted(OPENAI_ROLES)}, got {m.get('role')!r}",
-              p + ".role")
+        role = _role(m, OPENAI_ROLES, p, f"one of {sorted(OPENAI_ROLES)}")
         _openai_content(m.get("content"), p + ".content")
         for k in ("name", "tool_call_id", "reasoning_content", "reasoning"):
             _opt_str(m, k, p)
+        if role == "tool" and isinstance(m.get("tool_call_id"), str):
+            _need(m["tool_call_id"] in call_ids, f"'{p}.tool_call_id' "
+                  f"{m['tool_call_id']!r} answers no tool call of an earlier assistant "
+                  "message"[:300], p + ".tool_call_id")
         calls = m.get("tool_calls")
         if calls is None:
             continue
@@ -126,6 +149,8 @@ def openai_messages(msgs: Any) -> None:
             _need(isinstance(tc, dict) and isinstance(tc.get("function"), dict),
                   f"'{q}.function' must be an object", q + ".function")
             _opt_str(tc, "id", q)
+            if isinstance(tc.get("id"), str):
+                call_ids.add(tc["id"])
             check_name(tc["function"].get("name"), q + ".function.name")
             args = tc["function"].get("arguments")
             _need(args is None or isinstance(args, (str, dict)),
@@ -140,7 +165,10 @@ _BLOCK_REQUIRED = {"text": ("text",), "thinking": ("thinking",), "tool_use": ("i
                    "tool_result": ("tool_use_id",)}
 
 
-def _anthropic_blocks(c: Any, p: str, allow_str: bool = True) -> None:
+def _anthropic_blocks(c: Any, p: str, allow_str: bool = True,
+                      use_ids: set[str] | None = None) -> None:
+    """`use_ids`: tool_use ids seen so far; given, tool_use blocks add to it and a tool_result
+    must answer one of them (as the Anthropic API requires)."""
     if allow_str and isinstance(c, str):
         return
     _need(isinstance(c, list), f"'{p}' must be a string or an array of content blocks", p)
@@ -155,8 +183,13 @@ def _anthropic_blocks(c: Any, p: str, allow_str: bool = True) -> None:
             _opt_str(b, k, q)
         if t == "tool_use":
             check_name(b["name"], q + ".name")
+            if use_ids is not None:
+                use_ids.add(b["id"])
             _need(isinstance(b.get("input", {}), dict), f"'{q}.input' must be an object",
                   q + ".input")
+        if t == "tool_result" and use_ids is not None:
+            _need(b["tool_use_id"] in use_ids, f"'{q}.tool_use_id' {b['tool_use_id']!r} answers "
+                  "no tool_use block of an earlier assistant message"[:300], q + ".tool_use_id")
         if t == "tool_result" and b.get("content") is not None:
             _anthropic_blocks(b["content"], q + ".content")
 
@@ -166,13 +199,29 @@ def anthropic_messages(msgs: Any, system: Any) -> None:
         _anthropic_blocks(system, "system")
     _need(isinstance(msgs, list) and len(msgs) > 0, "'messages' must be a non-empty array",
           "messages")
+    use_ids: set[str] = set()
     for i, m in enumerate(msgs):
         p = f"messages.{i}"
         _need(isinstance(m, dict), f"'{p}' must be an object", p)
-        _need(m.get("role") in ANTHROPIC_ROLES,
-              f"'{p}.role' must be 'user' or 'assistant', got {m.get('role')!r}", p + ".role")
+        _role(m, ANTHROPIC_ROLES, p, "'user' or 'assistant'")
         _need(m.get("content") is not None, f"'{p}.content' is required", p + ".content")
-        _anthropic_blocks(m["content"], p + ".content")
+        _anthropic_blocks(m["content"], p + ".content", use_ids=use_ids)
+
+
+def anthropic_fields(body: dict) -> None:
+    """Top-level fields the API types strictly and we otherwise ignore: refused when malformed,
+    as the real API does, so a client bug is not hidden. `thinking.budget_tokens` must be a
+    positive integer; the real API's floor of 1024 is not enforced (the budget is not used)."""
+    _need(body.get("metadata") is None or isinstance(body["metadata"], dict),
+          "'metadata' must be an object", "metadata")
+    stops = body.get("stop_sequences")
+    _need(stops is None or isinstance(stops, list), "'stop_sequences' must be an array of "
+          "strings", "stop_sequences")
+    th = body.get("thinking")
+    if isinstance(th, dict) and th.get("budget_tokens") is not None:
+        b = th["budget_tokens"]
+        _need(isinstance(b, int) and not isinstance(b, bool) and b >= 1,
+              "'thinking.budget_tokens' must be a positive integer", "thinking.budget_tokens")
 
 
 def tool_choice(v: Any, names: list[str], family: str) -> str:
@@ -184,6 +233,10 @@ def tool_choice(v: Any, names: list[str], family: str) -> str:
     call. A named tool must be one of `tools`."""
     if v is None:
         return "auto"
+    if not names:  # as both APIs: forcing a tool call needs tools to call
+        forced = v in ("required", "any") or (isinstance(v, dict) and v.get("type") in (
+            "any", "tool", "function"))
+        _need(not forced, "'tool_choice' forces a tool call but 'tools' is empty", "tool_choice")
     if family == "openai":
         if isinstance(v, str):
             _need(

@@ -5,6 +5,11 @@ Disconnect contract: `EventStreamResponse` watches the ASGI receive channel whil
 when the client goes away (or a send fails) it stops iterating and `aclose()`s the body
 iterator under a shield, so the `finally` blocks down the chain (our generation driver, then the
 engine's generator, which aborts the request and frees its memory) always run.
+
+A client that stays connected but stops reading is treated the same way once one send has
+waited `stall_timeout_s` (the server's `ServerState.stall_timeout_s`; uvicorn's flow control
+blocks a send while the socket's buffers are full): the request is aborted, its slot freed, and
+the response left unfinished, which makes uvicorn close the connection.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from typing import Any, TypeVar
 
 import anyio
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from freetoken.log import get_logger, kv
 
@@ -95,7 +100,21 @@ class EventStreamResponse(StreamingResponse):
         self.request_id = request_id
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        disconnected = completed = False
+        disconnected = completed = stalled = False
+        sent = 0
+        st = getattr(getattr(scope.get("app"), "state", None), "ft", None)
+        stall_s = float(getattr(st, "stall_timeout_s", 30.0))
+
+        async def timed_send(msg: Message) -> None:
+            nonlocal stalled, sent
+            sent += len(msg.get("body", b""))
+            try:
+                with anyio.fail_after(stall_s):
+                    await send(msg)
+            except TimeoutError:
+                stalled = True
+                raise
+
         async with anyio.create_task_group() as tg:
 
             async def watch() -> None:
@@ -109,15 +128,18 @@ class EventStreamResponse(StreamingResponse):
 
             tg.start_soon(watch)
             try:
-                await self.stream_response(send)
+                await self.stream_response(timed_send)
                 completed = True  # a client that hangs up after the last event is no abort
-            except OSError:
+            except OSError:  # TimeoutError (a stall) included
                 disconnected = True
             finally:
                 with anyio.CancelScope(shield=True):
                     await _aclose(self.body_iterator)
                 tg.cancel_scope.cancel()
-        if disconnected and not completed:
+        if stalled:
+            log.info(kv("client_stalled", request=self.request_id, after_s=stall_s,
+                        bytes_sent=sent))
+        elif disconnected and not completed:
             log.info(kv("client_disconnect", request=self.request_id))
 
 

@@ -24,6 +24,7 @@ class ServerState:
     served_model_names: list[str]
     strict_model: bool = False
     parser_family: str = "qwen3"
+    stall_timeout_s: float = 30.0  # see sse.EventStreamResponse
     created: int = field(default_factory=lambda: int(time.time()))
 
     def check_model(self, body: dict) -> str:

@@ -2,13 +2,17 @@
 (400) here, before anything reaches the chat template or the engine.
 
 Rules: booleans are never accepted as numbers, integers never as strings; fields that are
-absent or JSON null take their default; the body must be a JSON object nested at most
-`MAX_DEPTH` deep (deeper bodies are refused rather than risking recursion limits later).
+absent or JSON null take their default; the body must be UTF-8 JSON (RFC 8259: UTF-16/32 bodies,
+which Python's `json.loads` would silently accept, are refused) holding an object nested at most
+`MAX_DEPTH` deep (deeper bodies are refused rather than risking recursion limits later), with no
+lone UTF-16 surrogate escape (`"\\ud800"`): such a string cannot be tokenized nor encoded
+back into a response, so it is refused here instead of failing after generation.
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,20 +23,35 @@ from freetoken.server.errors import APIError
 MAX_DEPTH = 64
 MAX_STOPS = 16
 MAX_STOP_LEN = 1024
+# A `\uD800`-`\uDFFF` escape: the only way a lone surrogate gets into a decoded JSON string
+# (strict UTF-8 decoding refuses raw surrogates). Pairs match too; the full check sorts them out.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 async def read_json(request: Request) -> dict[str, Any]:
     """The body as a JSON object, or APIError 400 (`invalid_json`)."""
-    raw = await request.body()
+    return parse_json(await request.body())
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
     if not raw.strip():
         raise APIError.bad("request body is empty; expected a JSON object", code="invalid_json")
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise APIError.bad(f"request body is not UTF-8: {e}", code="invalid_json") from None
+    except (ValueError, RecursionError) as e:
         raise APIError.bad(f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError.bad("request body must be a JSON object", code="invalid_json")
     check_depth(body)
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError.bad("request body contains a lone UTF-16 surrogate escape (e.g. "
+                               "'\\ud800' without its pair); strings must be valid Unicode",
+                               code="invalid_json") from None
     return body
 
 

@@ -1,9 +1,11 @@
 """The contract between the server/proxy and the engine.
 
-The server turns an API request into a `GenerateRequest` (token ids + sampling), calls
-`engine.check(req)` (raises `AdmissionError` at once for anything that can never run) and then
-iterates `engine.generate(req)`. Closing that async iterator early (client disconnect) aborts
-the request and frees everything it held.
+The server turns an API request into a `GenerateRequest` (token ids + sampling) and awaits
+`engine.start(req)`: the engine admits it on its own thread and either raises `AdmissionError`
+(anything that can never run; reported to the HTTP layer before a response starts) or returns
+the request's event stream. Closing that async iterator early (client disconnect) aborts the
+request and frees everything it held. `generate(req)` is the same as one async generator;
+`check(req)` runs the admission check on the caller's thread.
 """
 from __future__ import annotations
 
@@ -99,6 +101,8 @@ class EngineClient(Protocol):
     max_context: int
 
     def check(self, req: GenerateRequest) -> None: ...
+
+    async def start(self, req: GenerateRequest) -> AsyncIterator[EngineEvent]: ...
 
     def generate(self, req: GenerateRequest) -> AsyncIterator[EngineEvent]: ...
 

@@ -55,6 +55,10 @@ class FakeEngine:
             raise AdmissionError(f"the prompt has {len(req.input_ids)} tokens; the context holds "
                                  f"{self.max_context}", "messages", "context_length_exceeded")
 
+    async def start(self, req: GenerateRequest) -> AsyncIterator[EngineEvent]:
+        self.check(req)  # as the real engine: the admission check, then the stream
+        return self.generate(req)
+
     def stats(self) -> dict:
         return {"requests": len(self.requests), "aborted": len(self.aborted)}
 

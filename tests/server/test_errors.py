@@ -103,7 +103,8 @@ OPENAI_BAD: dict[str, tuple[Any, str | None]] = {
 def test_openai_bad_input(server: Server, engine: FakeEngine, case: str) -> None:
     body, param = OPENAI_BAD[case]
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
-    r = httpx.post(server.url + "/v1/chat/completions", headers=OA, timeout=30, **kw)
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, **kw,
+                   headers={**OA, "content-type": "application/json"})
     err = assert_openai_error(r, 400)
     if param is not None:
         assert err["param"] == param, err

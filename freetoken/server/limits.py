@@ -1,0 +1,196 @@
+"""Connection-level limits of `ft serve`, where uvicorn has no knob, and rate-limited logs.
+
+What uvicorn gives and what it does not (0.54, h11 protocol):
+- `timeout_keep_alive` closes a connection idle *between* requests; but a client that sends one
+  byte of a request cancels that timer, and there is no timer at all before the first byte or
+  while headers dribble in. `GuardedH11Protocol` adds one: a request's headers must be complete
+  within `header_timeout_s` of its first byte (of the connection, for the first request), else
+  the connection is closed.
+- `limit_concurrency` answers 503 only once a *request* arrives; half-open connections that never
+  send one still hold a file descriptor each. `GuardedH11Protocol` closes a connection past
+  `max_connections` at once, with a 503 in a shape both SDK families parse.
+- `h11_max_incomplete_event_size` caps the header size (uvicorn's default, 16 KiB, is kept).
+- Body read time, body size, and clients that stop reading a stream are handled in the ASGI
+  layer (`guard.py`, `sse.py`), where the request is known. A send blocks only once the bytes
+  queued towards a client fill its receive window, the kernel's send buffer and the transport's
+  buffer; the send buffer is set to SEND_BUFFER so that a client that stops reading is noticed
+  after a few hundred KB rather than the several MB loopback autotuning would allow.
+
+Repeated connection-level errors (accept failures when descriptors run out, invalid HTTP,
+timeouts) are logged at most once per `RateLimitFilter.every_s` per message, with the number
+suppressed since.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from freetoken.log import get_logger, kv
+
+log = get_logger("server")
+SEND_BUFFER = 64 << 10  # bytes; the kernel doubles it for its bookkeeping
+
+
+@dataclass
+class ServerLimits:
+    """Limits of one server; `ft serve` flags of the same names set them."""
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    max_body_bytes: int = 64 << 20
+    max_connections: int = 512
+    stall_timeout_s: float = 30.0  # a stream whose client reads nothing for this long is aborted
+    keep_alive_s: float = 75.0
+    bound_host: str = "127.0.0.1"
+    allowed_hosts: list[str] = field(default_factory=list)
+
+
+class RateLimiter:
+    """At most one event per key per `every_s`; `hit` returns how many were dropped since the
+    last one let through, or None to drop this one."""
+
+    def __init__(self, every_s: float = 10.0, max_keys: int = 4096) -> None:
+        self.every_s = every_s
+        self.max_keys = max_keys
+        self._last: dict[Any, float] = {}
+        self._dropped: dict[Any, int] = {}
+
+    def hit(self, key: Any) -> int | None:
+        now = time.monotonic()
+        if now - self._last.get(key, -1e18) < self.every_s:
+            self._dropped[key] = self._dropped.get(key, 0) + 1
+            return None
+        if len(self._last) >= self.max_keys:  # a flood of distinct keys must not grow memory
+            self._last.clear()
+            self._dropped.clear()
+        self._last[key] = now
+        return self._dropped.pop(key, 0)
+
+
+# What uvicorn says when an app leaves a response unfinished: ours do only when a stream's
+# client stopped reading (sse.EventStreamResponse logs `client_stalled` for it), so it is noise.
+UNFINISHED = "ASGI callable returned without completing response."
+
+
+class RateLimitFilter(logging.Filter):
+    """Lets each message template through once per `every_s`, noting how many were dropped."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        super().__init__()
+        self.limiter = RateLimiter(every_s)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == UNFINISHED:
+            return False
+        dropped = self.limiter.hit((record.name, str(record.msg)[:120]))
+        if dropped is None:
+            return False
+        if dropped:
+            record.msg = f"{record.msg} (and {dropped} more like it, not logged)"
+        return True
+
+
+_conn_log = RateLimiter(10.0)
+
+
+def _log_limited(event: str, **fields: Any) -> None:
+    dropped = _conn_log.hit(event)
+    if dropped is not None:
+        log.warning(kv(event, **fields, suppressed=dropped))
+
+
+_OVERLOADED = json.dumps({  # both shapes at once: OpenAI reads error.*, Anthropic type + error.type
+    "type": "error", "error": {"type": "overloaded_error", "code": "too_many_connections",
+                               "param": None,
+                               "message": "too many open connections; retry shortly"}}).encode()
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a header timeout and a hard connection cap."""
+
+    limits = ServerLimits()  # replaced per server by `protocol_for`
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_timer: asyncio.TimerHandle | None = None
+        if len(self.connections) > self.limits.max_connections:
+            _log_limited("connection_refused", reason="max_connections",
+                         open=len(self.connections), limit=self.limits.max_connections)
+            transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json"
+                            b"\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: "
+                            + str(len(_OVERLOADED)).encode() + b"\r\n\r\n" + _OVERLOADED)
+            transport.close()
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+            except OSError:  # not a TCP socket (tests on pipes); nothing to bound
+                pass
+        self._arm_header_timer()
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.limits.header_timeout_s,
+                                                      self._header_timeout)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _idle(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if self._idle() and not self.transport.is_closing():
+            _log_limited("header_timeout", client=self.client, after_s=self.limits.header_timeout_s)
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self._idle():  # the first bytes of a next request start its header clock
+            self._arm_header_timer()
+        super().data_received(data)
+
+    def handle_events(self) -> None:
+        before = self.cycle
+        super().handle_events()
+        if self.cycle is not before:  # a request's headers are complete
+            self._disarm_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._idle():
+            self._disarm_header_timer()  # idle from here on is keep-alive's business
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)
+
+
+def protocol_for(limits: ServerLimits) -> type[GuardedH11Protocol]:
+    return type("GuardedH11", (GuardedH11Protocol,), {"limits": limits})
+
+
+def uvicorn_config(app: Any, host: str, port: int, limits: ServerLimits,
+                   log_level: str = "warning") -> uvicorn.Config:
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
+                          http=protocol_for(limits), timeout_keep_alive=int(limits.keep_alive_s))
+
+
+def quiet_connection_logs(every_s: float = 10.0) -> None:
+    """Rate-limit the loggers that repeat per connection: asyncio's (accept failures when
+    descriptors run out) and uvicorn's (invalid HTTP, protocol errors)."""
+    for name in ("asyncio", "uvicorn.error"):
+        lg = logging.getLogger(name)
+        if not any(isinstance(f, RateLimitFilter) for f in lg.filters):
+            lg.addFilter(RateLimitFilter(every_s))

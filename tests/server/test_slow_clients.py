@@ -1,0 +1,183 @@
+"""Slow and hostile clients against a real uvicorn server with `ft serve`'s protocol and short
+limits (issue 12, item 2): dribbled headers and bodies are cut off, connections past the cap get
+a 503 and are closed, a mid-body disconnect is one info line, and a stream whose client stops
+reading is aborted with its engine request."""
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import uvicorn
+from server_helpers import FakeEngine
+
+from freetoken.chat import ChatTokenizer
+from freetoken.server import create_app
+from freetoken.server.limits import ServerLimits, quiet_connection_logs, uvicorn_config
+
+LIMITS = ServerLimits(header_timeout_s=0.5, body_timeout_s=0.5, max_body_bytes=4096,
+                      max_connections=4, stall_timeout_s=0.5)
+BODY = json.dumps({"model": "m", "max_tokens": 5,
+                   "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+class LimitedServer:
+    def __init__(self, app: object, limits: ServerLimits) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", self.port, limits))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        t0 = time.time()
+        while not self.server.started and time.time() - t0 < 10:
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def connect(self, rcvbuf: int | None = None) -> socket.socket:
+        s = socket.socket()
+        if rcvbuf:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        s.connect(("127.0.0.1", self.port))
+        s.settimeout(5)
+        return s
+
+
+@pytest.fixture(scope="module")
+def slow_engine(tok: ChatTokenizer) -> FakeEngine:
+    return FakeEngine(tok)
+
+
+@pytest.fixture(scope="module")
+def srv(slow_engine: FakeEngine, tok: ChatTokenizer) -> Iterator[LimitedServer]:
+    quiet_connection_logs()
+    s = LimitedServer(create_app(slow_engine, tok, api_key=None, served_model_names=["m"],
+                                 limits=LIMITS), LIMITS)
+    yield s
+    s.server.should_exit = True
+    s.thread.join(5)
+
+
+def closed_within(sock: socket.socket, seconds: float) -> tuple[bool, bytes]:
+    """(closed by the server within `seconds`, bytes received before that)."""
+    sock.settimeout(seconds)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+        return True, data
+    except (TimeoutError, ConnectionResetError):
+        return False, data
+
+
+def head(path: str, length: int, ctype: bool = True) -> bytes:
+    ct = b"content-type: application/json\r\n" if ctype else b""
+    return (f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: {length}\r\n".encode()
+            + ct + b"\r\n")
+
+
+def test_dribbled_headers_are_cut_off(srv: LimitedServer) -> None:
+    """Was: 500 dribbling header senders held for 90 s, none closed."""
+    idle, dribble = srv.connect(), srv.connect()
+    dribble.sendall(b"POST /v1/chat/completions HTTP/1.1\r\n")
+    t0 = time.time()
+    for s in (idle, dribble):
+        closed, _ = closed_within(s, 3)
+        assert closed
+    assert time.time() - t0 < 2.5
+    # a keep-alive connection that starts a second request and stalls is cut off too
+    s = srv.connect()
+    s.sendall(head("/v1/chat/completions", len(BODY)) + BODY)
+    time.sleep(0.3)
+    s.recv(65536)
+    s.sendall(b"POST /v1/chat")
+    closed, _ = closed_within(s, 3)
+    assert closed
+
+
+def test_dribbled_and_oversized_bodies(srv: LimitedServer, slow_engine: FakeEngine) -> None:
+    slow_engine.reset()
+    s = srv.connect()
+    s.sendall(head("/v1/chat/completions", len(BODY)) + BODY[:10])
+    closed, data = closed_within(s, 3)
+    assert closed and data.startswith(b"HTTP/1.1 408") and b"body_timeout" in data
+    s = srv.connect()
+    s.sendall(head("/v1/messages", 10_000) + b"{")
+    closed, data = closed_within(s, 3)
+    assert data.startswith(b"HTTP/1.1 413") and b"request_too_large" in data  # Anthropic shape
+    assert slow_engine.requests == []
+
+
+def test_mid_body_disconnect_is_one_info_line(srv: LimitedServer,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """Was: logged as internal_error with a traceback."""
+    caplog.set_level(logging.INFO)
+    s = srv.connect()
+    s.sendall(head("/v1/chat/completions", len(BODY)) + BODY[:10])
+    s.close()
+    time.sleep(0.3)
+    lines = [r for r in caplog.records if "client_disconnect_mid_body" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_connection_cap_answers_503_and_recovers(srv: LimitedServer) -> None:
+    """Was: 20k half-open connections exhausted the descriptors and new requests hung."""
+    held = [srv.connect() for _ in range(LIMITS.max_connections)]
+    time.sleep(0.1)
+    extra = srv.connect()
+    closed, data = closed_within(extra, 2)
+    assert closed and data.startswith(b"HTTP/1.1 503")
+    err = json.loads(data.split(b"\r\n\r\n", 1)[1])
+    assert err["type"] == "error" and err["error"]["type"] == "overloaded_error"  # Anthropic
+    assert err["error"]["code"] == "too_many_connections"  # OpenAI
+    for s in held:
+        s.close()
+    time.sleep(0.1)
+    r = httpx.post(srv.url + "/v1/chat/completions", content=BODY,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_stream_client_that_stops_reading_is_aborted(srv: LimitedServer, slow_engine: FakeEngine,
+                                                     caplog: pytest.LogCaptureFixture,
+                                                     path: str) -> None:
+    """Was: clients that never read their stream kept their decode slots to the end."""
+    caplog.set_level(logging.INFO)
+    slow_engine.reset()
+    slow_engine.script = lambda req: "word " * 200
+    # the answer must outgrow the loopback socket buffers (a few MB) before the client's stall
+    # can block a send; 40k tokens of Anthropic deltas (~2 MB) can fit in them
+    slow_engine.max_context = 1 << 20
+    body = json.dumps({"model": "m", "max_tokens": 10**6, "ignore_eos": True, "stream": True,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    s = srv.connect(rcvbuf=4096)
+    s.sendall(head(path, len(body)) + body)  # and never read
+    t0 = time.time()
+    while not slow_engine.aborted and time.time() - t0 < 20:
+        time.sleep(0.05)
+    assert slow_engine.aborted
+    assert any("client_stalled" in r.getMessage() for r in caplog.records)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    s.close()
+
+
+def test_repeated_connection_errors_are_rate_limited() -> None:
+    """Was: 2.9 M asyncio accept errors (194 MB of log) in 25 s when descriptors ran out."""
+    from freetoken.server.limits import RateLimitFilter
+
+    quiet_connection_logs()
+    assert any(isinstance(f, RateLimitFilter) for f in logging.getLogger("asyncio").filters)
+    f = RateLimitFilter(every_s=0.2)
+    rec = [logging.LogRecord("asyncio", logging.ERROR, "x", 1, "socket.accept() out of system "
+                             "resource", None, None) for _ in range(1001)]
+    passed = [f.filter(r) for r in rec[:1000]]
+    assert sum(passed) == 1
+    time.sleep(0.25)
+    assert f.filter(rec[1000]) and "999 more" in rec[1000].getMessage()
