@@ -109,6 +109,7 @@ def test_hybrid_misuse_is_refused() -> None:
     kv_only = HybridRadixCache(SlotAllocator(8), None, create_policy("end_only"))
     assert not kv_only.is_hybrid and "state_free" not in kv_only.stats()
     assert HybridRadixCache(SlotAllocator(8)).policy.name == "semantic"  # the default policy
+    assert _hybrid().policy.name == "end_only"  # a given one is kept
     assert kv_only.evict_states(3) == 0
     with pytest.raises(ValueError, match=_exact("alloc_state on a cache without a state pool")):
         kv_only.alloc_state()
@@ -124,3 +125,22 @@ def test_hybrid_misuse_is_refused() -> None:
     node = c.radix.match_prefix([5, 6]).node
     with pytest.raises(ValueError, match="state slot 0 is not allocated"):
         c.attach_snapshot(node, 0, "end")
+
+
+def test_hybrid_counters_accumulate_and_empty_matches_index() -> None:
+    """Counters add up over several events; an empty match's slots are int64 (they index the
+    pool)."""
+    c = _hybrid(states=4)
+    m = c.match([4, 5, 6])  # nothing cached
+    assert m.kv_slots.dtype == torch.long and m.kv_slots.numel() == 0
+    ids = list(range(1, 9))
+    c.insert(ids, c.alloc_kv(8))
+    for n in (2, 4, 6):
+        assert c.insert_snapshot(ids[:n], c.alloc_state(), "anchor")
+    assert c.evict_states(2) == 2  # the two least recently taken: at 2 and 4
+    assert [p for p, _, _ in c.snapshots()] == [6]
+    assert c.insert_snapshot(ids[:3], c.alloc_state(), "anchor")
+    assert c.evict(8) == 8  # drops the snapshots at 3 and 6 with their KV
+    st = c.stats()
+    assert (st["snapshots_taken"], st["snapshots_evicted"], st["snapshots_dropped"]) == (4, 2, 2)
+    assert st["snapshots"] == 0 and st["state_free"] == 4
