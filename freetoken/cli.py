@@ -26,6 +26,7 @@ _BENCH_COMMANDS = [
     "freetoken.bench.cli_routing",
     "freetoken.bench.cli_bw",
     "workloads.cli_bench",
+    "freetoken.bench.cli_anchors",
 ]
 
 

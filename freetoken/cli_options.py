@@ -105,10 +105,25 @@ def moe_from_args(args: argparse.Namespace, model_dir, dtype: torch.dtype | None
     return moe, KVPool.bytes_per_token(cfg, wdt) * tokens
 
 
+def parse_bytes_arg(text: str) -> int:
+    """`123`, `512M`, `8G`, `1.5T` (binary units) to bytes."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 8G, 512M)") from None
+
+
 def add_cache_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("caches and scheduling")
     g.add_argument("--state-slots", type=int, default=64,
                    help="recurrent-state slots (working states + snapshots), hybrid models")
+    g.add_argument("--state-host-mem", type=parse_bytes_arg, default=None, metavar="BYTES",
+                   help="host-RAM tier for state snapshots evicted from the device (e.g. 8G; "
+                        "default: a quarter of the RAM free after loading, <= 16x --state-slots)")
     g.add_argument("--chunk-tokens", type=int, default=512, help="prefill token budget per step")
     g.add_argument("--max-output-tokens", type=int, default=None,
                    help="clamp every request's max_tokens to N (reported in a response header)")

@@ -3,7 +3,7 @@
 Qwen3.6-35B-A3B shape by default: H=2048, I=512, E=256, top-8, bf16. Prints per case the time
 per MoE layer, the weight bytes of the distinct experts the call must read, the achieved GB/s
 and the floor (bytes / HBM bandwidth), beside torch's baseline in the same process:
-`gathered_experts` (gather + bmm) for decode, `grouped_experts` (a loop over experts) for the
+`gathered_experts` (gather + bmm) for decode, `dispatch_experts` (a loop over experts) for the
 prefill. Decode calls cycle over --layers copies of the banks with fresh routing each call, so
 the L2 (50 MB, one layer's 8 experts) cannot serve a call from the previous one.
 
@@ -128,7 +128,7 @@ def prefill_case(T, banks, args, gen):
     row("triton grouped path (eager)", t, nbytes, floor_s)
     print(f"  {'':<34} {flops / t / 1e12:9.1f} TFLOP/s")
     t = time_eager(lambda: dispatch_experts(x, ids, gu, dn, y), reps=2)
-    row("torch grouped_experts (eager)", t, nbytes, floor_s)
+    row("torch dispatch_experts (eager)", t, nbytes, floor_s)
 
 
 def router_case(args, gen):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Mutation score of the data structures STYLE.md asks for: the radix cache, the hybrid radix
-# cache and the expert residency table, with mutmut (PyPI, in the `dev` extra).
+# cache and the expert residency table, with mutmut (PyPI; installed here on first use, kept
+# out of the `dev` extra so the test install stays lean).
 #
 # Runs in a scratch copy (mutmut rewrites the sources it mutates), mutating only TARGETS and
 # running only TESTS against each mutant (mutmut picks, per mutant, the tests that reach the
@@ -16,6 +17,8 @@ TESTS=${TESTS:-"tests/cache tests/experts/test_residency.py tests/experts/test_s
 JOBS=${JOBS:-1}
 WORK=${WORK:-$(mktemp -d /tmp/ft-mutation.XXXXXX)}
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
+# 3.8.1 and later: earlier releases ship a top-level `tests` package that hides this repo's
+python -c "import mutmut" 2>/dev/null || python -m pip install -q "mutmut>=3.8.1,<4"
 
 mkdir -p "$WORK"
 tar -C "$ROOT" --exclude=.git --exclude=.venv --exclude=mutants --exclude=__pycache__ \

@@ -1,5 +1,30 @@
 """Prefix caches: KV slot allocator, radix tree, recurrent-state pool, hybrid radix cache and
-snapshot placement policies. Pure bookkeeping over integer slot ids; the engine owns tensors."""
+snapshot placement policies. Pure bookkeeping over integer slot ids; the engine owns tensors and
+carries out the state ops the cache decides (`HybridRadixCache.take_ops`).
+
+Snapshot eviction (what survives when the device state pool is full):
+
+- Every snapshot has a value level: its class rank (end 0, interval/anchor 1, head 2,
+  cut_point 3), +1 once a request has resumed from it, +2 once two or more sessions have
+  created or resumed from it. The resume bonus of a plain snapshot (class <= anchor) used by
+  one session only is cleared when that session attaches a deeper snapshot below it: an
+  appending session resumed from it only because it was its latest. Such a plain one-session
+  snapshot with another snapshot below it in the tree loses 2 levels (an appending session
+  needs only its deepest). Its `keep_until` is its
+  last use (snapshot clock: one tick per snapshot taken and per resume) plus
+  `level * horizon` ticks (default horizon: twice the device + host slot count).
+- The device victim is the unpinned snapshot with the smallest `keep_until`. It moves to the
+  host tier (pinned RAM, `--state-host-mem`) with one copy; if the host tier is full, the host
+  snapshot with the smallest `keep_until` is dropped to make room, unless the incoming one has
+  the smaller `keep_until`, which is then dropped itself.
+- A host snapshot serves a match like a device one: restoring it is one host-to-device copy
+  into the request's working slot; it stays on the host.
+- So a `head_end` snapshot shared by several sessions (level >= 5 once resumed) outlives one
+  session's working snapshots (end/anchor, level <= 2; a hit cut point 4) by at least one
+  horizon, yet an unused one still ages out.
+- A node evicted from the KV tree drops its snapshot in either tier; a request's lock pins the
+  snapshot at its node in either tier.
+"""
 from freetoken.cache.allocator import SlotAllocator
 from freetoken.cache.hybrid import HybridMatch, HybridRadixCache, Released, Snapshot
 from freetoken.cache.node import TreeNode
@@ -8,6 +33,7 @@ from freetoken.cache.policy import (
     CLASS_RANK,
     CUT_POINT,
     END,
+    HEAD,
     INTERVAL,
     CheckpointPolicy,
     EndOnlyPolicy,
@@ -19,12 +45,13 @@ from freetoken.cache.policy import (
     register_policy,
 )
 from freetoken.cache.radix import Committed, MatchResult, RadixCache
+from freetoken.cache.snapshots import DEVICE, HOST, StateOp
 from freetoken.cache.state_pool import StatePool
 
 __all__ = [
-    "ANCHOR", "CLASS_RANK", "CUT_POINT", "END", "INTERVAL",
+    "ANCHOR", "CLASS_RANK", "CUT_POINT", "DEVICE", "END", "HEAD", "HOST", "INTERVAL",
     "CheckpointPolicy", "Committed", "EndOnlyPolicy", "HybridMatch", "HybridRadixCache",
     "IntervalPolicy", "MatchResult", "RadixCache", "Released", "SemanticPolicy", "SlotAllocator",
-    "Snapshot", "StatePool", "TreeNode", "available_policies", "class_rank", "create_policy",
-    "register_policy",
+    "Snapshot", "StateOp", "StatePool", "TreeNode", "available_policies", "class_rank",
+    "create_policy", "register_policy",
 ]

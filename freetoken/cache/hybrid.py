@@ -16,23 +16,26 @@ Ownership of state slots: `alloc_state` hands a slot to the caller (a running re
 working state, or the target of a mid-prefill copy). `attach_snapshot`/`insert_snapshot`
 return True when the cache took the slot, False when the caller still owns it (prefix not
 cached, or a snapshot already sits there: same tokens, same state) and must free or reuse it.
-Snapshots are freed by `evict_states` (lowest class first, LRU within a class) and when KV
-eviction removes their node. `lock(node)` also pins the snapshot at exactly `node`, so the
-`state_slot` of a match stays valid while its node is locked (copy it into the working slot,
-then the first `commit` moves the lock and the pin on).
+Snapshots live in two tiers (`tiers.py`): when the device pool is short, `evict_states` and
+`alloc_state` move the lowest-value snapshot to the host pool (a `spill` op) or drop it (no host
+room worth taking); KV eviction of a node drops its snapshot in either tier. A match resumes from
+the deepest snapshot of either tier; `load_state` turns it into one op for the engine (device:
+`copy`, host: `restore`, none: `reset`). Every decided state movement waits in `ops` until the
+scheduler hands it to the engine (`take_ops`). `lock(node)` also pins the snapshot at exactly
+`node`, so the `state_slot` of a match stays valid while its node is locked (load it into the
+working slot, then the first `commit` moves the lock and the pin on).
 
 Scheduler flow for one request (`RadixCache`'s module docstring has the KV side):
 `m = match(ids)`; `lock(m.node)`; `row = cat(m.kv_slots, alloc_kv(len(ids) - m.length))`;
-`work = alloc_state()`; the engine loads `m.state_slot` into `work` (zeros if -1). For each
-policy position `p > m.length` (`policy.positions(len(ids), anchors)`): prefill up to `p`,
-`fresh = alloc_state()`, the engine copies `work -> fresh`, `c = commit(ids[:p], row[:p], node,
-tree_len)`, `attach_snapshot(c.node, fresh, cls)` (free `fresh` if False). At finish:
+`work = alloc_state()`; `load_state(m, work)`. For each policy position `p > m.length`
+(`policy.positions(len(ids), anchors)`): prefill up to `p`, `fresh = alloc_state()`,
+`copy_state(work, fresh)`, `c = commit(ids[:p], row[:p], node, tree_len)`,
+`attach_snapshot(c.node, fresh, cls)` (free `fresh` if False). At finish:
 `release(seq, row, node, tree_len, state_slot=work)` (free `work` if not taken).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -41,17 +44,12 @@ from freetoken.cache.allocator import SlotAllocator
 from freetoken.cache.node import TreeNode, as_ids
 from freetoken.cache.policy import END, CheckpointPolicy, class_rank, create_policy
 from freetoken.cache.radix import Committed, RadixCache
+from freetoken.cache.snapshots import COPY, DEVICE, HOST, RESET, RESTORE, Snapshot, StateOp
 from freetoken.cache.state_pool import StatePool
+from freetoken.cache.tiers import SnapshotTiers
 from freetoken.log import get_logger, kv
 
 log = get_logger("cache")
-
-
-@dataclass
-class Snapshot:
-    slot: int
-    cls: str
-    last_access: int
 
 
 class HybridMatch(NamedTuple):
@@ -63,6 +61,10 @@ class HybridMatch(NamedTuple):
     slot -1 and class None when none: start from a zero state; always so without a state pool).
     `reason`: why no longer reuse: `last_token` (capped at len-1), `no_snapshot_after=S` (KV
     matched further but no snapshot past S), `kv_miss_at=K` (the KV prefix diverges at K).
+    `state_tier`: `device`/`host` (None without a snapshot). `lost`: when a snapshot deeper
+    than `length` within the KV match existed and went away, `why:tier@pos` of the deepest
+    (`device_full`: evicted with no host room, `host_full`: evicted from the host tier);
+    empty otherwise.
     """
 
     length: int
@@ -73,6 +75,8 @@ class HybridMatch(NamedTuple):
     kv_slots: torch.Tensor  # [length]
     reason: str
     state_class: str | None
+    state_tier: str | None = None
+    lost: str = ""
 
 
 class Released(NamedTuple):
@@ -81,18 +85,28 @@ class Released(NamedTuple):
 
 
 class HybridRadixCache:
-    """Radix KV cache plus recurrent-state snapshots on its nodes (see the module docstring)."""
+    """Radix KV cache plus recurrent-state snapshots on its nodes (see the module docstring).
+
+    `host_pool`: the host tier's slots (None: no host tier). `eviction`: `value` (default, the
+    rule in `snapshots.py`) or `lru`. `horizon`: ticks one value level is worth (default twice
+    the device + host slots)."""
 
     def __init__(self, kv_allocator: SlotAllocator, state_pool: StatePool | None = None,
-                 policy: CheckpointPolicy | None = None) -> None:
+                 policy: CheckpointPolicy | None = None, host_pool: StatePool | None = None,
+                 eviction: str = "value", horizon: int | None = None) -> None:
         self.radix = RadixCache(kv_allocator, on_evict=self._on_kv_evict)
         self.state_pool = state_pool
+        self.host_pool = host_pool
         self.policy = policy if policy is not None else create_policy("semantic")
-        self._snaps: dict[TreeNode, Snapshot] = {}
+        self.tiers = SnapshotTiers(state_pool if state_pool is not None else StatePool(0),
+                                   host_pool, eviction, horizon, lambda n: n.depth,
+                                   lambda n: n.parent)
         self._pins: dict[TreeNode, int] = {}
-        self._sclock = 0
-        self.counters = {"matches": 0, "reused_tokens": 0, "snapshot_hits": 0,
-                         "snapshots_taken": 0, "snapshots_evicted": 0, "snapshots_dropped": 0}
+        self.counters = {"matches": 0, "reused_tokens": 0, "snapshot_hits": 0}
+
+    @property
+    def _snaps(self) -> dict[TreeNode, Snapshot]:
+        return self.tiers.snaps
 
     @property
     def is_hybrid(self) -> bool:
@@ -114,18 +128,20 @@ class HybridRadixCache:
     def num_snapshots(self) -> int:
         return len(self._snaps)
 
-    def _tick(self) -> int:
-        self._sclock += 1
-        return self._sclock
+    def take_ops(self) -> list[StateOp]:
+        """The state movements decided since the last call, in the order to carry them out."""
+        ops, self.tiers.ops = self.tiers.ops, []
+        return ops
 
     # -- lookup -------------------------------------------------------------------------------
 
-    def match(self, ids: Sequence[int] | torch.Tensor) -> HybridMatch:
+    def match(self, ids: Sequence[int] | torch.Tensor, user: str | None = None) -> HybridMatch:
         """Longest reusable prefix of `ids` under the rule in the module docstring. Marks the
-        used path and snapshot recently used. Nothing is locked: lock `node` before anything
-        can evict (allocations, inserts of other requests)."""
+        used path and snapshot recently used, counts the resume (and `user`, the session) on
+        the snapshot. Nothing is locked: lock `node` before anything can evict."""
         key = as_ids(ids)
         cap = max(len(key) - 1, 0)
+        tier, lost = None, ""
         if not self.is_hybrid:
             m = self.radix.lookup(key[:cap])
             kv_len = length = m.length
@@ -136,6 +152,9 @@ class HybridRadixCache:
             i = len(path) - 1
             while i >= 0 and path[i] not in self._snaps:
                 i -= 1
+            gone = [x for x in path[i + 1:] if x in self.tiers.gone]
+            if gone:
+                lost = f"{self.tiers.gone[gone[-1]]}@{gone[-1].depth}"
             use = path[: i + 1]
             self.radix.touch(use)
             node = use[-1] if use else self.radix.root
@@ -144,7 +163,11 @@ class HybridRadixCache:
             snap = self._snaps.get(node)
             slot, cls = (-1, None) if snap is None else (snap.slot, snap.cls)
             if snap is not None:
-                snap.last_access = self._tick()
+                tier = snap.tier
+                snap.last_access = self.tiers.tick()
+                snap.hits += 1
+                if user is not None:
+                    snap.users.add(user)
                 self.counters["snapshot_hits"] += 1
         if len(key) == 0:
             reason = "empty"
@@ -157,8 +180,23 @@ class HybridRadixCache:
         self.counters["matches"] += 1
         self.counters["reused_tokens"] += length
         log.debug(kv("match", tokens=len(key), kv=kv_len, state=state_len, reused=length,
-                     cls=cls, reason=reason))
-        return HybridMatch(length, kv_len, state_len, slot, node, slots, reason, cls)
+                     cls=cls, tier=tier, reason=reason, lost=lost or None))
+        return HybridMatch(length, kv_len, state_len, slot, node, slots, reason, cls, tier, lost)
+
+    def load_state(self, m: HybridMatch, work: int) -> None:
+        """Queue the op that puts `m`'s resume state into the device slot `work`. Call while
+        `m.node` is locked (the lock pins the snapshot until the op has run)."""
+        if m.state_tier == HOST:
+            self.tiers.ops.append(StateOp(RESTORE, m.state_slot, work))
+            self.tiers.counters["snapshots_restored"] += 1
+        elif m.state_tier == DEVICE:
+            self.tiers.ops.append(StateOp(COPY, m.state_slot, work))
+        else:
+            self.tiers.ops.append(StateOp(RESET, -1, work))
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """Queue a device copy `src -> dst` (a mid-prefill snapshot of a working state)."""
+        self.tiers.ops.append(StateOp(COPY, src, dst))
 
     # -- locks and KV -------------------------------------------------------------------------
 
@@ -192,13 +230,14 @@ class HybridRadixCache:
         return c
 
     def release(self, ids: Sequence[int] | torch.Tensor, slots: torch.Tensor, node: TreeNode,
-                tree_len: int, state_slot: int | None = None, state_class: str = END) -> Released:
+                tree_len: int, state_slot: int | None = None, state_class: str = END,
+                user: str | None = None) -> Released:
         """Finish a request: commit its KV, donate `state_slot` (its final state, covering
         `[0, len(ids))`) as a snapshot if given, unlock. If `snapshot_taken` is False the
         caller still owns `state_slot`."""
         c = self.commit(ids, slots, node, tree_len)
         taken = (state_slot is not None and c.node is not self.radix.root
-                 and self.attach_snapshot(c.node, state_slot, state_class))
+                 and self.attach_snapshot(c.node, state_slot, state_class, user))
         self.unlock(c.node)
         return Released(c.prefix_len, taken)
 
@@ -207,34 +246,31 @@ class HybridRadixCache:
         return self.radix.alloc(n)
 
     def evict(self, num_tokens: int) -> int:
-        """KV eviction (`RadixCache.evict`); evicted nodes drop their snapshots."""
+        """KV eviction (`RadixCache.evict`); evicted nodes drop their snapshots (both tiers)."""
         return self.radix.evict(num_tokens)
 
     def _on_kv_evict(self, node: TreeNode) -> None:
-        snap = self._snaps.pop(node, None)
-        if snap is not None:
-            assert self.state_pool is not None
-            self.state_pool.free([snap.slot])
-            self.counters["snapshots_dropped"] += 1
-            log.debug(kv("snapshot_drop", pos=node.depth, slot=snap.slot, cls=snap.cls,
-                         why="kv_evicted"))
+        if node in self._snaps:
+            self.tiers.drop(node, "kv_evicted")
+        self.tiers.forget(node)
 
     # -- snapshots ----------------------------------------------------------------------------
 
     def alloc_state(self) -> int | None:
-        """One caller-owned state slot, evicting one snapshot if the pool is full; None when
-        every slot is a working state or a pinned snapshot."""
+        """One caller-owned device state slot, moving one snapshot out of the device tier if
+        the pool is full; None when every slot is a working state or a pinned snapshot."""
         if self.state_pool is None:
             raise ValueError("alloc_state on a cache without a state pool")
         if self.state_pool.num_free == 0:
             self.evict_states(1)
         return self.state_pool.alloc_one()
 
-    def attach_snapshot(self, node: TreeNode, state_slot: int, cls: str) -> bool:
-        """Attach `state_slot` (the state covering `[0, node.depth)`) at `node`, which must be
-        in the tree (e.g. the locked node from `commit`). True: the cache owns the slot now.
-        False: a snapshot already sits there (its class is raised to `cls` if higher); the
-        caller keeps `state_slot`."""
+    def attach_snapshot(self, node: TreeNode, state_slot: int, cls: str,
+                        user: str | None = None) -> bool:
+        """Attach device slot `state_slot` (the state covering `[0, node.depth)`) at `node`,
+        which must be in the tree (e.g. the locked node from `commit`). True: the cache owns the
+        slot now. False: a snapshot already sits there (its class is raised to `cls` if higher,
+        `user` counted); the caller keeps `state_slot`."""
         if self.state_pool is None:
             raise ValueError("attach_snapshot on a cache without a state pool")
         rank = class_rank(cls)
@@ -247,16 +283,31 @@ class HybridRadixCache:
         if old is not None:
             if rank > class_rank(old.cls):
                 old.cls = cls
-            old.last_access = self._tick()
-            log.debug(kv("snapshot_keep", pos=node.depth, slot=old.slot, cls=old.cls))
+            old.last_access = self.tiers.tick()
+            if user is not None:
+                old.users.add(user)
+            log.debug(kv("snapshot_keep", pos=node.depth, slot=old.slot, tier=old.tier,
+                         cls=old.cls))
             return False
-        self._snaps[node] = Snapshot(state_slot, cls, self._tick())
-        self.counters["snapshots_taken"] += 1
+        self.tiers.attach(node, state_slot, cls, user)
+        self._supersede(node, user)
         log.debug(kv("snapshot", pos=node.depth, slot=state_slot, cls=cls))
         return True
 
+    def _supersede(self, node: TreeNode, user: str | None) -> None:
+        """A deeper snapshot of the same session now covers the path: the plain snapshots above
+        it (class <= anchor, no other session) lose their resume bonus; a session that keeps
+        appending resumed from them only because they were its latest."""
+        mine = {user} if user is not None else set()
+        x = node.parent
+        while x is not None and x is not self.radix.root:
+            s = self._snaps.get(x)
+            if s is not None and s.hits and s.users <= mine and class_rank(s.cls) <= 1:
+                s.hits = 0
+            x = x.parent
+
     def insert_snapshot(self, ids_prefix: Sequence[int] | torch.Tensor, state_slot: int,
-                        cls: str) -> bool:
+                        cls: str, user: str | None = None) -> bool:
         """`attach_snapshot` at the node ending exactly at `len(ids_prefix)` (splitting an edge
         if needed). False without taking the slot if `ids_prefix`'s KV is not fully cached."""
         key = as_ids(ids_prefix)
@@ -265,29 +316,28 @@ class HybridRadixCache:
             log.debug(kv("snapshot_skip", pos=len(key), kv=n + k, why="prefix_not_cached"))
             return False
         node = path[-1] if partial is None else self.radix.split(partial, k)
-        return self.attach_snapshot(node, state_slot, cls)
+        return self.attach_snapshot(node, state_slot, cls, user)
 
     def evict_states(self, n: int) -> int:
-        """Free up to `n` unpinned snapshots: lowest class first, least recently used within a
-        class. Returns how many were freed. `evict_states(0)` is a no-op."""
-        if n <= 0 or self.state_pool is None:
+        """Free up to `n` device slots held by unpinned snapshots, lowest value first; each
+        moves to the host tier when it has room worth giving (a `spill` op) or is dropped.
+        Returns how many device slots were freed. `evict_states(0)` is a no-op."""
+        if self.state_pool is None:
             return 0
-        cands = sorted((class_rank(s.cls), s.last_access, node.uid, node)
-                       for node, s in self._snaps.items() if node not in self._pins)
-        for _, _, _, node in cands[:n]:
-            snap = self._snaps.pop(node)
-            self.state_pool.free([snap.slot])
-            self.counters["snapshots_evicted"] += 1
-            log.debug(kv("snapshot_evict", pos=node.depth, slot=snap.slot, cls=snap.cls))
-        return min(n, len(cands))
+        return self.tiers.evict_device(n, self._pins)
+
+    def drop_snapshot(self, node: TreeNode, why: str = "dropped") -> None:
+        """Forget the (unpinned) snapshot at `node`, freeing its slot in its tier."""
+        if node in self._pins:
+            raise ValueError(f"snapshot at {node.depth} is pinned by a running request")
+        self.tiers.drop(node, why)
 
     def snapshots(self) -> list[tuple[int, int, str]]:
         """`(position, slot, class)` of every snapshot, by position (for stats and tests)."""
         return sorted((node.depth, s.slot, s.cls) for node, s in self._snaps.items())
 
     def stats(self) -> dict[str, int]:
-        out = dict(self.radix.stats(), **self.counters, snapshots=len(self._snaps))
+        out = dict(self.radix.stats(), **self.counters)
         if self.state_pool is not None:
-            out["state_free"] = self.state_pool.num_free
-            out["state_slots"] = self.state_pool.num_slots
+            out.update(self.tiers.stats())
         return out

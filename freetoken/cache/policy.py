@@ -18,18 +18,21 @@ tokens fed back). `(total_len, "end")` is the request's own working state, donat
 copy; a next turn that extends the sequence resumes from it.
 
 Classes, from longest- to shortest-lived under state-pool pressure: `cut_point` (an anchor a
-harness adapter predicts to be the next edit point) > `anchor` = `interval` > `end`.
+harness adapter predicts to be the next edit point) > `head` (end of system + tools, shared by
+sub-agents and kept by compaction) > `anchor` = `interval` > `end`. The class is one term of a
+snapshot's value (`snapshots.py`).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 from typing import Any
 
 from freetoken.types.api import Anchor
 
-CUT_POINT, ANCHOR, INTERVAL, END = "cut_point", "anchor", "interval", "end"
-CLASS_RANK: dict[str, int] = {END: 0, INTERVAL: 1, ANCHOR: 1, CUT_POINT: 2}
+CUT_POINT, HEAD, ANCHOR, INTERVAL, END = "cut_point", "head", "anchor", "interval", "end"
+CLASS_RANK: dict[str, int] = {END: 0, INTERVAL: 1, ANCHOR: 1, HEAD: 2, CUT_POINT: 3}
 
 
 def class_rank(cls: str) -> int:
@@ -110,17 +113,35 @@ class IntervalPolicy(CheckpointPolicy):
 class SemanticPolicy(CheckpointPolicy):
     """Default: snapshot at chat-template anchors where harnesses edit their context.
 
-    Anchors with `cut_point=True` (any kind) get class `cut_point`; other `head_end` and
-    `turn_start` anchors get class `anchor`; other kinds are ignored. At most `max_per_request`
-    anchor snapshots per request (the end point is extra), chosen in this order: cut points
-    deepest first, then `head_end` (shared by sub-agents and after compaction), then turn starts
-    deepest first (the deepest snapshot saves the most recompute next turn).
+    Anchors with `cut_point=True` (any kind) get class `cut_point`; other `head_end` anchors
+    get class `head`, other `turn_start` anchors class `anchor`; other kinds are ignored. At
+    most `max_per_request` anchor snapshots per request (the end point is extra), chosen in this
+    order: cut points deepest first, then `head_end` (shared by sub-agents and after
+    compaction), then turn starts deepest first (the deepest snapshot saves the most recompute
+    next turn).
+
+    Fill: where two chosen points (or the start) lie more than `fill_every` tokens apart, the
+    multiples of `fill_every` inside the gap (at least `fill_every // 8` from either end) are
+    candidates of class `interval`; the `max_fill` deepest are taken. A system prompt that
+    two harness configurations share only in part (measured: OpenClaw over its two APIs, 8.8k
+    of 11.7k tokens; OpenCode's sub-agents, 5k) has no anchor at its divergence; without a fill
+    point the other session reuses nothing.
     """
 
-    def __init__(self, max_per_request: int = 8) -> None:
-        if max_per_request < 0:
-            raise ValueError(f"max_per_request must be >= 0, got {max_per_request}")
+    def __init__(self, max_per_request: int = 8, fill_every: int = 4096,
+                 max_fill: int = 4) -> None:
+        if max_per_request < 0 or max_fill < 0 or fill_every < 1:
+            raise ValueError(f"semantic policy: bad max_per_request={max_per_request}, "
+                             f"fill_every={fill_every}, max_fill={max_fill}")
         self.max_per_request = max_per_request
+        self.fill_every, self.max_fill = fill_every, max_fill
+
+    def _fill(self, points: list[int], prompt_len: int) -> list[tuple[int, str]]:
+        f, margin = self.fill_every, self.fill_every // 8
+        edges = sorted({0, prompt_len - 1, *points})
+        cands = [m for a, b in pairwise(edges) if b - a > f
+                 for m in range((a // f + 1) * f, b, f) if m - a >= margin and b - m >= margin]
+        return [(p, INTERVAL) for p in sorted(cands)[::-1][: self.max_fill]]
 
     def positions(self, prompt_len: int, anchors: Sequence[Anchor]) -> list[tuple[int, str]]:
         ok = [a for a in anchors if 1 <= a.position <= prompt_len - 1]
@@ -130,8 +151,10 @@ class SemanticPolicy(CheckpointPolicy):
         turns = sorted({a.position for a in ok if not a.cut_point and a.kind == "turn_start"},
                        reverse=True)
         chosen: dict[int, str] = {}
-        for p, cls in [(p, CUT_POINT) for p in cuts] + [(p, ANCHOR) for p in heads + turns]:
+        pts = [(p, CUT_POINT) for p in cuts] + [(p, HEAD) for p in heads]
+        for p, cls in pts + [(p, ANCHOR) for p in turns]:
             if len(chosen) >= self.max_per_request:
                 break
             chosen.setdefault(p, cls)
-        return _merge(list(chosen.items()) + [(prompt_len - 1, END)], prompt_len)
+        fill = self._fill(list(chosen), prompt_len)
+        return _merge(fill + list(chosen.items()) + [(prompt_len - 1, END)], prompt_len)

@@ -248,6 +248,7 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
         max_context=getattr(args, "max_context", None),
         policy=getattr(args, "checkpoint_policy", None) or "semantic",
         cuda_graph=getattr(args, "cuda_graph", True),
+        state_host_mem=getattr(args, "state_host_mem", None),
     )
     name = "demo" if str(getattr(args, "model", "demo") or "demo") == "demo" else model_dir.name
     engine = AsyncEngine(core, model_dir, name)

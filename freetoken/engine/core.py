@@ -10,6 +10,7 @@ import time
 import torch
 
 from freetoken.cache.tensors import Caches, KVPool, StateTensors
+from freetoken.engine.cache_ops import CacheOps, HostStates, host_slots_for
 from freetoken.engine.graph_runner import DecodeRow, DecodeRunner, sample_rows
 from freetoken.engine.stats import EngineStats
 from freetoken.log import get_logger, kv
@@ -31,10 +32,12 @@ class EngineCore:
     def __init__(self, model: QwenMoE, eos_ids: list[int], kv_tokens: int = 32768,
                  state_slots: int = 64, max_running: int = 4, chunk_tokens: int = 512,
                  max_context: int | None = None, policy: str = "semantic",
-                 decode_runner: bool | None = None, cuda_graph: bool = True):
+                 decode_runner: bool | None = None, cuda_graph: bool = True,
+                 state_host_mem: int | None = None):
         """`decode_runner`: run decode-only steps through the static-buffer runner (default: on
         CUDA only; the CPU's eager path is the same math); `cuda_graph`: replay them from CUDA
-        graphs (off: the runner runs them eagerly, for comparison)."""
+        graphs (off: the runner runs them eagerly, for comparison). `state_host_mem`: bytes of
+        the host tier for state snapshots (None: derived from free RAM, see `cache_ops`)."""
         cfg = model.cfg
         self.model, self.cfg, self.eos_ids = model, cfg, list(eos_ids)
         w = model.model.embed_tokens.weight
@@ -44,7 +47,14 @@ class EngineCore:
         state = (StateTensors(cfg, state_slots + 1, self.dtype, self.device)
                  if cfg.has_linear_attention else None)
         self.caches = Caches(KVPool(cfg, kv_tokens + 1, self.dtype, self.device), state)
-        self.sched = Scheduler(kv_tokens, state_slots, state, max_running, chunk_tokens, policy)
+        slot_bytes = StateTensors.bytes_per_slot(cfg, self.dtype) if state else 0
+        host_slots = host_slots_for(state_host_mem, slot_bytes, state_slots) if state else 0
+        self.cache_ops = CacheOps(state, HostStates(state, host_slots) if host_slots else None)
+        if state:
+            log.info(kv("state_host_tier", slots=host_slots, mb=host_slots * slot_bytes // 2**20,
+                        slot_kb=slot_bytes // 1024, pinned=self.device.type == "cuda"))
+        self.sched = Scheduler(kv_tokens, state_slots, state is not None, max_running,
+                               chunk_tokens, policy, host_slots)
         if decode_runner is None:
             decode_runner = self.device.type == "cuda"
         self.runner = (DecodeRunner(model, self.caches, max_running, scratch_kv=kv_tokens,
@@ -88,7 +98,9 @@ class EngineCore:
         return self.sched.has_work()
 
     def step(self) -> None:
-        items = self.sched.schedule()
+        plan = self.sched.schedule()
+        self.cache_ops.run(plan.pre_ops)
+        items = plan.items
         if not items:
             return
         t0 = time.perf_counter()
@@ -103,6 +115,7 @@ class EngineCore:
             logits = self.model(self._batch(items), self.caches)  # [R, V]
             toks = self._sample([it for it in items if it.wants_logits], logits)
         dt = time.perf_counter() - t0
+        self.cache_ops.run(plan.post_ops)
         n_decode = sum(1 for i in items if i.n == 1)
         self.stats.on_step(dt, prefill_tokens=sum(i.n for i in items) - n_decode,
                            decode_tokens=n_decode)
@@ -177,7 +190,9 @@ class EngineCore:
             self.sched.finish(r)
             r.finished = True
             log.info(kv("finish", rid=r.rid, prompt=r.prompt_len, cached=r.cached_tokens,
-                        generated=r.num_generated, reason=reason))
+                        kv_match=r.kv_match, resume_tier=r.state_tier,
+                        reuse=r.reuse_reason if r.kv_match > r.cached_tokens else None,
+                        lost=r.lost or None, generated=r.num_generated, reason=reason))
         r.emit(EngineEvent([tok], finished=reason is not None, finish_reason=reason,
                            prompt_tokens=r.prompt_len, cached_tokens=r.cached_tokens,
                            matched_stop_id=tok if reason == "stop" else None))

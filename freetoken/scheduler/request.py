@@ -29,6 +29,9 @@ class Request:
     snap_points: list[tuple[int, str]] = field(default_factory=list)  # pending (pos, class)
     cached_tokens: int = 0
     reuse_reason: str = ""
+    kv_match: int = 0  # raw KV match of the prompt at first admission
+    state_tier: str | None = None  # tier of the snapshot the prompt resumed from
+    lost: str = ""  # a deeper snapshot within the KV match that went away (why:tier@pos)
     waiting_for: str | None = None  # a sibling whose shared prefill this request waits for
     num_generated: int = 0
     finished: bool = False

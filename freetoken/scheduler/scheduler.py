@@ -1,8 +1,19 @@
 """Continuous batching over the hybrid radix cache.
 
 Every step: admit waiting requests (prefix match, lock, working state), then build one mixed
-batch — every decoding request's next token plus prefill chunks under a token budget, each
-chunk ending at the next snapshot point so the recurrent state is captured exactly there.
+batch — every decoding request's next token (always served, outside the budget) plus prefill
+chunks under a shared token budget, each chunk ending at the next snapshot point so the
+recurrent state is captured exactly there.
+
+The scheduler decides and the engine executes: `schedule()` returns a `StepPlan` (rows with
+their token ids, positions and KV slots; the state ops to run before the forward — loading
+each admitted request's resume state, spills the admission caused — and after it — copying
+working states into snapshot slots, spills those allocations caused). Nothing here touches a
+tensor on the compute device; `after_forward` only updates bookkeeping.
+
+Fair prefill: the budget is water-filled over the prefilling requests, smallest need first, so
+a short prompt admitted beside a 200k-token one gets its whole (next) chunk at once and its
+first token within a few steps, while the long one takes what is left.
 KV slots are allocated per chunk; when the pool runs dry the newest request is preempted: its
 computed prefix is committed to the tree and its working state donated as a snapshot, so it
 resumes from where it stopped if nothing evicts them meanwhile.
@@ -15,9 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from freetoken.cache import HybridRadixCache, SlotAllocator, StatePool, create_policy
+from freetoken.cache import HybridRadixCache, SlotAllocator, StateOp, StatePool, create_policy
 from freetoken.cache.policy import END
-from freetoken.cache.tensors import StateTensors
 from freetoken.log import get_logger, kv
 from freetoken.scheduler.request import Request
 
@@ -26,20 +36,41 @@ log = get_logger("sched")
 
 @dataclass
 class BatchItem:
+    """One sequence's rows this step: `token_ids` at positions `[start, start + n)`, whose KV
+    goes to `kv_slots[start:]` (`kv_slots[:start]` hold the cached prefix)."""
+
     req: Request
     n: int  # tokens fed this step
     wants_logits: bool
+    start: int = 0
+    token_ids: list[int] | None = None
+    kv_slots: torch.Tensor | None = None  # [start + n]
+    snapshot: tuple[int, str, int] | None = None  # (position, class, fresh state slot)
+
+
+@dataclass
+class StepPlan:
+    """What the engine carries out this step, in order: `pre_ops`, the forward of `items`,
+    `post_ops`, then `after_forward` per item."""
+
+    items: list[BatchItem]
+    pre_ops: list[StateOp]
+    post_ops: list[StateOp]
 
 
 class Scheduler:
-    def __init__(self, kv_slots: int, state_slots: int, state: StateTensors | None,
-                 max_running: int = 4, chunk_tokens: int = 512, policy: str = "semantic"):
+    def __init__(self, kv_slots: int, state_slots: int, hybrid: bool,
+                 max_running: int = 4, chunk_tokens: int = 512, policy: str = "semantic",
+                 host_slots: int = 0, eviction: str = "value"):
         self.kv_alloc = SlotAllocator(kv_slots)
-        self.state_tensors = state
+        self.hybrid = hybrid
         self.policy = create_policy(policy)
-        self.cache = HybridRadixCache(self.kv_alloc, StatePool(state_slots) if state else None,
-                                      self.policy)
+        self.cache = HybridRadixCache(self.kv_alloc, StatePool(state_slots) if hybrid else None,
+                                      self.policy,
+                                      StatePool(host_slots) if hybrid and host_slots else None,
+                                      eviction)
         self.max_running, self.chunk_tokens = max_running, chunk_tokens
+        self.reuse: dict[str, int] = {}  # why prompts resumed short of their KV match, counted
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -68,28 +99,34 @@ class Scheduler:
                 return True
         return False
 
+    def user(self, r: Request) -> str:
+        """Who shares a snapshot: the session key, else the request itself."""
+        return r.req.session_key or r.rid
+
     def _admit(self, r: Request) -> bool:
-        m = self.cache.match(r.ids)
+        m = self.cache.match(r.ids, self.user(r))
         self.cache.lock(m.node)
         slot = None
-        if self.state_tensors is not None:
+        if self.hybrid:
             slot = self.cache.alloc_state()
             if slot is None:
                 self.cache.unlock(m.node)
                 return False
-            if m.state_slot >= 0:
-                self.state_tensors.copy(m.state_slot, slot)
-            else:
-                self.state_tensors.reset(slot)
+            self.cache.load_state(m, slot)
         r.node, r.tree_len, r.computed, r.state_slot = m.node, m.length, m.length, slot
         r.row = m.kv_slots.clone()
         if r.num_generated == 0:
             r.cached_tokens, r.reuse_reason = m.length, m.reason
-        points = self.policy.positions(r.prompt_len, r.req.anchors) if self.state_tensors else []
+            r.kv_match, r.state_tier, r.lost = m.kv_len, m.state_tier, m.lost
+            why = m.reason.split("=")[0] + (f"({m.lost.split('@')[0]})" if m.lost else "")
+            tier = f"resumed_{m.state_tier or 'none'}"
+            for k in (why, tier):
+                self.reuse[k] = self.reuse.get(k, 0) + 1
+        points = self.policy.positions(r.prompt_len, r.req.anchors) if self.hybrid else []
         r.snap_points = [(p, c) for p, c in points if p > m.length]
         log.info(kv("admit", rid=r.rid, prompt=r.prompt_len, reused=m.length, kv_match=m.kv_len,
-                    state_from=m.state_len, state_cls=m.state_class, reason=m.reason,
-                    snapshots=len(r.snap_points)))
+                    state_from=m.state_len, state_cls=m.state_class, tier=m.state_tier,
+                    reason=m.reason, lost=m.lost or None, snapshots=len(r.snap_points)))
         return True
 
     # -- releasing ---------------------------------------------------------------------------
@@ -107,7 +144,7 @@ class Scheduler:
         """Finish or preempt: commit the computed prefix, donate the working state there."""
         n = r.computed
         rel = self.cache.release(r.ids[:n], r.row[:n], r.node, r.tree_len,
-                                 r.state_slot if n > 0 else None, END)
+                                 r.state_slot if n > 0 else None, END, self.user(r))
         if r.state_slot is not None and not rel.snapshot_taken:
             assert self.cache.state_pool is not None
             self.cache.state_pool.free([r.state_slot])
@@ -150,7 +187,7 @@ class Scheduler:
                 return o
         return None
 
-    def schedule(self) -> list[BatchItem]:
+    def _admit_waiting(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
             r = self.waiting[0]
             sib = self._sibling_ahead(r)
@@ -164,26 +201,52 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(r)
+
+    def _shares(self) -> dict[int, int]:
+        """Prefill tokens per request this step: water-filling of the chunk budget, smallest
+        need first (each need ends at the request's next snapshot point)."""
+        need = sorted(((r.next_stop() - r.computed, id(r)) for r in self.running
+                       if r.remaining > 1), key=lambda x: x[0])
+        out, left = {}, self.chunk_tokens
+        for i, (want, key) in enumerate(need):
+            give = min(want, max(left // (len(need) - i), 1))
+            out[key] = give
+            left = max(left - give, 0)
+        return out
+
+    def schedule(self) -> StepPlan:
+        self._admit_waiting()
+        pre_ops = self.cache.take_ops()
+        shares = self._shares()
         items: list[BatchItem] = []
-        budget = self.chunk_tokens
         for r in sorted(self.running, key=lambda r: r.remaining != 1):  # decodes first
             if not any(x is r for x in self.running):
                 continue  # preempted by an allocation earlier in this loop
-            if r.remaining == 1:
-                n = 1
-            else:
-                n = min(r.next_stop(), r.computed + budget, len(r.ids)) - r.computed
-                if n <= 0:
-                    continue
+            n = 1 if r.remaining == 1 else shares.get(id(r), 0)
+            if n <= 0:
+                continue
             slots = self._alloc(n, {id(i.req) for i in items} | {id(r)})
             if slots is None:
                 if r.remaining == 1:
                     continue
                 break
             r.row = torch.cat([r.row, slots])
-            items.append(BatchItem(r, n, r.computed + n == len(r.ids)))
-            budget -= n
-        return items
+            end = r.computed + n
+            items.append(BatchItem(r, n, end == len(r.ids), r.computed, r.ids[r.computed:end],
+                                   r.row[:end], self._plan_snapshot(r, end)))
+        return StepPlan(items, pre_ops, self.cache.take_ops())
+
+    def _plan_snapshot(self, r: Request, end: int) -> tuple[int, str, int] | None:
+        """A fresh state slot and the copy into it, when this chunk ends at a snapshot point."""
+        cls = next((c for p, c in r.snap_points if p == end), None)
+        if cls is None or r.state_slot is None:
+            return None
+        slot = self.cache.alloc_state()
+        if slot is None:
+            log.info(kv("snapshot_skip", rid=r.rid, pos=end, cls=cls, why="state_pool_full"))
+            return None
+        self.cache.copy_state(r.state_slot, slot)
+        return (end, cls, slot)
 
     def _alloc(self, n: int, keep: set[int]) -> torch.Tensor | None:
         while True:
@@ -192,33 +255,26 @@ class Scheduler:
                 return slots
 
     def after_forward(self, item: BatchItem) -> None:
-        """Advance `computed`; take a snapshot if the chunk ended at a snapshot point."""
+        """Advance `computed`; attach the snapshot the plan copied (bookkeeping only)."""
         r = item.req
         r.computed += item.n
-        if self.state_tensors is None and item.n > 1:
+        if not self.hybrid and item.n > 1:
             # attention-only models can share KV at any prefix: publish each prefill chunk
             c = self.cache.commit(r.ids[:r.computed], r.row[:r.computed], r.node, r.tree_len)
             r.row, r.node, r.tree_len = c.slots, c.node, r.computed
         while r.snap_points and r.snap_points[0][0] <= r.computed:
-            p, cls = r.snap_points.pop(0)
-            if p == r.computed:
-                self._snapshot(r, p, cls)
-
-    def _snapshot(self, r: Request, p: int, cls: str) -> None:
-        assert self.state_tensors is not None and r.state_slot is not None
-        c = self.cache.commit(r.ids[:p], r.row[:p], r.node, r.tree_len)
-        r.row, r.node, r.tree_len = torch.cat([c.slots, r.row[p:]]), c.node, p
-        slot = self.cache.alloc_state()
-        if slot is None:
-            log.info(kv("snapshot_skip", rid=r.rid, pos=p, cls=cls, why="state_pool_full"))
-            return
-        self.state_tensors.copy(r.state_slot, slot)
-        if not self.cache.attach_snapshot(c.node, slot, cls):
-            assert self.cache.state_pool is not None
-            self.cache.state_pool.free([slot])
+            r.snap_points.pop(0)
+        if item.snapshot is not None:
+            p, cls, slot = item.snapshot
+            assert p == r.computed
+            c = self.cache.commit(r.ids[:p], r.row[:p], r.node, r.tree_len)
+            r.row, r.node, r.tree_len = torch.cat([c.slots, r.row[p:]]), c.node, p
+            if not self.cache.attach_snapshot(c.node, slot, cls, self.user(r)):
+                assert self.cache.state_pool is not None
+                self.cache.state_pool.free([slot])
 
     def stats(self) -> dict:
         s = dict(self.cache.stats())
-        s.update(running=len(self.running), waiting=len(self.waiting),
+        s.update(reuse=dict(self.reuse), running=len(self.running), waiting=len(self.waiting),
                  kv_used=self.kv_alloc.num_used, kv_total=self.kv_alloc.num_slots)
         return s

@@ -3,7 +3,8 @@
 The driver plays the scheduler: requests match, lock, allocate, commit chunks (optionally
 snapshotting state), finish (donating state) or abort; between them it evicts KV and snapshots,
 inserts raw sequences and snapshots, and matches. Modes: `radix` (RadixCache directly),
-`plain` (HybridRadixCache without a state pool), `hybrid` (with a state pool).
+`plain` (HybridRadixCache without a state pool), `hybrid` (with a state pool), `tiered` (with
+a state pool and a host tier, a short value horizon so the value terms decide evictions).
 """
 from __future__ import annotations
 
@@ -19,12 +20,14 @@ from cache_model import (
     check_snapshots,
     check_tree,
     dump_tree,
+    node_prefix,
 )
 
 from freetoken.cache import CLASS_RANK, HybridRadixCache, RadixCache, SlotAllocator, StatePool
 from freetoken.cache.node import TreeNode
 
-CLASSES = ["end", "anchor", "interval", "cut_point"]
+CLASSES = ["end", "anchor", "interval", "head", "cut_point"]
+USERS = [None, "s1", "s2", "s3"]
 
 
 @dataclass
@@ -37,15 +40,22 @@ class Req:
 
 
 class Driver:
-    def __init__(self, mode: str, seed: int, kv_slots: int = 40, state_slots: int = 5) -> None:
+    def __init__(self, mode: str, seed: int, kv_slots: int = 40, state_slots: int = 5,
+                 host_slots: int = 3) -> None:
         self.mode, self.rng = mode, random.Random(seed)
         self.alloc = SlotAllocator(kv_slots)
-        self.pool = StatePool(state_slots) if mode == "hybrid" else None
+        self.pool = StatePool(state_slots) if mode in ("hybrid", "tiered") else None
+        self.host = StatePool(host_slots) if mode == "tiered" else None
         self.radix_only = mode == "radix"
+        horizon = 3 if mode == "tiered" else None
         self.cache: RadixCache | HybridRadixCache = (
-            RadixCache(self.alloc) if self.radix_only else HybridRadixCache(self.alloc, self.pool))
+            RadixCache(self.alloc) if self.radix_only
+            else HybridRadixCache(self.alloc, self.pool, host_pool=self.host, horizon=horizon))
         self.radix = self.cache if isinstance(self.cache, RadixCache) else self.cache.radix
         self.ref = RefModel()
+        if isinstance(self.cache, HybridRadixCache):
+            self.ref.horizon = self.cache.tiers.horizon
+            self.ref.host_slots = host_slots if self.host is not None else 0
         self.reqs: list[Req] = []
 
     # -- reference helpers ----------------------------------------------------------------------
@@ -74,25 +84,46 @@ class Driver:
             assert out.numel() == n
         return out
 
+    def evict_device(self, n: int, real) -> object:
+        """Device eviction of up to `n` in the reference, `real()` in the cache (it must evict
+        the same); the spill ops must name the same slots. Returns `real()`'s result."""
+        assert isinstance(self.cache, HybridRadixCache)
+        moves = self.ref.evict_device(set(self.locks()), n)
+        out = real()
+        ops = self.cache.take_ops()
+        spilled = [m for m in moves if m[2] == "spill"]
+        assert [(o.kind, o.src) for o in ops] == [("spill", old) for _, old, _ in spilled], \
+            (ops, moves)
+        host_of = {node_prefix(x): s.slot for x, s in self.cache._snaps.items()}
+        for o, (p, _, _) in zip(ops, spilled):  # a later spill of the same call may replace it
+            assert p not in self.ref.snaps or host_of[p] == o.dst, "spill to the wrong host slot"
+        self.moves = moves
+        return out
+
     def alloc_state(self) -> int | None:
         assert isinstance(self.cache, HybridRadixCache) and self.pool is not None
         full = self.pool.num_free == 0
-        victims = self.ref.snapshot_victims(set(self.locks()), 1) if full else []
-        slot = self.cache.alloc_state()
-        for v in victims:
-            del self.ref.snaps[v]
-        assert (slot is None) == (full and not victims)
+        slot = self.evict_device(1 if full else 0, self.cache.alloc_state)
+        assert (slot is None) == (full and not self.moves)
         return slot
 
-    def attach_ref(self, prefix: Prefix, slot: int, cls: str) -> bool:
+    def attach_ref(self, prefix: Prefix, slot: int, cls: str, user: str | None = None) -> bool:
         self.ref.sclock += 1
         old = self.ref.snaps.get(prefix)
         if old is None:
-            self.ref.snaps[prefix] = [slot, cls, self.ref.sclock]
+            mine = {user} if user else set()
+            self.ref.snaps[prefix] = {"slot": slot, "cls": cls, "t": self.ref.sclock,
+                                      "tier": "device", "hits": 0, "users": mine}
+            for i in range(1, len(prefix)):  # superseded: same session, plain class
+                v = self.ref.snaps.get(prefix[:i])
+                if v is not None and v["users"] <= mine and CLASS_RANK[v["cls"]] <= 1:
+                    v["hits"] = 0
             return True
-        if CLASS_RANK[cls] > CLASS_RANK[old[1]]:
-            old[1] = cls
-        old[2] = self.ref.sclock
+        if CLASS_RANK[cls] > CLASS_RANK[old["cls"]]:
+            old["cls"] = cls
+        old["t"] = self.ref.sclock
+        if user:
+            old["users"].add(user)
         return False
 
     def gen_ids(self) -> list[int]:
@@ -117,7 +148,8 @@ class Driver:
             assert m.slots.tolist() == ref.slots(ids, n)
             ref.touch(ids, n)
             return m.node, n, m.slots.tolist()
-        hm = self.cache.match(ids)
+        user = self.rng.choice(USERS)
+        hm = self.cache.match(ids, user)
         cap = max(len(ids) - 1, 0)
         kv_len = ref.longest(ids[:cap])
         use = ref.deepest_snapshot(ids, kv_len) if self.pool is not None else kv_len
@@ -125,11 +157,18 @@ class Driver:
         assert hm.kv_slots.tolist() == ref.slots(ids, use)
         if self.pool is not None and use > 0:
             snap = ref.snaps[tuple(ids[:use])]
-            assert (hm.state_len, hm.state_slot, hm.state_class) == (use, snap[0], snap[1])
+            assert (hm.state_len, hm.state_class, hm.state_tier) == (use, snap["cls"],
+                                                                     snap["tier"])
+            if snap["tier"] == "device":
+                assert hm.state_slot == snap["slot"]
             ref.sclock += 1
-            snap[2] = ref.sclock
+            snap["t"] = ref.sclock
+            snap["hits"] += 1
+            if user:
+                snap["users"].add(user)
         else:
-            assert (hm.state_len, hm.state_slot, hm.state_class) == (0, -1, None)
+            assert (hm.state_len, hm.state_slot, hm.state_class, hm.state_tier) == (
+                0, -1, None, None)
         if not ids:
             assert hm.reason == "empty"
         elif use == cap:
@@ -177,9 +216,9 @@ class Driver:
         self.commit(r, n)
         if slot is not None:
             assert isinstance(self.cache, HybridRadixCache)
-            cls = self.rng.choice(CLASSES)
-            taken = self.cache.attach_snapshot(r.node, slot, cls)
-            assert taken == self.attach_ref(tuple(r.ids[:n]), slot, cls)
+            cls, user = self.rng.choice(CLASSES), self.rng.choice(USERS)
+            taken = self.cache.attach_snapshot(r.node, slot, cls, user)
+            assert taken == self.attach_ref(tuple(r.ids[:n]), slot, cls, user)
             if not taken:
                 self.pool.free([slot])
 
@@ -247,12 +286,8 @@ class Driver:
             self.pool.free([slot])
 
     def op_evict_states(self) -> None:
-        assert isinstance(self.cache, HybridRadixCache)
         k = self.rng.randint(0, 3)
-        victims = self.ref.snapshot_victims(set(self.locks()), k)
-        assert self.cache.evict_states(k) == len(victims)
-        for v in victims:
-            del self.ref.snaps[v]
+        assert self.evict_device(k, lambda: self.cache.evict_states(k)) == len(self.moves)
 
     def step(self) -> None:
         rng = self.rng
@@ -289,4 +324,4 @@ class Driver:
         if self.pool is not None:
             assert isinstance(self.cache, HybridRadixCache)
             working = [r.working for r in self.reqs if r.working is not None]
-            check_snapshots(self.cache, self.ref, self.pool, working)
+            check_snapshots(self.cache, self.ref, self.pool, working, self.host)

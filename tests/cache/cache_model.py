@@ -1,8 +1,10 @@
 """Independent reference for the radix caches: a flat dict of cached prefixes.
 
 The model knows nothing about nodes or edges. It keeps every cached prefix (a token tuple) with
-the KV slot of its last token, the logical time it was last touched, the snapshots by prefix,
-and the prefixes each simulated request holds locked. `check_*` functions compare the real
+the KV slot of its last token, the logical time it was last touched, the snapshots by prefix
+(tier, class, time, resumes, users), and the prefixes each simulated request holds locked.
+Snapshot eviction is written here a second time from the rule in `freetoken.cache`'s
+docstring (value levels, host spill, host replacement). `check_*` functions compare the real
 tree against it after every operation.
 """
 from __future__ import annotations
@@ -20,9 +22,12 @@ Prefix = tuple[int, ...]
 class RefModel:
     kv: dict[Prefix, int] = field(default_factory=dict)  # prefix -> KV slot of its last token
     kt: dict[Prefix, int] = field(default_factory=dict)  # prefix -> last touch time
-    snaps: dict[Prefix, list] = field(default_factory=dict)  # prefix -> [slot, cls, time]
+    # prefix -> {slot (device slot; None on the host), cls, t, tier, hits, users}
+    snaps: dict[Prefix, dict] = field(default_factory=dict)
     clock: int = 0
     sclock: int = 0
+    horizon: int = 1
+    host_slots: int = 0
 
     def longest(self, ids: list[int]) -> int:
         i = 0
@@ -41,10 +46,38 @@ class RefModel:
     def deepest_snapshot(self, ids: list[int], limit: int) -> int:
         return max([p for p in range(1, limit + 1) if tuple(ids[:p]) in self.snaps], default=0)
 
-    def snapshot_victims(self, pinned: set[Prefix], n: int) -> list[Prefix]:
-        cands = sorted((CLASS_RANK[v[1]], v[2], p) for p, v in self.snaps.items()
-                       if p not in pinned)
-        return [p for _, _, p in cands[:n]]
+    def value_key(self, p: Prefix) -> tuple[int, int]:
+        v = self.snaps[p]
+        covered = any(len(q) > len(p) and q[: len(p)] == p for q in self.snaps)
+        plain = covered and len(v["users"]) <= 1 and CLASS_RANK[v["cls"]] <= 1
+        level = CLASS_RANK[v["cls"]] + (v["hits"] >= 1) + 2 * (len(v["users"]) >= 2) - 2 * plain
+        return (v["t"] + level * self.horizon, v["t"])
+
+    def victims(self, tier: str, pinned: set[Prefix]) -> list[Prefix]:
+        keys = {p: self.value_key(p) for p, v in self.snaps.items()
+                if v["tier"] == tier and p not in pinned}
+        return sorted(keys, key=keys.__getitem__)
+
+    def evict_device(self, pinned: set[Prefix], n: int) -> list[tuple[Prefix, int, str]]:
+        """Apply device eviction of up to `n`; return `(prefix, old device slot, outcome)` with
+        outcome `spill` or `drop`, in order (host drops made to fit a spill are applied too)."""
+        out = []
+        cands = self.victims("device", pinned)[:n]
+        for p in cands:
+            v = self.snaps[p]
+            on_host = sum(1 for x in self.snaps.values() if x["tier"] == "host")
+            ok = self.host_slots > 0
+            if ok and on_host >= self.host_slots:
+                hv = self.victims("host", pinned)
+                ok = bool(hv) and self.value_key(hv[0]) < self.value_key(p)
+                if ok:
+                    del self.snaps[hv[0]]
+            out.append((p, v["slot"], "spill" if ok else "drop"))
+            if ok:
+                v["tier"], v["slot"] = "host", None
+            else:
+                del self.snaps[p]
+        return out
 
 
 def node_prefix(node: TreeNode) -> Prefix:
@@ -125,13 +158,19 @@ def check_slots(alloc: SlotAllocator, held_by_tree: list[int], held_by_callers: 
 
 
 def check_snapshots(cache: HybridRadixCache, ref: RefModel, pool: StatePool,
-                    working: list[int]) -> None:
-    real = {node_prefix(n): (s.slot, s.cls) for n, s in cache._snaps.items()}
-    assert real == {p: (v[0], v[1]) for p, v in ref.snaps.items()}, "snapshots differ"
+                    working: list[int], host: StatePool | None = None) -> None:
+    real = {node_prefix(n): (s.slot if s.tier == "device" else None, s.cls, s.tier, s.hits,
+                             s.users) for n, s in cache._snaps.items()}
+    want = {p: (v["slot"], v["cls"], v["tier"], v["hits"], v["users"])
+            for p, v in ref.snaps.items()}
+    assert real == want, "snapshots differ"
     for n in cache._snaps:
         assert n.parent is not None, "snapshot on an evicted node"
-    check_monotone([(ref.snaps[node_prefix(n)][2], s.last_access) for n, s in cache._snaps.items()])
-    check_slots(pool, [v[0] for v in ref.snaps.values()], working)
+    for n, s in cache._snaps.items():  # value keys add to times: the clocks must agree exactly
+        assert s.last_access == ref.snaps[node_prefix(n)]["t"], "snapshot clock differs"
+    check_slots(pool, [v["slot"] for v in ref.snaps.values() if v["tier"] == "device"], working)
+    if host is not None:
+        check_slots(host, [s.slot for s in cache._snaps.values() if s.tier == "host"], [])
 
 
 def check_eviction(ref: RefModel, real_kv: dict[Prefix, int], want: int,

@@ -86,19 +86,21 @@ def test_hybrid_log_lines_counters_and_stats(caplog: pytest.LogCaptureFixture) -
     assert _lines(caplog) == [
         "snapshot pos=4 slot=2 cls=anchor",
         "snapshot_skip pos=3 kv=2 why=prefix_not_cached",
-        "snapshot_keep pos=4 slot=2 cls=cut_point",
-        "match tokens=10 kv=9 state=4 reused=4 cls=cut_point reason=no_snapshot_after=4",
-        "snapshot_evict pos=4 slot=2 cls=cut_point",
+        "snapshot_keep pos=4 slot=2 tier=device cls=cut_point",
+        ("match tokens=10 kv=9 state=4 reused=4 cls=cut_point tier=device "
+         "reason=no_snapshot_after=4 lost=None"),
+        "snapshot_evict pos=4 slot=2 tier=device cls=cut_point why=device_full",
         "snapshot pos=6 slot=1 cls=end",
-        "match tokens=7 kv=6 state=6 reused=6 cls=end reason=last_token",
-        "match tokens=0 kv=0 state=0 reused=0 cls=None reason=empty",
-        "snapshot_drop pos=6 slot=1 cls=end why=kv_evicted",
+        "match tokens=7 kv=6 state=6 reused=6 cls=end tier=device reason=last_token lost=None",
+        "match tokens=0 kv=0 state=0 reused=0 cls=None tier=None reason=empty lost=None",
+        "snapshot_drop pos=6 slot=1 tier=device cls=end why=kv_evicted",
         "evict want=32 freed=10 nodes=3 left=0",
     ]
     assert c.stats() == {
         "kv_cached": 0, "kv_evictable": 0, "kv_protected": 0, "kv_free": 32, "kv_slots": 32,
         "matches": 3, "reused_tokens": 10, "snapshot_hits": 2, "snapshots_taken": 2,
-        "snapshots_evicted": 1, "snapshots_dropped": 1, "snapshots": 0,
+        "snapshots_evicted": 1, "snapshots_dropped": 1, "snapshots_spilled": 0,
+        "snapshots_restored": 0, "snapshots": 0, "snapshots_host": 0,
         "state_free": 3, "state_slots": 3,
     }
 
@@ -107,6 +109,7 @@ def test_hybrid_misuse_is_refused() -> None:
     kv_only = HybridRadixCache(SlotAllocator(8), None, create_policy("end_only"))
     assert not kv_only.is_hybrid and "state_free" not in kv_only.stats()
     assert HybridRadixCache(SlotAllocator(8)).policy.name == "semantic"  # the default policy
+    assert _hybrid().policy.name == "end_only"  # a given one is kept
     assert kv_only.evict_states(3) == 0
     with pytest.raises(ValueError, match=_exact("alloc_state on a cache without a state pool")):
         kv_only.alloc_state()
@@ -122,3 +125,22 @@ def test_hybrid_misuse_is_refused() -> None:
     node = c.radix.match_prefix([5, 6]).node
     with pytest.raises(ValueError, match="state slot 0 is not allocated"):
         c.attach_snapshot(node, 0, "end")
+
+
+def test_hybrid_counters_accumulate_and_empty_matches_index() -> None:
+    """Counters add up over several events; an empty match's slots are int64 (they index the
+    pool)."""
+    c = _hybrid(states=4)
+    m = c.match([4, 5, 6])  # nothing cached
+    assert m.kv_slots.dtype == torch.long and m.kv_slots.numel() == 0
+    ids = list(range(1, 9))
+    c.insert(ids, c.alloc_kv(8))
+    for n in (2, 4, 6):
+        assert c.insert_snapshot(ids[:n], c.alloc_state(), "anchor")
+    assert c.evict_states(2) == 2  # the two least recently taken: at 2 and 4
+    assert [p for p, _, _ in c.snapshots()] == [6]
+    assert c.insert_snapshot(ids[:3], c.alloc_state(), "anchor")
+    assert c.evict(8) == 8  # drops the snapshots at 3 and 6 with their KV
+    st = c.stats()
+    assert (st["snapshots_taken"], st["snapshots_evicted"], st["snapshots_dropped"]) == (4, 2, 2)
+    assert st["snapshots"] == 0 and st["state_free"] == 4

@@ -82,7 +82,10 @@ def test_exact_repeat_recomputes_only_the_last_token() -> None:
     assert c.match(seq).length == 5  # a repeat of the full sequence cannot use the state at 9
 
 
-def test_state_eviction_is_per_class_then_lru() -> None:
+def test_state_eviction_follows_value() -> None:
+    """The value rule of `freetoken.cache` (default horizon 8 ticks here): end 6 (covered,
+    level -2) < anchor 4 (covered, resumed once: level 0) < anchor 8 (the deepest: level 1)
+    < cut point 2 (level 3), although the anchor at 4 was used last."""
     c = _cache(states=4)
     ids = list(range(1, 11))
     _put(c, ids)
@@ -92,10 +95,11 @@ def test_state_eviction_is_per_class_then_lru() -> None:
     new_anchor = _snap(c, ids[:8], "anchor")
     c.match(ids[:5])  # touches the snapshot at 4: the anchor at 8 is now the older one
     assert c.alloc_state() == end  # pool full: the end class goes first
-    assert c.evict_states(1) == 1 and [p for p, _, _ in c.snapshots()] == [2, 4]
-    assert new_anchor not in [s for _, s, _ in c.snapshots()]
-    assert c.evict_states(5) == 2 and c.snapshots() == []
-    assert {cut, old_anchor} <= set(c.state_pool.free_slots())
+    assert c.evict_states(1) == 1 and [p for p, _, _ in c.snapshots()] == [2, 8]
+    assert old_anchor not in [s for _, s, _ in c.snapshots()]
+    assert c.evict_states(1) == 1 and c.snapshots() == [(2, cut, "cut_point")]
+    assert c.evict_states(5) == 1 and c.snapshots() == []
+    assert {cut, old_anchor, new_anchor} <= set(c.state_pool.free_slots())
 
 
 def test_lock_pins_the_snapshot_at_the_matched_node() -> None:

@@ -41,11 +41,11 @@ def test_semantic_classes_and_cap() -> None:
         Anchor(120, "turn_start"),  # past the prompt
     ]
     p = create_policy("semantic", max_per_request=10)
-    assert p.positions(100, anchors) == [(5, "anchor"), (20, "anchor"), (30, "cut_point"),
+    assert p.positions(100, anchors) == [(5, "head"), (20, "anchor"), (30, "cut_point"),
                                          (40, "cut_point"), (50, "anchor"), (99, "anchor")]
     # cap 3: both cut points, then head_end, then (none left)
     assert create_policy("semantic", max_per_request=3).positions(100, anchors) == [
-        (5, "anchor"), (30, "cut_point"), (40, "cut_point"), (99, "end")]
+        (5, "head"), (30, "cut_point"), (40, "cut_point"), (99, "end")]
     # cap 4: the deepest turn start comes next
     assert (99, "anchor") in create_policy("semantic", max_per_request=4).positions(100, anchors)
 

@@ -5,7 +5,7 @@ import pytest
 from cache_driver import Driver
 
 
-@pytest.mark.parametrize("mode", ["radix", "plain", "hybrid"])
+@pytest.mark.parametrize("mode", ["radix", "plain", "hybrid", "tiered"])
 @pytest.mark.parametrize("seed", range(12))
 def test_random_ops_match_reference(mode: str, seed: int) -> None:
     d = Driver(mode, seed)
@@ -21,3 +21,5 @@ def test_random_ops_match_reference(mode: str, seed: int) -> None:
     assert d.alloc.num_free == d.alloc.num_slots and d.radix.total_size == 0
     if d.pool is not None:
         assert d.pool.num_free == d.pool.num_slots
+    if d.host is not None:
+        assert d.host.num_free == d.host.num_slots

@@ -89,6 +89,10 @@ def test_arguments_are_checked() -> None:
         with pytest.raises(ValueError, match="bad table shape"):
             ResidencyTable(*shape)
     ResidencyTable(1, 1, 0)  # no slots is a valid table (everything on the CPU)
+    fresh = ResidencyTable(2, 3, 4)  # -1 is "empty" everywhere (the kernel and SlotCache use it)
+    for table in (fresh.slot_owner, fresh.expert_slot, fresh.slot_last_use):
+        assert table.dtype == torch.int64 and table.tolist() == [-1] * table.numel()
+    assert fresh.clock.tolist() == [0]
     t = ResidencyTable(2, 4, 2)
     for layer in (-1, 2):
         with pytest.raises(ValueError, match="out of range"):

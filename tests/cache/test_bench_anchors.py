@@ -1,0 +1,94 @@
+"""`ft bench anchors`: the baselines' placement rules, the replay's accounting, and the CLI."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from freetoken.bench.anchor_sim import (
+    LlamaCppPolicy,
+    SimRequest,
+    UpstreamPolicy,
+    replay,
+    user_message_starts,
+)
+from freetoken.cache import create_policy
+from freetoken.cli import main
+from freetoken.types.api import Anchor
+
+TRACES = Path(__file__).parents[1] / "data" / "harness_traces"
+
+
+def test_upstream_takes_the_deepest_64_aligned_point_of_each_8192_chunk() -> None:
+    assert UpstreamPolicy().positions(20000, []) == [(8192, "interval"), (16384, "interval"),
+                                                     (19968, "interval"), (19999, "end")]
+    assert UpstreamPolicy().positions(100, []) == [(64, "interval"), (99, "end")]
+
+
+def test_llamacpp_checkpoints_user_messages_and_every_8192() -> None:
+    anchors = [Anchor(0, "turn_start", "system"), Anchor(50, "turn_start", "user"),
+               Anchor(90, "turn_start", "user"), Anchor(93, "tool_result_start"),
+               Anchor(120, "turn_start", "assistant")]
+    assert user_message_starts(anchors) == [50]  # 90 opens a tool result, not a user message
+    assert LlamaCppPolicy().positions(9000, anchors) == [(50, "interval"), (8192, "interval"),
+                                                         (8999, "end")]
+
+
+def test_semantic_fills_a_long_anchorless_head() -> None:
+    """Bug caught: two sessions whose system prompts agree for 8.8k of 11.7k tokens (OpenClaw
+    over its two APIs) shared no snapshot, so the second recomputed everything."""
+    p = create_policy("semantic")
+    pts = p.positions(11664, [Anchor(0, "turn_start", "system"), Anchor(11600, "head_end")])
+    assert pts == [(4096, "interval"), (8192, "interval"), (11600, "head"), (11663, "end")]
+    assert create_policy("semantic", max_fill=0).positions(11664, []) == [(11663, "end")]
+
+
+def _session(name: str, base: list[int], turns: int, tag: int) -> list[SimRequest]:
+    out, ids = [], list(base)
+    for t in range(turns):
+        ids = ids + [tag + t] * 30  # each turn appends a user message
+        anchors = [Anchor(len(base), "head_end"), Anchor(len(ids) - 30, "turn_start", "user")]
+        out.append(SimRequest(name, list(ids), anchors, gen=[900 + t] * 5))
+        ids = ids + out[-1].gen
+    return out
+
+
+def test_replay_accounting_on_appending_sessions() -> None:
+    a = _session("a", list(range(1, 301)), 4, 500)
+    b = _session("b", list(range(1, 301)), 4, 600)  # same head, its own turns
+    reqs = [x for pair in zip(a, b) for x in pair]
+    for spec in ("semantic", "end_only", "upstream", "llamacpp", "interval:64"):
+        r = replay(reqs, spec, device_slots=16, host_slots=0)
+        assert all(rc >= un >= 1 for rc, un in zip(r.recomputed, r.unavoidable))
+        assert r.first == [True, True] + [False] * 6
+    sem = replay(reqs, "semantic", 16, 0)
+    # b's first request resumes at the shared head end (300); later turns recompute only what
+    # was appended after the previous request (30 new + the last prompt token's recompute)
+    assert sem.recomputed[1] == len(reqs[1].ids) - 300
+    assert sem.recomputed[2:] == sem.unavoidable[2:]
+    s = sem.summary(slot_bytes=10)
+    assert s["ratio"] == 1.0 and s["snapshot_bytes"] == 10 * s["snapshots_taken"]
+
+
+def test_cli_json_on_a_recorded_trace(capsys) -> None:
+    rc = main(["--log-level", "WARNING", "bench", "anchors", "--traces",
+               str(TRACES / "mini_swe_agent" / "mini_tool.jsonl"), "--policies",
+               "semantic,end_only", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["requests"] == 6 and set(out["policies"]) == {"semantic", "end_only"}
+    sem, end = out["policies"]["semantic"], out["policies"]["end_only"]
+    assert sem["unavoidable"] == end["unavoidable"] > 0
+    assert sem["recomputed"] <= end["recomputed"]
+
+
+def test_predicted_cut_points_let_an_edit_resume_there() -> None:
+    """OpenCode prune rewrites an old tool result: only a snapshot at its tool_result_start
+    (a predicted cut point; plain semantic ignores that kind) saves the prefix before it."""
+    base = list(range(1, 200))
+    anchors = [Anchor(50, "head_end"), Anchor(120, "tool_result_start")]
+    first = SimRequest("s", base, anchors, gen=[7] * 4, cuts=[120])
+    pruned = SimRequest("s", base[:120] + [999] * 30, anchors[:2], cuts=[120])
+    plain = replay([first, pruned], "semantic", 8, 0)
+    cut = replay([first, pruned], "semantic+cuts", 8, 0)
+    assert plain.recomputed[1] == 150 - 50 and cut.recomputed[1] == 150 - 120
+    assert cut.unavoidable[1] == 150 - 120
