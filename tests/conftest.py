@@ -7,3 +7,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 
 torch.set_num_threads(1)
+
+
+import logging
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _ft_logger_as_found():
+    """`ft` CLI entry points called in-process run `setup_logging`, which gives the `ft` logger
+    its own handler and stops propagation; restore it after each test so later tests' caplog
+    (attached to the root logger) still sees `ft.*` lines. Bug it avoids: log assertions that
+    pass alone and fail after a CLI test in the same session."""
+    lg = logging.getLogger("ft")
+    saved = (lg.propagate, list(lg.handlers), lg.level)
+    yield
+    lg.propagate, lg.handlers[:], lg.level = saved[0], saved[1], saved[2]
