@@ -11,7 +11,8 @@ import torch
 
 from freetoken.cache.tensors import Caches, KVPool, StateTensors
 from freetoken.engine.cache_ops import CacheOps, HostStates, host_slots_for
-from freetoken.engine.graph_runner import DecodeRow, DecodeRunner, sample_rows
+from freetoken.engine.gpu_sampler import RowSampling, sample_rows
+from freetoken.engine.graph_runner import DecodeRow, DecodeRunner
 from freetoken.engine.stats import EngineStats
 from freetoken.log import get_logger, kv
 from freetoken.models.qwen import QwenMoE
@@ -126,16 +127,19 @@ class EngineCore:
                 self._on_token(it, toks[row])
                 row += 1
 
+    @staticmethod
+    def _row_sampling(it: BatchItem) -> RowSampling:
+        r = it.req
+        p, s = r.req.sampling, r.sampler
+        return RowSampling(p.temperature, p.top_k, p.top_p, s.seed, r.num_generated,
+                           tuple(s.blocked_ids(r.num_generated)))
+
     def _decode_row(self, it: BatchItem) -> DecodeRow:
         r = it.req
-        p = r.req.sampling
-        s = r.sampler
-        return DecodeRow(token=r.ids[r.computed], position=r.computed,
-                         out_slot=int(r.row[r.computed]),
+        return DecodeRow(**vars(self._row_sampling(it)), token=r.ids[r.computed],
+                         position=r.computed, out_slot=int(r.row[r.computed]),
                          state_slot=r.state_slot if r.state_slot is not None else -1,
-                         kv_slots=r.row[: r.computed + 1], temperature=p.temperature,
-                         top_k=p.top_k, top_p=p.top_p, seed=s.seed, step=r.num_generated,
-                         blocked=tuple(s.blocked_ids(r.num_generated)))
+                         kv_slots=r.row[: r.computed + 1])
 
     def _sample(self, items: list[BatchItem], logits: torch.Tensor) -> list[int]:
         """Next token of every row: on CUDA one batched call of the device sampler (the same
@@ -144,15 +148,8 @@ class EngineCore:
         if self.device.type != "cuda":
             return [it.req.sampler.sample(logits[i], it.req.num_generated)
                     for i, it in enumerate(items)]
-        rows = [self._decode_row_params(it) for it in items]
+        rows = [self._row_sampling(it) for it in items]
         return sample_rows(logits, rows, self.device)
-
-    def _decode_row_params(self, it: BatchItem) -> DecodeRow:
-        r = it.req
-        p, s = r.req.sampling, r.sampler
-        return DecodeRow(0, 0, 0, -1, torch.empty(0, dtype=torch.long), p.temperature, p.top_k,
-                         p.top_p, s.seed, r.num_generated,
-                         tuple(s.blocked_ids(r.num_generated)))
 
     def _batch(self, items: list[BatchItem]) -> ForwardBatch:
         ids, pos, rows = [], [], []

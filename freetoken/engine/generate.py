@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.cache.tensors import Caches, KVPool, StateTensors
-from freetoken.engine.graph_runner import DecodeRow, DecodeRunner, sample_rows
+from freetoken.engine.gpu_sampler import RowSampling, sample_rows
+from freetoken.engine.graph_runner import DecodeRow, DecodeRunner
 from freetoken.models.qwen import QwenMoE
 from freetoken.sampler import RequestSampler
 from freetoken.types.api import SamplingParams
@@ -95,9 +96,12 @@ def generate(model: QwenMoE, prompt: list[int], sampling: SamplingParams, eos_id
     out: list[int] = []
     reason = "length"
     p = sampling
-    tok = (sampler.sample(logits[0], 0) if runner is None else sample_rows(
-        logits, [DecodeRow(0, 0, 0, -1, host_slots[:0], p.temperature, p.top_k, p.top_p,
-                           sampler.seed, 0, tuple(sampler.blocked_ids(0)))], device)[0])
+    def params(n: int) -> RowSampling:
+        return RowSampling(p.temperature, p.top_k, p.top_p, sampler.seed, n,
+                           tuple(sampler.blocked_ids(n)))
+
+    tok = (sampler.sample(logits[0], 0) if runner is None
+           else sample_rows(logits, [params(0)], device)[0])
     while True:
         out.append(tok)
         if on_token:
@@ -110,9 +114,10 @@ def generate(model: QwenMoE, prompt: list[int], sampling: SamplingParams, eos_id
         pos = len(prompt) + len(out) - 1
         if runner is not None:
             n = len(out)
-            tok = runner.step([DecodeRow(tok, pos, pos, 0 if state is not None else -1,
-                                         host_slots[: pos + 1], p.temperature, p.top_k, p.top_p,
-                                         sampler.seed, n, tuple(sampler.blocked_ids(n)))])[0]
+            tok = runner.step([DecodeRow(**vars(params(n)), token=tok, position=pos,
+                                         out_slot=pos,
+                                         state_slot=0 if state is not None else -1,
+                                         kv_slots=host_slots[: pos + 1])])[0]
             continue
         logits = model(ForwardBatch.single([tok], pos, slots[: pos + 1], state, device), caches)
         tok = sampler.sample(logits[0], len(out))

@@ -13,6 +13,7 @@ Shapes: B rows, V vocabulary, NB blocked-id columns.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -89,3 +90,39 @@ def sample(logits: Tensor, rows: SamplingRows) -> Tensor:
     score = torch.where(z >= thresh, z.double() + gumbel, float("-inf"))
     drawn = score.argmax(-1)  # [B]
     return torch.where(rows.temperature > 0, drawn, lg.argmax(-1))
+
+
+@dataclass
+class RowSampling:
+    """One row's sampling parameters on the host (what `SamplingRows` holds per row)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    step: int = 0  # tokens the request has generated
+    blocked: tuple[int, ...] = ()  # stop ids forbidden this step
+
+
+def sampling_columns(rows: Sequence[RowSampling], nb: int) -> tuple[list, ...]:
+    """The rows as columns (temperature, top_k, top_p, seed, step, block_ids [B][nb],
+    block_on [B][nb]). A row's unused blocked-id columns repeat its first id with the same flag
+    (a scatter of one id with two different values would be undefined)."""
+    blk = [list(r.blocked[:nb]) or [0] for r in rows]
+    return ([r.temperature for r in rows], [r.top_k for r in rows], [r.top_p for r in rows],
+            [r.seed for r in rows], [r.step for r in rows],
+            [b + [b[0]] * (nb - len(b)) for b in blk], [[bool(r.blocked)] * nb for r in rows])
+
+
+def sample_rows(logits: Tensor, rows: Sequence[RowSampling], device: torch.device) -> list[int]:
+    """The next token of each row of `logits [R, V]` outside the decode runner (prefill and
+    mixed steps), the rows' parameters uploaded for this call."""
+    if not rows:
+        return []
+    cols = sampling_columns(rows, max(1, max(len(r.blocked) for r in rows)))
+    dtypes = (torch.float32, torch.int64, torch.float32, torch.int64, torch.int64, torch.int64,
+              torch.bool)
+    sr = SamplingRows(*(torch.tensor(c, dtype=dt).to(device, non_blocking=True)
+                        for c, dt in zip(cols, dtypes)))
+    ids = greedy(logits, sr) if all(r.temperature <= 0 for r in rows) else sample(logits, sr)
+    return ids.tolist()

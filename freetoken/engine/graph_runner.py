@@ -25,6 +25,7 @@ from torch import Tensor
 from freetoken.cache.tensors import Caches
 from freetoken.engine import gpu_sampler
 from freetoken.engine.attention_plans import FlashInferDecode, TritonDecode, choose_backend
+from freetoken.experts.cpu_bridge import attach_bridge
 from freetoken.layers.step_context import DecodeContext, PagedDecode, TorchPagedDecode
 from freetoken.log import get_logger, kv
 from freetoken.types.forward_batch import ForwardBatch
@@ -45,21 +46,16 @@ def buckets_for(max_batch: int) -> list[int]:
 
 
 @dataclass
-class DecodeRow:
+class DecodeRow(gpu_sampler.RowSampling):
     """One sequence's decode step: feed `token` at `position` (its KV goes to `out_slot`), attend
-    over `kv_slots` (the whole context, `out_slot` last), sample with the request's parameters."""
+    over `kv_slots` (the whole context, `out_slot` last), sample with the request's parameters
+    (the `RowSampling` fields)."""
 
-    token: int
-    position: int
-    out_slot: int
-    state_slot: int  # -1 for attention-only models
-    kv_slots: Tensor  # [position + 1] int64 on the host
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    step: int = 0  # tokens the request has generated
-    blocked: tuple[int, ...] = ()  # stop ids forbidden this step
+    token: int = 0
+    position: int = 0
+    out_slot: int = 0
+    state_slot: int = -1  # -1 for attention-only models
+    kv_slots: Tensor = None  # type: ignore[assignment]  # [position + 1] int64 on the host
 
 
 class _Bucket:
@@ -79,7 +75,7 @@ class DecodeRunner:
         self.device, self.dtype = w.device, w.dtype
         self.vocab = cfg.vocab_size
         self.scratch_kv, self.scratch_state = scratch_kv, scratch_state
-        self.bridge = self._attach_bridge(model, max_batch)
+        self.bridge = attach_bridge(model, max_batch)
         # every MoE layer must decode without host syncs: offload fills from the device, the
         # CPU-branch backends hand off through the bridge (`auto` stays eager: its guard times
         # steps on the host)
@@ -123,29 +119,6 @@ class DecodeRunner:
                     capturable=self.capturable,
                     attention=self.attention, kv_cap=cap))
 
-    @staticmethod
-    def _attach_bridge(model, max_batch: int):
-        """One CpuBridge for the model's CPU-branch MoE layers (hybrid, cpu), or None."""
-        from freetoken.experts.backends import SlotExperts, cpu_branch
-        from freetoken.experts.cpu_bridge import CpuBridge
-
-        k = model.cfg.top_k
-        layers = [b.experts for b in model.moe_blocks()
-                  if isinstance(b.experts, SlotExperts) and b.experts.needs_bridge(max_batch * k)]
-        if not layers:
-            return None
-        e0 = layers[0]
-        blocks = model.moe_blocks()
-        store, threads = e0.store, e0.cpu_threads
-        cfg = model.cfg
-        w = model.model.embed_tokens.weight
-        bridge = CpuBridge(len(blocks), max_batch, cfg.top_k, cfg.hidden_size, w.dtype, w.device,
-                           lambda m, x, ids, mask: cpu_branch(x, ids, mask, store, m, threads))
-        for e in layers:
-            e.bridge = bridge
-        log.info(kv("cpu_bridge", layers=len(layers), rows=max_batch, threads=threads))
-        return bridge
-
     def _cache_generation(self) -> tuple:
         return tuple(getattr(getattr(b.experts, "cache", None), "generation", 0)
                      for b in self.model.moe_blocks())
@@ -173,36 +146,30 @@ class DecodeRunner:
                 and all(len(r.blocked) <= MAX_BLOCKED for r in rows))
 
     def _stage(self, rows: list[DecodeRow], Bk: int) -> tuple[Tensor, int]:
-        """Write the rows (padded to Bk) into the staging buffers; returns indptr and key count."""
-        hi, hf = self.h_i64, self.h_f32
+        """Write the rows, padded to Bk with rows on the scratch slots, into the staging
+        buffers (one assignment per buffer); returns indptr [Bk+1] and the key count."""
         n = len(rows)
+        pad = Bk - n
+        temp, top_k, top_p, seed, step, blk, on = gpu_sampler.sampling_columns(rows, MAX_BLOCKED)
         state_pad = self.scratch_state if self.scratch_state is not None else 0
-        for b in range(Bk):
-            if b < n:
-                r = rows[b]
-                hi[:, b] = torch.tensor([r.token, r.position, r.out_slot, max(r.state_slot, 0),
-                                         r.seed, r.step, r.top_k])
-                hf[0, b], hf[1, b] = r.temperature, r.top_p
-                blk = list(r.blocked) or [0]
-                on = bool(r.blocked)
-                for j in range(MAX_BLOCKED):
-                    self.h_blk[b, j] = blk[min(j, len(blk) - 1)]
-                    self.h_blk_on[b, j] = on
-                self.h_mask[b] = True
-            else:
-                hi[:, b] = torch.tensor([0, 0, self.scratch_kv, state_pad, 0, 0, 0])
-                hf[0, b], hf[1, b] = 0.0, 1.0
-                self.h_blk[b].zero_()
-                self.h_blk_on[b].zero_()
-                self.h_mask[b] = False
-        lens = [r.kv_slots.numel() for r in rows] + [1] * (Bk - n)
+        self.h_i64[:, :Bk] = torch.tensor([
+            [r.token for r in rows] + [0] * pad,
+            [r.position for r in rows] + [0] * pad,
+            [r.out_slot for r in rows] + [self.scratch_kv] * pad,
+            [max(r.state_slot, 0) for r in rows] + [state_pad] * pad,
+            seed + [0] * pad, step + [0] * pad, top_k + [0] * pad])
+        self.h_f32[:, :Bk] = torch.tensor([temp + [0.0] * pad, top_p + [1.0] * pad])
+        self.h_blk[:Bk] = torch.tensor(blk + [[0] * MAX_BLOCKED] * pad, dtype=torch.int64)
+        self.h_blk_on[:Bk] = torch.tensor(on + [[False] * MAX_BLOCKED] * pad)
+        self.h_mask[:Bk] = torch.tensor([True] * n + [False] * pad)
+        lens = [r.kv_slots.numel() for r in rows] + [1] * pad
         ptr = self.h_indptr
         ptr[0] = 0
         ptr[1:Bk + 1] = torch.tensor(lens, dtype=torch.int32).cumsum(0)
         total = int(ptr[Bk])
         parts = [r.kv_slots for r in rows]
-        if Bk > n:
-            parts.append(torch.full((Bk - n,), self.scratch_kv, dtype=torch.int64))
+        if pad:
+            parts.append(torch.full((pad,), self.scratch_kv, dtype=torch.int64))
         self.h_indices[:total].copy_(torch.cat(parts))
         return ptr[:Bk + 1], total
 
@@ -256,18 +223,11 @@ class DecodeRunner:
     def _capture(self, bk: _Bucket, greedy: bool) -> torch.cuda.CUDAGraph | None:
         """Capture the bucket's step; the warm-up runs before it use the scratch slots only."""
         Bk = bk.size
-        self.h_i64[:, :Bk] = torch.tensor([0, 0, self.scratch_kv, self.scratch_state or 0,
-                                           0, 0, 0])[:, None]
-        self.h_f32[0, :Bk], self.h_f32[1, :Bk] = 1.0, 1.0
-        self.h_blk[:Bk].zero_()
-        self.h_blk_on[:Bk].zero_()
-        self.h_mask[:Bk] = False
-        self.h_indptr[: Bk + 1] = torch.arange(Bk + 1, dtype=torch.int32)
-        self.h_indices[:Bk] = self.scratch_kv
-        self._upload(Bk, Bk)
+        ptr, total = self._stage([], Bk)  # every row a padding row
+        self._upload(Bk, total)
         attn = self._attn(bk, None)
         if hasattr(attn, "prepare"):
-            attn.prepare(self.h_indptr[: Bk + 1], Bk)
+            attn.prepare(ptr, total)
         stats = getattr(getattr(self.model, "moe_runtime", None), "stats", None)
         try:
             s = torch.cuda.Stream()
@@ -362,25 +322,3 @@ class DecodeRunner:
         b.synchronize()
         return a.elapsed_time(b) / iters
 
-
-def sample_rows(logits: Tensor, rows: list[DecodeRow], device: torch.device) -> list[int]:
-    """Sample the next token of each row of `logits [R, V]` with the device sampler outside the
-    runner (mixed prefill/decode steps), with the rows' parameters uploaded for this call."""
-    n = len(rows)
-    if n == 0:
-        return []
-    nb = max(1, max(len(r.blocked) for r in rows))
-    blk = [list(r.blocked) or [0] for r in rows]
-    sr = gpu_sampler.SamplingRows(
-        torch.tensor([r.temperature for r in rows], dtype=torch.float32),
-        torch.tensor([r.top_k for r in rows], dtype=torch.int64),
-        torch.tensor([r.top_p for r in rows], dtype=torch.float32),
-        torch.tensor([r.seed for r in rows], dtype=torch.int64),
-        torch.tensor([r.step for r in rows], dtype=torch.int64),
-        torch.tensor([[b[min(j, len(b) - 1)] for j in range(nb)] for b in blk]),
-        torch.tensor([[bool(r.blocked)] * nb for r in rows]))
-    sr = gpu_sampler.SamplingRows(*(t.to(device, non_blocking=True) for t in (
-        sr.temperature, sr.top_k, sr.top_p, sr.seed, sr.step, sr.block_ids, sr.block_on)))
-    greedy = all(r.temperature <= 0 for r in rows)
-    ids = gpu_sampler.greedy(logits, sr) if greedy else gpu_sampler.sample(logits, sr)
-    return ids.tolist()

@@ -155,3 +155,25 @@ class CpuBridge:
                 self._failed = e
                 log.error(kv("cpu_bridge_failed", seq=seq, error=repr(e)[:200]))
                 return
+
+
+def attach_bridge(model, max_batch: int) -> CpuBridge | None:
+    """One CpuBridge for the MoE layers that can send work to the CPU in a decode step of up to
+    `max_batch` rows (hybrid, cpu, offload with fewer slots than a step can route), attached to
+    each of them; None when no layer needs one."""
+    from freetoken.experts.backends import SlotExperts, cpu_branch
+
+    blocks = model.moe_blocks()
+    k = model.cfg.top_k
+    layers = [b.experts for b in blocks
+              if isinstance(b.experts, SlotExperts) and b.experts.needs_bridge(max_batch * k)]
+    if not layers:
+        return None
+    store, threads = layers[0].store, layers[0].cpu_threads
+    w = model.model.embed_tokens.weight
+    bridge = CpuBridge(len(blocks), max_batch, k, model.cfg.hidden_size, w.dtype, w.device,
+                       lambda m, x, ids, mask: cpu_branch(x, ids, mask, store, m, threads))
+    for e in layers:
+        e.bridge = bridge
+    log.info(kv("cpu_bridge", layers=len(layers), rows=max_batch, threads=threads))
+    return bridge

@@ -1,7 +1,7 @@
 """A small fused kernel of the decode step (the others sit beside the ops they fuse: norm.py,
 gdn.py, router.py), replacing a chain of elementwise torch ops (one
-launch each; under a CUDA graph every launch still costs ~2-3 µs of replay, which at ~100
-launches per layer was most of the step).
+launch each; under a CUDA graph every launch still costs replay time, not yet measured per
+launch).
 
 - `moe_combine(y, w, residual, shared=None, shared_gate=None)`: the MoE block's output merged
   with the residual stream, out[t] = residual[t] + Σ_k w[t,k]·y[t,k] (+ sigmoid(gate[t])·shared[t]),

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# ~1 µs per poll over PCIe: about half a second before a wait gives up
+# a poll is one PCIe round trip (assumed ~1 µs, not measured): about half a second before a
+# wait gives up
 MAX_POLLS = 1 << 19
 
 

@@ -11,8 +11,9 @@ the row size.
 Pinned host memory allocated by CUDA (torch's `pin_memory()`) is mapped into the device's
 address space under unified addressing, with the same pointer; the SMs' loads then travel over
 PCIe, so throughput depends on how many 16-byte loads are in flight: BLOCK elements per program
-and many programs per row keep the link busy (measured against the copy engine in
-scripts/bench_uva_fill.py).
+and many programs per row keep the link busy. Measured inside the offload decode step on the
+H200: 53 GB/s of fills per token, the link's pinned-copy rate (docs/benchmarks.md, session 3);
+not yet compared with the copy engine in isolation.
 
 Shapes: F fetch entries, N elements per expert row (2I·H or H·I).
 """
