@@ -31,7 +31,7 @@ from freetoken.proxy.metrics import RequestRecord
 from freetoken.proxy.native import Turn, TurnEngine
 from freetoken.proxy.state import ProxyState, inner_request, template_rejects_mid_system
 from freetoken.server import anthropic_routes, openai_routes
-from freetoken.server.errors import APIError, error_response
+from freetoken.server.errors import APIError, answer_errors
 from freetoken.server.sse import EventStreamResponse
 from freetoken.server.state import ServerState
 from harness_adapters import HarnessRequest, detect_adapter
@@ -137,15 +137,7 @@ async def _native(request: Request, ps: ProxyState, body: dict, api: str, kind: 
 
 def _endpoint(api: str, kind: str) -> Any:
     async def handler(request: Request) -> Response:
-        try:
-            return await _handle(request, api, kind)
-        except APIError as e:
-            log.info(kv("reject", path=request.url.path, status=e.status, reason=e.message[:200]))
-            return error_response(api, e)
-        except Exception as e:
-            log.exception(kv("internal_error", path=request.url.path))
-            return error_response(api, APIError(500, f"internal error: {e!r}", None,
-                                                "internal_error"))
+        return await answer_errors(request, api, lambda: _handle(request, api, kind), log)
 
     return handler
 

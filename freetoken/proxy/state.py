@@ -15,6 +15,7 @@ from freetoken.proxy.native import NativeEngine
 from freetoken.proxy.sessions import SessionStore
 from freetoken.proxy.upstream import Upstream
 from freetoken.server.errors import APIError
+from freetoken.server.guard import replaying
 from freetoken.server.state import ServerState
 
 
@@ -74,16 +75,6 @@ class ProxyState:
 
 def inner_request(request: Request, body: dict, st: ServerState) -> Request:
     """The same request with the normalised body and an app whose state is `st`."""
-    data = json.dumps(body).encode()
-    sent = False
-
-    async def receive() -> dict:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": data, "more_body": False}
-        return await request.receive()
-
     scope = dict(request.scope)
     scope["app"] = SimpleNamespace(state=SimpleNamespace(ft=st))
-    return Request(scope, receive)
+    return Request(scope, replaying(json.dumps(body).encode(), request.receive))

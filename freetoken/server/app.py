@@ -25,7 +25,7 @@ from starlette.routing import Route
 from freetoken.chat.output import FAMILIES
 from freetoken.log import get_logger, kv
 from freetoken.server import anthropic_routes, native_routes, openai_routes
-from freetoken.server.errors import APIError, error_response, request_family
+from freetoken.server.errors import APIError, answer_errors, error_response, request_family
 from freetoken.server.guard import Guard
 from freetoken.server.limits import RateLimiter, ServerLimits
 from freetoken.server.state import ServerState
@@ -80,16 +80,7 @@ def _endpoint(fn: Handler, open_route: bool = False) -> Handler:
             return error_response(family, APIError(
                 401, "invalid or missing API key (send 'Authorization: Bearer KEY' or "
                 "'x-api-key: KEY')", None, "invalid_api_key"))
-        try:
-            return await fn(request)
-        except APIError as e:
-            log.info(kv("reject", path=request.url.path, status=e.status, param=e.param,
-                        reason=e.message[:200]))
-            return error_response(family, e)
-        except Exception as e:
-            log.exception(kv("internal_error", path=request.url.path))
-            return error_response(family, APIError(500, f"internal error: {e!r}", None,
-                                                   "internal_error"))
+        return await answer_errors(request, family, lambda: fn(request), log)
 
     return wrapped
 

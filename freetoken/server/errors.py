@@ -7,8 +7,10 @@ shape. The same bodies are sent as an SSE `error` event once a stream has starte
 """
 from __future__ import annotations
 
+import logging
+
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from freetoken.types.api import AdmissionError
 
@@ -80,3 +82,20 @@ def error_response(family: str, err: APIError, headers: dict[str, str] | None = 
 
 def request_family(request: Request) -> str:
     return family_of(request.url.path, {k.lower(): v for k, v in request.headers.items()})
+
+
+async def answer_errors(request: Request, family: str, call, log: logging.Logger) -> Response:
+    """`await call()`, with an `APIError` answered in the API's own shape (one `reject` line on
+    `log`) and anything unexpected as a 500 with its traceback logged (`internal_error`)."""
+    from freetoken.log import kv
+
+    try:
+        return await call()
+    except APIError as e:
+        log.info(kv("reject", path=request.url.path, status=e.status, param=e.param,
+                    reason=e.message[:200]))
+        return error_response(family, e)
+    except Exception as e:
+        log.exception(kv("internal_error", path=request.url.path))
+        return error_response(family, APIError(500, f"internal error: {e!r}", None,
+                                               "internal_error"))

@@ -114,16 +114,7 @@ class Guard:
         if scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(body, receive), send)
 
     def _check_headers(self, scope: Scope, headers: dict[str, str]) -> APIError | None:
         host = headers.get("host")
@@ -167,6 +158,21 @@ class Guard:
         assert scope.cancelled_caught
         return b"", APIError(408, f"the request body did not arrive within "
                              f"{self.limits.body_timeout_s:g} s", None, "body_timeout")
+
+
+def replaying(body: bytes, receive: Receive) -> Receive:
+    """An ASGI `receive` that hands over `body` whole once, then defers to `receive` (for the
+    disconnect message): the request re-read after its body was consumed."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def _client(scope: Scope) -> str:
