@@ -6,7 +6,6 @@ Shapes: T packed new tokens, Hq query heads, Hk KV heads, D head_dim, L context 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from freetoken.cache.tensors import KVPool
@@ -14,6 +13,7 @@ from freetoken.layers import fast_ops
 from freetoken.layers.linear import Linear, fuse_linears, split_linear
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import apply_rotary
+from freetoken.layers.step_context import attend
 from freetoken.types.forward_batch import ForwardBatch
 from freetoken.types.model_config import ModelConfig
 from kernels.cpu.attention_ops import cpu_decode_attention
@@ -75,7 +75,7 @@ class Attention(nn.Module):
                 if o1 is not None:
                     out[lo] = o1.to(out.dtype)
                     continue
-            out[lo:hi] = self._attend(q[lo:hi], k_pool[slots], v_pool[slots], p)
+            out[lo:hi] = attend(q[lo:hi], k_pool[slots], v_pool[slots], p, self.scale)
         return self._out(out, gate)
 
     @staticmethod
@@ -94,18 +94,3 @@ class Attention(nn.Module):
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(o)
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int
-                ) -> torch.Tensor:
-        # q [n, Hq, D]; k, v [L, Hk, D] with L = prefix + n; query i sees keys j <= prefix + i
-        n, L = q.shape[0], k.shape[0]
-        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, n|L, D]
-        mask = None
-        if n > 1:
-            mask = torch.arange(L, device=q.device)[None, :] <= (
-                prefix + torch.arange(n, device=q.device)[:, None])  # [n, L]
-        o = F.scaled_dot_product_attention(
-            qh.unsqueeze(0), kh.unsqueeze(0).to(q.dtype), vh.unsqueeze(0).to(q.dtype),
-            attn_mask=mask, scale=self.scale, enable_gqa=self.hq != self.hk,
-        )  # [1, Hq, n, D]
-        return o[0].transpose(0, 1)  # [n, Hq, D]

@@ -49,18 +49,29 @@ class TorchPagedDecode(PagedDecode):
 
     def run(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, scale: float) -> Tensor:
         out = torch.empty_like(q)  # [B, Hq, D]
-        hq, hk = q.shape[1], k_pool.shape[1]
         for b, slots in enumerate(self.rows):
             o1 = cpu_decode_attention(q[b], k_pool, v_pool, slots, scale)
-            if o1 is not None:
-                out[b] = o1.to(out.dtype)
-                continue
-            k, v = k_pool[slots].to(q.dtype), v_pool[slots].to(q.dtype)  # [L, Hk, D]
-            o = F.scaled_dot_product_attention(
-                q[b][:, None, :].unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                v.transpose(0, 1).unsqueeze(0), scale=scale, enable_gqa=hq != hk)  # [1,Hq,1,D]
-            out[b] = o[0, :, 0]
+            if o1 is None:
+                o1 = attend(q[b:b + 1], k_pool[slots], v_pool[slots], slots.numel() - 1,
+                            scale)[0]
+            out[b] = o1.to(out.dtype)
         return out
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, prefix: int, scale: float) -> Tensor:
+    """Causal attention of n new queries over their sequence's gathered keys: q [n, Hq, D];
+    k, v [L, Hk, D] with L = prefix + n; query i sees keys j <= prefix + i. -> [n, Hq, D]."""
+    n, L = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, n|L, D]
+    mask = None
+    if n > 1:
+        mask = torch.arange(L, device=q.device)[None, :] <= (
+            prefix + torch.arange(n, device=q.device)[:, None])  # [n, L]
+    o = F.scaled_dot_product_attention(
+        qh.unsqueeze(0), kh.unsqueeze(0).to(q.dtype), vh.unsqueeze(0).to(q.dtype),
+        attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+    )  # [1, Hq, n, D]
+    return o[0].transpose(0, 1)  # [n, Hq, D]
 
 
 @dataclass
