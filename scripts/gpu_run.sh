@@ -2,7 +2,7 @@
 # One call on the GPU machine (device tool): GPU tests, then the benchmarks of
 # docs/benchmarks.md. Writes logs under $OUT.
 # Usage: OUT=/tmp/out scripts/gpu_run.sh [stage ...]
-#   stages: tests gputests fast kprof kernel kdiag kunbound ksweep linear bw decode profile
+#   stages: tests gputests fast batch kprof kernel kdiag kunbound ksweep linear bw decode profile
 # (default: gputests kernel linear bw, about 6 min; `decode` alone takes about 5 min more)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -91,6 +91,13 @@ if has decode; then
       --backends fused,offload,cpu,hybrid "${extra[@]}" 2>&1 | grep -v "random weights:" \
       | tee "$OUT/decode_$trace.log"
   done
+fi
+if has batch; then
+  # sub-agents decoding together: batch 1, 4 and 16 through the engine's batch path
+  timeout 330 $FT bench decode --shape qwen3.6-35b-a3b --layers 20 --random-weights \
+    --moe-cache-rate 0.37 --prompt-tokens 32 --decode-tokens 64 --repeats 1 \
+    --backends ${FT_BACKENDS:-fused,offload,hybrid} --graphs on --batch ${FT_BATCH:-1,4,16} \
+    2>&1 | grep -v "random weights:" | tee "$OUT/decode_batch.log"
 fi
 if has kprof; then
   # GPU kernels of one decode step by device time (the runner run eagerly, fused, 8 layers)

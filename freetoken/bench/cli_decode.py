@@ -28,8 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--graphs", choices=["on", "off", "both"], default="on",
                    help="decode steps replayed from CUDA graphs (on), run eagerly through the "
                         "same buffers (off), or each backend both ways in the same process")
-    p.add_argument("--batch", type=int, default=1,
-                   help="sequences decoding together (through the engine's batch path)")
+    p.add_argument("--batch", default="1",
+                   help="sequences decoding together (through the engine's batch path); a comma "
+                        "list (1,4,16) measures each size in this process over the same model")
     p.add_argument("--route-trace", default=None,
                    help="replay decode routing from a trace (.npy [steps, L, N, K] or 'shared')")
     from freetoken.cli_options import add_moe_args
@@ -111,7 +112,7 @@ def run_shape(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from freetoken.bench.moe import RunResult, TraceRouter, install_trace, run_backend
+    from freetoken.bench.moe import TraceRouter, install_trace
     from freetoken.bench.random_model import random_model
     from freetoken.cli_options import moe_options, resolve_device, resolve_dtype
     from freetoken.experts.store import ExpertStore
@@ -149,7 +150,28 @@ def run_shape(args: argparse.Namespace) -> int:
     if device.type != "cuda":
         modes = [False]
     backends = [f"{b}{'' if g else '/eager'}" for b in args.backends.split(",") for g in modes]
-    best: dict[str, RunResult] = {}
+    for batch in parse_batches(args.batch):
+        best = bench_rounds(args, model, store, opts, device, prompt, backends, batch)
+        print_table(best, backends, args.repeats, batch)
+    return 0
+
+
+def parse_batches(text: str) -> list[int]:
+    try:
+        sizes = [int(b) for b in str(text).split(",") if b.strip()]
+    except ValueError:
+        raise SystemExit(f"--batch: expected sizes like 1,4,16, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise SystemExit(f"--batch: sizes must be >= 1, got {text!r}")
+    return sizes
+
+
+def bench_rounds(args, model, store, opts, device, prompt, backends, batch) -> dict:
+    import torch
+
+    from freetoken.bench.moe import run_backend
+
+    best: dict = {}
     for rnd in range(max(1, args.repeats)):
         for name in backends:
             be, graphs = name.split("/")[0], not name.endswith("/eager")
@@ -157,12 +179,17 @@ def run_shape(args: argparse.Namespace) -> int:
                     and store.nbytes > 0.8 * torch.cuda.mem_get_info()[0]):
                 continue
             r = run_backend(model, store, be, opts, device, prompt, args.decode_tokens,
-                            cuda_graph=graphs, batch=args.batch)
-            print(f"[bench] round {rnd + 1}: {name} {r.tok_s:.1f} tok/s {r.note}", flush=True)
+                            cuda_graph=graphs, batch=batch)
+            print(f"[bench] round {rnd + 1} batch {batch}: {name} {r.tok_s:.1f} tok/s {r.note}",
+                  flush=True)
             if name not in best or r.tok_s > best[name].tok_s:
                 best[name] = r
-    print(f"best of {max(1, args.repeats)} rounds per backend; batch {args.batch}")
-    print(f"{'backend':14} {'tok/s':>8} {'hit':>6} {'fetch MB/tok':>13} {'cpu MB/tok':>11} "
+    return best
+
+
+def print_table(best: dict, backends: list[str], repeats: int, batch: int) -> None:
+    print(f"best of {max(1, repeats)} rounds per backend; batch {batch}")
+    print(f"{'backend':14} {'tok/s':>8} {'hit':>6} {'fetch MB/step':>13} {'cpu MB/step':>11} "
           f"{'GB/s moved':>11} {'floor tok/s':>12}")
     for be in backends:
         r = best.get(be)
@@ -173,4 +200,3 @@ def run_shape(args: argparse.Namespace) -> int:
         floor = f"{r.floor_tok_s:12.1f}" if r.floor_tok_s else f"{'n/a':>12}"
         print(f"{be:14} {r.tok_s:8.1f} {r.hit_rate:6.3f} {r.fetch_bytes_tok / 1e6:13.1f} "
               f"{r.cpu_bytes_tok / 1e6:11.1f} {moved:11.2f} {floor}", flush=True)
-    return 0
