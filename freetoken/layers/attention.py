@@ -82,10 +82,9 @@ class Attention(nn.Module):
     def _norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                    ) -> torch.Tensor:
         # per-head norm then partial rotary; one launch on CUDA
-        if x.is_cuda:
-            mod = fast_ops.triton_module("norm")
-            if mod is not None:
-                return mod.rmsnorm_rope(x, norm.weight, norm.eps, norm.zero_centered, cos, sin)
+        mod = fast_ops.triton_for(x, "norm")
+        if mod is not None:
+            return mod.rmsnorm_rope(x, norm.weight, norm.eps, norm.zero_centered, cos, sin)
         return apply_rotary(norm(x), cos, sin)
 
     def _out(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:

@@ -32,7 +32,10 @@ def triton_module(name: str):
         return None
 
 
-def _use_triton(x: Tensor, name: str):
+def triton_for(x: Tensor, name: str):
+    """The Triton module `name` when x lives on CUDA and triton is there, else None (the caller
+    takes its torch path). The one switch between the two paths: tests point it at the
+    interpreter to run the CUDA path on the CPU."""
     return triton_module(name) if x.is_cuda else None
 
 
@@ -44,7 +47,7 @@ def conv_update(x: Tensor, conv_pool: Tensor, weight: Tensor, slots: Tensor) -> 
     """One causal depthwise-conv step per row, state in place: window = [conv_pool[slot] | x],
     out = silu(Σ window·w), conv_pool[slot] = window[..., 1:].
     x [B, C]; conv_pool [S, C, Kc-1]; weight [C, Kc]; slots [B] -> out [B, C] in x's dtype."""
-    mod = _use_triton(x, "gdn")
+    mod = triton_for(x, "gdn")
     if mod is not None:
         return mod.causal_conv1d_update_pool(x, conv_pool, weight, slots)
     window = torch.cat([conv_pool.index_select(0, slots),
@@ -58,7 +61,7 @@ def gdn_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_
     """One gated-delta-rule step per row with the state read and written in place.
     q, k [B, Hk, dk] raw (L2-normalised here); v [B, Hv, dv]; g, beta [B, Hv];
     ssm_pool [S, Hv, dk, dv] fp32; slots [B] -> o [B, Hv, dv] fp32."""
-    mod = _use_triton(q, "gdn")
+    mod = triton_for(q, "gdn")
     if mod is not None:
         return mod.gdn_recurrent_pool(q, k, v, g, beta, ssm_pool, slots)
     r = v.shape[1] // q.shape[1]
@@ -72,7 +75,7 @@ def gdn_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_
 def fused_moe(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor) -> Tensor | None:
     """The Triton fused MoE (unweighted [T, K, H] into y, ids < 0 left untouched) on CUDA, or
     None when it is unavailable (the caller keeps its torch path)."""
-    mod = _use_triton(x, "fused_moe")
+    mod = triton_for(x, "fused_moe")
     if mod is None:
         return None
     return mod.fused_moe(x, ids, gate_up, down, y)
@@ -81,7 +84,7 @@ def fused_moe(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor) 
 def router(x: Tensor, weight: Tensor, top_k: int, renormalize: bool
            ) -> tuple[Tensor, Tensor] | None:
     """Fused softmax → top-k → renormalise on CUDA, or None (the caller's torch path)."""
-    mod = _use_triton(x, "router")
+    mod = triton_for(x, "router")
     if mod is None:
         return None
     return mod.fused_router(x, weight, top_k, renormalize)
@@ -90,7 +93,7 @@ def router(x: Tensor, weight: Tensor, top_k: int, renormalize: bool
 def gdn_gates(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
     """g = -exp(A_log)·softplus(a + dt_bias) fp32, beta = sigmoid(b) in b's dtype: a, b
     [T, Hv] -> [T, Hv] each."""
-    mod = _use_triton(a, "gdn")
+    mod = triton_for(a, "gdn")
     if mod is not None:
         return mod.gdn_gates(a, b, a_log, dt_bias)
     return -a_log.float().exp() * F.softplus(a.float() + dt_bias), torch.sigmoid(b)
@@ -100,7 +103,7 @@ def moe_combine(y: Tensor, w: Tensor, residual: Tensor, shared: Tensor | None,
                 shared_gate: Tensor | None) -> Tensor:
     """residual + Σ_k w·y (+ sigmoid(shared_gate)·shared): y [T, K, H], w [T, K], residual,
     shared [T, H], shared_gate [T, 1]."""
-    mod = _use_triton(y, "decode_fusions")
+    mod = triton_for(y, "decode_fusions")
     if mod is not None:
         return mod.moe_combine(y, w, residual, shared, shared_gate)
     out = (y * w[..., None]).sum(1)  # [T, H]

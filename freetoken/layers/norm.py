@@ -8,11 +8,9 @@ from torch import nn
 
 def _triton_norm(x: torch.Tensor):
     """The Triton norm kernels (one launch instead of ~8) for CUDA tensors, else None."""
-    if not x.is_cuda:
-        return None
-    from freetoken.layers.fast_ops import triton_module
+    from freetoken.layers import fast_ops
 
-    return triton_module("norm")
+    return fast_ops.triton_for(x, "norm")
 
 
 def add_rmsnorm(norm: RMSNorm, h: torch.Tensor, residual: torch.Tensor
