@@ -81,13 +81,28 @@ def fused_moe(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor) 
     return mod.fused_moe(x, ids, gate_up, down, y)
 
 
-def router(x: Tensor, weight: Tensor, top_k: int, renormalize: bool
-           ) -> tuple[Tensor, Tensor] | None:
-    """Fused softmax → top-k → renormalise on CUDA, or None (the caller's torch path)."""
+# a shared expert runs in the decode GEMV kernels up to this many tokens (each token re-reads
+# its weights, from L2 past the first); cuBLAS's GEMM above
+SHARED_DECODE_MAX_T = 16
+
+
+def shared_expert(x: Tensor, gate_up: Tensor, down: Tensor) -> Tensor | None:
+    """A shared expert (dense SwiGLU, gate_up [2I, H] rows [gate | up], down [H, I]) on
+    decode-sized x [T, H] in two Triton launches on CUDA, or None (the caller runs the MLP)."""
+    mod = triton_for(x, "fused_moe")
+    if mod is None or x.shape[0] > SHARED_DECODE_MAX_T:
+        return None
+    return mod.shared_expert_decode(x, gate_up, down)
+
+
+def router(x: Tensor, weight: Tensor, top_k: int, renormalize: bool,
+           row_mask: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
+    """Fused softmax → top-k → renormalise (ids -1 outside `row_mask`) on CUDA, or None (the
+    caller's torch path)."""
     mod = triton_for(x, "router")
     if mod is None:
         return None
-    return mod.fused_router(x, weight, top_k, renormalize)
+    return mod.fused_router(x, weight, top_k, renormalize, row_mask)
 
 
 def gdn_gates(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
@@ -99,15 +114,14 @@ def gdn_gates(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Ten
     return -a_log.float().exp() * F.softplus(a.float() + dt_bias), torch.sigmoid(b)
 
 
-def moe_combine(y: Tensor, w: Tensor, residual: Tensor, shared: Tensor | None,
-                shared_gate: Tensor | None) -> Tensor:
-    """residual + Σ_k w·y (+ sigmoid(shared_gate)·shared): y [T, K, H], w [T, K], residual,
-    shared [T, H], shared_gate [T, 1]."""
+def moe_combine(y: Tensor, w: Tensor, residual: Tensor, shared: Tensor | None = None,
+                gate_x: Tensor | None = None, gate_weight: Tensor | None = None) -> Tensor:
+    """residual + Σ_k w·y (+ sigmoid(gate_x @ gate_weightᵀ)·shared): y [T, K, H], w [T, K],
+    residual, shared, gate_x [T, H], gate_weight [1, H] (the shared expert gate's Linear)."""
     mod = triton_for(y, "decode_fusions")
     if mod is not None:
-        return mod.moe_combine(y, w, residual, shared, shared_gate)
+        return mod.moe_combine(y, w, residual, shared, gate_x=gate_x, gate_weight=gate_weight)
     out = (y * w[..., None]).sum(1)  # [T, H]
     if shared is not None:
-        out = out + torch.sigmoid(shared_gate) * shared
+        out = out + torch.sigmoid(F.linear(gate_x, gate_weight)) * shared
     return residual + out
-
