@@ -49,7 +49,7 @@ class Attention(nn.Module):
             qp, kp, vp = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.gated:
             qg = qp.reshape(T, self.hq, 2 * self.d)  # [T, Hq, 2D]: per head [q | gate]
-            q, gate = qg[..., : self.d], qg[..., self.d:].reshape(T, self.hq * self.d)
+            q, gate = qg[..., : self.d], qg[..., self.d:]  # [T, Hq, D] views
         else:
             q, gate = qp.reshape(T, self.hq, self.d), None
         q = self._norm_rope(self.q_norm, q, cos, sin)  # [T, Hq, D]
@@ -88,8 +88,7 @@ class Attention(nn.Module):
         return apply_rotary(norm(x), cos, sin)
 
     def _out(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        # out [T, Hq, D] -> [T, hidden]
-        o = out.reshape(out.shape[0], self.hq * self.d)
+        # out [T, Hq, D], gate [T, Hq, D] (a view) -> [T, hidden]
         if gate is not None:
-            o = o * torch.sigmoid(gate)
-        return self.o_proj(o)
+            return self.o_proj(fast_ops.sigmoid_gate_mul(out, gate))
+        return self.o_proj(out.reshape(out.shape[0], self.hq * self.d))

@@ -114,6 +114,15 @@ def gdn_gates(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Ten
     return -a_log.float().exp() * F.softplus(a.float() + dt_bias), torch.sigmoid(b)
 
 
+def sigmoid_gate_mul(o: Tensor, gate: Tensor) -> Tensor:
+    """o * sigmoid(gate) flattened to [T, Hh*D]: o, gate [T, Hh, D] (gate a strided view)."""
+    mod = triton_for(o, "decode_fusions")
+    if mod is not None:
+        return mod.sigmoid_gate_mul(o, gate)
+    T = o.shape[0]
+    return o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
+
+
 def moe_combine(y: Tensor, w: Tensor, residual: Tensor, shared: Tensor | None = None,
                 gate_x: Tensor | None = None, gate_weight: Tensor | None = None) -> Tensor:
     """residual + Σ_k w·y (+ sigmoid(gate_x @ gate_weightᵀ)·shared): y [T, K, H], w [T, K],

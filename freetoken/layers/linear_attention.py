@@ -71,7 +71,7 @@ class GatedDeltaNet(nn.Module):
             o = fast_ops.gdn_recurrent(q.view(T, self.hk, self.dk), k.view(T, self.hk, self.dk),
                                        v.reshape(T, self.hv, self.dv), g, beta, ssm_pool,
                                        slots)  # [B, Hv, dv] fp32
-            y = self.norm(o.to(x.dtype), z)  # [B, Hv, dv]
+            y = self.norm(o, z, x.dtype)  # [B, Hv, dv]
             return self.out_proj(y.reshape(T, self.value_dim))
         core = torch.empty(T, self.hv, self.dv, dtype=torch.float32, device=x.device)  # [T, Hv, dv]
         cu = batch.cu
@@ -98,7 +98,7 @@ class GatedDeltaNet(nn.Module):
             o, s = chunk_gated_delta(q, k, v, g[lo:hi], beta[lo:hi], ssm_pool[slot])
             ssm_pool[slot] = s
             core[lo:hi] = o
-        y = self.norm(core.to(x.dtype), z)  # [T, Hv, dv]
+        y = self.norm(core, z, x.dtype)  # [T, Hv, dv]
         return self.out_proj(y.reshape(T, self.value_dim))
 
     def _split(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

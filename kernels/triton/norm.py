@@ -59,7 +59,9 @@ def _gated_rmsnorm_kernel(
     n = tl.arange(0, BLOCK_N)  # [BN]
     ok = (r < R)[:, None] & (n < N)[None, :]
     r = r.to(tl.int64)
+    # x rounds to the output dtype first (the caller's `.to(dtype)` of an fp32 core output)
     x = tl.load(x_ptr + r[:, None] * s_x + n[None, :], mask=ok, other=0.0)
+    x = x.to(y_ptr.dtype.element_ty)
     xf = x.to(tl.float32)
     xn = xf * (1.0 / tl.sqrt(tl.sum(xf * xf, 1) / N + eps))[:, None]
     w = tl.load(w_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
@@ -118,21 +120,25 @@ def _launch_rmsnorm(x2, r2, weight, y2, s2, eps, has_res, zero_centered) -> None
     )
 
 
-def gated_rmsnorm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """GatedRMSNorm: (w · norm(x)) · silu(z). x, z [..., N]; weight [N]; y in x's dtype."""
+def gated_rmsnorm(x: Tensor, z: Tensor, weight: Tensor, eps: float,
+                  x_dtype: torch.dtype | None = None) -> Tensor:
+    """GatedRMSNorm: (w · norm(x)) · silu(z). x, z [..., N]; weight [N]; y in x's dtype, or
+    in `x_dtype` with x rounded to it first (= `gated_rmsnorm(x.to(x_dtype), ...)`, one launch
+    less for the gated DeltaNet's fp32 output)."""
     N = x.shape[-1]
     if z.shape != x.shape or weight.shape != (N,):
         raise ValueError(f"shapes x {tuple(x.shape)}, z {tuple(z.shape)}, "
                          f"weight {tuple(weight.shape)} do not match")
     x2, z2 = _rows(x, N), _rows(z, N)  # [R, N]
     R = x2.shape[0]
-    y2 = torch.empty(R, N, dtype=x.dtype, device=x.device)  # [R, N]
+    xdt = x.dtype if x_dtype is None else x_dtype
+    y2 = torch.empty(R, N, dtype=xdt, device=x.device)  # [R, N]
     if not R:
         return y2.view(x.shape)
     br, bn, warps = _blocks(N)
     _gated_rmsnorm_kernel[(triton.cdiv(R, br),)](
         x2, z2, weight, y2, R, N, eps, x2.stride(0), z2.stride(0), y2.stride(0),
-        MID=_TL[torch.promote_types(weight.dtype, x.dtype)], BLOCK_R=br, BLOCK_N=bn,
+        MID=_TL[torch.promote_types(weight.dtype, xdt)], BLOCK_R=br, BLOCK_N=bn,
         num_warps=warps,
     )
     return y2.view(x.shape)
