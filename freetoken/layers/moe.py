@@ -134,7 +134,9 @@ class FusedExperts(ExpertBackend):
         mod = fast_ops.triton_for(x, "fused_moe")
         if mod is None:
             y = torch.zeros(T, K, H, dtype=x.dtype, device=x.device)  # [T, K, H]
-            return dispatch_experts(x, topk_ids, self.gate_up_proj, self.down_proj, y), None
+            if fast_ops.fused_moe(x, topk_ids, self.gate_up_proj, self.down_proj, y) is None:
+                dispatch_experts(x, topk_ids, self.gate_up_proj, self.down_proj, y)
+            return y, None
         y = torch.empty(T, K, H, dtype=x.dtype, device=x.device)  # [T, K, H], every entry set
         if (shared is not None and topk_ids.numel() <= mod.DECODE_MAX_ENTRIES
                 and shared[0].shape[0] == self.gate_up_proj.shape[1]):

@@ -113,3 +113,22 @@ def test_rmsnorm_rope_matches_norm_then_rotary(zero_centered: bool, dtype) -> No
         assert rel_err(got, ref) <= 1e-3 and rel_err(got, ref64) <= 5e-3
         if DEVICE == "cpu":
             assert torch.equal(got, ref)
+
+
+def test_gated_rmsnorm_rounds_fp32_input_to_x_dtype_first() -> None:
+    """x_dtype folds the gated DeltaNet's `o.to(model dtype)` into the norm: fp32 x with
+    x_dtype=fp16 equals the norm of x.to(fp16) exactly (fp16: the interpreter rounds fp32 ->
+    fp16 to nearest as torch does; its bf16 conversion truncates). Bug it catches: the norm
+    taken of the unrounded fp32 values, or the output left in fp32."""
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(3, 4, 16, generator=gen) * 3  # [T, Hv, dv] fp32 core output
+    z = torch.randn(3, 4, 16, generator=gen).half()
+    w = (1 + 0.3 * torch.randn(16, generator=gen)).half()
+    got = gated_rmsnorm(x.to(DEVICE), z.to(DEVICE), w.to(DEVICE), EPS, x_dtype=torch.float16)
+    want = gated_rmsnorm(x.half().to(DEVICE), z.to(DEVICE), w.to(DEVICE), EPS)
+    assert got.dtype == torch.float16 and torch.equal(got.cpu(), want.cpu())
+    mod = GatedRMSNorm(16, EPS).half()  # the torch path (CPU) takes the same argument
+    mod.weight.data = w
+    ref = mod(x, z, x_dtype=torch.float16)
+    assert ref.dtype == torch.float16 and torch.equal(ref, mod(x.half(), z))
+    assert rel_err(got.float(), ref.float()) <= 2e-3
