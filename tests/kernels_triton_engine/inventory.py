@@ -39,7 +39,7 @@ def _same_storage(a, b) -> bool:
             and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
 
 
-class _Ops(TorchDispatchMode):
+class Ops(TorchDispatchMode):
     """Counts launches per scope ("step", or the decoder layer "L<i>:<kind>" running), as
     `ops[(scope, name)]`. The interpreter's own tensor traffic inside a Triton launch is not
     counted."""
@@ -62,7 +62,7 @@ class _Ops(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _count_triton(mode: _Ops):
+def count_triton(mode: Ops):
     from triton.runtime.interpreter import InterpretedFunction
 
     orig = InterpretedFunction.run
@@ -83,7 +83,7 @@ def _count_triton(mode: _Ops):
 
 
 @contextlib.contextmanager
-def _layer_scopes(model, mode: _Ops):
+def layer_scopes(model, mode: Ops):
     hooks = []
     for i, layer in enumerate(model.model.layers):
         kind = "gdn" if layer.is_linear else "attn"
@@ -102,14 +102,21 @@ def _layer_scopes(model, mode: _Ops):
             h.remove()
 
 
-def cuda_path(monkeypatch=None):
-    """Point every fast_ops switch at the Triton kernels for CPU tensors too (interpreted).
-    Returns an undo callable."""
+def cuda_path():
+    """Point every fast_ops switch at the Triton kernels for CPU tensors too (interpreted), and
+    cut the paged attention to 2 splits (the H200 default of ~64 costs seconds per interpreted
+    step; the launches are the same two). Returns an undo callable."""
+    import kernels.triton.paged_attention as pa
     from freetoken.layers import fast_ops
 
-    orig = fast_ops.triton_for
+    orig, splits = fast_ops.triton_for, pa.default_num_splits
     fast_ops.triton_for = lambda x, name: fast_ops.triton_module(name)
-    return lambda: setattr(fast_ops, "triton_for", orig)
+    pa.default_num_splits = lambda *a, **k: 2
+
+    def undo() -> None:
+        fast_ops.triton_for, pa.default_num_splits = orig, splits
+
+    return undo
 
 
 def decode_runner(model_dir, rows: int, dtype: torch.dtype = torch.bfloat16):
@@ -143,8 +150,8 @@ def count_step(model_dir, rows: int = 1, dtype: torch.dtype = torch.bfloat16
         _, total = runner._stage(dec, bk.size)
         runner._upload(bk.size, total)
         attn = runner._attn(bk, dec)
-        mode = _Ops()
-        with mode, _count_triton(mode), _layer_scopes(runner.model, mode):
+        mode = Ops()
+        with mode, count_triton(mode), layer_scopes(runner.model, mode):
             runner._run_forward(bk.size, attn, greedy=True)
     finally:
         undo()
