@@ -124,13 +124,19 @@ def sigmoid_gate_mul(o: Tensor, gate: Tensor) -> Tensor:
 
 
 def moe_combine(y: Tensor, w: Tensor, residual: Tensor, shared: Tensor | None = None,
-                gate_x: Tensor | None = None, gate_weight: Tensor | None = None) -> Tensor:
-    """residual + Σ_k w·y (+ sigmoid(gate_x @ gate_weightᵀ)·shared): y [T, K, H], w [T, K],
-    residual, shared, gate_x [T, H], gate_weight [1, H] (the shared expert gate's Linear)."""
+                gate_x: Tensor | None = None, gate_weight: Tensor | None = None,
+                next_norm=None) -> Tensor | tuple[Tensor, Tensor]:
+    """out = residual + Σ_k w·y (+ sigmoid(gate_x @ gate_weightᵀ)·shared): y [T, K, H],
+    w [T, K], residual, shared, gate_x [T, H], gate_weight [1, H] (the shared expert gate's
+    Linear). With `next_norm` (an RMSNorm) returns (out, next_norm(out)), one launch on CUDA."""
     mod = triton_for(y, "decode_fusions")
     if mod is not None:
-        return mod.moe_combine(y, w, residual, shared, gate_x=gate_x, gate_weight=gate_weight)
+        norm = (None if next_norm is None
+                else (next_norm.weight, next_norm.eps, next_norm.zero_centered))
+        return mod.moe_combine(y, w, residual, shared, gate_x=gate_x, gate_weight=gate_weight,
+                               norm=norm)
     out = (y * w[..., None]).sum(1)  # [T, H]
     if shared is not None:
         out = out + torch.sigmoid(F.linear(gate_x, gate_weight)) * shared
-    return residual + out
+    out = residual + out
+    return out if next_norm is None else (out, next_norm(out))

@@ -186,10 +186,12 @@ class MoEBlock(nn.Module):
         self.route_hook = None  # callable(layer_id, topk_ids) for routing traces
 
     def forward(self, x: torch.Tensor, row_mask: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, next_norm: nn.Module | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> [T, H] (plus `residual` [T, H] when given, merged in the same pass).
         `row_mask [T]` bool: rows that route (a graph bucket's padding rows do not: their ids
-        become -1, so they move no expert and compute none).
+        become -1, so they move no expert and compute none). `next_norm` (the next decoder
+        layer's input RMSNorm): return (out, next_norm(out)), the norm in the combine's launch.
 
         On the CUDA decode path the shared expert runs inside the routed experts' launches
         (`fused`) or in two launches of the same kernels (other backends), and its sigmoid gate
@@ -212,7 +214,7 @@ class MoEBlock(nn.Module):
             gate_w = self.shared_expert_gate.weight  # [1, H]
         if residual is None:
             residual = torch.zeros_like(x)
-        return fast_ops.moe_combine(y, w, residual, shared, x, gate_w)
+        return fast_ops.moe_combine(y, w, residual, shared, x, gate_w, next_norm)
 
     def _shared_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(gate_up [2I, H], down [H, I]) of the shared expert once its projections are fused

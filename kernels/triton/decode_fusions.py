@@ -8,7 +8,8 @@ a CUDA graph every launch still costs replay time).
   order in fp32. The shared expert's gate g is given (`shared_gate` [T, 1], pre-sigmoid) or
   computed here as the Linear(H, 1) it is, g[t] = gate_x[t] · gate_weight[0] accumulated in fp32
   and rounded to gate_x's dtype as the Linear's output is (one launch instead of cuBLAS's dot,
-  its reduce, and the sigmoid-mul chain).
+  its reduce, and the sigmoid-mul chain). With `norm=` it also returns the next decoder
+  layer's input RMSNorm of the result, so that norm costs no launch of its own.
 - `moe_sum(y, w)`: the weighted merge alone.
 - `sigmoid_gate_mul(o, gate)`: the gated attention's o * sigmoid(gate), gate a strided view.
 
@@ -23,9 +24,11 @@ from torch import Tensor
 
 
 @triton.jit
-def _combine_kernel(y_ptr, w_ptr, res_ptr, sh_ptr, sg_ptr, x_ptr, gw_ptr, out_ptr, K, H,
-                    s_yt, s_yk, s_wt, s_rt, s_sh, s_sg, s_x, s_ot,
-                    HAS_SHARED: tl.constexpr, GATE_DOT: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_kernel(y_ptr, w_ptr, res_ptr, sh_ptr, sg_ptr, x_ptr, gw_ptr, out_ptr,
+                    nw_ptr, norm_ptr, K, H, eps,
+                    s_yt, s_yk, s_wt, s_rt, s_sh, s_sg, s_x, s_ot, s_nt,
+                    HAS_SHARED: tl.constexpr, GATE_DOT: tl.constexpr, NORM: tl.constexpr,
+                    ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     ar = tl.arange(0, BLOCK)
@@ -49,7 +52,19 @@ def _combine_kernel(y_ptr, w_ptr, res_ptr, sh_ptr, sg_ptr, x_ptr, gw_ptr, out_pt
         gate = 1.0 / (1.0 + tl.exp(-gate))
         acc += gate * tl.load(sh_ptr + t * s_sh + offs, mask=m, other=0.0).to(tl.float32)
     acc += tl.load(res_ptr + t * s_rt + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * s_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
+    s = acc.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * s_ot + offs, s, mask=m)
+    if NORM:
+        # the next layer's input RMSNorm of the stored row (BLOCK >= H: one program per row),
+        # the math of norm.py's _rmsnorm_kernel
+        xf = tl.where(m, s.to(tl.float32), 0.0)
+        xn = xf * (1.0 / tl.sqrt(tl.sum(xf * xf, 0) / H + eps))
+        nw = tl.load(nw_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            yn = xn * (1.0 + nw)
+        else:
+            yn = xn.to(s.dtype).to(tl.float32) * nw
+        tl.store(norm_ptr + t * s_nt + offs, yn.to(norm_ptr.dtype.element_ty), mask=m)
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -58,10 +73,13 @@ def _rows(t: Tensor) -> Tensor:
 
 def moe_combine(y: Tensor, w: Tensor, residual: Tensor, shared: Tensor | None = None,
                 shared_gate: Tensor | None = None, gate_x: Tensor | None = None,
-                gate_weight: Tensor | None = None) -> Tensor:
+                gate_weight: Tensor | None = None,
+                norm: tuple[Tensor, float, bool] | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """y [T, K, H] unweighted expert outputs, w [T, K] routing weights, residual [T, H];
     optional shared [T, H] with its pre-sigmoid gate: shared_gate [T, 1], or gate_x [T, H] and
-    gate_weight [1, H] (the Linear's weight) to compute it here -> [T, H] in residual's dtype.
+    gate_weight [1, H] (the Linear's weight) to compute it here -> out [T, H] in residual's
+    dtype. `norm` = (weight [H], eps, zero_centered): also return the RMSNorm of out (the next
+    decoder layer's input norm, `kernels.triton.norm.rmsnorm` semantics) from the same launch.
     Row strides are free; last dims must be contiguous (else copied)."""
     T, K, H = y.shape
     y, w, residual = _rows(y), _rows(w), _rows(residual)
@@ -78,15 +96,28 @@ def moe_combine(y: Tensor, w: Tensor, residual: Tensor, shared: Tensor | None = 
     sg = shared_gate if has and not dot else w
     gx = _rows(gate_x) if dot else residual
     gw = gate_weight.reshape(H) if dot else residual
-    if T == 0:
-        return out
-    block = min(1024, triton.next_power_of_2(H))
-    _combine_kernel[(T, triton.cdiv(H, block))](
-        y, w, residual, sh, sg, gx, gw, out, K, H,
-        y.stride(0), y.stride(1), w.stride(0), residual.stride(0), sh.stride(0), sg.stride(0),
-        gx.stride(0), out.stride(0),
-        HAS_SHARED=has, GATE_DOT=dot, BLOCK=block)
-    return out
+    normed = nw = None
+    eps, zc = 0.0, True
+    if norm is not None:
+        nw, eps, zc = norm
+        if nw.shape != (H,):
+            raise ValueError(f"norm weight {tuple(nw.shape)} does not match H={H}")
+        ndt = out.dtype if zc else torch.promote_types(nw.dtype, out.dtype)
+        normed = torch.empty((T, H), dtype=ndt, device=out.device)  # [T, H]
+    if T:
+        # with a norm, one program takes a whole row
+        block = triton.next_power_of_2(H) if norm is not None else min(1024,
+                                                                          triton.next_power_of_2(H))
+        _combine_kernel[(T, triton.cdiv(H, block))](
+            y, w, residual, sh, sg, gx, gw, out,
+            nw if norm is not None else residual, normed if norm is not None else out,
+            K, H, float(eps),
+            y.stride(0), y.stride(1), w.stride(0), residual.stride(0), sh.stride(0),
+            sg.stride(0), gx.stride(0), out.stride(0),
+            normed.stride(0) if normed is not None else 0,
+            HAS_SHARED=has, GATE_DOT=dot, NORM=norm is not None, ZERO_CENTERED=bool(zc),
+            BLOCK=block, num_warps=8 if block >= 4096 else 4)
+    return out if norm is None else (out, normed)
 
 
 @triton.jit

@@ -36,14 +36,14 @@ BLOCKING = {"_local_scalar_dense", "nonzero", "masked_select", "unique_dim", "_u
 # padded bucket of 4): measured 622 and 664 on 2026-11-30, plus ~5 % headroom.
 OPS_BUDGET = {1: 655, 4: 700}
 BLOCKING_BUDGET = 0
-# Launches per decoder layer on the CUDA path (tiny hybrid model, bf16, batch 1), counted on
-# 2026-11-30 (docs/kernels.md has the inventory): gated-DeltaNet + MoE layer 22 -> 13 and
-# attention + MoE layer 26 -> 16 after the decode fusions (shared expert inside the routed MoE
-# launches, its gate in the combine, padding rows masked by the router, no y clear, the gated
-# norm's folded cast, the attention gate in one kernel). No headroom: each launch is ~2 us of
-# the step.
-CUDA_LAYER_BUDGET = {"gdn": 13, "attn": 16}
-CUDA_STEP_BUDGET = 18  # embedding, rotary tables, final norm, LM head, sampling
+# Launches per decoder layer on the CUDA path (tiny hybrid model, bf16, batch 1; a layer past
+# the first), counted on 2026-11-30 (docs/kernels.md has the inventory): gated-DeltaNet + MoE
+# layer 22 -> 12 and attention + MoE layer 26 -> 15 after the decode fusions (shared expert in
+# the routed MoE launches, its gate and the next layer's input norm in the combine, padding
+# rows masked by the router, no y clear, the gated norm's folded cast, the attention gate in
+# one kernel). No headroom: each launch is ~2 us of the step.
+CUDA_LAYER_BUDGET = {"gdn": 12, "attn": 15}
+CUDA_STEP_TOTAL = 70  # 4 layers + embedding, rotary tables, final norm, LM head, sampling
 
 
 class _Count(TorchDispatchMode):
@@ -98,8 +98,9 @@ def test_cuda_path_kernels_per_layer(tiny_hf) -> None:
     pytest.importorskip("triton")
     from tests.kernels_triton_engine.inventory import count_step, per_layer
 
-    counts = per_layer(count_step(tiny_hf("qwen3_5_moe", torch.bfloat16), rows=1))
+    ops = count_step(tiny_hf("qwen3_5_moe", torch.bfloat16), rows=1)
+    counts = per_layer(ops)
     for kind, budget in CUDA_LAYER_BUDGET.items():
         c = counts[kind]
         assert sum(c.values()) <= budget, (kind, sorted(c.items(), key=lambda kv: -kv[1]))
-    assert sum(counts["step"].values()) <= CUDA_STEP_BUDGET, counts["step"]
+    assert sum(ops.values()) <= CUDA_STEP_TOTAL, sorted(ops.items(), key=lambda kv: -kv[1])

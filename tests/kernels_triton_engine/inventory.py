@@ -159,17 +159,17 @@ def count_step(model_dir, rows: int = 1, dtype: torch.dtype = torch.bfloat16
 
 
 def per_layer(ops: collections.Counter) -> dict[str, collections.Counter]:
-    """{"gdn": ops of the first gated-DeltaNet layer, "attn": of the first attention layer,
-    "step": outside the layers}."""
+    """{"gdn" / "attn": the ops of the first gated-DeltaNet / attention layer past layer 0 (a
+    steady-state layer: layer 0 also runs the model's first input norm, which later layers get
+    from the previous layer's combine), "step": outside the layers}."""
     out: dict[str, collections.Counter] = {}
     for (scope, name), n in ops.items():
-        key = scope.split(":")[-1] if scope == "step" else scope
-        out.setdefault(key, collections.Counter())[name] += n
+        out.setdefault(scope, collections.Counter())[name] += n
     firsts: dict[str, collections.Counter] = {"step": out.get("step", collections.Counter())}
-    for scope in sorted(out):
-        kind = scope.split(":")[-1]
-        if scope != "step" and kind not in firsts:
-            firsts[kind] = out[scope]
+    for scope in sorted(out, key=lambda s: int(s[1:].split(":")[0]) if s != "step" else -1):
+        if scope == "step" or scope.startswith("L0:"):
+            continue
+        firsts.setdefault(scope.split(":")[-1], out[scope])
     return firsts
 
 

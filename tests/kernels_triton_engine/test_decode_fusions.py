@@ -103,3 +103,28 @@ def test_sigmoid_gate_mul_reads_the_gate_view() -> None:
     want = (o.double() * torch.sigmoid(qg[..., D:].double())).reshape(T, NH * D)
     assert out.shape == (T, NH * D)
     assert rel(out, want) < 1e-6
+
+
+@pytest.mark.parametrize("zero_centered,H", [(True, 96), (False, 96), (True, 2100)])
+def test_moe_combine_with_next_norm(zero_centered: bool, H: int) -> None:
+    """The next layer's input RMSNorm from the combine's launch: out as without it, and the
+    norm of out equal to the RMSNorm module on it (one program per row; H=2100 a masked tail).
+    Bug it catches: a norm over one block of the row, or of the unrounded sum."""
+    from freetoken.layers.norm import RMSNorm
+
+    g0 = torch.Generator().manual_seed(14)
+    T, K = 3, 2
+    y, w = torch.randn(T, K, H, generator=g0), torch.rand(T, K, generator=g0)
+    res, sh = torch.randn(T, H, generator=g0), torch.randn(T, H, generator=g0)
+    x, gw = torch.randn(T, H, generator=g0), torch.randn(1, H, generator=g0) / H**0.5
+    norm = RMSNorm(H, 1e-6, zero_centered)
+    norm.weight.data = torch.randn(H, generator=g0) * 0.3 + (0 if zero_centered else 1)
+    args = (y.to(DEV), w.to(DEV), res.to(DEV), sh.to(DEV))
+    kw = {"gate_x": x.to(DEV), "gate_weight": gw.to(DEV)}
+    out, normed = moe_combine(*args, **kw, norm=(norm.weight.data.to(DEV), 1e-6, zero_centered))
+    plain = moe_combine(*args, **kw)
+    assert torch.equal(out.cpu(), plain.cpu())
+    with torch.no_grad():
+        want = norm(out.cpu())
+    assert normed.dtype == want.dtype
+    assert rel(normed.cpu(), want) < 1e-6
