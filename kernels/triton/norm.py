@@ -156,9 +156,10 @@ def _norm_value(xn, w, X_DT: tl.constexpr, NORM_DT: tl.constexpr, ZERO_CENTERED:
 
 @triton.jit
 def _rmsnorm_rope_kernel(
-    x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, R, H, N, eps,
-    s_xt, s_xh, s_c, s_s, s_yt, s_yh,
+    x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, rows_ptr, v_ptr, vo_ptr, R, H, N, eps,
+    s_xt, s_xh, s_c, s_s, s_yt, s_yh, s_vt, s_vh, s_vot, s_voh,
     ROT: tl.constexpr, ZERO_CENTERED: tl.constexpr, NORM_DT: tl.constexpr,
+    HAS_ROWS: tl.constexpr, COPY_V: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR] rows of [T*H]
@@ -188,7 +189,17 @@ def _rmsnorm_rope_kernel(
     a = (y * c).to(OUT_DT).to(tl.float32)
     b = (yp * s).to(OUT_DT).to(tl.float32)
     out = tl.where(rot_d, a + b, y)
-    tl.store(y_ptr + (t * s_yt + (r % H) * s_yh)[:, None] + n[None, :], out.to(OUT_DT), mask=ok)
+    if HAS_ROWS:  # row t goes to output row rows[t] (a KV-pool slot)
+        orow = tl.load(rows_ptr + t, mask=r_ok, other=0).to(tl.int64)  # [BR]
+    else:
+        orow = t
+    tl.store(y_ptr + (orow * s_yt + (r % H) * s_yh)[:, None] + n[None, :], out.to(OUT_DT),
+             mask=ok)
+    if COPY_V:  # the same rows of v, unchanged, into their slots of the V pool
+        vv = tl.load(v_ptr + (t * s_vt + (r % H) * s_vh)[:, None] + n[None, :], mask=ok,
+                     other=0.0)
+        tl.store(vo_ptr + (orow * s_vot + (r % H) * s_voh)[:, None] + n[None, :],
+                 vv.to(vo_ptr.dtype.element_ty), mask=ok)
 
 
 def rmsnorm_rope(x: Tensor, weight: Tensor, eps: float, zero_centered: bool, cos: Tensor,
@@ -197,6 +208,33 @@ def rmsnorm_rope(x: Tensor, weight: Tensor, eps: float, zero_centered: bool, cos
     modules' roundings. x [T, H, D] (row strides free: the q half of the gated projection is a
     view); weight [D]; cos, sin [T, R] with R <= D even (partial rotary: the first R dims rotate,
     rotate-half convention). Returns [T, H, D], contiguous."""
+    T, H, N = _check_rope(x, weight, cos, sin)
+    y = torch.empty(T, H, N, dtype=rope_dtype(x, weight, zero_centered, cos),
+                    device=x.device)  # [T, H, D]
+    _launch_rope(x, weight, eps, zero_centered, cos, sin, y, None, None, None)
+    return y
+
+
+def rmsnorm_rope_store(k: Tensor, weight: Tensor, eps: float, zero_centered: bool, cos: Tensor,
+                       sin: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, slots: Tensor
+                       ) -> None:
+    """The decode step's K/V write in one launch: k_pool[slots[t]] = rmsnorm_rope(k)[t] and
+    v_pool[slots[t]] = v[t] (= `index_copy_` of both). k, v [T, Hk, D] (row strides free);
+    pools [S, Hk, D] in the dtype rmsnorm_rope would return (checked: no second rounding);
+    slots [T] distinct."""
+    T, H, N = _check_rope(k, weight, cos, sin)
+    dt = rope_dtype(k, weight, zero_centered, cos)
+    if (k_pool.dtype != dt or v_pool.dtype != dt or k_pool.shape[1:] != (H, N)
+            or v_pool.shape[1:] != (H, N) or v.shape != k.shape or slots.shape != (T,)):
+        raise ValueError(f"pools {k_pool.dtype} {tuple(k_pool.shape)} / {tuple(v_pool.shape)}, "
+                         f"v {tuple(v.shape)}, slots {tuple(slots.shape)} do not fit k "
+                         f"{tuple(k.shape)} -> {dt}")
+    if v.stride(-1) != 1 or k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
+        raise ValueError("v and the pools need a contiguous head dim")
+    _launch_rope(k, weight, eps, zero_centered, cos, sin, k_pool, slots, v, v_pool)
+
+
+def _check_rope(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor) -> tuple[int, int, int]:
     T, H, N = x.shape
     rot = cos.shape[-1]
     if weight.shape != (N,) or cos.shape != (T, rot) or sin.shape != cos.shape:
@@ -204,16 +242,27 @@ def rmsnorm_rope(x: Tensor, weight: Tensor, eps: float, zero_centered: bool, cos
                          f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)} do not match")
     if rot % 2 or rot > N or x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError("rotary dims must be even, <= D, and the last dims contiguous")
+    return T, H, N
+
+
+def rope_dtype(x: Tensor, weight: Tensor, zero_centered: bool, cos: Tensor) -> torch.dtype:
     ndt = x.dtype if zero_centered else torch.promote_types(weight.dtype, x.dtype)
-    odt = torch.promote_types(ndt, cos.dtype)
-    y = torch.empty(T, H, N, dtype=odt, device=x.device)  # [T, H, D]
+    return torch.promote_types(ndt, cos.dtype)
+
+
+def _launch_rope(x, weight, eps, zero_centered, cos, sin, y, rows, v, v_out) -> None:
+    T, H, N = x.shape
     R = T * H
-    if R:
-        br, bn, warps = _blocks(N)
-        _rmsnorm_rope_kernel[(triton.cdiv(R, br),)](
-            x, weight, cos, sin, y, R, H, N, eps,
-            x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), y.stride(0), y.stride(1),
-            ROT=rot, ZERO_CENTERED=zero_centered, NORM_DT=_TL[ndt], BLOCK_R=br, BLOCK_N=bn,
-            num_warps=warps,
-        )
-    return y
+    if not R:
+        return
+    ndt = x.dtype if zero_centered else torch.promote_types(weight.dtype, x.dtype)
+    vv, vo = (v, v_out) if v is not None else (x, y)
+    br, bn, warps = _blocks(N)
+    _rmsnorm_rope_kernel[(triton.cdiv(R, br),)](
+        x, weight, cos, sin, y, rows if rows is not None else cos, vv, vo, R, H, N, eps,
+        x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), y.stride(0), y.stride(1),
+        vv.stride(0), vv.stride(1), vo.stride(0), vo.stride(1),
+        ROT=cos.shape[-1], ZERO_CENTERED=zero_centered, NORM_DT=_TL[ndt],
+        HAS_ROWS=rows is not None, COPY_V=v is not None, BLOCK_R=br, BLOCK_N=bn,
+        num_warps=warps,
+    )

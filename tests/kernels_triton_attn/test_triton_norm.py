@@ -132,3 +132,33 @@ def test_gated_rmsnorm_rounds_fp32_input_to_x_dtype_first() -> None:
     ref = mod(x, z, x_dtype=torch.float16)
     assert ref.dtype == torch.float16 and torch.equal(ref, mod(x.half(), z))
     assert rel_err(got.float(), ref.float()) <= 2e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rmsnorm_rope_store_writes_the_pool_slots(dtype) -> None:
+    """The decode K/V write in one launch: k normed + rotated into k_pool[slots], v copied into
+    v_pool[slots], exactly what rmsnorm_rope + index_copy_ of both give; every other slot
+    untouched (pools poisoned with NaN). k, v are strided views of one qkv projection."""
+    from freetoken.layers.rotary import Rotary
+    from kernels.triton.norm import rmsnorm_rope, rmsnorm_rope_store
+
+    gen = torch.Generator().manual_seed(31)
+    T, Hk, D, S = 3, 2, 16, 9
+    qkv = (torch.randn(T, 3 * Hk * D, generator=gen) * 2).to(dtype)  # [T, ...] projection
+    k = qkv[:, Hk * D:2 * Hk * D].reshape(T, Hk, D)
+    v = qkv[:, 2 * Hk * D:].reshape(T, Hk, D)
+    w = (torch.randn(D, generator=gen) * 0.5).to(dtype)
+    cos, sin = Rotary(8, 10000.0).cos_sin(torch.tensor([5, 0, 77]), dtype)
+    slots = torch.tensor([7, 2, 4])
+    kp = torch.full((S, Hk, D), float("nan"), dtype=dtype, device=DEVICE)
+    vp = torch.full((S, Hk, D), float("nan"), dtype=dtype, device=DEVICE)
+    rmsnorm_rope_store(k.to(DEVICE), w.to(DEVICE), EPS, True, cos.to(DEVICE), sin.to(DEVICE),
+                       v.to(DEVICE), kp, vp, slots.to(DEVICE))
+    want_k = rmsnorm_rope(k.to(DEVICE), w.to(DEVICE), EPS, True, cos.to(DEVICE),
+                          sin.to(DEVICE)).cpu()
+    kp, vp = kp.cpu(), vp.cpu()
+    assert torch.equal(kp[slots], want_k) and torch.equal(vp[slots], v)
+    others = torch.tensor([s for s in range(S) if s not in slots.tolist()])
+    assert torch.isnan(kp[others]).all() and torch.isnan(vp[others]).all()
+    with pytest.raises(ValueError, match="pools"):
+        rmsnorm_rope_store(k, w, EPS, True, cos, sin, v, kp.double(), vp, slots)
