@@ -57,13 +57,17 @@ def conv_update(x: Tensor, conv_pool: Tensor, weight: Tensor, slots: Tensor) -> 
 
 
 def gdn_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_pool: Tensor,
-                  slots: Tensor) -> Tensor:
+                  slots: Tensor, gates: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """One gated-delta-rule step per row with the state read and written in place.
     q, k [B, Hk, dk] raw (L2-normalised here); v [B, Hv, dv]; g, beta [B, Hv];
-    ssm_pool [S, Hv, dk, dv] fp32; slots [B] -> o [B, Hv, dv] fp32."""
+    ssm_pool [S, Hv, dk, dv] fp32; slots [B] -> o [B, Hv, dv] fp32. `gates` = (A_log,
+    dt_bias) [Hv]: g, beta are the raw projections a, b and `gdn_gates` is applied here (in the
+    same launch on CUDA)."""
     mod = triton_for(q, "gdn")
     if mod is not None:
-        return mod.gdn_recurrent_pool(q, k, v, g, beta, ssm_pool, slots)
+        return mod.gdn_recurrent_pool(q, k, v, g, beta, ssm_pool, slots, raw_gates=gates)
+    if gates is not None:
+        g, beta = gdn_gates(g, beta, *gates)
     r = v.shape[1] // q.shape[1]
     qf = l2norm(q.float()).repeat_interleave(r, dim=1)  # [B, Hv, dk]
     kf = l2norm(k.float()).repeat_interleave(r, dim=1)  # [B, Hv, dk]
