@@ -198,6 +198,8 @@ def fused_moe_decode(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: T
         flat = flat.contiguous()
     if shared is not None:
         check_shared(x, gate_up, *shared)
+        if shared[2].dtype != y.dtype:
+            raise ValueError(f"shared output {shared[2].dtype} and y {y.dtype} differ")
     _decode_launch(x, flat, K, gate_up, down, y, shared, zero_missing,
                    DECODE_CONFIG if config is None else config)
     return y
