@@ -139,8 +139,10 @@ def test_combine_gate_dot_and_next_norm_bf16():
     two_step = moe_combine(y, w, res, sh, shared_gate=F.linear(x, gw))  # the previous path
     # the gate dot differs from cuBLAS's only in summation order: one bf16 ulp of the gate
     assert rel(out, two_step) < 2e-2
-    assert torch.equal(normed, rmsnorm(out, norm.weight, 1e-6, True))
-    assert rel(normed, norm(out).float()) < 2e-2
+    # the norm kernel's math; its row sum may reduce in another order (one ulp at most)
+    assert rel(normed, rmsnorm(out, norm.weight, 1e-6, True)) < 1e-2
+    with torch.no_grad():
+        assert rel(normed, norm(out).float()) < 2e-2
 
 
 def test_attention_gate_and_kv_store_bf16():
@@ -164,7 +166,10 @@ def test_attention_gate_and_kv_store_bf16():
     rmsnorm_rope_store(k, kw, 1e-6, True, cos, sin, v, kp, vp, slots)
     kp2.index_copy_(0, slots, rmsnorm_rope(k, kw, 1e-6, True, cos, sin))
     vp2.index_copy_(0, slots, v)
-    assert torch.equal(kp, kp2) and torch.equal(vp, vp2)
+    assert torch.equal(vp, vp2) and rel(kp[slots], kp2[slots]) < 1e-2
+    rest = torch.ones(S, dtype=torch.bool, device="cuda")
+    rest[slots] = False
+    assert torch.equal(kp[rest], kp2[rest])
 
 
 def test_gdn_raw_gates_and_gated_norm_cast():
