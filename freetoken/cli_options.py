@@ -140,7 +140,9 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--state-host-mem", type=parse_bytes_arg, default=None, metavar="BYTES",
                    help="host-RAM tier for state snapshots evicted from the device (e.g. 8G; "
                         "default: a quarter of the RAM free after loading, <= 16x --state-slots)")
-    g.add_argument("--chunk-tokens", type=int, default=512, help="prefill token budget per step")
+    g.add_argument("--chunk-tokens", type=int, default=None,
+                   help="prefill token budget per step (default: 8192 when prefill streams "
+                        "whole MoE layers, else 512)")
     g.add_argument("--max-output-tokens", type=int, default=None,
                    help="clamp every request's max_tokens to N (reported in a response header)")
     g.add_argument("--checkpoint-policy", default="semantic",

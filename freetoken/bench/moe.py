@@ -77,6 +77,7 @@ def install_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEO
     """Give every MoE block of `model` the experts of `backend` over `store`: `fused` copies
     every bank to the device (undo with drop_fused); the others configure the slot cache."""
     if backend == "fused":
+        model.forward_hooks = []  # a previous backend's prefill streamer
         for m, b in enumerate(model.moe_blocks()):
             b.experts = create_backend("fused", m, banks=(store.gate_up(m).to(device),
                                                           store.down(m).to(device)))
