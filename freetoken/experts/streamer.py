@@ -166,8 +166,10 @@ class LayerStreamer:
         if tokens <= 1:  # decode steps: nothing to decide or log
             return
         go, why = self.wants(tokens)
-        log.info(kv("prefill_path", tokens=tokens, path="stream" if go else "experts",
-                    reason=why, threshold=self.threshold))
+        quiet = why in ("below_threshold", "off", "not_cuda")  # every short step: debug only
+        (log.debug if quiet else log.info)(kv(
+            "prefill_path", tokens=tokens, path="stream" if go else "experts", reason=why,
+            threshold=self.threshold))
         if not go:
             return
         self.active, self.chunks = True, self.chunks + 1
@@ -254,7 +256,8 @@ class LayerStreamer:
         c = self.cache
         if fast_ops.fused_moe(x, slot_ids, c.gate_up_slots, c.down_slots, y) is None:
             dispatch_experts(x, slot_ids, c.gate_up_slots, c.down_slots, y, mask=valid)
-        counts = torch.bincount(topk_ids[valid], minlength=E)[:E]  # [E]
+        counts = torch.bincount(torch.where(valid, topk_ids, E).reshape(-1),
+                                minlength=E + 1)[:E]  # [E], padding counted apart: no sync
         self._stats(resident, counts)
         if self.seed:
             self._seed(m, b, resident, counts)
