@@ -82,8 +82,10 @@ def install_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEO
             b.experts = create_backend("fused", m, banks=(store.gate_up(m).to(device),
                                                           store.down(m).to(device)))
         return None
-    return configure_experts(model, MoEOptions(**{**opts.__dict__, "backend": backend}), device,
-                             store=store)
+    rt = configure_experts(model, MoEOptions(**{**opts.__dict__, "backend": backend}), device,
+                           store=store)
+    model.moe_runtime = rt  # what the engine reads (expert stats, the streamer's chunking)
+    return rt
 
 
 def drop_fused(model: QwenMoE, device: torch.device) -> None:

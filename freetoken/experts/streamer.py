@@ -4,26 +4,26 @@ During a long prefill chunk nearly every expert of a layer is routed, so the fas
 move each layer's missing experts over the link exactly once and overlap that with compute
 (DESIGN §4). For a chunk of at least `threshold` tokens (see `stream_threshold`):
 
-1. `begin_forward`: `nbuf * E` slots are taken from the pool for the chunk — the least recently
-   used ones (empty slots first), their experts evicted. Each buffer is a map `bufmap[b] [E]`
-   from a layer's expert id to the slot that holds it while the layer computes.
+1. `begin_forward`: the last `nbuf * E` slots of the pool become the buffers for the chunk
+   (their experts are evicted); buffer b holds expert e of its layer in slot `base_b + e`. One
+   host read of the residency table per chunk says which experts are resident and which slots
+   are free.
 2. Layer l fills buffer b = l % nbuf on a dedicated copy stream, started before l's routing is
-   known: every expert of layer l that is not resident in the cache (with `hits_in_place`, the
-   default, `--moe-prefill-hit-d2d`; without it, every expert) is copied from the pinned host
-   store into `bufmap[b][e]` by the device-driven fill kernel (`kernels/triton/uva_fill.py`);
-   the expert lists are made on the device from the residency table, so nothing syncs.
+   known: every expert of layer l that is not resident (with `hits_in_place`, the default,
+   `--moe-prefill-hit-d2d`; without it, every expert) is copied from the pinned host store by
+   the copy engine, one copy per run of consecutive experts, so the SMs stay free for compute.
    Resident experts are read in place from their slots: the device-to-device copy the design
    names moves zero bytes that way, since our MoE kernel reads any slot through its id.
 3. Ordering is by CUDA events only: the compute stream waits `filled[l]` before layer l's
    experts; the fill of layer l + nbuf waits `free[b]`, recorded after layer l's compute. With
    two buffers the fill of l + 1 runs while l computes; `--no-prefill-overlap` (one buffer)
    serialises them, for comparison.
-4. Seeding the decode cache: after layer l computes, the layer's slots are re-dealt on the
-   device so that its resident experts become the chunk's most routed ones (routed count, ties
-   to the already resident): a hot expert that came through the buffer keeps its buffer slot
-   and becomes resident, a cold resident's slot joins the buffer in its place. No bytes move
-   and every layer keeps its number of slots. (Not for `cpu`, whose split is static.)
-5. `end_forward`: the buffers' slots stay empty and go back to the LRU as the first victims.
+4. Seeding the decode cache: after layer l computes, its residents become the chunk's most
+   routed experts (routed count, ties to the already resident), on the device: a hot expert
+   that came through the buffer is copied device-to-device into the slot of a colder resident
+   of the same layer, or into the layer's share of the free slots. (Not for `cpu`, whose split
+   is static.)
+5. `end_forward`: the buffer slots are left empty and go back to the LRU as its first victims.
 
 Every row of the step (prefill chunk and any decode rows batched with it) reads layer l's
 experts through the same map, so mixed batches stay identical to `fused`.
@@ -154,7 +154,7 @@ class LayerStreamer:
         if self.buffers() == 0:
             return False, "cache_below_one_layer"
         if self._cuda and not self.cache.can_fill_on_device(self.store):
-            return False, "no_device_fill"
+            return False, "no_pinned_store_or_triton"
         return True, "at_or_above_threshold"
 
     # -- the chunk ---------------------------------------------------------------------------
@@ -175,67 +175,77 @@ class LayerStreamer:
         self.active, self.chunks = True, self.chunks + 1
         self._t0, self._tokens = time.perf_counter(), tokens
         self.nbuf = self.buffers()
-        dev, E = self.cache.device, self.E
-        slots = self._lend(self.nbuf * E)  # [nbuf*E]
-        self.bufmap = [slots[b * E:(b + 1) * E].clone() for b in range(self.nbuf)]  # [E] each
-        self.filled: list = [None] * self.L  # CUDA events: layer m's buffer is full
-        self.issued = [False] * self.L
-        self.free: list = [None] * self.nbuf
-        self.fetched = torch.zeros((), dtype=torch.int64, device=dev)
+        dev, E, L = self.cache.device, self.E, self.L
+        t = self.cache.table
+        S = t.num_slots
+        self.base = [S - (self.nbuf - b) * E for b in range(self.nbuf)]  # buffer b: E slots
+        self._evict_region(self.base[0])
+        # one host read per chunk: which experts are resident (the fills are issued from the
+        # host, so they ride the copy engine and leave the SMs to compute) and which slots are
+        # free for seeding; neither changes for layers the chunk has not reached yet
+        owner = t.slot_owner.cpu()
+        self._resident = t.expert_slot.view(L, E).cpu()  # [L, E]
+        free = torch.nonzero(owner[:self.base[0]] < 0).flatten()  # [F]
+        share = free.numel() // L
+        self._free = torch.zeros(L, E, dtype=torch.int64)  # [L, E]: each layer's free slots
+        self._share = min(share, E)
+        if self._share:
+            self._free[:, :self._share] = free[:L * share].view(L, share)[:, :self._share]
+        self._free = self._free.to(dev)
+        self.filled: list = [None] * L  # CUDA events: layer m's buffer is full
+        self.issued = [False] * L
+        self.free_ev: list = [None] * self.nbuf
+        self.fetched = 0
         self.seeded = torch.zeros((), dtype=torch.int64, device=dev)
-        if self._copy is not None:  # the fills read the table and maps made just now
+        if self._copy is not None:  # the fills write slots the eviction above just released
             self._copy.wait_stream(torch.cuda.current_stream())
-        for m in range(min(self.nbuf, self.L)):
+        for m in range(min(self.nbuf, L)):
             self._fill(m)
 
-    def _lend(self, n: int) -> Tensor:
-        """Evict the n least recently used slots (empty first) and return them [n]."""
+    def _evict_region(self, first: int) -> None:
+        """Empty slots [first, S): the buffers."""
         t = self.cache.table
-        S, G = t.num_slots, t.expert_slot.numel()
-        slots = torch.arange(S, device=t.device)
-        age = torch.where(t.slot_owner >= 0, t.slot_last_use, -1)
-        lent = torch.topk((age + 1) * S + slots, n, largest=False).values % S  # [n]
-        owner = t.slot_owner[lent]  # [n], -1 for empty slots: sent to a sink entry
+        G = t.expert_slot.numel()
+        owner = t.slot_owner[first:]  # -1 for empty slots: sent to a sink entry
         gone = torch.zeros(G + 1, dtype=torch.bool, device=t.device)
         gone.index_fill_(0, torch.where(owner >= 0, owner, G), True)
         t.expert_slot.copy_(torch.where(gone[:G], -1, t.expert_slot))
-        t.slot_owner[lent] = -1
-        t.slot_last_use[lent] = -1
-        return lent
+        t.slot_owner[first:] = -1
+        t.slot_last_use[first:] = -1
 
     def _fill(self, m: int) -> None:
         """Issue layer m's fill of buffer m % nbuf (on the copy stream on CUDA)."""
         b = m % self.nbuf
         self.issued[m] = True
         if self._copy is None:
-            self._fill_rows(m, b)
+            self._copy_runs(m, b)
             return
         with torch.cuda.stream(self._copy):
-            if self.free[b] is not None:
-                self._copy.wait_event(self.free[b])
-            self._fill_rows(m, b)
+            if self.free_ev[b] is not None:
+                self._copy.wait_event(self.free_ev[b])
+            self._copy_runs(m, b)
             ev = torch.cuda.Event()
             ev.record(self._copy)
             self.filled[m] = ev
 
-    def _fill_rows(self, m: int, b: int) -> None:
-        E = self.E
-        resident = self.cache.table.expert_slot[m * E:(m + 1) * E]  # [E]
-        ids = torch.arange(E, device=resident.device)
-        experts = torch.where(resident < 0, ids, -1) if self.hits_in_place else ids  # [E]
-        dst = torch.where(experts >= 0, self.bufmap[b], -1)  # [E]
-        self.fetched += (experts >= 0).sum()
-        c = self.cache
-        if self._cuda:
-            from kernels.triton.uva_fill import fill_rows
-
-            fill_rows(self.store.gate_up(m), c.gate_up_slots, experts, dst)
-            fill_rows(self.store.down(m), c.down_slots, experts, dst)
-            return
-        keep = experts >= 0
-        src, to = experts[keep], dst[keep]
-        c.gate_up_slots.index_copy_(0, to, self.store.gate_up(m).index_select(0, src))
-        c.down_slots.index_copy_(0, to, self.store.down(m).index_select(0, src))
+    def _copy_runs(self, m: int, b: int) -> None:
+        """Copy layer m's experts into buffer b: expert e to slot base_b + e, one copy per run
+        of consecutive experts (one per bank for a layer with nothing resident)."""
+        need = (self._resident[m] < 0 if self.hits_in_place
+                else torch.ones(self.E, dtype=torch.bool)).tolist()
+        gu, dn, base = self.store.gate_up(m), self.store.down(m), self.base[b]
+        c, e = self.cache, 0
+        while e < self.E:
+            if not need[e]:
+                e += 1
+                continue
+            end = e
+            while end < self.E and need[end]:
+                end += 1
+            c.gate_up_slots[base + e:base + end].copy_(gu[e:end], non_blocking=True)
+            c.down_slots[base + e:base + end].copy_(dn[e:end], non_blocking=True)
+            self.fetched += end - e
+            e = end
 
     def forward(self, m: int, x: Tensor, topk_ids: Tensor) -> Tensor:
         """Layer m's unweighted expert outputs y [T, K, H] read from its buffer and its
@@ -243,12 +253,13 @@ class LayerStreamer:
         E, b = self.E, m % self.nbuf
         if self.nbuf > 1 and m + 1 < self.L and not self.issued[m + 1]:
             self._fill(m + 1)  # waits for buffer (m+1) % nbuf to be released by layer m-1
-        if self.filled[m] is not None and self._cuda:
+        if self.filled[m] is not None:
             torch.cuda.current_stream().wait_event(self.filled[m])
         t = self.cache.table
         resident = t.expert_slot[m * E:(m + 1) * E].clone()  # [E] before this layer's seeding
-        where = (torch.where(resident >= 0, resident, self.bufmap[b]) if self.hits_in_place
-                 else self.bufmap[b])  # [E] slot of each expert for this layer
+        ids = torch.arange(E, device=resident.device)
+        buf = self.base[b] + ids  # [E] buffer slot of each expert
+        where = torch.where(resident >= 0, resident, buf) if self.hits_in_place else buf
         valid = topk_ids >= 0
         slot_ids = torch.where(valid, where[topk_ids.clamp(min=0)], -1)  # [T, K]
         T, K = topk_ids.shape
@@ -260,11 +271,11 @@ class LayerStreamer:
                                 minlength=E + 1)[:E]  # [E], padding counted apart: no sync
         self._stats(resident, counts)
         if self.seed:
-            self._seed(m, b, resident, counts)
+            self._seed(m, buf, resident, counts)
         if self._cuda:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream())
-            self.free[b] = ev
+            self.free_ev[b] = ev
         if m + 1 < self.L and not self.issued[m + 1]:
             self._fill(m + 1)  # one buffer: the next layer's fill waits for this compute
         return y
@@ -275,40 +286,53 @@ class LayerStreamer:
         miss = (routed & (resident < 0)).sum()
         self.stats.add_stream(torch.stack([hit, miss]))  # no host read
 
-    def _seed(self, m: int, b: int, resident: Tensor, counts: Tensor) -> None:
-        """Re-deal layer m's slots so its residents are the chunk's most routed experts
-        (module docstring, step 4), on the device. Every scatter below writes distinct slots:
-        resident slots and buffer slots are disjoint, and each map is one-to-one."""
+    def _seed(self, m: int, buf: Tensor, resident: Tensor, counts: Tensor) -> None:
+        """Make layer m's residents the chunk's most routed experts (module docstring, step 4),
+        on the device: a hot expert that came through the buffer is copied (device to device)
+        into the slot of a cold resident it displaces, or into one of the layer's share of free
+        slots. Every scatter below writes distinct slots: the buffer, the residents and the
+        free slots are disjoint sets, and each map is one-to-one."""
         E, t = self.E, self.cache.table
         dev = resident.device
-        es, buf = resident.clone(), self.bufmap[b]  # [E] each: resident slot (or -1), buffer slot
+        es = resident  # [E] resident slot or -1
         res = es >= 0
         ids = torch.arange(E, device=dev)
-        # rank by (count desc, resident first, id asc): a total order, so exactly n_res win
+        # rank by (count desc, resident first, id asc): a total order
         key = counts * (2 * E) + res.long() * E + (E - 1 - ids)  # [E]
         rank = torch.empty_like(ids).scatter_(0, torch.argsort(key, descending=True), ids)
-        keep = rank < res.sum()  # [E] the new residents
-        up = keep & ~res  # came through the buffer, becomes resident in its buffer slot
-        down = res & ~keep  # resident, gives its slot to the buffer
-        # pair the i-th `up` expert with the i-th `down` one (as many of each)
+        n_res = res.sum()
+        keep = (rank < n_res) | ((rank < n_res + self._share) & (counts > 0))  # new residents
+        up = keep & ~res  # in the buffer now, becomes resident
+        down = res & ~keep  # resident, evicted for a hotter one
+        # the i-th `up` expert takes the i-th `down` slot, then the layer's free slots
+        n_down = down.sum()
         pd = torch.where(down, torch.cumsum(down.long(), 0) - 1, E)  # rank among down, E: sink
-        down_by_rank = torch.full((E + 1,), 0, dtype=torch.int64, device=dev).scatter_(
-            0, pd, ids)  # [E+1]
-        pu = torch.where(up, torch.cumsum(up.long(), 0) - 1, 0)
-        partner = down_by_rank[pu]  # [E] for `up` experts: their `down` partner
-        new_es = torch.where(up, buf, torch.where(down, -1, es))  # [E]
-        new_buf = torch.where(up, es[partner], buf)  # [E] the freed resident slot
+        down_by_rank = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_(0, pd, ids)
+        pu = torch.where(up, torch.cumsum(up.long(), 0) - 1, 0)  # rank among up
+        dest = torch.where(pu < n_down, es[down_by_rank[pu.clamp(max=E - 1)]],
+                           self._free[m][(pu - n_down).clamp(0, E - 1)])  # [E] for `up`
+        c = self.cache
+        src_rows, dst_rows = torch.where(up, buf, -1), torch.where(up, dest, -1)
+        if self._cuda:
+            from kernels.triton.uva_fill import fill_rows
+
+            fill_rows(c.gate_up_slots, c.gate_up_slots, src_rows, dst_rows)
+            fill_rows(c.down_slots, c.down_slots, src_rows, dst_rows)
+        else:
+            sel = up.nonzero().flatten()
+            c.gate_up_slots.index_copy_(0, dest[sel], c.gate_up_slots.index_select(0, buf[sel]))
+            c.down_slots.index_copy_(0, dest[sel], c.down_slots.index_select(0, buf[sel]))
         base, now = m * E, t.clock[0]
-        t.expert_slot[base:base + E] = new_es
-        # hot experts take their buffer slot; cold residents leave theirs
-        t.slot_owner[buf] = torch.where(up, base + ids, t.slot_owner[buf])
-        cold = torch.where(res, es, buf)  # resident slots of this layer, else its buffer slot
+        t.expert_slot[base:base + E] = torch.where(up, dest, torch.where(down, -1, es))
+        # cold residents leave (targets: their slot, or a buffer slot where nothing changes)
+        cold = torch.where(res, es, buf)
         t.slot_owner[cold] = torch.where(down, -1, t.slot_owner[cold])
         t.slot_last_use[cold] = torch.where(down, -1, t.slot_last_use[cold])
-        # residents this chunk routed are recent now (new ones included)
-        mine = torch.where(keep, new_es, new_buf)  # [E] distinct slots
-        t.slot_last_use[mine] = torch.where(keep & (counts > 0), now, t.slot_last_use[mine])
-        self.bufmap[b] = new_buf
+        # hot ones arrive; residents the chunk routed are recent now
+        hot = torch.where(up, dest, torch.where(res & keep, es, buf))
+        t.slot_owner[hot] = torch.where(up, base + ids, t.slot_owner[hot])
+        t.slot_last_use[hot] = torch.where(up | (res & keep & (counts > 0)), now,
+                                           t.slot_last_use[hot])
         self.seeded += up.sum()
 
     def end_forward(self) -> None:
@@ -319,7 +343,7 @@ class LayerStreamer:
         self.cache.table.clock += 1
         if self._cuda:
             torch.cuda.current_stream().wait_stream(self._copy)
-        fetched, seeded = int(self.fetched), int(self.seeded)  # one read per chunk
+        fetched, seeded = self.fetched, int(self.seeded)  # one read per chunk
         self.stats.stream_bytes += fetched * self.store.expert_bytes
         self.stats.streamed += fetched
         log.info(kv("prefill_stream", tokens=self._tokens, layers=self.L, buffers=self.nbuf,

@@ -132,10 +132,25 @@ def test_seeding_makes_the_most_routed_experts_resident() -> None:
     check_tables(cache.table)
     _check_weights(cache, store)
     assert int(st.seeded) == 2
-    # a seeded expert sits in a slot that was lent to the buffer (no bytes were moved for it)
-    lent = {int(s) for s in torch.nonzero(before < 0).flatten()}
-    assert len(lent) == 2 * E  # 2E + 3 slots, 3 residents: the empty ones were lent
-    assert all(int(cache.table.expert_slot[e]) in lent for e in (3, 4))
+    # the hot experts took the slots of the cold residents they displaced (0 and 1)
+    assert {int(cache.table.expert_slot[e]) for e in (3, 4)} == {
+        int(s) for s in torch.nonzero(before == 0).flatten()} | {
+        int(s) for s in torch.nonzero(before == 1).flatten()}
+
+
+def test_seeding_fills_free_slots_with_the_hottest_experts() -> None:
+    """An empty cache: each layer gets its share of the free slots (here 2 of 6) holding the
+    experts the chunk routed most."""
+    store, cache, _, st = _setup(slots=2 * E + 6)
+    x = torch.randn(6, H, generator=torch.Generator().manual_seed(7))
+    ids = [torch.tensor([[3, 5], [3, 5], [3, 1], [3, 0], [3, 5], [2, 4]]) for _ in range(L)]
+    got, want = _chunk(st, store, ids, x)
+    for m in range(L):
+        assert torch.equal(got[m], want[m])
+        assert _resident(cache, m) == {3, 5}
+    check_tables(cache.table)
+    _check_weights(cache, store)
+    assert int(st.seeded) == 2 * L
 
 
 def test_cpu_backend_keeps_its_static_split() -> None:

@@ -31,7 +31,7 @@ def test_streamed_prefill_greedy_equals_fused_on_gpu(tiny_hf, backend: str, extr
     got = generate(m, prompt, sp, [], prefill_chunk=128).token_ids
     assert got == want
     rt = m.moe_runtime
-    assert rt.streamer.chunks == 3 and rt.stats.streamed > 0
+    assert rt.streamer.chunks == 2 and rt.stats.streamed > 0  # 128 + 128 stream, 41 does not
     check_tables(rt.cache.table)
     t = rt.cache.table
     E = rt.store.num_experts
