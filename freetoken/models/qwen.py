@@ -97,11 +97,19 @@ class QwenMoE(nn.Module):
         """Runs the packed batch, writes its K/V and recurrent state, returns logits [R, V] fp32."""
         x = self.model.embed_tokens(batch.input_ids)  # [T, H]
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)  # [T, rotary_dim]
-        layers = self.model.layers
-        h = None  # the next layer's normalised input, from the previous layer's last launch
-        for i, layer in enumerate(layers):
-            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
-            out = layer(x, cos, sin, batch, caches, h=h, next_norm=nxt)
-            x, h = out if nxt is not None else (out, None)
+        # objects told where a forward begins and ends (the prefill layer streamer)
+        hooks = getattr(self, "forward_hooks", ())
+        for hk in hooks:
+            hk.begin_forward(x.shape[0])
+        try:
+            layers = self.model.layers
+            h = None  # the next layer's normalised input, from the previous layer's last launch
+            for i, layer in enumerate(layers):
+                nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
+                out = layer(x, cos, sin, batch, caches, h=h, next_norm=nxt)
+                x, h = out if nxt is not None else (out, None)
+        finally:
+            for hk in hooks:
+                hk.end_forward()
         h = self.model.norm(x[batch.logits_rows])  # [R, H]
         return small_linear(h, self.output_embedding()).float()  # [R, V]
