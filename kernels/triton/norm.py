@@ -51,22 +51,24 @@ def _rmsnorm_kernel(
 
 @triton.jit
 def _gated_rmsnorm_kernel(
-    x_ptr, z_ptr, w_ptr, y_ptr, R, N, eps,
-    s_x, s_z, s_y,
+    x_ptr, z_ptr, w_ptr, y_ptr, R, N, HH, eps,
+    s_xt, s_xh, s_zt, s_zh, s_y,
     MID: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR] rows = (token, head)
     n = tl.arange(0, BLOCK_N)  # [BN]
     ok = (r < R)[:, None] & (n < N)[None, :]
     r = r.to(tl.int64)
+    t, hh = r // HH, r % HH
     # x rounds to the output dtype first (the caller's `.to(dtype)` of an fp32 core output)
-    x = tl.load(x_ptr + r[:, None] * s_x + n[None, :], mask=ok, other=0.0)
+    x = tl.load(x_ptr + (t * s_xt + hh * s_xh)[:, None] + n[None, :], mask=ok, other=0.0)
     x = x.to(y_ptr.dtype.element_ty)
     xf = x.to(tl.float32)
     xn = xf * (1.0 / tl.sqrt(tl.sum(xf * xf, 1) / N + eps))[:, None]
     w = tl.load(w_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
     y = (xn.to(x.dtype).to(tl.float32) * w).to(MID).to(tl.float32)  # w · norm(x) in torch's dtype
-    z = tl.load(z_ptr + r[:, None] * s_z + n[None, :], mask=ok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + (t * s_zt + hh * s_zh)[:, None] + n[None, :], mask=ok,
+                other=0.0).to(tl.float32)
     tl.store(y_ptr + r[:, None] * s_y + n[None, :],
              (y * (z * tl.sigmoid(z))).to(y_ptr.dtype.element_ty), mask=ok)
 
@@ -75,6 +77,15 @@ def _rows(t: Tensor, n: int) -> Tensor:
     """[..., N] -> [R, N] with unit stride along N (a view where torch allows one)."""
     t2 = t.reshape(-1, n)
     return t2 if t2.stride(1) == 1 else t2.contiguous()
+
+
+def _head_rows(t: Tensor, n: int, hh: int) -> tuple[Tensor, int, int]:
+    """(tensor, token stride, head stride) addressing row r = token * hh + head: a 3-D
+    [T, hh, N] tensor in place, anything else as `_rows` gives it."""
+    if t.dim() == 3 and t.shape[1] == hh and t.stride(-1) == 1:
+        return t, t.stride(0), t.stride(1)
+    t2 = _rows(t, n)  # [R, N]
+    return t2, hh * t2.stride(0), t2.stride(0)
 
 
 def _blocks(n: int) -> tuple[int, int, int]:
@@ -124,20 +135,23 @@ def gated_rmsnorm(x: Tensor, z: Tensor, weight: Tensor, eps: float,
                   x_dtype: torch.dtype | None = None) -> Tensor:
     """GatedRMSNorm: (w · norm(x)) · silu(z). x, z [..., N]; weight [N]; y in x's dtype, or
     in `x_dtype` with x rounded to it first (= `gated_rmsnorm(x.to(x_dtype), ...)`, one launch
-    less for the gated DeltaNet's fp32 output)."""
+    less for the gated DeltaNet's fp32 output). A 3-D x or z [T, Hh, N] is read with its own
+    token and head strides (z is a view into the fused input projection: no copy at T > 1)."""
     N = x.shape[-1]
     if z.shape != x.shape or weight.shape != (N,):
         raise ValueError(f"shapes x {tuple(x.shape)}, z {tuple(z.shape)}, "
                          f"weight {tuple(weight.shape)} do not match")
-    x2, z2 = _rows(x, N), _rows(z, N)  # [R, N]
-    R = x2.shape[0]
+    hh = x.shape[1] if x.dim() == 3 else 1
+    x2, s_xt, s_xh = _head_rows(x, N, hh)
+    z2, s_zt, s_zh = _head_rows(z, N, hh)
+    R = x.numel() // N if N else 0
     xdt = x.dtype if x_dtype is None else x_dtype
     y2 = torch.empty(R, N, dtype=xdt, device=x.device)  # [R, N]
     if not R:
         return y2.view(x.shape)
     br, bn, warps = _blocks(N)
     _gated_rmsnorm_kernel[(triton.cdiv(R, br),)](
-        x2, z2, weight, y2, R, N, eps, x2.stride(0), z2.stride(0), y2.stride(0),
+        x2, z2, weight, y2, R, N, hh, eps, s_xt, s_xh, s_zt, s_zh, y2.stride(0),
         MID=_TL[torch.promote_types(weight.dtype, xdt)], BLOCK_R=br, BLOCK_N=bn,
         num_warps=warps,
     )

@@ -162,3 +162,19 @@ def test_rmsnorm_rope_store_writes_the_pool_slots(dtype) -> None:
     assert torch.isnan(kp[others]).all() and torch.isnan(vp[others]).all()
     with pytest.raises(ValueError, match="pools"):
         rmsnorm_rope_store(k, w, EPS, True, cos, sin, v, kp.double(), vp, slots)
+
+
+def test_gated_rmsnorm_reads_z_in_place_from_the_projection() -> None:
+    """The DeltaNet's z is [T, Hv, dv] cut out of the fused input projection (token stride =
+    the projection's width): read with its own strides, the result equals the module on a
+    contiguous copy. Bug it catches: a token stride taken as Hv·dv (rows of the wrong token)."""
+    gen = torch.Generator().manual_seed(23)
+    T, HV, DV = 3, 4, 16
+    proj = torch.randn(T, 5 * HV * DV + 7, generator=gen)  # [T, W] fused projection
+    z = proj[:, 2 * HV * DV:3 * HV * DV].reshape(T, HV, DV)  # a strided view
+    assert not z.is_contiguous()
+    x = torch.randn(T, HV, DV, generator=gen)
+    mod = GatedRMSNorm(DV, EPS)
+    mod.weight.data = torch.randn(DV, generator=gen)
+    y = gated_rmsnorm(x.to(DEVICE), z.to(DEVICE), mod.weight.data.to(DEVICE), EPS)
+    assert rel_err(y, mod(x, z.contiguous())) <= 1e-5
