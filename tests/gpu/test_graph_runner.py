@@ -65,9 +65,6 @@ def test_seeded_sampling_same_in_graph_and_eager(tiny_hf) -> None:
 def test_warm_up_captures_every_bucket_before_the_first_request(tiny_hf) -> None:
     """`ft serve` warms up on CUDA: every bucket's greedy and sampling graph exists before the
     first request, and the first request then captures nothing."""
-    from freetoken.engine.core import EngineCore
-    from freetoken.types.api import GenerateRequest
-
     model = load_model(tiny_hf("qwen3_5_moe"), dtype=torch.float32, device="cuda",
                        progress=False)
     core = EngineCore(model, [], kv_tokens=512, state_slots=8, max_running=4)
