@@ -157,7 +157,11 @@ def test_rmsnorm_rope_store_writes_the_pool_slots(dtype) -> None:
     want_k = rmsnorm_rope(k.to(DEVICE), w.to(DEVICE), EPS, True, cos.to(DEVICE),
                           sin.to(DEVICE)).cpu()
     kp, vp = kp.cpu(), vp.cpu()
-    assert torch.equal(kp[slots], want_k) and torch.equal(vp[slots], v)
+    assert torch.equal(vp[slots], v)
+    if DEVICE == "cpu":
+        assert torch.equal(kp[slots], want_k)
+    else:  # two compiled specializations of the kernel: the same math, maybe not the same FMAs
+        assert rel_err(kp[slots], want_k) <= 1e-3
     others = torch.tensor([s for s in range(S) if s not in slots.tolist()])
     assert torch.isnan(kp[others]).all() and torch.isnan(vp[others]).all()
     with pytest.raises(ValueError, match="pools"):
