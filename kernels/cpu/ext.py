@@ -39,7 +39,7 @@ _ISA_FLAGS: dict[str, list[str]] = {
 PREFETCH_HINTS = ("t0", "t1", "t2", "nta")  # order = the kernel's hint codes
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "expert_kernel.cpp", _DIR / "decode_ops.cpp"]
-_HEADER = _DIR / "simd.h"
+_HEADERS = [_DIR / "simd.h", _DIR / "expert_call.h"]
 
 
 def cache_root() -> Path:
@@ -223,9 +223,9 @@ def build(isa: str, verbose: bool = False) -> CpuKernel:
 
     build_dir = cache_root() / "ext" / isa
     build_dir.mkdir(parents=True, exist_ok=True)
-    # torch re-builds when a source or a flag changes, not a header: the header's hash rides
+    # torch re-builds when a source or a flag changes, not a header: the headers' hash rides
     # in the flags
-    header = hashlib.sha256(_HEADER.read_bytes()).hexdigest()[:16]
+    header = hashlib.sha256(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:16]
     path = cpp_extension.load(
         name=f"ft_expert_kernel_{isa}",
         sources=[str(p) for p in _SOURCES],
