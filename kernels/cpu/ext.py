@@ -1,5 +1,6 @@
 """Builds and loads the C++ CPU kernels (kernels/cpu/expert_kernel.cpp: routed experts;
-decode_ops.cpp: decode-size linear layers and in-place decode attention; simd.h: what they
+decode_ops.cpp: decode-size linear layers and in-place decode attention; bridge_kernel.cpp: the
+CPU branch of a captured decode step, bound in bridge_ops.py; simd.h, expert_call.h: what they
 share), once per process.
 
 The sources are compiled lazily at first use with torch.utils.cpp_extension.load (ninja, JIT),
@@ -38,7 +39,7 @@ _ISA_FLAGS: dict[str, list[str]] = {
 }
 PREFETCH_HINTS = ("t0", "t1", "t2", "nta")  # order = the kernel's hint codes
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "expert_kernel.cpp", _DIR / "decode_ops.cpp"]
+_SOURCES = [_DIR / "expert_kernel.cpp", _DIR / "decode_ops.cpp", _DIR / "bridge_kernel.cpp"]
 _HEADERS = [_DIR / "simd.h", _DIR / "expert_call.h"]
 
 
@@ -109,6 +110,11 @@ class CpuKernel:
         self._sum = lib.ft_stream_sum
         self._sum.restype = ctypes.c_float
         self._sum.argtypes = [p, i64, ctypes.c_int, i64]
+
+    @property
+    def lib(self) -> ctypes.CDLL:
+        """The loaded library (for the other ctypes bindings: bridge_ops)."""
+        return self._lib
 
     def set_prefetch(self, on: bool) -> None:
         """Benchmark knob: software prefetch of the next tile (on by default)."""
