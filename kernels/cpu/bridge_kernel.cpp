@@ -37,6 +37,7 @@ struct Bridge {
   int64_t* go;
   int64_t* done;
   int nth;
+  int64_t pauses;         // spin_until's pause phase
   std::vector<int> cpus;  // pin team thread t to cpus[t % n] (empty: no pinning)
   std::vector<float> xf;  // [B, H] the layer's x in fp32 (bf16 x)
   std::vector<float> of;  // [B, K, H] the layer's results in fp32 (bf16 out)
@@ -54,12 +55,13 @@ inline double ns_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::nano>(b - a).count();
 }
 
-// Spin until pred() or `deadline` passes (then false): pause first, then yield, so an
-// oversubscribed machine (tests on 2 cores) still lets the thread we wait for run.
+// Spin until pred() or `deadline` passes (then false): `pauses` polls with pause first, then
+// a yield per poll, so on an oversubscribed machine (tests on 2 cores) the thread we wait for
+// still gets to run. With a core per thread the pause phase is long and a yield is rare.
 template <typename P>
-inline bool spin_until(P pred, Clock::time_point deadline) {
+inline bool spin_until(P pred, Clock::time_point deadline, int64_t pauses) {
   for (int64_t n = 0; !pred(); ++n) {
-    if (n < 4096) {
+    if (n < pauses) {
       cpu_relax();
     } else {
       std::this_thread::yield();
@@ -85,7 +87,8 @@ extern "C" {
 void* ft_bridge_new(int64_t L, int64_t B, int64_t K, int64_t H, int64_t E, int64_t I,
                     int wdtype, int xdtype, const int64_t* gate_up_ptrs,
                     const int64_t* down_ptrs, const void* x, const int64_t* ids,
-                    const uint8_t* mask, void* out, int64_t* go, int64_t* done, int nth) {
+                    const uint8_t* mask, void* out, int64_t* go, int64_t* done, int nth,
+                    int64_t pauses) {
   auto* b = new Bridge();
   b->L = L, b->B = B, b->K = K, b->H = H, b->E = E, b->I = I;
   b->wdtype = wdtype, b->xdtype = xdtype;
@@ -95,6 +98,7 @@ void* ft_bridge_new(int64_t L, int64_t B, int64_t K, int64_t H, int64_t E, int64
   }
   b->x = x, b->ids = ids, b->mask = mask, b->out = out, b->go = go, b->done = done;
   b->nth = nth > 0 ? nth : omp_get_max_threads();
+  b->pauses = pauses;
   b->xf.resize(B * H);
   b->of.resize(B * K * H);
   return b;
@@ -134,10 +138,11 @@ int ft_bridge_run_step(void* h, int64_t seq, int64_t T, double timeout_s, double
       if (tid == 0) {
         // the layer before must be fully out of `call` before it is prepared again
         spin_until([&] { return finished.v.load(std::memory_order_acquire) >= m; },
-                   Clock::time_point::max());
+                   Clock::time_point::max(), b.pauses);
         const auto t0 = Clock::now();
         const bool arrived_go = spin_until(
-            [&] { return __atomic_load_n(&b.go[m], __ATOMIC_ACQUIRE) == seq; }, t0 + budget);
+            [&] { return __atomic_load_n(&b.go[m], __ATOMIC_ACQUIRE) == seq; }, t0 + budget,
+            b.pauses);
         const double w = ns_between(t0, Clock::now());
         wait_ns += w;
         if (w > max_wait) max_wait = w, max_layer = m;
@@ -163,7 +168,7 @@ int ft_bridge_run_step(void* h, int64_t seq, int64_t T, double timeout_s, double
         start.v.store(m + 1, std::memory_order_release);
       } else {
         spin_until([&] { return start.v.load(std::memory_order_acquire) > m; },
-                   Clock::time_point::max());
+                   Clock::time_point::max(), b.pauses);
       }
       if (status.load(std::memory_order_relaxed) != 0) break;
       expert_team(b.call, tid, nt);
@@ -190,9 +195,9 @@ int ft_bridge_run_step(void* h, int64_t seq, int64_t T, double timeout_s, double
 // The GPU's side of the protocol on a host thread (benchmarks and tests, no GPU): for each
 // layer store go[m] = seq, spin until done[m] == seq (lat_ns[m]: the time between the two),
 // then spin gap_ns (the GPU's work between two MoE layers). Returns 0, or 3 when a done flag
-// did not come within timeout_s (lat_ns[m] = -1 from there on).
+// did not come within timeout_s (lat_ns[m] = -1 from there on). `pauses`: as spin_until's.
 int ft_bridge_sim_gpu(int64_t* go, const int64_t* done, int64_t L, int64_t seq, int64_t gap_ns,
-                      double timeout_s, double* lat_ns) {
+                      double timeout_s, double* lat_ns, int64_t pauses) {
   const auto budget = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(timeout_s));
   for (int64_t m = 0; m < L; ++m) lat_ns[m] = -1.0;
@@ -200,12 +205,12 @@ int ft_bridge_sim_gpu(int64_t* go, const int64_t* done, int64_t L, int64_t seq, 
     const auto t0 = Clock::now();
     __atomic_store_n(&go[m], seq, __ATOMIC_RELEASE);
     if (!spin_until([&] { return __atomic_load_n(&done[m], __ATOMIC_ACQUIRE) == seq; },
-                    t0 + budget))
+                    t0 + budget, pauses))
       return 3;
     const auto t1 = Clock::now();
     lat_ns[m] = ns_between(t0, t1);
     const auto until = t1 + std::chrono::nanoseconds(gap_ns);
-    spin_until([&] { return Clock::now() >= until; }, Clock::time_point::max());
+    spin_until([&] { return Clock::now() >= until; }, Clock::time_point::max(), pauses);
   }
   return 0;
 }
