@@ -26,13 +26,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from freetoken.bench import bandwidth as bw  # noqa: E402
-from freetoken.experts import profile as bwp  # noqa: E402
-from freetoken.experts.backends import cpu_branch  # noqa: E402
-from freetoken.experts.cpu_bridge import CpuBridge  # noqa: E402
-from freetoken.experts.store import ExpertStore  # noqa: E402
-from kernels.cpu.bridge_ops import sim_gpu  # noqa: E402
-from kernels.cpu.ext import cpu_model, load_kernel  # noqa: E402
+from freetoken.bench import bandwidth as bw
+from freetoken.experts import profile as bwp
+from freetoken.experts.backends import cpu_branch
+from freetoken.experts.cpu_bridge import CpuBridge
+from freetoken.experts.store import ExpertStore
+from kernels.cpu.bridge_ops import sim_gpu
+from kernels.cpu.ext import cpu_model, load_kernel
+from kernels.cpu.omp import openmp_runtimes
 
 GB = 1e9
 
@@ -172,9 +173,9 @@ def main() -> int:
         print(f"| floor: kernel back to back, no gaps | {n} | {n * eb / f / GB * 1e6:.1f} | — | "
               f"— | {f:.1f} | 100 % |")
     print(f"| read ceiling (all threads) | — | — | — | — | {ceiling:.1f} | — |")
-    gomp = sorted({ln.split()[-1] for ln in open("/proc/self/maps") if "libgomp" in ln})
     print(f"\n[bench] old and new results bit-identical on a 2-expert step: {same}")
-    print(f"[bench] native steps {new.native_steps}; OpenMP runtimes mapped: {gomp}")
+    print(f"[bench] native steps {new.native_steps}; OpenMP runtimes mapped: "
+          f"{openmp_runtimes()}")
     return 0 if same else 1
 
 

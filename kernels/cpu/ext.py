@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from freetoken.log import get_logger, kv
+from kernels.cpu.omp import openmp_runtimes, torch_openmp_ldflags
 
 log = get_logger("experts")
 
@@ -232,17 +233,28 @@ def build(isa: str, verbose: bool = False) -> CpuKernel:
     # torch re-builds when a source or a flag changes, not a header: the headers' hash rides
     # in the flags
     header = hashlib.sha256(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:16]
-    path = cpp_extension.load(
-        name=f"ft_expert_kernel_{isa}",
-        sources=[str(p) for p in _SOURCES],
-        extra_cflags=["-O3", "-fopenmp", "-std=c++17", f"-DFT_SIMD_H={header}",
-                      *_ISA_FLAGS[isa]],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=verbose,
-    )
-    return CpuKernel(ctypes.CDLL(str(path)), isa)
+
+    def load(ldflags: list[str]) -> CpuKernel:
+        path = cpp_extension.load(
+            name=f"ft_expert_kernel_{isa}",
+            sources=[str(p) for p in _SOURCES],
+            extra_cflags=["-O3", "-fopenmp", "-std=c++17", f"-DFT_SIMD_H={header}",
+                          *_ISA_FLAGS[isa]],
+            extra_ldflags=ldflags,
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=verbose,
+        )
+        return CpuKernel(ctypes.CDLL(str(path)), isa)
+
+    torch_omp = torch_openmp_ldflags()  # one OpenMP runtime in the process: torch's
+    if torch_omp is not None:
+        try:
+            return load(torch_omp)
+        except Exception as e:  # noqa: BLE001 - e.g. torch's libgomp older than the compiler
+            log.warning(kv("cpu_kernel_torch_openmp_failed", fallback="system libgomp",
+                           reason=repr(e)[:200]))
+    return load(["-fopenmp"])
 
 
 def load_kernel(isa: str | None = None) -> CpuKernel | None:
@@ -260,7 +272,8 @@ def load_kernel(isa: str | None = None) -> CpuKernel | None:
             return _loaded[want]
         try:
             kern: CpuKernel | None = build(want)
-            log.info(kv("cpu_kernel_loaded", isa=want))
+            log.info(kv("cpu_kernel_loaded", isa=want,
+                        openmp=",".join(Path(p).name for p in openmp_runtimes())))
         except Exception as e:  # noqa: BLE001 - any build/load failure means "use torch"
             log.warning(kv("cpu_kernel_unavailable", isa=want, fallback="torch",
                            reason=repr(e)[:300]))
