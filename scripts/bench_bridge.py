@@ -52,7 +52,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--pool-gb", type=float, default=4.0)
     p.add_argument("--read-gb", type=float, default=2.0, help="read-ceiling stream size")
     p.add_argument("--pin", action="store_true",
-                   help="native path: pin team thread t to CPU t+1, the main thread to CPU 0")
+                   help="native path with FT_BRIDGE_PIN=1: team threads pinned to the allowed "
+                        "CPUs after the first (the main thread is not pinned)")
     return p.parse_args()
 
 
@@ -120,11 +121,10 @@ def main() -> int:
                          lambda m, xx, ids, mask: cpu_branch(xx, ids, mask, store, m, nth),
                          banks=banks if native else None, threads=nth)
 
+    if a.pin:
+        os.environ["FT_BRIDGE_PIN"] = "1"
     old, new = bridge(False), bridge(True)
     assert new.native is not None
-    if a.pin:
-        os.sched_setaffinity(0, {0})  # this (the launching) thread
-        new.native.set_cpus([1 + t % max(1, (os.cpu_count() or 2) - 1) for t in range(nth)])
 
     experts = [int(v) for v in a.experts.split(",")]
     floor_n = sorted({v for v in experts if v > 0} | {8})

@@ -36,6 +36,7 @@ Shapes: L MoE layers, B rows of the bucket, K top-k, H hidden.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -203,8 +204,16 @@ def _native(bridge: CpuBridge, banks: tuple[list[Tensor], list[Tensor]] | None,
     if kern is None:
         return None
     nth = threads if threads is not None else torch.get_num_threads()
-    return NativeBridge(kern, banks[0], banks[1], bridge.x, bridge.ids, bridge.mask,
-                        bridge.out, bridge.go, bridge.done, nth)
+    nb = NativeBridge(kern, banks[0], banks[1], bridge.x, bridge.ids, bridge.mask,
+                      bridge.out, bridge.go, bridge.done, nth)
+    if os.environ.get("FT_BRIDGE_PIN") == "1":
+        # experiment knob (not measured yet): team thread t on the t-th allowed CPU after the
+        # first, which is left to the thread that launches the graphs (not pinned itself)
+        cpus = sorted(os.sched_getaffinity(0))
+        team = cpus[1:] or cpus
+        nb.set_cpus(team)
+        log.info(kv("cpu_bridge_pinned", cpus=f"{team[0]}-{team[-1]}", threads=nth))
+    return nb
 
 
 def attach_bridge(model, max_batch: int) -> CpuBridge | None:

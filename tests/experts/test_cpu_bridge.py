@@ -6,6 +6,8 @@ comes, a bad expert id) surfacing as errors instead of hangs.
 Shapes: L layers, T rows, K top-k, H hidden, E experts, I intermediate."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -45,6 +47,10 @@ def _step(br: CpuBridge, x, ids, mask) -> torch.Tensor:
         br.send(m, x[m], ids[m], mask[m])
         ys.append(br.receive(m, T).clone())
     br.end_step()
+    # the worker counts a step after its last done flag, which receive may see first
+    t0 = time.perf_counter()
+    while br.steps_done < br.seq and br._failed is None and time.perf_counter() - t0 < 5:
+        time.sleep(1e-4)
     return torch.stack(ys)
 
 
@@ -151,3 +157,17 @@ def test_python_worker_without_banks() -> None:
         got = y[m].double() * mask[m][..., None]
         assert torch.allclose(got, ref, atol=1e-5, rtol=1e-4)
     assert br.native_steps == 0 and br.steps_done == 1
+
+
+@needs_kernel
+def test_pinned_team_gives_the_same_results(monkeypatch) -> None:
+    """FT_BRIDGE_PIN=1 (team threads pinned to the CPUs after the first): the pinning must not
+    change what the step computes, nor keep it from finishing on a machine with few cores."""
+    gu, dn = _banks(torch.bfloat16)
+    free = _bridge(gu, dn, torch.bfloat16, True)
+    monkeypatch.setenv("FT_BRIDGE_PIN", "1")
+    pinned = _bridge(gu, dn, torch.bfloat16, True)
+    x, ids, mask = _inputs(3, torch.bfloat16, seed=6)
+    y_free, y_pin = _step(free, x, ids, mask), _step(pinned, x, ids, mask)
+    sel = mask[..., None].expand_as(y_free)
+    assert torch.equal(y_free[sel], y_pin[sel]) and pinned.native_steps == 1

@@ -48,7 +48,7 @@ def test_step_loop_against_simulated_gpu(io_dtype: torch.dtype) -> None:
             x[:, :T] = torch.randn(L, T, H).to(io_dtype)
             ids.copy_(torch.randint(0, E, (L, B, K)))
         got: list = []
-        worker = threading.Thread(target=lambda s=seq: got.append(nb.run_step(s, T, 5.0)))
+        worker = threading.Thread(target=lambda s=seq, g=got: g.append(nb.run_step(s, T, 5.0)))
         worker.start()
         lat = sim_gpu(kern, go, done, seq, gap_s=50e-6, timeout_s=5.0, team_threads=2)
         worker.join(timeout=10)
