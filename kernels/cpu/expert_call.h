@@ -52,4 +52,8 @@ int expert_prepare(ExpertCall& c, const float* x, int64_t T, int64_t H, const in
 // except for the other threads' last units (the caller joins the team before reusing `c`).
 void expert_team(ExpertCall& c, int tid, int nt);
 
+// The interleaved-tile path of expert_team (expert_tiles.cpp): orphaned worksharing loops,
+// so every thread of the enclosing region calls it.
+void expert_tiles(ExpertCall& c);
+
 }  // namespace ft

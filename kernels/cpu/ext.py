@@ -1,7 +1,7 @@
-"""Builds and loads the C++ CPU kernels (kernels/cpu/expert_kernel.cpp: routed experts;
-decode_ops.cpp: decode-size linear layers and in-place decode attention; bridge_kernel.cpp: the
-CPU branch of a captured decode step, bound in bridge_ops.py; simd.h, expert_call.h: what they
-share), once per process.
+"""Builds and loads the C++ CPU kernels (kernels/cpu/expert_kernel.cpp and expert_tiles.cpp:
+routed experts; decode_ops.cpp: decode-size linear layers and in-place decode attention;
+bridge_kernel.cpp: the CPU branch of a captured decode step, bound in bridge_ops.py; simd.h,
+expert_call.h: what they share), once per process.
 
 The sources are compiled lazily at first use with torch.utils.cpp_extension.load (ninja, JIT),
 into `<cache>/freetoken/ext/<isa>/` so later processes reuse the build. The ISA is read from the
@@ -40,7 +40,8 @@ _ISA_FLAGS: dict[str, list[str]] = {
 }
 PREFETCH_HINTS = ("t0", "t1", "t2", "nta")  # order = the kernel's hint codes
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "expert_kernel.cpp", _DIR / "decode_ops.cpp", _DIR / "bridge_kernel.cpp"]
+_SOURCES = [_DIR / "expert_kernel.cpp", _DIR / "expert_tiles.cpp", _DIR / "decode_ops.cpp",
+            _DIR / "bridge_kernel.cpp"]
 _HEADERS = [_DIR / "simd.h", _DIR / "expert_call.h"]
 
 
