@@ -156,6 +156,13 @@ def ttft(model, tokens: int, vocab: int) -> float:
                       chunk_tokens=chunk)
     prompt = torch.randint(0, vocab, (tokens,),
                            generator=torch.Generator().manual_seed(1)).tolist()
+    # warm-up: the first decode step of a process captures its graph and compiles kernels
+    # (tens of seconds once per process, not per request)
+    core.add(GenerateRequest(list(range(10, 300)), SamplingParams(max_tokens=2, temperature=0.0,
+                                                                   ignore_eos=True),
+                             request_id="warm"), lambda ev: None)
+    while core.has_work():
+        core.step()
     got: list[float] = []
     t0 = time.perf_counter()
     core.add(GenerateRequest(prompt, SamplingParams(max_tokens=1, temperature=0.0,

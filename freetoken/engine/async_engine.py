@@ -263,6 +263,8 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
         cuda_graph=getattr(args, "cuda_graph", True),
         state_host_mem=getattr(args, "state_host_mem", None),
     )
+    if core.device.type == "cuda":
+        core.warm_up()  # kernel compilation and graph capture before the first request
     name = "demo" if str(getattr(args, "model", "demo") or "demo") == "demo" else model_dir.name
     engine = AsyncEngine(core, model_dir, name)
     engine.max_output_tokens = getattr(args, "max_output_tokens", None)

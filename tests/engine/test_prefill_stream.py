@@ -64,3 +64,21 @@ def test_mixed_batch_and_resize_equal_fused(tiny_hf) -> None:
     assert got == want and len(got["a"]) == len(got["b"]) == 20
     assert m.moe_runtime.cache.num_slots == SLOTS + 5
     assert m.moe_runtime.streamer.chunks >= 3  # B's 70 tokens in chunks of <= 16 (+ A's rows)
+
+
+def test_warm_up_leaves_a_clean_engine_that_serves_the_same_tokens(tiny_hf) -> None:
+    """`ft serve` warms up on CUDA before its first request (kernel compilation and graph
+    capture took 37-47 s of the first request's TTFT on the H200). The warm-up must leave no
+    request running, empty step statistics, and change no later result."""
+    d = tiny_hf("qwen3_5_moe")
+    model = load_model(d, dtype=torch.float32, progress=False)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    core = EngineCore(model, [], kv_tokens=256, state_slots=8, max_running=2)
+    assert core.warm_up() >= 0
+    assert not core.has_work() and core.stats.summary()["requests"] == 0
+    got: list[int] = []
+    core.add(GenerateRequest(list(range(30, 50)), sp, request_id="x"),
+             lambda ev: got.extend(ev.token_ids))
+    while core.has_work():
+        core.step()
+    assert got == generate(model, list(range(30, 50)), sp, []).token_ids
