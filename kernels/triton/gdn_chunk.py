@@ -68,7 +68,8 @@ def chunk_scan(u: Tensor, w: Tensor, q_dec: Tensor, k_dec: Tensor, intra: Tensor
     K = w.shape[-1]
     assert supported(C, K, V), (C, K, V)
     s = state.float().contiguous().clone()
-    out = torch.empty_like(u)
+    u = u.contiguous()  # the kernel's offsets assume row-major [H, N, C, ·] for all of them
+    out = torch.empty(u.shape, dtype=u.dtype, device=u.device)
     bv = min(V, 32)
     _scan_kernel[(H, V // bv)](u.contiguous(), w.contiguous(), q_dec.contiguous(),
                                k_dec.contiguous(), intra.contiguous(), decay.contiguous(), s, out,

@@ -67,7 +67,7 @@ def moe_align(ids: Tensor, num_rows: int, block_m: int) -> tuple[Tensor, Tensor,
     counts = torch.zeros(num_rows + 1, dtype=torch.int64, device=dev)  # [S+1]
     counts.scatter_add_(0, key, torch.ones_like(key))
     padded = (counts + block_m - 1) // block_m * block_m  # [S+1]
-    padded[num_rows] = 0
+    padded[num_rows:].zero_()  # a fill kernel: `[i] = 0` copies a host scalar (a sync)
     pad_end = torch.cumsum(padded, 0)  # [S+1]
     pad_start = pad_end - padded  # [S+1]
     run_start = torch.cumsum(counts, 0) - counts  # [S+1] unpadded

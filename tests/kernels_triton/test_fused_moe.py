@@ -204,7 +204,7 @@ def test_decode_with_shared_expert_matches_float64(T, K, h, inter, seed):
     check(y, reference(x, ids, gu, dn, torch.full((T, K, h), float("nan"))), ids, 1e-4)
     want = shared_reference(x, sgu, sdn)
     assert ((ys.double().cpu() - want).norm(dim=-1) / want.norm(dim=-1)).max() < 1e-5
-    alone = run(fused_moe_decode, x, ids, gu, dn, config=DECODE_SMALL)
+    alone = run(fused_moe_decode, x, ids, gu, dn, config=DECODE_SMALL).cpu()
     assert torch.equal(alone[ids >= 0], y.cpu()[ids >= 0])
 
 

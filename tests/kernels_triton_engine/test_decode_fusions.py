@@ -123,7 +123,10 @@ def test_moe_combine_with_next_norm(zero_centered: bool, H: int) -> None:
     kw = {"gate_x": x.to(DEV), "gate_weight": gw.to(DEV)}
     out, normed = moe_combine(*args, **kw, norm=(norm.weight.data.to(DEV), 1e-6, zero_centered))
     plain = moe_combine(*args, **kw)
-    assert torch.equal(out.cpu(), plain.cpu())
+    if DEV == "cuda":  # two compiled specializations may round the last bit apart
+        assert rel(out.cpu(), plain.cpu()) < 1e-6
+    else:
+        assert torch.equal(out.cpu(), plain.cpu())
     with torch.no_grad():
         want = norm(out.cpu())
     assert normed.dtype == want.dtype
