@@ -14,7 +14,7 @@ server does not have, so they are refused — by this one rule, strict or not.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 from freetoken.chat.mapping import (
     TEXT_JOIN,
@@ -22,6 +22,7 @@ from freetoken.chat.mapping import (
     Checks,
     TemplateInput,
     check_name,
+    fail,
     function_tool,
     messages_list,
     need,
@@ -50,27 +51,29 @@ _BLOCK_REQUIRED = {"text": ("text",), "thinking": ("thinking",), "tool_use": ("i
 def _block(b: Any, q: str, ck: Checks) -> str:
     """The checks every content block gets; returns its type. A tool_use adds its id to
     `ck.call_ids`; a tool_result must answer one of them (strict)."""
-    need(isinstance(b, dict) and isinstance(b.get("type"), str),
-         f"'{q}' must be an object with a string 'type'", q)
+    if not (isinstance(b, dict) and isinstance(b.get("type"), str)):
+        fail(f"'{q}' must be an object with a string 'type'", q)
     t = b["type"]
     if not ck.strict:
         return t
     for k in _BLOCK_REQUIRED.get(t, ()):
-        need(b.get(k) is not None, f"'{q}.{k}' is required", f"{q}.{k}")
+        if b.get(k) is None:
+            fail(f"'{q}.{k}' is required", f"{q}.{k}")
     for k in _BLOCK_FIELDS.get(t, ()):
         opt_str(b, k, q)
     if t == "tool_use":
         check_name(b["name"], q + ".name")
         ck.call_ids.add(b["id"])
-        need(isinstance(b.get("input", {}), dict), f"'{q}.input' must be an object", q + ".input")
-    elif t == "tool_result":
-        need(b["tool_use_id"] in ck.call_ids, f"'{q}.tool_use_id' {b['tool_use_id']!r} answers "
-             "no tool_use block of an earlier assistant message", q + ".tool_use_id")
+        if not isinstance(b.get("input", {}), dict):
+            fail(f"'{q}.input' must be an object", q + ".input")
+    elif t == "tool_result" and b["tool_use_id"] not in ck.call_ids:
+        fail(f"'{q}.tool_use_id' {b['tool_use_id']!r} answers no tool_use block of an earlier "
+             "assistant message", q + ".tool_use_id")
     return t
 
 
-def _unsupported(t: str, q: str) -> None:
-    need(False, f"'{q}': content block type {t!r} is not supported here", f"{q}.type")
+def _unsupported(t: str, q: str) -> NoReturn:
+    fail(f"'{q}': content block type {t!r} is not supported here", f"{q}.type")
 
 
 def _blocks(content: Any, param: str) -> list[Any]:
@@ -160,9 +163,10 @@ def _messages(body: dict[str, Any], ck: Checks) -> list[dict[str, Any]]:
         p = f"messages[{i}]"
         need_dict(m, p)
         role = m.get("role")
-        need(isinstance(role, str) and role in ROLES,  # str first: a list role is unhashable
-             f"'{p}.role' must be 'user', 'assistant' or 'system', got {role!r}", f"{p}.role")
-        need(m.get("content") is not None, f"'{p}.content' is required", f"{p}.content")
+        if not (isinstance(role, str) and role in ROLES):  # str first: a list is unhashable
+            fail(f"'{p}.role' must be 'user', 'assistant' or 'system', got {role!r}", f"{p}.role")
+        if m.get("content") is None:
+            fail(f"'{p}.content' is required", f"{p}.content")
         c, q = m["content"], f"{p}.content"
         if role == "user":
             out.extend(_user(c, q, ck))

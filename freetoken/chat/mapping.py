@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from freetoken.chat.errors import ChatInputError
 
@@ -52,9 +52,15 @@ class ChatRequest:
         return None if self.tool_choice == "none" else self.template.tools
 
 
+def fail(msg: str, param: str) -> NoReturn:
+    raise ChatInputError(msg[:MAX_MESSAGE], param)
+
+
 def need(cond: Any, msg: str, param: str) -> None:
+    """For rules checked once per body; per message and per block the walks test first and
+    call `fail`, so no error text is formatted for a field that passes."""
     if not cond:
-        raise ChatInputError(msg[:MAX_MESSAGE], param)
+        fail(msg, param)
 
 
 class Checks:
@@ -72,24 +78,29 @@ class Checks:
 
 
 def need_dict(value: Any, param: str) -> dict[str, Any]:
-    need(isinstance(value, dict), f"'{param}' must be an object", param)
+    if not isinstance(value, dict):
+        fail(f"'{param}' must be an object", param)
     return value
 
 
 def need_list(value: Any, param: str, what: str = "an array") -> list[Any]:
-    need(isinstance(value, list), f"'{param}' must be {what}", param)
+    if not isinstance(value, list):
+        fail(f"'{param}' must be {what}", param)
     return value
 
 
 def need_str(value: Any, param: str, allow_empty: bool = True) -> str:
-    need(isinstance(value, str), f"'{param}' must be a string", param)
-    need(allow_empty or value, f"'{param}' must not be empty", param)
+    if not isinstance(value, str):
+        fail(f"'{param}' must be a string", param)
+    if not (allow_empty or value):
+        fail(f"'{param}' must not be empty", param)
     return value
 
 
 def opt_str(d: dict[str, Any], key: str, param: str) -> None:
     v = d.get(key)
-    need(v is None or isinstance(v, str), f"'{param}.{key}' must be a string", f"{param}.{key}")
+    if not (v is None or isinstance(v, str)):
+        fail(f"'{param}.{key}' must be a string", f"{param}.{key}")
 
 
 def messages_list(body: dict[str, Any]) -> list[Any]:
@@ -102,8 +113,9 @@ def check_name(name: Any, param: str) -> str:
     """A tool name as both APIs type it (strict); outside strict any non-empty string."""
     ok = (isinstance(name, str) and 0 < len(name) <= MAX_NAME
           and not any(c.isspace() or ord(c) < 32 for c in name))
-    need(ok, f"'{param}' must be a non-empty name without whitespace (at most {MAX_NAME} "
-         "chars)", param)
+    if not ok:
+        fail(f"'{param}' must be a non-empty name without whitespace (at most {MAX_NAME} "
+             "chars)", param)
     return name
 
 
@@ -143,7 +155,8 @@ def unique_tools(tools: list[dict[str, Any]], param: str, ck: Checks) -> None:
     seen: set[str] = set()
     for i, t in enumerate(tools):
         n = t["function"]["name"]
-        ck.api(n not in seen, f"tool names must be unique; {n!r} appears twice", param.format(i))
+        if ck.strict and n in seen:
+            fail(f"tool names must be unique; {n!r} appears twice", param.format(i))
         seen.add(n)
 
 

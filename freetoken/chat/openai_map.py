@@ -14,6 +14,7 @@ from freetoken.chat.mapping import (
     ChatRequest,
     Checks,
     TemplateInput,
+    fail,
     function_tool,
     messages_list,
     need,
@@ -40,10 +41,11 @@ def _text(content: Any, param: str) -> str:
     texts: list[str] = []
     for j, part in enumerate(content):
         q = f"{param}[{j}]"
-        need(isinstance(part, dict) and isinstance(part.get("type"), str),
-             f"'{q}' must be an object with a string 'type'", q)
-        need(part["type"] == "text", f"'{q}': content part type {part['type']!r} is not "
-             "supported (text only)", f"{q}.type")
+        if not (isinstance(part, dict) and isinstance(part.get("type"), str)):
+            fail(f"'{q}' must be an object with a string 'type'", q)
+        if part["type"] != "text":
+            fail(f"'{q}': content part type {part['type']!r} is not supported (text only)",
+                 f"{q}.type")
         texts.append(need_str(part.get("text"), f"{q}.text"))
     return TEXT_JOIN.join(texts)
 
@@ -59,8 +61,8 @@ def _calls(calls: Any, param: str, ck: Checks) -> list[dict[str, Any]]:
         if isinstance(c.get("id"), str):
             ck.call_ids.add(c["id"])
         name = tool_name(fn.get("name"), f"{cp}.function.name", ck)
-        need(c.get("type", "function") == "function", f"'{cp}.type' must be 'function'",
-             f"{cp}.type")
+        if c.get("type", "function") != "function":
+            fail(f"'{cp}.type' must be 'function'", f"{cp}.type")
         args = parse_arguments(fn.get("arguments", "{}"), f"{cp}.function.arguments")
         out.append(tool_call(c.get("id"), name, args))
     return out
@@ -69,16 +71,17 @@ def _calls(calls: Any, param: str, ck: Checks) -> list[dict[str, Any]]:
 def _message(m: Any, param: str, ck: Checks) -> dict[str, Any]:
     need_dict(m, param)
     role = m.get("role")
-    need(isinstance(role, str) and role in ROLES,  # str first: a list role is unhashable
-         f"'{param}.role' must be one of {sorted(ROLES)}, got {role!r}", f"{param}.role")
+    if not (isinstance(role, str) and role in ROLES):  # str first: a list is unhashable
+        fail(f"'{param}.role' must be one of {sorted(ROLES)}, got {role!r}", f"{param}.role")
     role = _ROLE_ALIASES.get(role, role)
     if ck.strict:  # typed by the API whatever the role, though rendering reads some only
         for k in ("name", "tool_call_id", "reasoning_content", "reasoning"):
             opt_str(m, k, param)
     calls = m.get("tool_calls")
     content = m.get("content")
-    if role != "assistant" or (content is None and "content" not in m and not calls):
-        need(content is not None, f"'{param}.content' is required", f"{param}.content")
+    # an assistant message may omit content when it carries tool calls
+    if content is None and (role != "assistant" or ("content" not in m and not calls)):
+        fail(f"'{param}.content' is required", f"{param}.content")
     out: dict[str, Any] = {"role": role,
                            "content": "" if content is None else _text(content,
                                                                        f"{param}.content")}
@@ -86,8 +89,9 @@ def _message(m: Any, param: str, ck: Checks) -> dict[str, Any]:
         call_id = m.get("tool_call_id")
         if call_id is not None:
             out["tool_call_id"] = need_str(call_id, f"{param}.tool_call_id")
-            ck.api(call_id in ck.call_ids, f"'{param}.tool_call_id' {call_id!r} answers no "
-                   "tool call of an earlier assistant message", f"{param}.tool_call_id")
+            if ck.strict and call_id not in ck.call_ids:
+                fail(f"'{param}.tool_call_id' {call_id!r} answers no tool call of an earlier "
+                     "assistant message", f"{param}.tool_call_id")
         if isinstance(m.get("name"), str):
             out["name"] = m["name"]
     if role == "assistant":
