@@ -101,16 +101,20 @@ def test_only_plain_classes_lose_the_bonus(cls: str, cleared: bool) -> None:
 
 def test_drop_snapshot_frees_its_slot_unless_pinned() -> None:
     c = _cache(states=2)
-    s = _snap(c, 10)
+    s10, s20 = _snap(c, 10), _snap(c, 20)
     m = c.match(IDS)
+    assert m.length == 20
     c.lock(m.node)
-    with pytest.raises(ValueError, match="snapshot at 10 is pinned by a running request"):
+    with pytest.raises(ValueError, match="snapshot at 20 is pinned by a running request"):
         c.drop_snapshot(m.node)
     c.unlock(m.node)
-    c.drop_snapshot(m.node, "per_sequence_cap")
-    assert c.snapshots() == [] and c.state_pool.is_free(s)
-    assert c.stats()["snapshots_dropped"] == 1
-    assert c.tiers.gone[m.node] == "per_sequence_cap:device"
+    c.drop_snapshot(m.node)
+    assert c.snapshots() == [(10, s10, "anchor")] and c.state_pool.is_free(s20)
+    assert c.match(IDS).lost == "dropped:device@20"  # the default reason
+    n10 = c.match(IDS[:12]).node
+    c.drop_snapshot(n10, "per_sequence_cap")
+    assert c.snapshots() == [] and c.stats()["snapshots_dropped"] == 2
+    assert c.tiers.gone[n10] == "per_sequence_cap:device"
 
 
 @pytest.mark.parametrize("horizon,kept", [(1000, "cut_point"), (None, "end")])
