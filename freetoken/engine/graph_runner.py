@@ -258,6 +258,20 @@ class DecodeRunner:
         log.info(kv("captured", bucket=Bk, greedy=greedy, attention=self.attention))
         return g
 
+    def capture_all(self) -> int:
+        """Capture every bucket's greedy and sampling graphs now (server start) instead of on
+        the first step that needs each; returns how many graphs are held."""
+        if not self.use_graphs:
+            return 0
+        for bk in self.buckets.values():
+            for greedy in (True, False):
+                if bk.failed or greedy in bk.graphs:
+                    continue
+                g = self._capture(bk, greedy)
+                if g is not None:
+                    bk.graphs[greedy] = g
+        return sum(len(b.graphs) for b in self.buckets.values())
+
     def step(self, rows: list[DecodeRow]) -> list[int]:
         """Run one decode step for `rows` (at most max_batch); returns the sampled token ids."""
         bk = self.bucket(len(rows))
