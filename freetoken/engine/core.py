@@ -65,6 +65,7 @@ class EngineCore:
         # a lone request must always fit in the KV pool, so the context never exceeds it
         self.max_context = min(max_context or cfg.max_position_embeddings, kv_tokens)
         self.stats = EngineStats()
+        self.guard = getattr(getattr(model, "moe_runtime", None), "guard", None)  # `auto` only
         log.info(kv("ready", kv_tokens=kv_tokens, state_slots=state_slots if state else 0,
                     max_running=max_running, chunk=chunk_tokens, max_context=self.max_context,
                     kv_mb=KVPool.bytes_per_token(cfg, self.dtype) * kv_tokens // 2**20))
@@ -124,9 +125,12 @@ class EngineCore:
         items = plan.items
         if not items:
             return
+        decode = all(i.n == 1 and i.wants_logits for i in items)  # every row one token
+        if self.guard is not None:  # `auto` times its choice over decode steps of any width
+            self.guard.on_step(decode)
         t0 = time.perf_counter()
         rows = None
-        if self.runner is not None and all(i.n == 1 and i.wants_logits for i in items):
+        if self.runner is not None and decode:
             rows = [self._decode_row(it) for it in items]
             if not self.runner.fits(rows):
                 rows = None

@@ -84,9 +84,12 @@ def generate(model: QwenMoE, prompt: list[int], sampling: SamplingParams, eos_id
     sampler = RequestSampler(sampling, eos_ids, device)
     runner = priv.runner(model, cuda_graph) if device.type == "cuda" else None
     host_slots = torch.arange(priv.total)
+    guard = getattr(getattr(model, "moe_runtime", None), "guard", None)  # `auto` only
     t0 = time.perf_counter()
     logits = None
     for s in range(0, len(prompt), prefill_chunk):
+        if guard is not None:
+            guard.on_step(decode=False)
         chunk = prompt[s:s + prefill_chunk]
         batch = ForwardBatch.single(chunk, s, slots[: s + len(chunk)], state, device)
         logits = model(batch, caches)
@@ -112,6 +115,8 @@ def generate(model: QwenMoE, prompt: list[int], sampling: SamplingParams, eos_id
         if len(out) >= sampling.max_tokens:
             break
         pos = len(prompt) + len(out) - 1
+        if guard is not None:
+            guard.on_step(decode=True)
         if runner is not None:
             n = len(out)
             tok = runner.step([DecodeRow(**vars(params(n)), token=tok, position=pos,

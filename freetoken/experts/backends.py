@@ -116,7 +116,7 @@ class SlotExperts(ExpertBackend):
         self.num_fetch, self.name = num_fetch, name
         self.fixed_fetch = fixed_fetch  # offload (-1) and cpu (0) need no miss count: no sync
         self.cpu_threads = cpu_threads  # CPU branch threads (None: torch's thread count)
-        self.guard: AutoGuard | None = None  # `auto`: layer 0 marks decode step boundaries
+        self.guard: AutoGuard | None = None  # `auto`: its steps are marked by the step's runner
         self._device_fill: bool | None = None  # decided on first use (see device_fill)
         # q* on the device (captured steps): fetch round(m·q_ratio) of m misses, at least one,
         # at most max_fetch — the same rule as `num_fetch` (set by configure_experts)
@@ -206,8 +206,6 @@ class SlotExperts(ExpertBackend):
                 dispatch_experts(x, d.slot_ids, self.cache.gate_up_slots,
                                 self.cache.down_slots, y, mask=d.slot_ids >= 0)
             return y
-        if self.guard is not None and self.m == 0:
-            self.guard.on_step(decode=T == 1)
         q = (self.fixed_fetch if self.fixed_fetch is not None
              else self.num_fetch(self._count_misses(topk_ids)))
         d = self.cache.decide(self.m, topk_ids, q)
@@ -248,7 +246,13 @@ class SlotExperts(ExpertBackend):
 class AutoGuard:
     """`auto`: runs the profile's choice, then guards it on the live workload — after a warm-up
     it times plain offload over the same number of decode steps and falls back to it if the
-    choice was slower."""
+    choice was slower.
+
+    `on_step` is called once at the start of every forward step by what runs the step
+    (`EngineCore.step`, `generate`), with `decode=True` when every row of the step is one token
+    of a decoding sequence, however many sequences there are. The caller knows the step's
+    kind; a layer sees only a token count, which cannot tell 3 decode rows from a 3-token
+    prefill chunk."""
 
     def __init__(self, choice: str, q_choice: Callable[[int], int], window: int = 32):
         self.choice, self.q_choice, self.window = choice, q_choice, window

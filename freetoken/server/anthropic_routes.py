@@ -27,9 +27,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from freetoken.chat import ReasoningDelta, TextDelta, ToolCall, anthropic_to_template
+from freetoken.chat import ChatRequest, ReasoningDelta, TextDelta, ToolCall
 from freetoken.log import get_logger, kv
-from freetoken.server import shapes
 from freetoken.server.errors import APIError, error_body
 from freetoken.server.generation import (
     Finished,
@@ -48,7 +47,7 @@ from freetoken.server.sse import (
     sse_comment,
     with_ticks,
 )
-from freetoken.server.state import ServerState, to_template
+from freetoken.server.state import ServerState, chat_request
 from freetoken.server.validation import common_params, opt_bool, read_json
 
 log = get_logger("server")
@@ -82,22 +81,17 @@ def _stop(f: Finished, saw_tools: bool) -> str:
         f.reason, "tool_use" if saw_tools else "end_turn")
 
 
-async def _prepare(st: ServerState, body: dict) -> tuple[Any, Any, str]:
-    """Validate messages/tools/tool_choice, map to the template input and render."""
-    shapes.anthropic_messages(body.get("messages"), body.get("system"))
-    shapes.anthropic_fields(body)
-    choice = shapes.tool_choice(body.get("tool_choice"), shapes.anthropic_tools(body.get("tools")),
-                                "anthropic")
-    ti = to_template(anthropic_to_template, body)
-    prompt = await st.render(ti, None if choice == "none" else ti.tools)
-    return ti, prompt, choice
+async def _prepare(st: ServerState, body: dict) -> tuple[ChatRequest, Any]:
+    """Validate and map messages/tools/tool_choice (one pass), then render."""
+    cr = chat_request("anthropic", body)
+    return cr, await st.render(cr.template, cr.prompt_tools)
 
 
 async def count_tokens(request: Request) -> Response:
     st: ServerState = request.app.state.ft
     body = await read_json(request)
     st.check_model(body)
-    _, prompt, _ = await _prepare(st, body)
+    _, prompt = await _prepare(st, body)
     return JSONResponse({"input_tokens": len(prompt.input_ids)})
 
 
@@ -109,13 +103,14 @@ async def messages(request: Request) -> Response:
         raise APIError.bad("max_tokens: Field required", "max_tokens", "missing_field")
     params = common_params(body, ("max_tokens",), "stop_sequences")
     stream = opt_bool(body, "stream")
-    ti, prompt, choice = await _prepare(st, body)
+    cr, prompt = await _prepare(st, body)
+    ti = cr.template
     rid = new_id("msg_")
     pl = plan(st.engine, prompt.input_ids, prompt.anchors, params, st.tokenizer.eos_token_ids,
               session_key_from(request.headers), rid)
     log.info(kv("messages", request=rid, prompt=pl.prompt_len,
                 max_tokens=pl.req.sampling.max_tokens, stream=stream, tools=len(ti.tools or []),
-                thinking=ti.enable_thinking, choice=choice))
+                thinking=ti.enable_thinking, choice=cr.tool_choice))
     parser = st.parser(ti.enable_thinking is not False, prompt, ti.tools, "toolu_")
     events = drive(await admit(st.engine, pl), pl, parser, params.stops, TextDelta, TextDelta)
     base = {"id": rid, "type": "message", "role": "assistant", "model": model}

@@ -1,8 +1,10 @@
 """From a tokenized prompt to a stream of parsed output events, shared by every route.
 
-`plan()` turns prompt ids + API sampling fields into a `GenerateRequest` (max_tokens clamped to
-the context room, sampling values checked: O(1), on the event loop). `admit()` has the engine
-admit it on its own thread (the one admission check, O(prompt)) and maps a refusal to
+`plan()` turns prompt ids + API sampling fields (already range-checked by
+`validation.common_params`) into a `GenerateRequest`, sizing `max_tokens` to the context room
+(O(1); a prompt that leaves no room is refused here, naming the route's own prompt field).
+`admit()` has the engine admit it on its own thread (`EngineCore.check`, the one admission check
+of a request: sampling values, context, vocabulary, O(prompt)) and maps a refusal to
 APIError(400) while the HTTP response can still carry it. `drive()` iterates the admitted
 stream, feeds the token ids through an output parser (reasoning / text / tool calls), matches
 stop strings in the decoded text channel, and yields `Started`, parser events and one final
@@ -85,12 +87,8 @@ def plan(engine: EngineClient, input_ids: list[int], anchors: list[Anchor], p: C
         max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
         seed=p.seed, stop_token_ids=[] if p.ignore_eos else list(eos_ids),
         ignore_eos=p.ignore_eos, min_tokens=min(p.min_tokens, max_tokens))
-    req = GenerateRequest(list(input_ids), sampling, list(anchors), session_key, request_id)
-    try:
-        sampling.validate()
-    except AdmissionError as e:
-        raise APIError.from_admission(e) from None
-    return Plan(req, n, headers)
+    return Plan(GenerateRequest(list(input_ids), sampling, list(anchors), session_key,
+                                request_id), n, headers)
 
 
 async def admit(engine: EngineClient, pl: Plan) -> AsyncIterator[EngineEvent]:

@@ -20,10 +20,8 @@ from freetoken.chat import (
     ReasoningDelta,
     TextDelta,
     ToolCall,
-    openai_to_template,
 )
 from freetoken.log import get_logger, kv
-from freetoken.server import shapes
 from freetoken.server.errors import APIError, error_body
 from freetoken.server.generation import Finished, admit, drive, new_id, plan, session_key_from
 from freetoken.server.sse import (
@@ -34,7 +32,7 @@ from freetoken.server.sse import (
     sse_comment,
     with_ticks,
 )
-from freetoken.server.state import ServerState, to_template
+from freetoken.server.state import ServerState, chat_request
 from freetoken.server.validation import common_params, opt_bool, opt_dict, opt_int, read_json
 
 log = get_logger("server")
@@ -80,9 +78,8 @@ async def chat_completions(request: Request) -> Response:
     st: ServerState = request.app.state.ft
     body = await read_json(request)
     model = st.check_model(body)
-    shapes.openai_messages(body.get("messages"))
-    choice = shapes.tool_choice(body.get("tool_choice"), shapes.openai_tools(body.get("tools")),
-                                "openai")
+    cr = chat_request("openai", body)
+    ti = cr.template
     _only_n1(body)
     _no_logprobs(opt_bool(body, "logprobs") or bool(opt_int(body, "top_logprobs", lo=0, hi=20)))
     rf = opt_dict(body, "response_format")
@@ -91,13 +88,12 @@ async def chat_completions(request: Request) -> Response:
                            "decoding)", "response_format")
     stream, include_usage = _stream_opts(body)
     params = common_params(body, ("max_completion_tokens", "max_tokens"), "stop")
-    ti = to_template(openai_to_template, body)
-    prompt = await st.render(ti, None if choice == "none" else ti.tools)
+    prompt = await st.render(ti, cr.prompt_tools)
     rid = new_id("chatcmpl-")
     pl = plan(st.engine, prompt.input_ids, prompt.anchors, params, st.tokenizer.eos_token_ids,
               session_key_from(request.headers), rid)
     log.info(kv("chat", request=rid, prompt=pl.prompt_len, max_tokens=pl.req.sampling.max_tokens,
-                stream=stream, tools=len(ti.tools or []), choice=choice))
+                stream=stream, tools=len(ti.tools or []), choice=cr.tool_choice))
     parser = st.parser(ti.enable_thinking is not False, prompt, ti.tools, "call_")
     events = drive(await admit(st.engine, pl), pl, parser, params.stops, TextDelta, TextDelta)
     base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),

@@ -10,7 +10,14 @@ from typing import Any
 import jinja2
 from anyio import to_thread
 
-from freetoken.chat import ChatInputError, OutputParser, TemplateInput
+from freetoken.chat import (
+    ChatInputError,
+    ChatRequest,
+    OutputParser,
+    TemplateInput,
+    anthropic_request,
+    openai_request,
+)
 from freetoken.server.errors import APIError
 from freetoken.server.validation import req_str
 from freetoken.types.api import EngineClient
@@ -65,8 +72,11 @@ class ServerState:
                             tools=tools, id_factory=lambda _i: id_prefix + secrets.token_hex(12))
 
 
-def to_template(fn: Any, body: dict) -> TemplateInput:
+def chat_request(api: str, body: dict) -> ChatRequest:
+    """The one validation pass of a chat body's messages, tools, tool_choice and thinking
+    (`api`: 'openai' or 'anthropic'), checked and mapped to the template input together; a
+    refusal is an APIError(400) naming the field."""
     try:
-        return fn(body)
+        return (anthropic_request if api == "anthropic" else openai_request)(body)
     except ChatInputError as e:
         raise APIError.bad(e.message, e.param) from None

@@ -82,12 +82,23 @@ def test_auto_with_several_decodes_keeps_fused_tokens(auto_run) -> None:
     assert widest == 3 and got == want
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "AutoGuard counts only one-token batches as decode steps (SlotExperts.forward: "
-    "decode=T == 1), so with several sequences decoding it never times its choice against "
-    "offload; the guard needs the step kind from the engine"))
 def test_auto_guard_times_batched_decode_steps(auto_run) -> None:
     """13 decode steps of 3 sequences each with a window of 4: the guard must have timed its
-    choice and offload and settled."""
+    choice and offload and settled. Catches the guard counting only one-token steps as decode
+    (it took the step kind from the layer's token count, T == 1), which left `auto` untimed
+    whenever several sequences decoded together."""
     guard = auto_run[0]
-    assert guard.phase == "settled"
+    assert guard.phase == "settled" and set(guard.times) == {"choice", "offload"}
+
+
+def test_auto_guard_times_plain_generate(tiny_hf) -> None:
+    """`generate` (`ft generate`) marks its steps too: one prefill, then 13 one-token decode
+    steps settle a guard of window 4. Catches a step runner that never marks its steps."""
+    d = tiny_hf("qwen3_5_moe")
+    model = load_model(d, dtype=torch.float32, progress=False,
+                       moe=MoEOptions(backend="auto", cache_size=6))
+    guard = model.moe_runtime.guard
+    guard.window = 4
+    prompt = _prompts(model.cfg.vocab_size, 1)[0]
+    generate(model, prompt, SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True), [])
+    assert guard.phase == "settled" and set(guard.times) == {"choice", "offload"}
