@@ -180,15 +180,16 @@ class DecodeRunner:
         temp, top_k, top_p, seed, step, blk, on = gpu_sampler.sampling_columns(rows, MAX_BLOCKED)
         state_pad = self.scratch_state if self.scratch_state is not None else 0
         i64, nblk, f32, ptr, mask, blk_on, idx = self._np
-        i64[:, :n] = [[r.token for r in rows], [r.position for r in rows],
-                      [r.out_slot for r in rows], [max(r.state_slot, 0) for r in rows],
-                      seed, step, top_k]
+        if n:  # (none at capture: every row a padding row)
+            i64[:, :n] = [[r.token for r in rows], [r.position for r in rows],
+                          [r.out_slot for r in rows], [max(r.state_slot, 0) for r in rows],
+                          seed, step, top_k]
+            f32[:, :n] = [temp, top_p]
+            nblk[:n] = blk
+            blk_on[:n] = on
         i64[:, n:Bk] = [[0], [0], [self.scratch_kv], [state_pad], [0], [0], [0]]
-        f32[:, :n] = [temp, top_p]
         f32[:, n:Bk] = [[0.0], [1.0]]
-        nblk[:n] = blk
         nblk[n:Bk] = 0
-        blk_on[:n] = on
         blk_on[n:Bk] = False
         mask[:n] = True
         mask[n:Bk] = False

@@ -76,8 +76,9 @@ def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     k_dec = k * (gc[..., -1:] - gc).exp()[..., None]  # [H, N, C, K]
     chunk_decay = gc[..., -1].exp()  # [H, N]
     scan = _triton_scan(q, chunk, q.shape[-1], v.shape[-1])
-    if scan is not None:  # the loop below in one kernel (kernels/triton/gdn_chunk.py)
-        out, s = scan(u, w, q_dec, k_dec, intra, chunk_decay, state)
+    res = scan(u, w, q_dec, k_dec, intra, chunk_decay, state) if scan is not None else None
+    if res is not None:  # the loop below in one kernel (kernels/triton/gdn_chunk.py)
+        out, s = res
     else:
         s = state.float()  # [H, K, V]
         out = torch.empty_like(u)  # [H, N, C, V]

@@ -23,6 +23,12 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.runtime.errors import OutOfResources
+
+from freetoken.log import get_logger, kv
+
+log = get_logger("kernels")
+_TOO_BIG: set[tuple[int, int, int]] = set()  # tiles this GPU refused
 
 
 @triton.jit
@@ -61,17 +67,27 @@ def supported(C: int, K: int, V: int) -> bool:
 
 
 def chunk_scan(u: Tensor, w: Tensor, q_dec: Tensor, k_dec: Tensor, intra: Tensor,
-               decay: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+               decay: Tensor, state: Tensor) -> tuple[Tensor, Tensor] | None:
     """u [H, N, C, V]; w, q_dec, k_dec [H, N, C, K]; intra [H, N, C, C]; decay [H, N];
-    state [H, K, V] (all fp32) -> out [H, N, C, V], final state [H, K, V]."""
+    state [H, K, V] (all fp32) -> out [H, N, C, V], final state [H, K, V]; None when the
+    kernel does not fit this GPU at these tiles (logged once)."""
     H, N, C, V = u.shape
     K = w.shape[-1]
     assert supported(C, K, V), (C, K, V)
     s = state.float().contiguous().clone()
     u = u.contiguous()  # the kernel's offsets assume row-major [H, N, C, ·] for all of them
     out = torch.empty(u.shape, dtype=u.dtype, device=u.device)
+    if (C, K, V) in _TOO_BIG:
+        return None
     bv = min(V, 32)
-    _scan_kernel[(H, V // bv)](u.contiguous(), w.contiguous(), q_dec.contiguous(),
-                               k_dec.contiguous(), intra.contiguous(), decay.contiguous(), s, out,
-                               N, C=C, K=K, V=V, BV=bv, PREC="ieee", num_warps=4)
+    # one stage: the loop carries S, and pipelining its loads would hold three copies of the
+    # [C, K] fp32 tiles in shared memory (256 KB at C=64, K=128: over the H200's 227 KB)
+    try:
+        _scan_kernel[(H, V // bv)](u, w.contiguous(), q_dec.contiguous(), k_dec.contiguous(),
+                                   intra.contiguous(), decay.contiguous(), s, out, N, C=C, K=K,
+                                   V=V, BV=bv, PREC="ieee", num_warps=4, num_stages=1)
+    except OutOfResources as e:  # a smaller GPU: the caller keeps its torch loop
+        _TOO_BIG.add((C, K, V))
+        log.warning(kv("gdn_chunk_scan_unavailable", chunk=C, k=K, v=V, error=str(e)[:120]))
+        return None
     return out, s

@@ -108,3 +108,18 @@ def test_cuda_path_kernels_per_layer(tiny_hf) -> None:
                                                sorted(c.items(), key=lambda kv: -kv[1]))
         assert sum(ops.values()) <= CUDA_STEP_TOTAL, (rows, sorted(ops.items(),
                                                                    key=lambda kv: -kv[1]))
+
+
+def test_capture_staging_with_no_rows(tiny_hf) -> None:
+    """Bug caught (H200 run, session 4): capture stages a bucket of padding rows only, and the
+    numpy staging failed on an empty row list (every CUDA graph capture raised). The staged
+    bucket must be all padding: scratch KV slots, masked rows, one key per row."""
+    model = load_model(tiny_hf("qwen3_5_moe"), dtype=torch.float32, progress=False)
+    core = EngineCore(model, [2], kv_tokens=256, state_slots=8, max_running=4,
+                      decode_runner=True)
+    r = core.runner
+    ptr, total = r._stage([], 4)
+    assert total == 4 and ptr.tolist() == [0, 1, 2, 3, 4]
+    assert r.h_mask[:4].tolist() == [False] * 4
+    assert r.h_i64[2, :4].tolist() == [r.scratch_kv] * 4
+    assert r.h_indices[:4].tolist() == [r.scratch_kv] * 4
