@@ -11,7 +11,6 @@ failures.
 """
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
@@ -24,7 +23,7 @@ from starlette.routing import Route
 
 from freetoken.chat import ChatInputError, anthropic_to_template, openai_to_template
 from freetoken.log import get_logger, kv
-from freetoken.proxy import info_routes
+from freetoken.proxy import info_routes, jsonc
 from freetoken.proxy.config import ProxyConfig
 from freetoken.proxy.forward import forward
 from freetoken.proxy.metrics import RequestRecord
@@ -58,16 +57,16 @@ async def _handle(request: Request, api: str, kind: str) -> Response:
     ps: ProxyState = request.app.state.proxy
     raw = await request.body()
     try:
-        body = json.loads(raw)
+        body = jsonc.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise APIError.bad("request body is not valid JSON", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError.bad("request body must be a JSON object", code="invalid_json")
     headers = {k.lower(): v for k, v in request.headers.items()}
-    adapter = detect_adapter(HarnessRequest(api, request.url.path, headers, body),
-                             ps.cfg.force_harness)
-    work = HarnessRequest(api, request.url.path, headers, json.loads(raw))  # a private copy
-    norm, fired = adapter.normalise(work, ps.cfg.steps, ps.fold_system, copy=False)
+    received = HarnessRequest(api, request.url.path, headers, body)
+    adapter = detect_adapter(received, ps.cfg.force_harness)
+    # one parse: detection is done with the body as received, so the pipeline may edit it
+    norm, fired = adapter.normalise(received, ps.cfg.steps, ps.fold_system, copy=False)
     session = adapter.session_key(HarnessRequest(api, request.url.path, headers, norm))
     rid = uuid.uuid4().hex[:16]
     rec = RequestRecord(rid, adapter.name, session, api, "native" if ps.cfg.native else api,

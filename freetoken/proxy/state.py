@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from types import SimpleNamespace
 from typing import Any
 
 import httpx
 from starlette.requests import Request
 
+from freetoken.proxy import jsonc
 from freetoken.proxy.config import ProxyConfig
 from freetoken.proxy.metrics import Metrics
 from freetoken.proxy.native import NativeEngine
@@ -77,4 +77,4 @@ def inner_request(request: Request, body: dict, st: ServerState) -> Request:
     """The same request with the normalised body and an app whose state is `st`."""
     scope = dict(request.scope)
     scope["app"] = SimpleNamespace(state=SimpleNamespace(ft=st))
-    return Request(scope, replaying(json.dumps(body).encode(), request.receive))
+    return Request(scope, replaying(jsonc.dumps(body), request.receive))
