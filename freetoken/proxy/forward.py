@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import httpx
 from starlette.requests import Request
@@ -25,9 +25,41 @@ from freetoken.proxy.translate import (
 )
 from freetoken.proxy.upstream import Upstream, error_from
 from freetoken.server.errors import APIError
-from freetoken.server.sse import EventStreamResponse, run_unless_disconnected
+from freetoken.server.sse import EventStreamResponse
 
 log = get_logger("proxy")
+T = TypeVar("T")
+
+
+async def unless_disconnected(receive: Callable[[], Awaitable[dict]], work: Awaitable[T]
+                              ) -> tuple[bool, T | None]:
+    """`await work` in this task while one watcher task waits for the client's
+    `http.disconnect` and cancels this task if it comes first (closing the upstream request).
+    Returns (finished, result). The non-streamed hop's version of
+    `freetoken.server.sse.run_unless_disconnected`, with one task instead of a task group of
+    two: the event-loop round trips are a measurable share of the proxy's added latency."""
+    me = asyncio.current_task()
+    assert me is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        me.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return True, await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise  # cancelled from outside (shutdown): not ours to swallow
+        if hasattr(me, "uncancel"):  # 3.11+: the cancel was ours and is handled
+            me.uncancel()
+        return False, None
+    finally:
+        watcher.cancel()
 
 
 def translate_request(body: dict, api_in: str, api_out: str) -> dict:
@@ -97,7 +129,7 @@ async def forward(up: Upstream, request: Request, body: dict, api_in: str, rec: 
         return r
 
     try:
-        finished, r = await run_unless_disconnected(request.receive, call())
+        finished, r = await unless_disconnected(request.receive, call())
     except httpx.HTTPError as e:
         raise APIError(502, f"upstream unreachable: {e!r}", None, "upstream_error") from None
     if not finished:

@@ -11,6 +11,7 @@ replaced by `--upstream-api-key`; they are never logged or recorded.
 """
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -108,8 +109,14 @@ class Upstream:
     async def open(self, url: str, body: dict, headers: dict[str, str],
                    raw: bytes | None = None) -> httpx.Response:
         content = raw if raw is not None else jsonc.dumps(body)
-        req = self.client.build_request("POST", url, content=content, headers=headers)
+        req = self.client.build_request("POST", _parsed(url), content=content, headers=headers)
         return await self.client.send(req, stream=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(url: str) -> httpx.URL:
+    """Parsed once per upstream URL, not per request."""
+    return httpx.URL(url)
 
 
 def error_from(status: int, raw: bytes) -> APIError:
