@@ -34,6 +34,7 @@ from freetoken.server.errors import APIError, answer_errors
 from freetoken.server.sse import EventStreamResponse
 from freetoken.server.state import ServerState
 from harness_adapters import HarnessRequest, detect_adapter
+from harness_adapters.base import system_text
 
 __all__ = ["ProxyState", "create_proxy_app", "template_rejects_mid_system"]
 
@@ -121,8 +122,9 @@ async def _native(request: Request, ps: ProxyState, body: dict, api: str, kind: 
         messages = ti.messages
     except ChatInputError:
         messages = []  # the route answers the 400
-    turn = TurnEngine(eng, Turn(adapter, session, messages, rec, cap), ps.sessions,
-                      ps.metrics.record)
+    turn = TurnEngine(eng, Turn(adapter, session, messages, rec, cap, system_text(body),
+                                adapter.head_breaks(body)), ps.sessions, ps.metrics.record,
+                      ps.heads)
     names = ps.cfg.served_model_names or [eng.model_name]
     st = ServerState(turn, ps.tokenizer, None, names, False, ps.parser_family)  # type: ignore[arg-type]
     inner = inner_request(request, body, st)

@@ -10,6 +10,7 @@ from starlette.requests import Request
 
 from freetoken.proxy import jsonc
 from freetoken.proxy.config import ProxyConfig
+from freetoken.proxy.heads import HeadBreaks
 from freetoken.proxy.metrics import Metrics
 from freetoken.proxy.native import NativeEngine
 from freetoken.proxy.sessions import SessionStore
@@ -37,6 +38,7 @@ class ProxyState:
         self._client = client
         self.metrics = Metrics(cfg.metrics_path)
         self.sessions = SessionStore()
+        self.heads = HeadBreaks(tokenizer) if tokenizer is not None else None
         self._native: NativeEngine | None = None
         self._lock: asyncio.Lock | None = None
         fold = cfg.fold_system
