@@ -11,6 +11,7 @@ failures.
 """
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any
 
@@ -73,7 +74,7 @@ async def _handle(request: Request, api: str, kind: str) -> Response:
     rec = RequestRecord(rid, adapter.name, session, api, "native" if ps.cfg.native else api,
                         request.url.path, bool(norm.get("stream")) and kind == "generate",
                         normalised=fired)
-    if fired:
+    if fired and log.isEnabledFor(logging.INFO):
         log.info(kv("normalise", request=rid, harness=adapter.name,
                     fired=",".join(f"{k}:{v}" for k, v in fired.items())))
     out_headers: dict[str, str] = {}

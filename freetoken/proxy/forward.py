@@ -3,6 +3,7 @@ in its own API shape (see upstream.py for the streaming contract)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -150,7 +151,8 @@ async def forward(up: Upstream, request: Request, body: dict, api_in: str, rec: 
     else:
         rec.prompt_tokens, rec.cached_tokens, rec.output_tokens = usage_from_openai(
             data.get("usage"))
-    log.debug(kv("forwarded", request=rec.request_id, status=r.status_code, api_out=api_out))
+    if log.isEnabledFor(logging.DEBUG):  # kv() formats eagerly: keep it off the hot path
+        log.debug(kv("forwarded", request=rec.request_id, status=r.status_code, api_out=api_out))
     if api_in == api_out and not rec.capped:  # as received: no re-encoding
         return Response(r.content, 200, headers=headers, media_type="application/json")
     if api_in != api_out:
