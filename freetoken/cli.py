@@ -23,6 +23,7 @@ _COMMANDS = [
 ]
 _BENCH_COMMANDS = [
     "freetoken.bench.cli_decode",
+    "freetoken.bench.cli_prefill",
     "freetoken.bench.cli_routing",
     "freetoken.bench.cli_bw",
     "workloads.cli_bench",

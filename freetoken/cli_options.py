@@ -50,6 +50,18 @@ def add_moe_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-cpu-threads", type=int, default=None,
                    help="threads of the CPU expert branch (default: every core the process "
                         "may use, less one when a GPU is driven from the main thread)")
+    g.add_argument("--moe-prefill-stream", default="auto", choices=["auto", "on", "off"],
+                   help="stream whole MoE layers through two buffers for long prefill chunks "
+                        "(auto: on CUDA, chunks at or above the threshold)")
+    g.add_argument("--moe-prefill-stream-tokens", type=int, default=None, metavar="N",
+                   help="chunk tokens from which prefill streams (default: derived from the "
+                        "measured bandwidth profile; logged at start)")
+    g.add_argument("--no-prefill-overlap", dest="prefill_overlap", action="store_false",
+                   help="one streaming buffer: copy and compute serialised (for comparison)")
+    g.add_argument("--moe-prefill-hit-d2d", dest="prefill_hit_d2d",
+                   action=argparse.BooleanOptionalAction, default=True,
+                   help="experts already in the GPU cache stay off the link while streaming "
+                        "(read in place); --no-moe-prefill-hit-d2d sends every expert over it")
 
 
 def default_backend(cfg, dtype: torch.dtype, device: str, kv_reserve_tokens: int) -> str:
@@ -83,6 +95,10 @@ def moe_options(args: argparse.Namespace, backend: str | None = None):
         cpu_layers=args.moe_cpu_layers,
         hybrid_max_fetch=args.moe_hybrid_max_fetch,
         cpu_threads=getattr(args, "moe_cpu_threads", None),
+        prefill_stream=getattr(args, "moe_prefill_stream", "auto"),
+        prefill_stream_tokens=getattr(args, "moe_prefill_stream_tokens", None),
+        prefill_overlap=getattr(args, "prefill_overlap", True),
+        prefill_hit_d2d=getattr(args, "prefill_hit_d2d", True),
     )
 
 
@@ -124,7 +140,9 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--state-host-mem", type=parse_bytes_arg, default=None, metavar="BYTES",
                    help="host-RAM tier for state snapshots evicted from the device (e.g. 8G; "
                         "default: a quarter of the RAM free after loading, <= 16x --state-slots)")
-    g.add_argument("--chunk-tokens", type=int, default=512, help="prefill token budget per step")
+    g.add_argument("--chunk-tokens", type=int, default=None,
+                   help="prefill token budget per step (default: 8192 when prefill streams "
+                        "whole MoE layers, else 512)")
     g.add_argument("--max-output-tokens", type=int, default=None,
                    help="clamp every request's max_tokens to N (reported in a response header)")
     g.add_argument("--checkpoint-policy", default="semantic",

@@ -2,7 +2,7 @@
 # One call on the GPU machine (device tool): GPU tests, then the benchmarks of
 # docs/benchmarks.md. Writes logs under $OUT.
 # Usage: OUT=/tmp/out scripts/gpu_run.sh [stage ...]
-#   stages: tests gputests fast batch kprof kernel kdiag kunbound ksweep linear bw decode profile
+#   stages: tests gputests fast batch prefill kprof kernel kdiag kunbound ksweep linear bw decode profile
 # (default: gputests kernel linear bw, about 6 min; `decode` alone takes about 5 min more)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -98,6 +98,13 @@ if has batch; then
     --moe-cache-rate 0.37 --prompt-tokens 32 --decode-tokens 64 --repeats 1 \
     --backends ${FT_BACKENDS:-fused,offload,hybrid} --graphs on --batch ${FT_BATCH:-1,4,16} \
     2>&1 | grep -v "random weights:" | tee "$OUT/decode_batch.log"
+fi
+if has prefill; then
+  # prefill streaming: seconds per chunk at 4k/8k/16k beside the link floor, the overlap off,
+  # every expert over the link, the per-expert path and fused; then TTFT of a 32k prompt
+  timeout 420 $FT bench prefill --shape qwen3.6-35b-a3b --layers 20 --random-weights \
+    --moe-cache-rate 0.37 --tokens ${FT_PREFILL_TOKENS:-4096,8192,16384} --repeats 2 \
+    --ttft ${FT_TTFT:-32768} 2>&1 | grep -v "random weights:" | tee "$OUT/prefill.log"
 fi
 if has kprof; then
   # GPU kernels of one decode step by device time (the runner run eagerly, fused, 8 layers)

@@ -77,12 +77,15 @@ def install_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEO
     """Give every MoE block of `model` the experts of `backend` over `store`: `fused` copies
     every bank to the device (undo with drop_fused); the others configure the slot cache."""
     if backend == "fused":
+        model.forward_hooks = []  # a previous backend's prefill streamer
         for m, b in enumerate(model.moe_blocks()):
             b.experts = create_backend("fused", m, banks=(store.gate_up(m).to(device),
                                                           store.down(m).to(device)))
         return None
-    return configure_experts(model, MoEOptions(**{**opts.__dict__, "backend": backend}), device,
-                             store=store)
+    rt = configure_experts(model, MoEOptions(**{**opts.__dict__, "backend": backend}), device,
+                           store=store)
+    model.moe_runtime = rt  # what the engine reads (expert stats, the streamer's chunking)
+    return rt
 
 
 def drop_fused(model: QwenMoE, device: torch.device) -> None:

@@ -28,6 +28,8 @@ from freetoken.types.api import EngineEvent, GenerateRequest
 log = get_logger("engine")
 _ids = itertools.count(1)
 T = TypeVar("T")
+# prefill chunk when long chunks stream whole MoE layers (see default_chunk_tokens)
+STREAM_CHUNK_TOKENS = 8192
 
 
 class AsyncEngine:
@@ -217,6 +219,17 @@ def default_kv_tokens(model, max_context: int, moe) -> int:
     return n
 
 
+def default_chunk_tokens(model) -> int:
+    """Prefill tokens per step when `--chunk-tokens` is not given: 8192 when long chunks stream
+    whole MoE layers (a streamed chunk costs one pass of the layer's misses over the link
+    however many tokens it carries, so the chunk is made large: DESIGN §4), else 512."""
+    rt = getattr(model, "moe_runtime", None)
+    st = getattr(rt, "streamer", None)
+    if st is not None and st.wants(STREAM_CHUNK_TOKENS)[0]:
+        return STREAM_CHUNK_TOKENS
+    return 512
+
+
 def build_engine(args: argparse.Namespace) -> AsyncEngine:
     """From `ft serve` arguments: model path/demo, dtype, device, pool sizes."""
 
@@ -244,12 +257,14 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
         kv_tokens=kv_tokens,
         state_slots=getattr(args, "state_slots", None) or 64,
         max_running=getattr(args, "max_running", None) or 4,
-        chunk_tokens=getattr(args, "chunk_tokens", None) or 512,
+        chunk_tokens=getattr(args, "chunk_tokens", None) or default_chunk_tokens(model),
         max_context=getattr(args, "max_context", None),
         policy=getattr(args, "checkpoint_policy", None) or "semantic",
         cuda_graph=getattr(args, "cuda_graph", True),
         state_host_mem=getattr(args, "state_host_mem", None),
     )
+    if core.device.type == "cuda":
+        core.warm_up()  # kernel compilation and graph capture before the first request
     name = "demo" if str(getattr(args, "model", "demo") or "demo") == "demo" else model_dir.name
     engine = AsyncEngine(core, model_dir, name)
     engine.max_output_tokens = getattr(args, "max_output_tokens", None)

@@ -19,7 +19,7 @@ from freetoken.models.qwen import QwenMoE
 from freetoken.sampler import RequestSampler
 from freetoken.scheduler.request import Request
 from freetoken.scheduler.scheduler import BatchItem, Scheduler
-from freetoken.types.api import AdmissionError, EngineEvent, GenerateRequest
+from freetoken.types.api import AdmissionError, EngineEvent, GenerateRequest, SamplingParams
 from freetoken.types.forward_batch import ForwardBatch
 
 log = get_logger("engine")
@@ -68,6 +68,26 @@ class EngineCore:
         log.info(kv("ready", kv_tokens=kv_tokens, state_slots=state_slots if state else 0,
                     max_running=max_running, chunk=chunk_tokens, max_context=self.max_context,
                     kv_mb=KVPool.bytes_per_token(cfg, self.dtype) * kv_tokens // 2**20))
+
+    def warm_up(self) -> float:
+        """Before serving: one tiny request through prefill and decode (kernels compile on
+        first use: tens of seconds on a fresh GPU process), then every decode graph captured,
+        so the first user request does not pay for them. Leaves no request running and the
+        step statistics empty; its few tokens stay in the prefix cache as any finished
+        request's would. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        n = min(16, self.max_context - 3)
+        ids = [1 + i % (self.cfg.vocab_size - 1) for i in range(n)]
+        self.add(GenerateRequest(ids, SamplingParams(max_tokens=2, temperature=0.0,
+                                                     ignore_eos=True), request_id="ft-warm-up"),
+                 lambda ev: None)
+        while self.has_work():
+            self.step()
+        graphs = self.runner.capture_all() if self.runner is not None else 0
+        self.stats = EngineStats()
+        dt = time.perf_counter() - t0
+        log.info(kv("warm_up", seconds=f"{dt:.1f}", graphs=graphs))
+        return dt
 
     def check(self, req: GenerateRequest) -> None:
         req.sampling.validate()

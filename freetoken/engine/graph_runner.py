@@ -16,6 +16,7 @@ Shapes: B rows of the step, Bk its bucket, V vocabulary, NB blocked stop ids per
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -58,6 +59,32 @@ class DecodeRow(gpu_sampler.RowSampling):
     kv_slots: Tensor = None  # type: ignore[assignment]  # [position + 1] int64 on the host
 
 
+class _Layout:
+    """Byte offsets of the runner's packed step inputs (see DecodeRunner.__init__); every
+    section starts 8-byte aligned so the typed views are valid on both sides."""
+
+    def __init__(self, bm: int, cap: int):
+        specs = [("i64", torch.int64, (7, bm)), ("blk", torch.int64, (bm, MAX_BLOCKED)),
+                 ("f32", torch.float32, (2, bm)), ("indptr", torch.int32, (bm + 1,)),
+                 ("mask", torch.bool, (bm,)), ("blk_on", torch.bool, (bm, MAX_BLOCKED)),
+                 ("indices", torch.int32, (cap,))]
+        self.specs, at = [], 0
+        for name, dt, shape in specs:
+            nbytes = torch.empty((), dtype=dt).element_size() * math.prod(shape)
+            self.specs.append((at, dt, shape))
+            if name == "indices":
+                self.indices_at = at
+            at += (nbytes + 7) // 8 * 8
+        self.nbytes = at
+
+    def views(self, buf: Tensor) -> list[Tensor]:
+        out = []
+        for at, dt, shape in self.specs:
+            n = torch.empty((), dtype=dt).element_size() * math.prod(shape)
+            out.append(buf[at:at + n].view(dt).view(shape))
+        return out
+
+
 class _Bucket:
     def __init__(self, size: int):
         self.size = size
@@ -86,26 +113,26 @@ class DecodeRunner:
         self.max_batch = max(self.buckets)
         Bm, d = self.max_batch, self.device
         pin = self.device.type == "cuda"
-        # host staging (pinned) and device buffers: rows of the int64 block are
-        # ids, positions, out_slots, state_slots, seeds, steps, top_k
-        self.h_i64 = torch.zeros(7, Bm, dtype=torch.int64, pin_memory=pin)
-        self.h_f32 = torch.zeros(2, Bm, dtype=torch.float32, pin_memory=pin)  # temp, top_p
-        self.h_blk = torch.zeros(Bm, MAX_BLOCKED, dtype=torch.int64, pin_memory=pin)
-        self.h_blk_on = torch.zeros(Bm, MAX_BLOCKED, dtype=torch.bool, pin_memory=pin)
-        self.d_i64 = torch.zeros(7, Bm, dtype=torch.int64, device=d)
-        self.d_f32 = torch.zeros(2, Bm, dtype=torch.float32, device=d)
-        self.d_blk = torch.zeros(Bm, MAX_BLOCKED, dtype=torch.int64, device=d)
-        self.d_blk_on = torch.zeros(Bm, MAX_BLOCKED, dtype=torch.bool, device=d)
-        self.row_mask = torch.zeros(Bm, dtype=torch.bool, device=d)
-        self.h_mask = torch.zeros(Bm, dtype=torch.bool, pin_memory=pin)
+        # The step's inputs live in one packed buffer on each side (pinned host staging and its
+        # device twin, the same byte layout), carved into typed views, so a step uploads them
+        # with one copy: rows of the int64 block are ids, positions, out_slots, state_slots,
+        # seeds, steps, top_k; then blocked ids, temperature/top_p, the attention indptr, the
+        # row mask, the blocked flags, and last the attention indices (every key of every
+        # row, padding rows included), of which a step copies only the used prefix.
+        cap = caches.kv.num_slots + Bm
+        self._layout = _Layout(Bm, cap)
+        self.h_buf = torch.zeros(self._layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.d_buf = torch.zeros(self._layout.nbytes, dtype=torch.uint8, device=d)
+        (self.h_i64, self.h_blk, self.h_f32, self.h_indptr, self.h_mask, self.h_blk_on,
+         self.h_indices) = self._layout.views(self.h_buf)
+        (self.d_i64, self.d_blk, self.d_f32, self.d_indptr, self.row_mask, self.d_blk_on,
+         self.d_indices) = self._layout.views(self.d_buf)
+        # numpy views of the host staging: list -> buffer writes without a tensor per column
+        self._np = [t.numpy() for t in (self.h_i64, self.h_blk, self.h_f32, self.h_indptr,
+                                        self.h_mask, self.h_blk_on, self.h_indices)]
         self.logits_rows = torch.arange(Bm, device=d)
         self.out_ids = torch.zeros(Bm, dtype=torch.int64, device=d)
         self.h_out = torch.zeros(Bm, dtype=torch.int64, pin_memory=pin)
-        cap = caches.kv.num_slots + Bm  # every key of every row, padding rows included
-        self.h_indices = torch.zeros(cap, dtype=torch.int32, pin_memory=pin)
-        self.d_indices = torch.zeros(cap, dtype=torch.int32, device=d)
-        self.d_indptr = torch.zeros(Bm + 1, dtype=torch.int32, device=d)
-        self.h_indptr = torch.zeros(Bm + 1, dtype=torch.int32, pin_memory=pin)
         self.attention = (choose_backend(attention, self.dtype, cfg.head_dim)
                           if self.device.type == "cuda"
                           else "torch")
@@ -146,42 +173,42 @@ class DecodeRunner:
                 and all(len(r.blocked) <= MAX_BLOCKED for r in rows))
 
     def _stage(self, rows: list[DecodeRow], Bk: int) -> tuple[Tensor, int]:
-        """Write the rows, padded to Bk with rows on the scratch slots, into the staging
-        buffers (one assignment per buffer); returns indptr [Bk+1] and the key count."""
+        """Write the rows, padded to Bk with rows on the scratch slots, into the host staging
+        (through numpy views: one write per column); returns indptr [Bk+1] and the key
+        count."""
         n = len(rows)
-        pad = Bk - n
         temp, top_k, top_p, seed, step, blk, on = gpu_sampler.sampling_columns(rows, MAX_BLOCKED)
         state_pad = self.scratch_state if self.scratch_state is not None else 0
-        self.h_i64[:, :Bk] = torch.tensor([
-            [r.token for r in rows] + [0] * pad,
-            [r.position for r in rows] + [0] * pad,
-            [r.out_slot for r in rows] + [self.scratch_kv] * pad,
-            [max(r.state_slot, 0) for r in rows] + [state_pad] * pad,
-            seed + [0] * pad, step + [0] * pad, top_k + [0] * pad])
-        self.h_f32[:, :Bk] = torch.tensor([temp + [0.0] * pad, top_p + [1.0] * pad])
-        self.h_blk[:Bk] = torch.tensor(blk + [[0] * MAX_BLOCKED] * pad, dtype=torch.int64)
-        self.h_blk_on[:Bk] = torch.tensor(on + [[False] * MAX_BLOCKED] * pad)
-        self.h_mask[:Bk] = torch.tensor([True] * n + [False] * pad)
-        lens = [r.kv_slots.numel() for r in rows] + [1] * pad
-        ptr = self.h_indptr
+        i64, nblk, f32, ptr, mask, blk_on, idx = self._np
+        i64[:, :n] = [[r.token for r in rows], [r.position for r in rows],
+                      [r.out_slot for r in rows], [max(r.state_slot, 0) for r in rows],
+                      seed, step, top_k]
+        i64[:, n:Bk] = [[0], [0], [self.scratch_kv], [state_pad], [0], [0], [0]]
+        f32[:, :n] = [temp, top_p]
+        f32[:, n:Bk] = [[0.0], [1.0]]
+        nblk[:n] = blk
+        nblk[n:Bk] = 0
+        blk_on[:n] = on
+        blk_on[n:Bk] = False
+        mask[:n] = True
+        mask[n:Bk] = False
+        lens = [r.kv_slots.numel() for r in rows] + [1] * (Bk - n)
         ptr[0] = 0
-        ptr[1:Bk + 1] = torch.tensor(lens, dtype=torch.int32).cumsum(0)
+        ptr[1:Bk + 1] = lens
+        ptr[1:Bk + 1] = ptr[1:Bk + 1].cumsum()
         total = int(ptr[Bk])
-        parts = [r.kv_slots for r in rows]
-        if pad:
-            parts.append(torch.full((pad,), self.scratch_kv, dtype=torch.int64))
-        self.h_indices[:total].copy_(torch.cat(parts))
-        return ptr[:Bk + 1], total
+        at = 0
+        for r in rows:
+            k = r.kv_slots.numel()
+            idx[at:at + k] = r.kv_slots.numpy()
+            at += k
+        idx[at:total] = self.scratch_kv
+        return self.h_indptr[:Bk + 1], total
 
     def _upload(self, Bk: int, total: int) -> None:
-        nb = self.device.type == "cuda"
-        self.d_i64[:, :Bk].copy_(self.h_i64[:, :Bk], non_blocking=nb)
-        self.d_f32[:, :Bk].copy_(self.h_f32[:, :Bk], non_blocking=nb)
-        self.d_blk[:Bk].copy_(self.h_blk[:Bk], non_blocking=nb)
-        self.d_blk_on[:Bk].copy_(self.h_blk_on[:Bk], non_blocking=nb)
-        self.row_mask[:Bk].copy_(self.h_mask[:Bk], non_blocking=nb)
-        self.d_indptr[:Bk + 1].copy_(self.h_indptr[:Bk + 1], non_blocking=nb)
-        self.d_indices[:total].copy_(self.h_indices[:total], non_blocking=nb)
+        """One copy: the packed inputs up to the last used attention index."""
+        end = self._layout.indices_at + 4 * total
+        self.d_buf[:end].copy_(self.h_buf[:end], non_blocking=self.device.type == "cuda")
 
     # -- device side -------------------------------------------------------------------------
 
@@ -257,6 +284,20 @@ class DecodeRunner:
                     stats._dev.zero_()  # the warm-up's routing is not the workload's
         log.info(kv("captured", bucket=Bk, greedy=greedy, attention=self.attention))
         return g
+
+    def capture_all(self) -> int:
+        """Capture every bucket's greedy and sampling graphs now (server start) instead of on
+        the first step that needs each; returns how many graphs are held."""
+        if not self.use_graphs:
+            return 0
+        for bk in self.buckets.values():
+            for greedy in (True, False):
+                if bk.failed or greedy in bk.graphs:
+                    continue
+                g = self._capture(bk, greedy)
+                if g is not None:
+                    bk.graphs[greedy] = g
+        return sum(len(b.graphs) for b in self.buckets.values())
 
     def step(self, rows: list[DecodeRow]) -> list[int]:
         """Run one decode step for `rows` (at most max_batch); returns the sampled token ids."""

@@ -24,6 +24,7 @@ from torch import Tensor
 from freetoken.experts.cpu_bridge import CpuBridge
 from freetoken.experts.slot_cache import SlotCache
 from freetoken.experts.store import ExpertStore
+from freetoken.experts.streamer import LayerStreamer
 from freetoken.layers import fast_ops
 from freetoken.layers.expert_backend import ExpertBackend
 from freetoken.layers.moe import dispatch_experts
@@ -55,10 +56,18 @@ class MoEStats:
     def __init__(self, expert_bytes: int = 0) -> None:
         self.hits = self.misses = self.fetched = self.cpu_experts = self.steps = 0
         self.fetch_bytes = self.cpu_bytes = 0
+        self.streamed = self.stream_bytes = 0  # experts / bytes moved by prefill streaming
         self.expert_bytes = expert_bytes
         # (hits, misses, fetched) summed on the device by layers that never sync (device fills);
         # folded into the host counters when read
         self._dev: Tensor | None = None
+        self._dev_stream: Tensor | None = None  # (hits, misses) of streamed layers
+
+    def add_stream(self, counters: Tensor) -> None:
+        """Accumulate a streamed layer's routed (hits, misses) [2] without reading them."""
+        if self._dev_stream is None:
+            self._dev_stream = torch.zeros(2, dtype=torch.int64, device=counters.device)
+        self._dev_stream.add_(counters)
 
     def add_device(self, counters: Tensor) -> None:
         """Accumulate a decision's counters [3] without reading them (no host sync)."""
@@ -68,6 +77,12 @@ class MoEStats:
 
     def sync(self) -> None:
         """Fold the device counters into the host ones (one device read)."""
+        if self._dev_stream is not None:
+            hits, miss = (int(v) for v in self._dev_stream.tolist())
+            with torch.inference_mode():
+                self._dev_stream.zero_()
+            self.hits += hits
+            self.misses += miss
         if self._dev is None:
             return
         hits, miss, fetched = (int(v) for v in self._dev.tolist())
@@ -85,7 +100,8 @@ class MoEStats:
         routed = self.hits + self.misses
         return {"hit_rate": round(self.hits / routed, 4) if routed else 0.0, "hits": self.hits,
                 "misses": self.misses, "fetched": self.fetched, "cpu_experts": self.cpu_experts,
-                "fetch_bytes": self.fetch_bytes, "cpu_bytes": self.cpu_bytes}
+                "fetch_bytes": self.fetch_bytes, "cpu_bytes": self.cpu_bytes,
+                "streamed": self.streamed, "stream_bytes": self.stream_bytes}
 
 
 class SlotExperts(ExpertBackend):
@@ -106,6 +122,7 @@ class SlotExperts(ExpertBackend):
         # at most max_fetch — the same rule as `num_fetch` (set by configure_experts)
         self.q_ratio, self.max_fetch = 1.0, None
         self.bridge: CpuBridge | None = None  # the CPU branch of captured steps (decode runner)
+        self.streamer: LayerStreamer | None = None  # prefill streaming (experts/streamer.py)
 
     def all_fetched(self, entries: int) -> bool:
         """Whether offload can fetch every miss of a step of `entries` (token, k) pairs: the
@@ -175,6 +192,8 @@ class SlotExperts(ExpertBackend):
         if layer != self.m:
             raise ValueError(f"MoE layer {layer} called the backend of layer {self.m}")
         T, K = topk_ids.shape
+        if self.streamer is not None and self.streamer.active:
+            return self.streamer.forward(self.m, x, topk_ids)
         if self.bridge is not None and self.bridge.active:
             return self._forward_bridged(x, topk_ids)
         if self.device_fill and self.all_fetched(T * K):

@@ -23,6 +23,7 @@ from freetoken.experts.profile import SHAPES, load_profile, profile_key
 from freetoken.experts.registry import create_backend
 from freetoken.experts.slot_cache import SlotCache
 from freetoken.experts.store import ExpertStore
+from freetoken.experts.streamer import LayerStreamer, StreamCosts, stream_threshold
 from freetoken.log import get_logger, kv
 
 if TYPE_CHECKING:
@@ -47,6 +48,10 @@ class MoEOptions:
     cpu_layers: int = 0  # the last N MoE layers always run on the CPU
     hybrid_max_fetch: int | None = None
     cpu_threads: int | None = None  # CPU branch threads (None: default_cpu_threads)
+    prefill_stream: str = "auto"  # auto | on | off (experts/streamer.py)
+    prefill_stream_tokens: int | None = None  # the threshold (None: from the profile)
+    prefill_overlap: bool = True  # two buffers (off: one, copy and compute serialised)
+    prefill_hit_d2d: bool = True  # resident experts stay off the link (read in place)
 
     def __post_init__(self) -> None:
         if self.cpu_threads is not None and self.cpu_threads < 1:
@@ -55,6 +60,10 @@ class MoEOptions:
             raise ValueError(f"--moe-backend must be one of {', '.join(BACKENDS)}")
         if self.cache_rate is not None and not 0 < self.cache_rate <= 1:
             raise ValueError("--moe-cache-rate must be in (0, 1]")
+        if self.prefill_stream not in ("auto", "on", "off"):
+            raise ValueError("--moe-prefill-stream must be one of auto, on, off")
+        if self.prefill_stream_tokens is not None and self.prefill_stream_tokens < 2:
+            raise ValueError("--moe-prefill-stream-tokens must be at least 2")
 
 
 @dataclass
@@ -64,6 +73,7 @@ class MoERuntime:
     store: ExpertStore | None
     stats: MoEStats
     guard: AutoGuard | None = None
+    streamer: LayerStreamer | None = None
 
 
 def _num_slots(opts: MoEOptions, pool: int, expert_bytes: int, device: torch.device,
@@ -98,6 +108,7 @@ def configure_experts(model: QwenMoE, opts: MoEOptions, device: torch.device | s
     device = torch.device(device)
     stats = MoEStats()
     if opts.backend == "fused":
+        model.forward_hooks = []
         return MoERuntime("fused", None, store, stats)
     blocks = model.moe_blocks()
     cfg = model.cfg
@@ -163,7 +174,33 @@ def configure_experts(model: QwenMoE, opts: MoEOptions, device: torch.device | s
     log.info(kv("moe_backend", backend=backend, slots=slots, pool=pool,
                 rate=f"{slots / pool:.3f}", slot_mb=store.expert_bytes * slots // 2**20,
                 device=device, cpu_layers=opts.cpu_layers, cpu_threads=cpu_threads))
-    return MoERuntime(backend, cache, store, stats, guard)
+    streamer = make_streamer(opts, backend, cache, store, stats, profile, cfg.top_k)
+    for b in blocks:
+        b.experts.streamer = streamer
+    model.forward_hooks = [streamer]
+    return MoERuntime(backend, cache, store, stats, guard, streamer)
+
+
+def make_streamer(opts: MoEOptions, backend: str, cache: SlotCache, store: ExpertStore,
+                  stats: MoEStats, profile: BandwidthProfile | None, top_k: int
+                  ) -> LayerStreamer:
+    """The prefill layer streamer, its token threshold from the profile (or the option)."""
+    threshold = opts.prefill_stream_tokens
+    how = "option"
+    if threshold is None:
+        b_p = (profile.b_p if profile and profile.b_p else _FALLBACK_BP) * 1e9
+        b_h = (profile.b_h if profile else _FALLBACK_BH) * 1e9
+        costs = StreamCosts(backend, store.num_experts, top_k, store.expert_bytes,
+                            6.0 * store.hidden * store.intermediate,
+                            min(1.0, cache.num_slots / (store.num_layers * store.num_experts)),
+                            b_p, b_h)
+        threshold = stream_threshold(costs)
+        how = "measured_profile" if profile else "fallback_bandwidths"
+    log.info(kv("prefill_stream_plan", mode=opts.prefill_stream, threshold=threshold, how=how,
+                backend=backend, overlap=opts.prefill_overlap, hit_d2d=opts.prefill_hit_d2d))
+    return LayerStreamer(cache, store, stats, threshold, mode=opts.prefill_stream,
+                         overlap=opts.prefill_overlap, hits_in_place=opts.prefill_hit_d2d,
+                         seed=backend != "cpu")
 
 
 def default_cpu_threads(device: torch.device | str) -> int:

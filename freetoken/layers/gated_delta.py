@@ -31,6 +31,18 @@ def recurrent_gated_delta(
     return o, s
 
 
+def _triton_scan(q: torch.Tensor, chunk: int, k_dim: int, v_dim: int):
+    """The chunk scan kernel on CUDA for tile-friendly shapes, else None (the torch loop)."""
+    if not q.is_cuda:
+        return None
+    from freetoken.layers.fast_ops import triton_module
+
+    mod = triton_module("gdn_chunk")
+    if mod is None or not mod.supported(chunk, k_dim, v_dim):
+        return None
+    return mod.chunk_scan
+
+
 def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                       beta: torch.Tensor, state: torch.Tensor, chunk: int = 64
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,11 +75,15 @@ def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     q_dec = q * gc.exp()[..., None]  # [H, N, C, K]
     k_dec = k * (gc[..., -1:] - gc).exp()[..., None]  # [H, N, C, K]
     chunk_decay = gc[..., -1].exp()  # [H, N]
-    s = state.float()  # [H, K, V]
-    out = torch.empty_like(u)  # [H, N, C, V]
-    for i in range(q.shape[1]):
-        v_new = u[:, i] - w[:, i] @ s  # [H, C, V]
-        out[:, i] = q_dec[:, i] @ s + intra[:, i] @ v_new
-        s = s * chunk_decay[:, i, None, None] + k_dec[:, i].transpose(-1, -2) @ v_new
+    scan = _triton_scan(q, chunk, q.shape[-1], v.shape[-1])
+    if scan is not None:  # the loop below in one kernel (kernels/triton/gdn_chunk.py)
+        out, s = scan(u, w, q_dec, k_dec, intra, chunk_decay, state)
+    else:
+        s = state.float()  # [H, K, V]
+        out = torch.empty_like(u)  # [H, N, C, V]
+        for i in range(q.shape[1]):
+            v_new = u[:, i] - w[:, i] @ s  # [H, C, V]
+            out[:, i] = q_dec[:, i] @ s + intra[:, i] @ v_new
+            s = s * chunk_decay[:, i, None, None] + k_dec[:, i].transpose(-1, -2) @ v_new
     o = out.reshape(out.shape[0], -1, out.shape[-1])[:, :n].transpose(0, 1)  # [n, H, V]
     return o, s

@@ -63,13 +63,25 @@ def attend(q: Tensor, k: Tensor, v: Tensor, prefix: int, scale: float) -> Tensor
     k, v [L, Hk, D] with L = prefix + n; query i sees keys j <= prefix + i. -> [n, Hq, D]."""
     n, L = q.shape[0], k.shape[0]
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, n|L, D]
-    mask = None
-    if n > 1:
+    mask, causal = None, False
+    if n > 1 and q.is_cuda:
+        # no [n, L] mask (the math kernel, 8 GB of scores for a 4k chunk after 28k): a first
+        # chunk takes the flash kernel, a later one the memory-efficient kernel through a
+        # lower-right causal bias (query i sees keys j <= prefix + i), heads expanded for it
+        if prefix == 0:
+            causal = True
+        else:
+            from torch.nn.attention.bias import causal_lower_right
+
+            r = q.shape[1] // k.shape[1]
+            kh, vh = kh.repeat_interleave(r, 0), vh.repeat_interleave(r, 0)
+            mask = causal_lower_right(n, L)
+    elif n > 1:
         mask = torch.arange(L, device=q.device)[None, :] <= (
             prefix + torch.arange(n, device=q.device)[:, None])  # [n, L]
     o = F.scaled_dot_product_attention(
         qh.unsqueeze(0), kh.unsqueeze(0).to(q.dtype), vh.unsqueeze(0).to(q.dtype),
-        attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=qh.shape[0] != kh.shape[0],
     )  # [1, Hq, n, D]
     return o[0].transpose(0, 1)  # [n, Hq, D]
 

@@ -90,7 +90,15 @@ class QwenMoE(nn.Module):
         """Runs the packed batch, writes its K/V and recurrent state, returns logits [R, V] fp32."""
         x = self.model.embed_tokens(batch.input_ids)  # [T, H]
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)  # [T, rotary_dim]
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, batch, caches)
+        # objects told where a forward begins and ends (the prefill layer streamer)
+        hooks = getattr(self, "forward_hooks", ())
+        for hk in hooks:
+            hk.begin_forward(x.shape[0])
+        try:
+            for layer in self.model.layers:
+                x = layer(x, cos, sin, batch, caches)
+        finally:
+            for hk in hooks:
+                hk.end_forward()
         h = self.model.norm(x[batch.logits_rows])  # [R, H]
         return small_linear(h, self.output_embedding()).float()  # [R, V]

@@ -64,7 +64,10 @@ class Scheduler:
                  host_slots: int = 0, eviction: str = "value"):
         self.kv_alloc = SlotAllocator(kv_slots)
         self.hybrid = hybrid
-        self.policy = create_policy(policy)
+        # interval snapshots no finer than a prefill chunk: each chunk ends at a snapshot
+        # point, and with layer streaming every chunk costs a pass of the experts over the link
+        self.policy = create_policy(policy, **({"fill_every": max(4096, chunk_tokens)}
+                                               if policy == "semantic" else {}))
         self.cache = HybridRadixCache(self.kv_alloc, StatePool(state_slots) if hybrid else None,
                                       self.policy,
                                       StatePool(host_slots) if hybrid and host_slots else None,

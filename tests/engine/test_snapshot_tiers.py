@@ -104,3 +104,19 @@ def test_scheduler_imports_no_device_state() -> None:
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module:
                 assert not node.module.startswith(banned), (f.name, node.module)
+
+
+def test_streaming_sized_chunks_are_not_split_by_interval_snapshots() -> None:
+    """Bug caught (issue 13): with 8192-token chunks (prefill streaming), the semantic policy's
+    interval snapshots every 4096 tokens ended every other chunk early, so a 32k prompt took
+    six passes of the experts over the link instead of four."""
+    s = Scheduler(kv_slots=40_000, state_slots=8, hybrid=True, max_running=1, chunk_tokens=8192)
+    r = _sched_req("long", 32_768)
+    s.add(r)
+    sizes = []
+    while r.computed < 32_768:
+        plan = s.schedule()
+        sizes += [i.n for i in plan.items]
+        for it in plan.items:
+            s.after_forward(it)
+    assert sizes == [8192, 8192, 8192, 8191, 1] or sizes == [8192] * 4, sizes

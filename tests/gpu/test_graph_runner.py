@@ -60,3 +60,22 @@ def test_seeded_sampling_same_in_graph_and_eager(tiny_hf) -> None:
     sp2 = SamplingParams(max_tokens=64, temperature=0.8, top_k=50, top_p=0.9, seed=99,
                          ignore_eos=True)
     assert generate(model, prompt, sp2, []).token_ids != a
+
+
+def test_warm_up_captures_every_bucket_before_the_first_request(tiny_hf) -> None:
+    """`ft serve` warms up on CUDA: every bucket's greedy and sampling graph exists before the
+    first request, and the first request then captures nothing."""
+    model = load_model(tiny_hf("qwen3_5_moe"), dtype=torch.float32, device="cuda",
+                       progress=False)
+    core = EngineCore(model, [], kv_tokens=512, state_slots=8, max_running=4)
+    core.warm_up()
+    assert core.runner is not None and core.runner.use_graphs
+    held = {b: set(bk.graphs) for b, bk in core.runner.buckets.items()}
+    assert held == {b: {True, False} for b in core.runner.buckets}
+    graphs = {b: dict(bk.graphs) for b, bk in core.runner.buckets.items()}
+    core.add(GenerateRequest(list(range(3, 30)), SamplingParams(max_tokens=8, temperature=0.0,
+                                                               ignore_eos=True)),
+             lambda ev: None)
+    while core.has_work():
+        core.step()
+    assert all(core.runner.buckets[b].graphs == graphs[b] for b in graphs)

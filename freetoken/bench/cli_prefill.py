@@ -1,0 +1,197 @@
+"""`ft bench prefill`: seconds per prefill chunk of a real shape with random weights, streamed
+through two layer buffers (experts/streamer.py), beside the link floor and the baselines run in
+the same process.
+
+Per prompt size (one chunk = the whole prompt), rows:
+  stream          two buffers, resident experts read in place (the default path)
+  stream/serial   one buffer: copy and compute serialised (`--no-prefill-overlap`)
+  stream/all-link every expert over the link, resident ones too (`--no-moe-prefill-hit-d2d`);
+                  its floor is `pool_bytes / B_P`, the design's figure
+  experts         the per-expert path (streaming off): misses fetched through the decode cache
+  fused           every expert resident on the GPU: the compute-only bound
+Floors: bytes the row must move over the link / B_P, B_P measured now (one large pinned copy
+and the per-expert fill rate of `ft bench bw`), or taken from the cached profile.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prefill", help="prefill chunk seconds vs the link floor (streaming)")
+    p.add_argument("--shape", default="qwen3.6-35b-a3b")
+    p.add_argument("--layers", type=int, default=None, help="cut the shape to N layers")
+    p.add_argument("--random-weights", action="store_true")
+    p.add_argument("--tokens", default="4096,8192,16384", help="prompt sizes (one chunk each)")
+    p.add_argument("--rows", default="stream,stream/serial,stream/all-link,experts,fused")
+    p.add_argument("--repeats", type=int, default=2, help="best of N per row")
+    p.add_argument("--ttft", type=int, default=0, metavar="TOKENS",
+                   help="also time the first token of a TOKENS-long prompt through the engine "
+                        "(`ft serve`'s EngineCore, default chunking), streaming on")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default=None)
+    from freetoken.cli_options import add_moe_args
+
+    add_moe_args(p)
+    p.set_defaults(func=run)
+
+
+def measure_link(store, device, seconds: float = 0.5) -> float:
+    """B_P in GB/s: whole-layer copies from the pinned store to the device (the streamer's
+    unit of transfer, through the same fill kernel it uses)."""
+    import torch
+
+    from kernels.triton.uva_fill import fill_rows
+
+    E = store.num_experts
+    dst = torch.empty_like(store.gate_up(0), device=device)
+    ids = torch.arange(E, device=device)
+    fill_rows(store.gate_up(0), dst, ids, ids)  # compile / warm
+    torch.cuda.synchronize(device)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        fill_rows(store.gate_up(n % store.num_layers), dst, ids, ids)
+        n += 1
+        torch.cuda.synchronize(device)
+    dt = time.perf_counter() - t0
+    return n * dst.numel() * dst.element_size() / dt / 1e9
+
+
+def _row_opts(row: str, base):
+    from dataclasses import replace
+
+    if row == "stream":
+        return replace(base, prefill_stream="on", prefill_stream_tokens=2)
+    if row == "stream/serial":
+        return replace(base, prefill_stream="on", prefill_stream_tokens=2, prefill_overlap=False)
+    if row == "stream/all-link":
+        return replace(base, prefill_stream="on", prefill_stream_tokens=2, prefill_hit_d2d=False)
+    if row == "experts":
+        return replace(base, prefill_stream="off")
+    raise SystemExit(f"--rows: unknown row {row!r}")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from freetoken.bench.moe import drop_fused, install_backend
+    from freetoken.bench.random_model import random_model
+    from freetoken.cli_options import moe_options, resolve_device, resolve_dtype
+    from freetoken.engine.generate import generate
+    from freetoken.experts.setup import find_profile
+    from freetoken.experts.store import ExpertStore
+    from freetoken.types.api import SamplingParams
+    from freetoken.types.presets import preset_config
+
+    if not args.random_weights:
+        raise SystemExit("--random-weights is required (no checkpoint is read)")
+    device = torch.device(resolve_device(args.device))
+    if device.type != "cuda":
+        raise SystemExit("ft bench prefill measures the link: it needs a CUDA device")
+    sizes = [int(t) for t in args.tokens.split(",")]
+    rows = args.rows.split(",")
+    cfg = preset_config(args.shape, args.layers)
+    dtype = resolve_dtype(args.dtype) or torch.bfloat16
+    model = random_model(cfg, dtype, device)
+    blocks = model.moe_blocks()
+    store = ExpertStore([b.experts.gate_up_proj.data for b in blocks],
+                        [b.experts.down_proj.data for b in blocks], pin=True)
+    for b in blocks:
+        b.experts.gate_up_proj = b.experts.down_proj = None  # the store holds the only copy
+    base = moe_options(args, "offload")
+    if base.cache_size is None and base.cache_rate is None and base.cache_mem is None:
+        base.cache_rate = 0.37
+    b_p = measure_link(store, device)
+    prof = find_profile(model, store.dtype)
+    pool = store.nbytes
+    print(f"shape={args.shape} layers={cfg.num_layers} experts={pool / 1e9:.2f} GB "
+          f"cache_rate={base.cache_rate} B_P={b_p:.1f} GB/s (measured now, whole-layer fills)"
+          + (f"; profile B_P={prof.b_p:.1f}" if prof and prof.b_p else ""), flush=True)
+    g = torch.Generator().manual_seed(0)
+    results: dict[tuple[int, str], tuple[float, float]] = {}
+    for row in rows:
+        if row == "fused":
+            if pool > 0.8 * torch.cuda.mem_get_info(device)[0]:
+                print("[bench] fused skipped: the pool does not fit on the GPU", flush=True)
+                continue
+            install_backend(model, store, "fused", base, device)
+            rt = None
+        else:
+            rt = install_backend(model, store, "offload", _row_opts(row, base), device)
+        for T in sizes:
+            prompt = torch.randint(0, cfg.vocab_size, (T,), generator=g).tolist()
+            sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+            best, moved = float("inf"), 0.0
+            for _ in range(max(1, args.repeats)):
+                if rt is not None:
+                    s0 = rt.stats.stream_bytes + rt.stats.fetch_bytes
+                res = generate(model, prompt, sp, [], prefill_chunk=T)
+                if rt is not None:
+                    rt.stats.sync()
+                    moved = rt.stats.stream_bytes + rt.stats.fetch_bytes - s0
+                best = min(best, res.prefill_seconds)
+            results[(T, row)] = (best, moved)
+            print(f"[bench] {row:16} {T:6d} tokens: {best:7.3f} s  {T / best:8.0f} tok/s  "
+                  f"{moved / 1e9:6.2f} GB over the link", flush=True)
+        if row == "fused":
+            drop_fused(model, device)
+    _table(results, sizes, rows, b_p * 1e9, pool)
+    if args.ttft:
+        install_backend(model, store, "offload", base, device)
+        ttft(model, args.ttft, cfg.vocab_size)
+    return 0
+
+
+def ttft(model, tokens: int, vocab: int) -> float:
+    """Seconds to the first token of a `tokens`-long prompt through the serving engine."""
+    import torch
+
+    from freetoken.engine.async_engine import default_chunk_tokens
+    from freetoken.engine.core import EngineCore
+    from freetoken.types.api import GenerateRequest, SamplingParams
+
+    chunk = default_chunk_tokens(model)
+    core = EngineCore(model, [], kv_tokens=tokens + 64, state_slots=4, max_running=1,
+                      chunk_tokens=chunk)
+    prompt = torch.randint(0, vocab, (tokens,),
+                           generator=torch.Generator().manual_seed(1)).tolist()
+    # warm-up: the first decode step of a process captures its graph and compiles kernels
+    # (tens of seconds once per process, not per request)
+    core.add(GenerateRequest(list(range(10, 300)), SamplingParams(max_tokens=2, temperature=0.0,
+                                                                   ignore_eos=True),
+                             request_id="warm"), lambda ev: None)
+    while core.has_work():
+        core.step()
+    got: list[float] = []
+    t0 = time.perf_counter()
+    core.add(GenerateRequest(prompt, SamplingParams(max_tokens=1, temperature=0.0,
+                                                    ignore_eos=True), request_id="ttft"),
+             lambda ev: got.append(time.perf_counter() - t0))
+    while core.has_work() and not got:
+        core.step()
+    s = got[0]
+    print(f"TTFT {tokens} tokens through the engine: {s:.3f} s ({tokens / s:.0f} tok/s, "
+          f"chunks of {chunk})", flush=True)
+    return s
+
+
+def _table(results, sizes, rows, b_p: float, pool: int) -> None:
+    floor_all = pool / b_p
+    print(f"\nlink floor pool_bytes / B_P = {pool / 1e9:.2f} GB / {b_p / 1e9:.1f} GB/s = "
+          f"{floor_all:.3f} s per chunk")
+    print(f"{'tokens':>7} {'row':16} {'s/chunk':>8} {'tok/s':>8} {'GB moved':>9} "
+          f"{'floor s':>8} {'x floor':>8} {'x pool/B_P':>10}")
+    for T in sizes:
+        for row in rows:
+            if (T, row) not in results:
+                continue
+            s, moved = results[(T, row)]
+            floor = moved / b_p if moved else None
+            xf = f"{s / floor:8.2f}" if floor else f"{'-':>8}"
+            fl = f"{floor:8.3f}" if floor else f"{'-':>8}"
+            print(f"{T:7d} {row:16} {s:8.3f} {T / s:8.0f} {moved / 1e9:9.2f} {fl} {xf} "
+                  f"{s / floor_all:10.2f}")
+        on, off = results.get((T, "stream")), results.get((T, "stream/serial"))
+        if on and off:
+            print(f"{T:7d} overlap gain: serial is {100 * (off[0] / on[0] - 1):.0f}% slower")
