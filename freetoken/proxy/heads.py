@@ -2,16 +2,19 @@
 `HarnessAdapter.head_breaks`) turned into token positions of a rendered prompt.
 
 A break at character `c` becomes the position `p` where the prompt's tokens stop being those of
-`system[:c]`: the tokens of `system[:c]` are found in the prompt (the template renders the
-system text verbatim after its own preamble), less their first token (it may merge with the
-preamble) and their last (it may merge with what follows `c`: Qwen's pre-tokenizer glues
-newlines to punctuation). So `ids[:p]` is the same for every prompt whose system text starts
-with `system[:c]`, and a state snapshot at `p` serves them all. A break not found (the template
-changed the text, control-token escaping) or closer than `min_tokens` to the start or to another
-break gives no anchor: a snapshot there would save less than it costs.
+`system[:c]`. The template renders the system text verbatim, so the tokens of the text just
+before `c` (a window of `window` characters) are found in the prompt, less their first tokens
+(the window starts mid-word; at the start of the text, the first token may merge with the
+template's preamble) and their last (it may merge with what follows `c`: Qwen's pre-tokenizer
+glues newlines to punctuation); `p` is where they end. So `ids[:p]` is the same for every prompt
+whose system text starts with `system[:c]`, and a state snapshot at `p` serves them all. A
+break not found (the template changed the text, control-token escaping), closer than
+`min_tokens` to the start or to another break gives no anchor: a snapshot there would save
+less than it costs.
 
-Tokenizing a 36k-character system prefix takes milliseconds; the tokens of each prefix are kept
-(`cache` prefixes, LRU), and a session's system text does not change between its requests.
+Only the window is tokenized (a 36k-character prefix took as long as rendering the whole
+prompt), and its tokens are kept (`cache` windows, LRU): a session's system text does not
+change between its requests, so later requests only search.
 """
 from __future__ import annotations
 
@@ -37,8 +40,9 @@ def _find(hay: bytes, needle: bytes, width: int) -> int:
 
 
 class HeadBreaks:
-    def __init__(self, tokenizer: Any, min_tokens: int = 256, cache: int = 64) -> None:
-        self.tok, self.min_tokens, self.size = tokenizer, min_tokens, cache
+    def __init__(self, tokenizer: Any, min_tokens: int = 256, cache: int = 64,
+                 window: int = 2048) -> None:
+        self.tok, self.min_tokens, self.size, self.window = tokenizer, min_tokens, cache, window
         self._ids: OrderedDict[bytes, array] = OrderedDict()
 
     def _prefix_ids(self, text: str) -> array:
@@ -59,9 +63,10 @@ class HeadBreaks:
         hay: bytes | None = None
         out: list[int] = []
         for c in breaks:
-            x = self._prefix_ids(system[:c])
-            core = x[1:-1]
-            if len(core) < self.min_tokens:
+            lo = max(0, c - self.window)
+            x = self._prefix_ids(system[lo:c])
+            core = x[(1 if lo == 0 else 4):-1]
+            if len(core) < 8:  # too little to find it by
                 continue
             if hay is None:
                 hay = array("i", ids).tobytes()
@@ -70,7 +75,7 @@ class HeadBreaks:
                 log.debug(kv("system_block_missing", chars=c, tokens=len(x)))
                 continue
             p = start + len(core)
-            if not out or p - out[-1] >= self.min_tokens:
+            if p >= self.min_tokens and (not out or p - out[-1] >= self.min_tokens):
                 out.append(p)
         return out
 

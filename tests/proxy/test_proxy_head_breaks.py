@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from trace_replay import TRACES, records, tokenizer
 
 from freetoken.proxy.heads import HeadBreaks
@@ -50,14 +51,15 @@ def _prompt(system: str) -> list[int]:
         "name": "f", "description": "d", "parameters": {"type": "object"}}}]).input_ids
 
 
-def test_positions_are_shared_by_every_continuation() -> None:
+@pytest.mark.parametrize("window", [2048, 120])  # the whole head; only its last 120 chars
+def test_positions_are_shared_by_every_continuation(window: int) -> None:
     rng = random.Random(7)
     words = ["alpha", "beta.", "gamma,", "(delta)", "x=1", "\n", "\n\n", " ", "  ", "#", "é",
              "日本", "`code`", "::", "-", "42", "\t"]
-    heads = HeadBreaks(tokenizer(), min_tokens=4)
+    heads = HeadBreaks(tokenizer(), min_tokens=4, window=window)
     checked = 0
-    for _ in range(40):
-        head = "".join(rng.choice(words) for _ in range(rng.randint(8, 40)))
+    for _ in range(30):
+        head = "".join(rng.choice(words) for _ in range(rng.randint(20, 80)))
         c = len(head)
         tails = ["".join(rng.choice(words) for _ in range(rng.randint(1, 12))) for _ in range(3)]
         prompts = [_prompt(head + t) for t in tails]
@@ -68,9 +70,10 @@ def test_positions_are_shared_by_every_continuation() -> None:
         p = got[0][0]
         assert all(p <= first_divergence(prompts[0], other) for other in prompts[1:])
         # close to the break: at most the merged tokens on either side are left out
-        assert p >= len(tokenizer().encode(head)), (head, p)  # 3 preamble tokens, 3 left out
+        if window > len(head):  # a short window may find its words earlier in the head
+            assert p >= len(tokenizer().encode(head)), (head, p)  # +3 preamble, -3 left out
         checked += 1
-    assert checked >= 30
+    assert checked >= 20
 
 
 def test_min_tokens_and_missing_text() -> None:
@@ -82,3 +85,16 @@ def test_min_tokens_and_missing_text() -> None:
     assert heads.positions(system, [len("word " * 300), len("word " * 320)], ids) == [
         heads.positions(system, [len("word " * 300)], ids)[0]]  # too close to the one before
     assert heads.positions("other " * 400, [2000], ids) == []  # not in this prompt
+
+
+def test_a_system_text_that_starts_with_a_newline() -> None:
+    """Claude Code's main system block starts with "\\n": after the template's "system\\n" the
+    two newlines are one token, so the text's own first token is not in the prompt."""
+    heads = HeadBreaks(tokenizer(), window=1 << 20)  # the whole prefix, from the text's start
+    system = "\n" + "".join(f"Rule {i}: be kind. " for i in range(300)) + (
+        "\n# Environment\n cwd: /a\n")
+    c = system.index("\n# Environment")
+    ids = _prompt(system)
+    [p] = heads.positions(system, [c], ids)
+    d = first_divergence(ids, _prompt(system[:c] + "\n# Environment\n cwd: /b\n"))
+    assert 0 < d - p <= 10, (p, d)  # "\n# Environment\n cwd: /" and the token left out
