@@ -20,12 +20,12 @@ Steps (changes the prompt? / what):
 """
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from freetoken.proxy import jsonc
 from harness_adapters.base import digest
 
 BILLING_PREFIX = "x-anthropic-billing-header"
@@ -189,7 +189,7 @@ def run_pipeline(body: dict, api: str, enabled: Mapping[str, bool], fold_system:
     unknown = set(enabled) - set(STEPS)
     if unknown:
         raise ValueError(f"unknown normalisation steps {sorted(unknown)}; known: {list(STEPS)}")
-    out = jsonc.loads(jsonc.dumps(body)) if copy else body  # faster than copy.deepcopy
+    out = json.loads(json.dumps(body)) if copy else body  # faster than copy.deepcopy
     ctx = {"fold_system": fold_system}
     fired: dict[str, int] = {}
     for name, step in STEPS.items():
