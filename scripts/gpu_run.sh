@@ -2,7 +2,7 @@
 # One call on the GPU machine (device tool): GPU tests, then the benchmarks of
 # docs/benchmarks.md. Writes logs under $OUT.
 # Usage: OUT=/tmp/out scripts/gpu_run.sh [stage ...]
-#   stages: tests gputests fast batch prefill kprof kernel kdiag kunbound ksweep linear bw decode profile
+#   stages: tests gputests fast batch prefill decode2 bridge kprof kernel kdiag kunbound ksweep linear bw decode profile
 # (default: gputests kernel linear bw, about 6 min; `decode` alone takes about 5 min more)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -105,6 +105,20 @@ if has prefill; then
   timeout 420 $FT bench prefill --shape qwen3.6-35b-a3b --layers 20 --random-weights \
     --moe-cache-rate 0.37 --tokens ${FT_PREFILL_TOKENS:-4096,8192,16384} --repeats 2 \
     --ttft ${FT_TTFT:-32768} 2>&1 | grep -v "random weights:" | tee "$OUT/prefill.log"
+fi
+if has decode2; then
+  # decode per backend, both routings and batch sizes in one process (one model build)
+  timeout ${FT_DECODE_TIMEOUT:-400} $FT bench decode --shape qwen3.6-35b-a3b --layers 20 \
+    --random-weights --moe-cache-rate 0.37 --prompt-tokens 32 --decode-tokens 128 --repeats 1 \
+    --backends ${FT_BACKENDS:-fused,offload,hybrid} --graphs on \
+    --route-trace ${FT_TRACES:-random,shared} --batch ${FT_BATCH:-1} 2>&1 \
+    | grep -v "random weights:\|ft.engine: finish\|ft.sched: admit" | tee "$OUT/decode2.log"
+fi
+if has bridge; then
+  # the hybrid CPU branch's per-layer hand-off: Python worker vs the native step loop
+  { timeout 120 python3 scripts/bench_bridge.py --threads 15 --experts 2,4,0
+    timeout 60 python3 scripts/bench_bridge.py --threads 15 --experts 2 --rows 4; } 2>&1 \
+    | tee "$OUT/bridge.log"
 fi
 if has kprof; then
   # GPU kernels of one decode step by device time (the runner run eagerly, fused, 8 layers)

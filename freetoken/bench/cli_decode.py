@@ -32,7 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="sequences decoding together (through the engine's batch path); a comma "
                         "list (1,4,16) measures each size in this process over the same model")
     p.add_argument("--route-trace", default=None,
-                   help="replay decode routing from a trace (.npy [steps, L, N, K] or 'shared')")
+                   help="replay decode routing from a trace (.npy [steps, L, N, K] or 'shared'); "
+                        "a comma list (random,shared) measures each routing in this process")
     from freetoken.cli_options import add_moe_args
 
     add_moe_args(p)
@@ -129,20 +130,14 @@ def run_shape(args: argparse.Namespace) -> int:
                         [b.experts.down_proj.data for b in blocks], pin=device.type == "cuda")
     for b in blocks:
         b.experts.gate_up_proj = b.experts.down_proj = None  # the store holds the only copy
-    if args.route_trace:
-        path = args.route_trace
-        if path == "shared":  # a copy of ../shared/routing_traces travels with the repo
-            from freetoken.experts.record import SHARED_TRACE_DIR
-
-            path = str(SHARED_TRACE_DIR / "decode_routing.npy")
-        install_trace(model, TraceRouter(np.load(path), cfg.num_experts, cfg.top_k, device))
     opts = moe_options(args)
     if opts.cache_size is None and opts.cache_rate is None and opts.cache_mem is None:
         opts.cache_rate = 0.37
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=g).tolist()
+    traces = (args.route_trace or "random").split(",")
     print(f"shape={args.shape} layers={cfg.num_layers} experts={store.nbytes / 1e9:.1f} GB "
-          f"cache_rate={opts.cache_rate} device={device} trace={args.route_trace or 'random'}")
+          f"cache_rate={opts.cache_rate} device={device} routing={','.join(traces)}")
     # Rounds over all backends in turn, best round kept per backend: the first decode of a
     # fresh process can run at a third of its later speed (seen on the H200 host), whichever
     # backend goes first, so one pass in a fixed order would rank the backends by their order.
@@ -150,9 +145,20 @@ def run_shape(args: argparse.Namespace) -> int:
     if device.type != "cuda":
         modes = [False]
     backends = [f"{b}{'' if g else '/eager'}" for b in args.backends.split(",") for g in modes]
-    for batch in parse_batches(args.batch):
-        best = bench_rounds(args, model, store, opts, device, prompt, backends, batch)
-        print_table(best, backends, args.repeats, batch)
+    for trace in traces:
+        for b in blocks:  # back to the model's own router (an earlier trace wrapped it)
+            b.gate.__dict__.pop("forward", None)
+        if trace != "random":
+            path = trace
+            if path == "shared":  # a copy of ../shared/routing_traces travels with the repo
+                from freetoken.experts.record import SHARED_TRACE_DIR
+
+                path = str(SHARED_TRACE_DIR / "decode_routing.npy")
+            install_trace(model, TraceRouter(np.load(path), cfg.num_experts, cfg.top_k, device))
+        for batch in parse_batches(args.batch):
+            print(f"[bench] routing {trace}, batch {batch}", flush=True)
+            best = bench_rounds(args, model, store, opts, device, prompt, backends, batch)
+            print_table(best, backends, args.repeats, batch)
     return 0
 
 

@@ -11,11 +11,19 @@ Per hybrid (or cpu) MoE layer m, inside the graph, in stream order:
    results are copied back (host-to-device copy node) and merged with `torch.where`.
 
 The worker thread, told before each replay that step `seq` begins (`begin_step`), walks the
-layers in order: it waits for `go[m] == seq` (polling with `sleep(0)`, so it never holds the
-GIL against the thread that launched the graph), runs the C++ expert kernel on the masked
-entries (or nothing, when the layer has no CPU work), writes the results into the pinned output
-and then stores `done[m] = seq`. x86 stores are seen in program order, so the results are in
-place before the flag the GPU is waiting on.
+layers in order: it waits for `go[m] == seq`, computes the layer's masked entries (or nothing,
+when the layer has no CPU work), writes the results into the pinned output and then stores
+`done[m] = seq`. x86 stores are seen in program order, so the results are in place before the
+flag the GPU is waiting on. Two ways to walk the layers:
+
+- native (kernels/cpu/bridge_kernel.cpp, whenever the C++ kernel is built and computes this
+  step the way the Python path would: bf16 banks, or fp32 banks with one row): one call per
+  step, the GIL released, one OpenMP team for every layer, whose thread 0 spins on the flags
+  with `pause` and whose threads run each layer as soon as its flag arrives — no fork/join,
+  futex wake or Python per layer. Each output row is the same dot products as `ft_cpu_experts`
+  (bit-identical results).
+- Python (the fallback): polls `go[m]` with `sleep(0)` (never holding the GIL against the
+  thread that launched the graph) and calls `compute` per layer.
 
 If the worker cannot answer (it died, or a layer took seconds), the wait kernel gives up after
 a bounded number of polls and sets an error flag that `end_step` raises as an error, so a
@@ -28,6 +36,7 @@ Shapes: L MoE layers, B rows of the bucket, K top-k, H hidden.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +45,7 @@ import torch
 from torch import Tensor
 
 from freetoken.log import get_logger, kv
+from kernels.cpu.bridge_ops import NativeBridge, native_supported
 
 log = get_logger("experts")
 
@@ -50,9 +60,14 @@ class BridgeError(RuntimeError):
 class CpuBridge:
     def __init__(self, num_layers: int, max_rows: int, top_k: int, hidden: int,
                  dtype: torch.dtype, device: torch.device,
-                 compute: Callable[[int, Tensor, Tensor, Tensor], Tensor]):
+                 compute: Callable[[int, Tensor, Tensor, Tensor], Tensor],
+                 banks: tuple[list[Tensor], list[Tensor]] | None = None,
+                 threads: int | None = None):
         """`compute(m, x [B, H], ids [B, K], mask [B, K]) -> y [B, K, H]`: the CPU branch of
-        MoE layer m on host tensors (entries outside the mask are not read)."""
+        MoE layer m on host tensors (entries outside the mask are not read). `banks`: every
+        layer's (gate_up [E, 2I, H], down [E, H, I]) host banks, for the native step loop
+        with `threads` threads (None: torch's thread count); without them, or without the C++
+        kernel, every step takes the Python path."""
         self.L, self.B, self.K, self.H = num_layers, max_rows, top_k, hidden
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
@@ -74,7 +89,9 @@ class CpuBridge:
         self._start = threading.Event()
         self._failed: BaseException | None = None
         self.busy_s = self.wait_go_s = 0.0  # worker time computing / waiting for layers
-        self.steps_done = 0
+        self.steps_done = self.native_steps = 0
+        self.native = _native(self, banks, threads)
+        self._native_fp32 = banks is not None and banks[0][0].dtype == torch.float32
         self._thread = threading.Thread(target=self._worker, name="ft-cpu-bridge", daemon=True)
         self._thread.start()
 
@@ -127,34 +144,76 @@ class CpuBridge:
                               f"(worker error: {self._failed!r})")
 
     def _worker(self) -> None:
-        go, done = self._go_np, self._done_np
         while True:
             self._start.wait()
             self._start.clear()
             seq, T = self.seq, self.rows
             try:
-                for m in range(self.L):
-                    t0 = time.perf_counter()
-                    while go[m] != seq:
-                        if time.perf_counter() - t0 > WORKER_TIMEOUT_S:
-                            raise BridgeError(f"layer {m} of step {seq} never arrived")
-                        time.sleep(0)
-                    t1 = time.perf_counter()
-                    self.wait_go_s += t1 - t0
-                    if t1 - t0 > 0.05:
-                        log.warning(kv("cpu_bridge_slow", seq=seq, layer=m,
-                                       waited_ms=f"{(t1 - t0) * 1e3:.1f}"))
-                    mask = self.mask[m, :T]
-                    if bool(mask.any()):
-                        y = self.compute(m, self.x[m, :T], self.ids[m, :T], mask)  # [T, K, H]
-                        self.out[m, :T].copy_(y)
-                    done[m] = seq
-                    self.busy_s += time.perf_counter() - t1
+                # fp32 banks: the Python path computes several rows with grouped F.linear, the
+                # native loop with the C++ kernel — equal only for one row
+                if self.native is not None and (T == 1 or not self._native_fp32):
+                    self._native_step(seq, T)
+                else:
+                    self._python_step(seq, T)
                 self.steps_done += 1
             except BaseException as e:  # noqa: BLE001 — reported by begin_step / end_step
                 self._failed = e
                 log.error(kv("cpu_bridge_failed", seq=seq, error=repr(e)[:200]))
                 return
+
+    def _native_step(self, seq: int, T: int) -> None:
+        assert self.native is not None
+        st = self.native.run_step(seq, T, WORKER_TIMEOUT_S)
+        self.wait_go_s += st.wait_s
+        self.busy_s += st.total_s - st.wait_s
+        self.native_steps += 1
+        if st.max_wait_s > 0.05:
+            log.warning(kv("cpu_bridge_slow", seq=seq, layer=st.max_wait_layer,
+                           waited_ms=f"{st.max_wait_s * 1e3:.1f}"))
+
+    def _python_step(self, seq: int, T: int) -> None:
+        go, done = self._go_np, self._done_np
+        for m in range(self.L):
+            t0 = time.perf_counter()
+            while go[m] != seq:
+                if time.perf_counter() - t0 > WORKER_TIMEOUT_S:
+                    raise BridgeError(f"layer {m} of step {seq} never arrived")
+                time.sleep(0)
+            t1 = time.perf_counter()
+            self.wait_go_s += t1 - t0
+            if t1 - t0 > 0.05:
+                log.warning(kv("cpu_bridge_slow", seq=seq, layer=m,
+                               waited_ms=f"{(t1 - t0) * 1e3:.1f}"))
+            mask = self.mask[m, :T]
+            if bool(mask.any()):
+                y = self.compute(m, self.x[m, :T], self.ids[m, :T], mask)  # [T, K, H]
+                self.out[m, :T].copy_(y)
+            done[m] = seq
+            self.busy_s += time.perf_counter() - t1
+
+
+def _native(bridge: CpuBridge, banks: tuple[list[Tensor], list[Tensor]] | None,
+            threads: int | None) -> NativeBridge | None:
+    """The step loop over `bridge`'s buffers, or None (no banks, no C++ kernel, a dtype it
+    does not take: the Python path then)."""
+    if banks is None or not native_supported(banks[0][0].dtype, bridge.x.dtype):
+        return None
+    from kernels.cpu.ext import load_kernel
+
+    kern = load_kernel()
+    if kern is None:
+        return None
+    nth = threads if threads is not None else torch.get_num_threads()
+    nb = NativeBridge(kern, banks[0], banks[1], bridge.x, bridge.ids, bridge.mask,
+                      bridge.out, bridge.go, bridge.done, nth)
+    if os.environ.get("FT_BRIDGE_PIN") == "1":
+        # experiment knob (not measured yet): team thread t on the t-th allowed CPU after the
+        # first, which is left to the thread that launches the graphs (not pinned itself)
+        cpus = sorted(os.sched_getaffinity(0))
+        team = cpus[1:] or cpus
+        nb.set_cpus(team)
+        log.info(kv("cpu_bridge_pinned", cpus=f"{team[0]}-{team[-1]}", threads=nth))
+    return nb
 
 
 def attach_bridge(model, max_batch: int) -> CpuBridge | None:
@@ -171,9 +230,13 @@ def attach_bridge(model, max_batch: int) -> CpuBridge | None:
         return None
     store, threads = layers[0].store, layers[0].cpu_threads
     w = model.model.embed_tokens.weight
+    banks = ([store.gate_up(m) for m in range(len(blocks))],
+             [store.down(m) for m in range(len(blocks))])
     bridge = CpuBridge(len(blocks), max_batch, k, model.cfg.hidden_size, w.dtype, w.device,
-                       lambda m, x, ids, mask: cpu_branch(x, ids, mask, store, m, threads))
+                       lambda m, x, ids, mask: cpu_branch(x, ids, mask, store, m, threads),
+                       banks=banks, threads=threads)
     for e in layers:
         e.bridge = bridge
-    log.info(kv("cpu_bridge", layers=len(layers), rows=max_batch, threads=threads))
+    log.info(kv("cpu_bridge", layers=len(layers), rows=max_batch, threads=threads,
+                loop="native" if bridge.native is not None else "python"))
     return bridge

@@ -12,10 +12,11 @@
 //               activations), _mm512_dpbf16_ps on bf16 activations for n >= kDpMinTokens
 //               (compute-bound prefill-size groups);
 //   avx512 / avx2: widen + FMA;  scalar: plain loops (any CPU).
-// Work: phase 1 splits every routed expert's gate/up rows into blocks (one OpenMP item each:
-// the block is streamed once and dotted with all n token vectors, tiled so the rows stay in L1),
-// phase 2 does the same over down rows. Both phases share one parallel region.
-#include "simd.h"
+// Work: decode-size groups (here) give each thread contiguous row blocks of every expert, with
+// work stealing; other groups take the interleaved-tile path (expert_tiles.cpp). Both run as
+// the body of a team (expert_call.h): one parallel region per ft_cpu_experts call, or the
+// bridge's one region per decode step (bridge_kernel.cpp).
+#include "expert_call.h"
 
 namespace {
 
@@ -25,132 +26,7 @@ using namespace ft;
 constexpr int kDpMinTokens = 4;
 #endif
 
-// Software prefetch of the next tile's rows while this tile streams: two contiguous blocks
-// (next gate rows, next up rows; or next down rows), spread evenly over this tile's iterations.
-// The hardware streamer stops at each 4 KB page and the rows of a tile are interleaved streams,
-// so without this a core keeps too few misses in flight to reach its share of DRAM bandwidth.
-struct Prefetch {
-  const char* p[2] = {nullptr, nullptr};
-  const char* end[2] = {nullptr, nullptr};
-  int per_iter = 0;
-  inline void step() {
-#if defined(__AVX2__) || defined(__AVX512F__)
-    for (int b = 0; b < 2; ++b)
-      for (int q = 0; q < per_iter && p[b] < end[b]; ++q, p[b] += 64)
-        _mm_prefetch(p[b], _MM_HINT_T0);
-#endif
-  }
-  inline void step(int64_t) { step(); }
-};
-
 int g_contig = 1;    // ft_cpu_set_contig: 0 = decode groups use the interleaved-tile path
-
-inline Prefetch make_prefetch(const void* a, const void* b, int64_t block_bytes, int64_t len) {
-  Prefetch pf;
-  const int64_t iters = (len + VL - 1) / VL;
-  if (block_bytes <= 0 || iters <= 0 || g_prefetch <= 0) return pf;
-  pf.p[0] = static_cast<const char*>(a);
-  pf.end[0] = a ? pf.p[0] + block_bytes : nullptr;
-  pf.p[1] = static_cast<const char*>(b);
-  pf.end[1] = b ? pf.p[1] + block_bytes : nullptr;
-  pf.per_iter = static_cast<int>((block_bytes / 64 + iters - 1) / iters);
-  return pf;
-}
-
-// res[r * NT + t] = rows[r][0:len] . xs[t][0:len]
-template <typename W, int NR, int NT, typename PF = Prefetch>
-inline void dot_tile(const W* const* rows, const float* const* xs, int64_t len, float* res,
-                     PF& pf) {
-  V acc[NR][NT];
-#pragma GCC unroll 32
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 8
-    for (int t = 0; t < NT; ++t) acc[r][t] = vzero();
-  int64_t j = 0;
-  for (; j + VL <= len; j += VL) {
-    pf.step(static_cast<int64_t>(NR * VL * sizeof(W)));
-    V xv[NT];
-#pragma GCC unroll 8
-    for (int t = 0; t < NT; ++t) xv[t] = vload(xs[t] + j);
-#pragma GCC unroll 32
-    for (int r = 0; r < NR; ++r) {
-      V w = vload(rows[r] + j);
-#pragma GCC unroll 8
-      for (int t = 0; t < NT; ++t) acc[r][t] = vfma(w, xv[t], acc[r][t]);
-    }
-  }
-  if (j < len) {
-    const int rem = static_cast<int>(len - j);
-    V xv[NT];
-    for (int t = 0; t < NT; ++t) xv[t] = vload_tail(xs[t] + j, rem);
-    for (int r = 0; r < NR; ++r) {
-      V w = vload_tail(rows[r] + j, rem);
-      for (int t = 0; t < NT; ++t) acc[r][t] = vfma(w, xv[t], acc[r][t]);
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < NT; ++t) res[r * NT + t] = vsum(acc[r][t]);
-}
-
-#ifdef FT_HAVE_DPBF16
-// Same contract on bf16 activations: 32 bf16 products per instruction, fp32 accumulation.
-template <int NR, int NT>
-inline void dot_tile_dp(const uint16_t* const* rows, const uint16_t* const* xs, int64_t len,
-                        float* res, Prefetch& pf) {
-  __m512 acc[NR][NT];
-  for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
-  int64_t j = 0;
-  for (; j < len; j += 32) {
-    const int64_t rem = len - j;
-    pf.step();
-    pf.step();
-    const __mmask32 m = rem >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1ull << rem) - 1);
-    __m512i xv[NT];
-    for (int t = 0; t < NT; ++t) xv[t] = _mm512_maskz_loadu_epi16(m, xs[t] + j);
-    for (int r = 0; r < NR; ++r) {
-      __m512i w = _mm512_maskz_loadu_epi16(m, rows[r] + j);
-      for (int t = 0; t < NT; ++t)
-        acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)w, (__m512bh)xv[t]);
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < NT; ++t) res[r * NT + t] = _mm512_reduce_add_ps(acc[r][t]);
-}
-#endif
-
-// res[r * n + t] for NR rows and n token vectors, in token tiles of at most kNtMax.
-// `pf` is applied during the first token tile only (later tiles re-read rows from L1/L2).
-template <typename W, typename X, int NR>
-void dot_rows(const W* const* rows, const X* const* xs, int n, int64_t len, float* res,
-              Prefetch pf) {
-  float tmp[NR * kNtMax];
-  for (int t0 = 0; t0 < n; t0 += kNtMax, pf = Prefetch()) {
-    const int nt = n - t0 < kNtMax ? n - t0 : kNtMax;
-    const X* const* xt = xs + t0;
-    if constexpr (std::is_same_v<X, float>) {
-      if (nt == 1) dot_tile<W, NR, 1>(rows, xt, len, tmp, pf);
-      else if (nt == 2) dot_tile<W, NR, 2>(rows, xt, len, tmp, pf);
-      else dot_tile<W, NR, kNtMax>(rows, xt, len, tmp, pf);
-    } else if constexpr (std::is_same_v<W, uint16_t>) {
-#ifdef FT_HAVE_DPBF16
-      if (nt == 1) dot_tile_dp<NR, 1>(rows, xt, len, tmp, pf);
-      else if (nt == 2) dot_tile_dp<NR, 2>(rows, xt, len, tmp, pf);
-      else dot_tile_dp<NR, kNtMax>(rows, xt, len, tmp, pf);
-#endif
-    }
-    for (int r = 0; r < NR; ++r)
-      for (int t = 0; t < nt; ++t) res[r * n + t0 + t] = tmp[r * nt + t];
-  }
-}
-
-struct Group {
-  int64_t expert;
-  int64_t begin;  // into the grouped entry order
-  int n;
-  bool dp;  // use bf16 activations + dpbf16
-};
-
 // res[(r - r0) * n + t] = rows r0..r1-1 of `base` (row length len) . xs[t], for t < n
 // (n <= kNtMax), one row after another in address order.
 template <typename W>
@@ -195,15 +71,22 @@ inline double ns_since_call() {
 // while it waits. Each output row is still computed by one dot product, so results do not
 // depend on who computed what.
 template <typename W>
-void run_small(int64_t H, int64_t I, float* out, const std::vector<Group>& groups,
-               const std::vector<int64_t>& entries, const std::vector<const float*>& xp,
-               const std::vector<const float*>& ap, float* act, const W* gate_up,
-               const W* down, int nth) {
+void small_team(ExpertCall& c, int64_t tid, int64_t nt) {
+  const int64_t H = c.H, I = c.I;
+  float* out = c.out;
+  const std::vector<Group>& groups = c.groups;
+  const std::vector<int64_t>& entries = c.entries;
+  const std::vector<const float*>& xp = c.xp;
+  const std::vector<const float*>& ap = c.ap;
+  float* act = c.act.data();
+  const W* gate_up = static_cast<const W*>(c.gate_up);
+  const W* down = static_cast<const W*>(c.down);
   const int ng = static_cast<int>(groups.size());
   int nmax = 1;
   for (const Group& g : groups) nmax = g.n > nmax ? g.n : nmax;
-  std::unique_ptr<RowCount[]> done(new RowCount[ng > 0 ? ng : 1]);  // phase-1 rows finished
-  std::unique_ptr<Deque[]> dq1(new Deque[nth]), dq2(new Deque[nth]);
+  RowCount* done = c.done.get();  // phase-1 rows finished, per group
+  Deque* dq1 = c.dq1.get();
+  Deque* dq2 = c.dq2.get();
   const int64_t u1 = (I + kRowUnit - 1) / kRowUnit, u2 = (H + kRowUnit - 1) / kRowUnit;
   // static share of thread t of nt: rows [r0, r1) of `len` split in kRowUnit units
   auto share = [](int64_t units, int64_t len, int64_t t, int64_t nt, int64_t& r0, int64_t& r1) {
@@ -214,10 +97,8 @@ void run_small(int64_t H, int64_t I, float* out, const std::vector<Group>& group
     return r1 > r0 ? (r1 - r0 + unit - 1) / unit : 0;
   };
   const bool steal = g_steal != 0;
-  const bool timed = nth <= kMaxTimed;
-#pragma omp parallel num_threads(nth)
+  const bool timed = c.timed && nt <= kMaxTimed;
   {
-    const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
     const double t_enter = timed ? ns_since_call() : 0.0;
     int64_t a0, a1, c0, c1;
     share(u1, I, tid, nt, a0, a1);
@@ -370,114 +251,90 @@ void run_small(int64_t H, int64_t I, float* out, const std::vector<Group>& group
   }
 }
 
-template <typename W>
-void run(const float* x, int64_t T, int64_t H, const int64_t* ids, int64_t K,
-         const uint8_t* mask, const W* gate_up, const W* down, int64_t I, float* out,
-         const std::vector<Group>& groups, const std::vector<int64_t>& entries, int nth) {
-  const int64_t n_ent = static_cast<int64_t>(entries.size());
-  constexpr bool kBf16 = std::is_same_v<W, uint16_t>;
-  std::vector<const float*> xp(n_ent);  // per grouped entry: its token's x row
-  std::vector<float> act(n_ent * I);    // [n, I] silu(g) * u, grouped order
-  std::vector<const float*> ap(n_ent);
+}  // namespace
+
+namespace ft {
+
+int expert_prepare(ExpertCall& c, const float* x, int64_t T, int64_t H, const int64_t* ids,
+                   int64_t K, const uint8_t* mask, const void* gate_up, const void* down,
+                   int64_t E, int64_t I, int wdtype, float* out, int nth, int allow_dp,
+                   bool skip_negative) {
+  c.T = T, c.H = H, c.K = K, c.I = I, c.wdtype = wdtype;
+  c.gate_up = gate_up, c.down = down, c.out = out;
+  c.groups.clear();
+  // Counting sort of the computed entries by expert: each expert's rows are read once.
+  c.count.assign(E, 0);
+  c.start.assign(E, 0);
+  auto computed = [&](int64_t j) {
+    return (!mask || mask[j]) && !(skip_negative && ids[j] < 0);
+  };
+  for (int64_t j = 0; j < T * K; ++j) {
+    if (!computed(j)) continue;
+    if (ids[j] < 0 || ids[j] >= E) return 1;
+    ++c.count[ids[j]];
+  }
+  int64_t pos = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    if (!c.count[e]) continue;
+    c.start[e] = pos;
+    bool dp = false;
+#ifdef FT_HAVE_DPBF16
+    dp = allow_dp && wdtype == 1 && c.count[e] >= kDpMinTokens;
+#else
+    (void)allow_dp;
+#endif
+    c.groups.push_back(Group{e, pos, c.count[e], dp});
+    pos += c.count[e];
+  }
+  c.entries.resize(pos);
+  for (int64_t j = 0; j < T * K; ++j)
+    if (computed(j)) c.entries[c.start[ids[j]]++] = j;
+  const int64_t n_ent = pos;
   bool any_dp = false;
-  for (const Group& g : groups) any_dp = any_dp || g.dp;
-  std::vector<uint16_t> xb(any_dp ? n_ent * H : 0), ab(any_dp ? n_ent * I : 0);
-  std::vector<const uint16_t*> xbp(n_ent), abp(n_ent);
+  for (const Group& g : c.groups) any_dp = any_dp || g.dp;
+  c.xp.resize(n_ent);
+  c.ap.resize(n_ent);
+  c.act.resize(n_ent * I);
+  c.xb.resize(any_dp ? n_ent * H : 0);
+  c.ab.resize(any_dp ? n_ent * I : 0);
+  c.xbp.assign(n_ent, nullptr);
+  c.abp.assign(n_ent, nullptr);
   for (int64_t j = 0; j < n_ent; ++j) {
-    xp[j] = x + (entries[j] / K) * H;
-    ap[j] = act.data() + j * I;
+    c.xp[j] = x + (c.entries[j] / K) * H;
+    c.ap[j] = c.act.data() + j * I;
     if (any_dp) {
-      xbp[j] = xb.data() + j * H;
-      abp[j] = ab.data() + j * I;
+      c.xbp[j] = c.xb.data() + j * H;
+      c.abp[j] = c.ab.data() + j * I;
     }
   }
-  bool small = !any_dp;
-  for (const Group& g : groups) small = small && g.n <= kNtMax;
-  if (small && g_contig) {
-    run_small<W>(H, I, out, groups, entries, xp, ap, act.data(), gate_up, down, nth);
-    return;
+  c.small = !any_dp;
+  for (const Group& g : c.groups) c.small = c.small && g.n <= kNtMax;
+  c.contig = c.small && g_contig;
+  if (c.contig) {
+    const size_t ng = c.groups.empty() ? 1 : c.groups.size();
+    c.done.reset(new RowCount[ng]);
+    c.dq1.reset(new Deque[nth > 0 ? nth : 1]);
+    c.dq2.reset(new Deque[nth > 0 ? nth : 1]);
+    return 0;
   }
-  for (const Group& g : groups)
+  for (const Group& g : c.groups)
     if (g.dp)
       for (int64_t j = g.begin; j < g.begin + g.n; ++j)
-        for (int64_t h = 0; h < H; ++h) xb[j * H + h] = f32_to_bf16(xp[j][h]);
+        for (int64_t h = 0; h < H; ++h) c.xb[j * H + h] = f32_to_bf16(c.xp[j][h]);
+  return 0;
+}
 
-  constexpr int64_t kRb1 = 16;  // gate rows per phase-1 item (plus the matching up rows)
-  constexpr int64_t kRb2 = 32;  // down rows per phase-2 item
-  const int64_t nb1 = (I + kRb1 - 1) / kRb1, nb2 = (H + kRb2 - 1) / kRb2;
-  const int64_t items1 = static_cast<int64_t>(groups.size()) * nb1;
-  const int64_t items2 = static_cast<int64_t>(groups.size()) * nb2;
-
-  // Decode-size groups cost the same per item: static contiguous chunks, so each thread's
-  // next item is the memory its prefetch already ran into. Bigger groups: dynamic balance.
-  omp_set_schedule(small ? omp_sched_static : omp_sched_dynamic, small ? 0 : 1);
-#pragma omp parallel num_threads(nth)
-  {
-    std::vector<float> res(static_cast<size_t>(2 * kHalfRows + kDownRows) * kNtMax * 64 + 1);
-#pragma omp for schedule(runtime)
-    for (int64_t it = 0; it < items1; ++it) {
-      const Group& g = groups[it / nb1];
-      const int64_t r0 = (it % nb1) * kRb1, r1 = r0 + kRb1 < I ? r0 + kRb1 : I;
-      const W* base = gate_up + g.expert * 2 * I * H;
-      if (res.size() < static_cast<size_t>(2 * kHalfRows * g.n)) res.resize(2 * kHalfRows * g.n);
-      for (int64_t r = r0; r < r1;) {
-        const int hr = r1 - r >= kHalfRows ? kHalfRows : 1;
-        const W* rows[2 * kHalfRows];
-        for (int q = 0; q < hr; ++q) {
-          rows[q] = base + (r + q) * H;
-          rows[hr + q] = base + (I + r + q) * H;
-        }
-        const bool dp = kBf16 && g.dp;
-        const int64_t nxt = r + hr < I ? (I - r - hr < kHalfRows ? I - r - hr : kHalfRows) : 0;
-        const Prefetch pf = make_prefetch(base + (r + hr) * H, base + (I + r + hr) * H,
-                                          nxt * H * static_cast<int64_t>(sizeof(W)), H);
-        if (hr == kHalfRows) {
-          if (dp) dot_rows<W, uint16_t, 2 * kHalfRows>(rows, xbp.data() + g.begin, g.n, H, res.data(), pf);
-          else dot_rows<W, float, 2 * kHalfRows>(rows, xp.data() + g.begin, g.n, H, res.data(), pf);
-        } else {
-          if (dp) dot_rows<W, uint16_t, 2>(rows, xbp.data() + g.begin, g.n, H, res.data(), pf);
-          else dot_rows<W, float, 2>(rows, xp.data() + g.begin, g.n, H, res.data(), pf);
-        }
-        for (int q = 0; q < hr; ++q)
-          for (int t = 0; t < g.n; ++t) {
-            const float gv = res[q * g.n + t], uv = res[(hr + q) * g.n + t];
-            const float a = gv / (1.f + std::exp(-gv)) * uv;
-            act[(g.begin + t) * I + r + q] = a;
-            if (dp) ab[(g.begin + t) * I + r + q] = f32_to_bf16(a);
-          }
-        r += hr;
-      }
-    }
-#pragma omp for schedule(runtime)
-    for (int64_t it = 0; it < items2; ++it) {
-      const Group& g = groups[it / nb2];
-      const int64_t h0 = (it % nb2) * kRb2, h1 = h0 + kRb2 < H ? h0 + kRb2 : H;
-      const W* base = down + g.expert * H * I;
-      if (res.size() < static_cast<size_t>(kDownRows * g.n)) res.resize(kDownRows * g.n);
-      const bool dp = kBf16 && g.dp;
-      for (int64_t h = h0; h < h1;) {
-        const int nr = h1 - h >= kDownRows ? kDownRows : 1;
-        const W* rows[kDownRows];
-        for (int q = 0; q < nr; ++q) rows[q] = base + (h + q) * I;
-        const int64_t nxt = h + nr < H ? (H - h - nr < kDownRows ? H - h - nr : kDownRows) : 0;
-        const Prefetch pf = make_prefetch(base + (h + nr) * I, nullptr,
-                                          nxt * I * static_cast<int64_t>(sizeof(W)), I);
-        if (nr == kDownRows) {
-          if (dp) dot_rows<W, uint16_t, kDownRows>(rows, abp.data() + g.begin, g.n, I, res.data(), pf);
-          else dot_rows<W, float, kDownRows>(rows, ap.data() + g.begin, g.n, I, res.data(), pf);
-        } else {
-          if (dp) dot_rows<W, uint16_t, 1>(rows, abp.data() + g.begin, g.n, I, res.data(), pf);
-          else dot_rows<W, float, 1>(rows, ap.data() + g.begin, g.n, I, res.data(), pf);
-        }
-        for (int q = 0; q < nr; ++q)
-          for (int t = 0; t < g.n; ++t) out[entries[g.begin + t] * H + h + q] = res[q * g.n + t];
-        h += nr;
-      }
-    }
+void expert_team(ExpertCall& c, int tid, int nt) {
+  if (c.groups.empty()) return;
+  if (c.contig) {
+    if (c.wdtype == 1) small_team<uint16_t>(c, tid, nt);
+    else small_team<float>(c, tid, nt);
+  } else {
+    expert_tiles(c);
   }
 }
 
-}  // namespace
+}  // namespace ft
 
 extern "C" {
 
@@ -548,37 +405,14 @@ int ft_cpu_experts(const float* x, int64_t T, int64_t H, const int64_t* ids, int
   if (wdtype != 0 && wdtype != 1) return 2;
   g_call_t0 = std::chrono::steady_clock::now();
   g_tm_threads = 0;
-  // Counting sort of the computed entries by expert: each expert's rows are read once.
-  std::vector<int32_t> count(E, 0);
-  for (int64_t j = 0; j < T * K; ++j) {
-    if (mask && !mask[j]) continue;
-    if (ids[j] < 0 || ids[j] >= E) return 1;
-    ++count[ids[j]];
-  }
-  std::vector<Group> groups;
-  std::vector<int64_t> start(E, 0);
-  int64_t pos = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    if (!count[e]) continue;
-    start[e] = pos;
-    bool dp = false;
-#ifdef FT_HAVE_DPBF16
-    dp = allow_dp && wdtype == 1 && count[e] >= kDpMinTokens;
-#endif
-    groups.push_back(Group{e, pos, count[e], dp});
-    pos += count[e];
-  }
-  std::vector<int64_t> entries(pos);
-  for (int64_t j = 0; j < T * K; ++j)
-    if (!mask || mask[j]) entries[start[ids[j]]++] = j;
-  if (groups.empty()) return 0;
   const int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
-  if (wdtype == 1)
-    run<uint16_t>(x, T, H, ids, K, mask, static_cast<const uint16_t*>(gate_up),
-                  static_cast<const uint16_t*>(down), I, out, groups, entries, nth);
-  else
-    run<float>(x, T, H, ids, K, mask, static_cast<const float*>(gate_up),
-               static_cast<const float*>(down), I, out, groups, entries, nth);
+  ExpertCall c;
+  const int rc = expert_prepare(c, x, T, H, ids, K, mask, gate_up, down, E, I, wdtype, out,
+                                nth, allow_dp, false);
+  if (rc != 0 || c.groups.empty()) return rc;
+  c.timed = c.contig;
+#pragma omp parallel num_threads(nth)
+  expert_team(c, omp_get_thread_num(), omp_get_num_threads());
   return 0;
 }
 

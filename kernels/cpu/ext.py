@@ -1,6 +1,7 @@
-"""Builds and loads the C++ CPU kernels (kernels/cpu/expert_kernel.cpp: routed experts;
-decode_ops.cpp: decode-size linear layers and in-place decode attention; simd.h: what they
-share), once per process.
+"""Builds and loads the C++ CPU kernels (kernels/cpu/expert_kernel.cpp and expert_tiles.cpp:
+routed experts; decode_ops.cpp: decode-size linear layers and in-place decode attention;
+bridge_kernel.cpp: the CPU branch of a captured decode step, bound in bridge_ops.py; simd.h,
+expert_call.h: what they share), once per process.
 
 The sources are compiled lazily at first use with torch.utils.cpp_extension.load (ninja, JIT),
 into `<cache>/freetoken/ext/<isa>/` so later processes reuse the build. The ISA is read from the
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor
 
 from freetoken.log import get_logger, kv
+from kernels.cpu.omp import openmp_runtimes, torch_openmp_ldflags
 
 log = get_logger("experts")
 
@@ -38,8 +40,9 @@ _ISA_FLAGS: dict[str, list[str]] = {
 }
 PREFETCH_HINTS = ("t0", "t1", "t2", "nta")  # order = the kernel's hint codes
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "expert_kernel.cpp", _DIR / "decode_ops.cpp"]
-_HEADER = _DIR / "simd.h"
+_SOURCES = [_DIR / "expert_kernel.cpp", _DIR / "expert_tiles.cpp", _DIR / "decode_ops.cpp",
+            _DIR / "bridge_kernel.cpp"]
+_HEADERS = [_DIR / "simd.h", _DIR / "expert_call.h"]
 
 
 def cache_root() -> Path:
@@ -109,6 +112,11 @@ class CpuKernel:
         self._sum = lib.ft_stream_sum
         self._sum.restype = ctypes.c_float
         self._sum.argtypes = [p, i64, ctypes.c_int, i64]
+
+    @property
+    def lib(self) -> ctypes.CDLL:
+        """The loaded library (for the other ctypes bindings: bridge_ops)."""
+        return self._lib
 
     def set_prefetch(self, on: bool) -> None:
         """Benchmark knob: software prefetch of the next tile (on by default)."""
@@ -223,20 +231,31 @@ def build(isa: str, verbose: bool = False) -> CpuKernel:
 
     build_dir = cache_root() / "ext" / isa
     build_dir.mkdir(parents=True, exist_ok=True)
-    # torch re-builds when a source or a flag changes, not a header: the header's hash rides
+    # torch re-builds when a source or a flag changes, not a header: the headers' hash rides
     # in the flags
-    header = hashlib.sha256(_HEADER.read_bytes()).hexdigest()[:16]
-    path = cpp_extension.load(
-        name=f"ft_expert_kernel_{isa}",
-        sources=[str(p) for p in _SOURCES],
-        extra_cflags=["-O3", "-fopenmp", "-std=c++17", f"-DFT_SIMD_H={header}",
-                      *_ISA_FLAGS[isa]],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=verbose,
-    )
-    return CpuKernel(ctypes.CDLL(str(path)), isa)
+    header = hashlib.sha256(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:16]
+
+    def load(ldflags: list[str]) -> CpuKernel:
+        path = cpp_extension.load(
+            name=f"ft_expert_kernel_{isa}",
+            sources=[str(p) for p in _SOURCES],
+            extra_cflags=["-O3", "-fopenmp", "-std=c++17", f"-DFT_SIMD_H={header}",
+                          *_ISA_FLAGS[isa]],
+            extra_ldflags=ldflags,
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=verbose,
+        )
+        return CpuKernel(ctypes.CDLL(str(path)), isa)
+
+    torch_omp = torch_openmp_ldflags()  # one OpenMP runtime in the process: torch's
+    if torch_omp is not None:
+        try:
+            return load(torch_omp)
+        except Exception as e:  # noqa: BLE001 - e.g. torch's libgomp older than the compiler
+            log.warning(kv("cpu_kernel_torch_openmp_failed", fallback="system libgomp",
+                           reason=repr(e)[:200]))
+    return load(["-fopenmp"])
 
 
 def load_kernel(isa: str | None = None) -> CpuKernel | None:
@@ -254,7 +273,8 @@ def load_kernel(isa: str | None = None) -> CpuKernel | None:
             return _loaded[want]
         try:
             kern: CpuKernel | None = build(want)
-            log.info(kv("cpu_kernel_loaded", isa=want))
+            log.info(kv("cpu_kernel_loaded", isa=want,
+                        openmp=",".join(Path(p).name for p in openmp_runtimes())))
         except Exception as e:  # noqa: BLE001 - any build/load failure means "use torch"
             log.warning(kv("cpu_kernel_unavailable", isa=want, fallback="torch",
                            reason=repr(e)[:300]))

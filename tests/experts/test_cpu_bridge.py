@@ -1,0 +1,173 @@
+"""The CPU bridge's protocol on the CPU device (flags in host tensors): the native step loop
+(kernels/cpu/bridge_kernel.cpp) against the Python worker it replaces (cpu_branch per layer)
+bit for bit, both against the float64 reference, and the failure paths (a layer whose flag never
+comes, a bad expert id) surfacing as errors instead of hangs.
+
+Shapes: L layers, T rows, K top-k, H hidden, E experts, I intermediate."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from freetoken.experts import cpu_bridge
+from freetoken.experts.backends import cpu_branch
+from freetoken.experts.cpu_bridge import BridgeError, CpuBridge
+from freetoken.experts.store import ExpertStore
+from kernels.cpu.ext import load_kernel
+from kernels.reference import expert_ffn_reference
+
+L, B, K, H, E, I = 3, 6, 4, 72, 7, 40  # odd H, I: vector tails
+
+needs_kernel = pytest.mark.skipif(load_kernel() is None, reason="C++ CPU kernel unavailable")
+
+
+def _banks(wdtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    gu = [(torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(wdtype) for _ in range(L)]
+    dn = [(torch.randn(E, H, I, generator=g) / I**0.5).to(wdtype) for _ in range(L)]
+    return gu, dn
+
+
+def _bridge(gu, dn, io_dtype: torch.dtype, native: bool) -> CpuBridge:
+    store = ExpertStore(gu, dn, pin=False)
+    return CpuBridge(L, B, K, H, io_dtype, torch.device("cpu"),
+                     lambda m, x, ids, mask: cpu_branch(x, ids, mask, store, m, 2),
+                     banks=(gu, dn) if native else None, threads=2)
+
+
+def _step(br: CpuBridge, x, ids, mask) -> torch.Tensor:
+    """One decode step driven as the graph drives it: send, (GPU work), receive per layer.
+    Returns [L, T, K, H] (rows outside the mask: whatever the buffer held)."""
+    T = x.shape[1]
+    br.begin_step(T)
+    ys = []
+    for m in range(L):
+        br.send(m, x[m], ids[m], mask[m])
+        ys.append(br.receive(m, T).clone())
+    br.end_step()
+    # the worker counts a step after its last done flag, which receive may see first
+    t0 = time.perf_counter()
+    while br.steps_done < br.seq and br._failed is None and time.perf_counter() - t0 < 5:
+        time.sleep(1e-4)
+    return torch.stack(ys)
+
+
+def _inputs(T: int, io_dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(L, T, H, generator=g).to(io_dtype)  # [L, T, H]
+    ids = torch.randint(0, E, (L, T, K), generator=g)  # [L, T, K]
+    mask = torch.rand(L, T, K, generator=g) < 0.6  # [L, T, K]
+    mask[1] = False  # a layer with no CPU work
+    if T >= 4:
+        ids[2, :, 0] = 3  # >= 4 rows on one expert: the dpbf16 / tile path for bf16 banks
+        mask[2, :, 0] = True
+    return x, ids, mask
+
+
+# (weights, x/out dtype, rows): bf16 banks at any rows; fp32 banks at one row (with several
+# rows the Python path uses grouped F.linear, so the native loop is not taken there)
+CASES = [(torch.bfloat16, torch.bfloat16, 1), (torch.bfloat16, torch.bfloat16, 3),
+         (torch.bfloat16, torch.bfloat16, 6), (torch.bfloat16, torch.float32, 2),
+         (torch.float32, torch.float32, 1)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("wdtype,io_dtype,T", CASES)
+def test_native_loop_equals_python_worker(wdtype, io_dtype, T) -> None:
+    """Bug caught: a step loop whose rows differ from the per-layer kernel call (another dot
+    product order, another bf16 rounding of the results, layers mixed up, a stale layer's
+    grouping reused) — the native loop must give the Python worker's results bit for bit."""
+    gu, dn = _banks(wdtype)
+    nat, py = _bridge(gu, dn, io_dtype, True), _bridge(gu, dn, io_dtype, False)
+    assert nat.native is not None and py.native is None
+    for step in range(2):  # a second step reuses the team and the per-layer scratch
+        x, ids, mask = _inputs(T, io_dtype, seed=10 * T + step)
+        y_nat, y_py = _step(nat, x, ids, mask), _step(py, x, ids, mask)
+        sel = mask[..., None].expand_as(y_nat)
+        assert torch.equal(y_nat[sel], y_py[sel])
+        for m in range(L):  # and both against the float64 reference
+            ref = expert_ffn_reference(x[m].float(), ids[m], gu[m], dn[m], mask[m])
+            got = y_nat[m].double() * mask[m][..., None]
+            tol = 2e-2 if wdtype == torch.bfloat16 or io_dtype == torch.bfloat16 else 1e-5
+            assert float((got - ref).norm()) <= tol * max(float(ref.norm()), 1e-6)
+    assert nat.native_steps == 2 and nat.steps_done == 2
+
+
+@needs_kernel
+def test_fp32_banks_with_several_rows_take_the_python_path() -> None:
+    """Bug caught: fp32 steps of several rows sent through the C++ loop, whose dot products
+    differ from the grouped F.linear that `fused` and the eager CPU branch use (fp32 backends
+    must stay bit-identical to fused)."""
+    gu, dn = _banks(torch.float32)
+    br = _bridge(gu, dn, torch.float32, True)
+    _step(br, *_inputs(3, torch.float32, seed=1))
+    assert br.steps_done == 1 and br.native_steps == 0
+    _step(br, *_inputs(1, torch.float32, seed=2))
+    assert br.native_steps == 1
+
+
+@needs_kernel
+def test_native_layer_that_never_arrives_fails_the_step(monkeypatch) -> None:
+    """Bug caught: a native loop that waits forever (or returns quietly) when the GPU never
+    raises a layer's flag; the step must fail through end_step and the next begin_step."""
+    monkeypatch.setattr(cpu_bridge, "WORKER_TIMEOUT_S", 0.3)
+    gu, dn = _banks(torch.bfloat16)
+    br = _bridge(gu, dn, torch.bfloat16, True)
+    x, ids, mask = _inputs(1, torch.bfloat16, seed=3)
+    br.begin_step(1)
+    br.send(0, x[0], ids[0], mask[0])
+    br.receive(0, 1)
+    br.receive(1, 1)  # layer 1 never sent: its wait gives up after the timeout
+    with pytest.raises(BridgeError):
+        br.end_step()
+    br._thread.join(timeout=5)  # the worker gives up on its own clock and exits
+    with pytest.raises(BridgeError, match="never arrived"):
+        br.begin_step(1)
+
+
+@needs_kernel
+def test_native_bad_expert_id_fails_the_step(monkeypatch) -> None:
+    """Bug caught: an out-of-range expert id read past the banks instead of failing."""
+    monkeypatch.setattr(cpu_bridge, "WORKER_TIMEOUT_S", 0.3)
+    gu, dn = _banks(torch.bfloat16)
+    br = _bridge(gu, dn, torch.bfloat16, True)
+    x, ids, mask = _inputs(1, torch.bfloat16, seed=4)
+    ids[0, 0, 0], mask[0, 0, 0] = E, True
+    br.begin_step(1)
+    br.send(0, x[0], ids[0], mask[0])
+    br.receive(0, 1)
+    with pytest.raises(BridgeError):
+        br.end_step()
+    br._thread.join(timeout=5)
+    with pytest.raises(BridgeError, match="out of range"):
+        br.begin_step(1)
+
+
+def test_python_worker_without_banks() -> None:
+    """The fallback path alone (no banks given, as when the kernel is unavailable) still
+    answers every layer with the reference's results."""
+    gu, dn = _banks(torch.float32)
+    br = _bridge(gu, dn, torch.float32, False)
+    x, ids, mask = _inputs(2, torch.float32, seed=5)
+    y = _step(br, x, ids, mask)
+    for m in range(L):
+        ref = expert_ffn_reference(x[m], ids[m], gu[m], dn[m], mask[m])
+        got = y[m].double() * mask[m][..., None]
+        assert torch.allclose(got, ref, atol=1e-5, rtol=1e-4)
+    assert br.native_steps == 0 and br.steps_done == 1
+
+
+@needs_kernel
+def test_pinned_team_gives_the_same_results(monkeypatch) -> None:
+    """FT_BRIDGE_PIN=1 (team threads pinned to the CPUs after the first): the pinning must not
+    change what the step computes, nor keep it from finishing on a machine with few cores."""
+    gu, dn = _banks(torch.bfloat16)
+    free = _bridge(gu, dn, torch.bfloat16, True)
+    monkeypatch.setenv("FT_BRIDGE_PIN", "1")
+    pinned = _bridge(gu, dn, torch.bfloat16, True)
+    x, ids, mask = _inputs(3, torch.bfloat16, seed=6)
+    y_free, y_pin = _step(free, x, ids, mask), _step(pinned, x, ids, mask)
+    sel = mask[..., None].expand_as(y_free)
+    assert torch.equal(y_free[sel], y_pin[sel]) and pinned.native_steps == 1
