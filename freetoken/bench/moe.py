@@ -61,10 +61,13 @@ def install_trace(model: QwenMoE, router: TraceRouter) -> None:
         gate = b.gate
         orig = gate.forward
 
-        def fwd(x: torch.Tensor, _i: int = i, _orig=orig) -> tuple[torch.Tensor, torch.Tensor]:
-            w, ids = _orig(x)
+        def fwd(x: torch.Tensor, row_mask: torch.Tensor | None = None, _i: int = i,
+                _orig=orig) -> tuple[torch.Tensor, torch.Tensor]:
+            w, ids = _orig(x, row_mask=row_mask)
             if x.shape[0] == 1:  # decode: replay; prefill keeps the random router
                 ids = router.ids(_i)
+                if row_mask is not None:  # a graph bucket's padding row routes nowhere
+                    ids = ids.masked_fill(~row_mask[:, None], -1)
                 if _i == len(model.moe_blocks()) - 1:
                     router.advance()
             return w, ids

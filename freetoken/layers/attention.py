@@ -49,20 +49,20 @@ class Attention(nn.Module):
             qp, kp, vp = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.gated:
             qg = qp.reshape(T, self.hq, 2 * self.d)  # [T, Hq, 2D]: per head [q | gate]
-            q, gate = qg[..., : self.d], qg[..., self.d:].reshape(T, self.hq * self.d)
+            q, gate = qg[..., : self.d], qg[..., self.d:]  # [T, Hq, D] views
         else:
             q, gate = qp.reshape(T, self.hq, self.d), None
         q = self._norm_rope(self.q_norm, q, cos, sin)  # [T, Hq, D]
-        k = self._norm_rope(self.k_norm, kp.reshape(T, self.hk, self.d), cos, sin)  # [T, Hk, D]
+        kr = kp.reshape(T, self.hk, self.d)  # [T, Hk, D] before norm and rotary
         v = vp.reshape(T, self.hk, self.d)  # [T, Hk, D]
 
         li = kv.layer_index[self.layer_id]
         k_pool, v_pool = kv.k[li], kv.v[li]  # [S, Hk, D]
         if batch.ctx is not None:  # decode-only step: device slots, attention planned per step
-            k_pool.index_copy_(0, batch.ctx.out_slots, k.to(k_pool.dtype))
-            v_pool.index_copy_(0, batch.ctx.out_slots, v.to(v_pool.dtype))
+            self._store_kv(kr, v, cos, sin, k_pool, v_pool, batch.ctx.out_slots)
             out = batch.ctx.attn.run(q, k_pool, v_pool, self.scale)  # [B, Hq, D]
             return self._out(out, gate)
+        k = self._norm_rope(self.k_norm, kr, cos, sin)  # [T, Hk, D]
         out = torch.empty(T, self.hq, self.d, dtype=x.dtype, device=x.device)  # [T, Hq, D]
         cu = batch.cu
         for b in range(batch.num_seqs):
@@ -82,15 +82,28 @@ class Attention(nn.Module):
     def _norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                    ) -> torch.Tensor:
         # per-head norm then partial rotary; one launch on CUDA
-        if x.is_cuda:
-            mod = fast_ops.triton_module("norm")
-            if mod is not None:
-                return mod.rmsnorm_rope(x, norm.weight, norm.eps, norm.zero_centered, cos, sin)
+        mod = fast_ops.triton_for(x, "norm")
+        if mod is not None:
+            return mod.rmsnorm_rope(x, norm.weight, norm.eps, norm.zero_centered, cos, sin)
         return apply_rotary(norm(x), cos, sin)
 
+    def _store_kv(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> None:
+        """k_pool[slots] = rope(k_norm(k)), v_pool[slots] = v: k, v [T, Hk, D]. One launch on
+        CUDA when the pools hold the dtype the prologue returns (no second rounding)."""
+        mod = fast_ops.triton_for(k, "norm")
+        n = self.k_norm
+        if (mod is not None and mod.rope_dtype(k, n.weight, n.zero_centered, cos)
+                == k_pool.dtype == v_pool.dtype):
+            mod.rmsnorm_rope_store(k, n.weight, n.eps, n.zero_centered, cos, sin, v, k_pool,
+                                   v_pool, slots)
+            return
+        kn = self._norm_rope(n, k, cos, sin)  # [T, Hk, D]
+        k_pool.index_copy_(0, slots, kn.to(k_pool.dtype))
+        v_pool.index_copy_(0, slots, v.to(v_pool.dtype))
+
     def _out(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        # out [T, Hq, D] -> [T, hidden]
-        o = out.reshape(out.shape[0], self.hq * self.d)
+        # out [T, Hq, D], gate [T, Hq, D] (a view) -> [T, hidden]
         if gate is not None:
-            o = o * torch.sigmoid(gate)
-        return self.o_proj(o)
+            return self.o_proj(fast_ops.sigmoid_gate_mul(out, gate))
+        return self.o_proj(out.reshape(out.shape[0], self.hq * self.d))

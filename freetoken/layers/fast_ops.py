@@ -32,7 +32,10 @@ def triton_module(name: str):
         return None
 
 
-def _use_triton(x: Tensor, name: str):
+def triton_for(x: Tensor, name: str):
+    """The Triton module `name` when x lives on CUDA and triton is there, else None (the caller
+    takes its torch path). The one switch between the two paths: tests point it at the
+    interpreter to run the CUDA path on the CPU."""
     return triton_module(name) if x.is_cuda else None
 
 
@@ -44,7 +47,7 @@ def conv_update(x: Tensor, conv_pool: Tensor, weight: Tensor, slots: Tensor) -> 
     """One causal depthwise-conv step per row, state in place: window = [conv_pool[slot] | x],
     out = silu(Σ window·w), conv_pool[slot] = window[..., 1:].
     x [B, C]; conv_pool [S, C, Kc-1]; weight [C, Kc]; slots [B] -> out [B, C] in x's dtype."""
-    mod = _use_triton(x, "gdn")
+    mod = triton_for(x, "gdn")
     if mod is not None:
         return mod.causal_conv1d_update_pool(x, conv_pool, weight, slots)
     window = torch.cat([conv_pool.index_select(0, slots),
@@ -54,13 +57,17 @@ def conv_update(x: Tensor, conv_pool: Tensor, weight: Tensor, slots: Tensor) -> 
 
 
 def gdn_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_pool: Tensor,
-                  slots: Tensor) -> Tensor:
+                  slots: Tensor, gates: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """One gated-delta-rule step per row with the state read and written in place.
     q, k [B, Hk, dk] raw (L2-normalised here); v [B, Hv, dv]; g, beta [B, Hv];
-    ssm_pool [S, Hv, dk, dv] fp32; slots [B] -> o [B, Hv, dv] fp32."""
-    mod = _use_triton(q, "gdn")
+    ssm_pool [S, Hv, dk, dv] fp32; slots [B] -> o [B, Hv, dv] fp32. `gates` = (A_log,
+    dt_bias) [Hv]: g, beta are the raw projections a, b and `gdn_gates` is applied here (in the
+    same launch on CUDA)."""
+    mod = triton_for(q, "gdn")
     if mod is not None:
-        return mod.gdn_recurrent_pool(q, k, v, g, beta, ssm_pool, slots)
+        return mod.gdn_recurrent_pool(q, k, v, g, beta, ssm_pool, slots, raw_gates=gates)
+    if gates is not None:
+        g, beta = gdn_gates(g, beta, *gates)
     r = v.shape[1] // q.shape[1]
     qf = l2norm(q.float()).repeat_interleave(r, dim=1)  # [B, Hv, dk]
     kf = l2norm(k.float()).repeat_interleave(r, dim=1)  # [B, Hv, dk]
@@ -72,39 +79,68 @@ def gdn_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_
 def fused_moe(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor) -> Tensor | None:
     """The Triton fused MoE (unweighted [T, K, H] into y, ids < 0 left untouched) on CUDA, or
     None when it is unavailable (the caller keeps its torch path)."""
-    mod = _use_triton(x, "fused_moe")
+    mod = triton_for(x, "fused_moe")
     if mod is None:
         return None
     return mod.fused_moe(x, ids, gate_up, down, y)
 
 
-def router(x: Tensor, weight: Tensor, top_k: int, renormalize: bool
-           ) -> tuple[Tensor, Tensor] | None:
-    """Fused softmax → top-k → renormalise on CUDA, or None (the caller's torch path)."""
-    mod = _use_triton(x, "router")
+# a shared expert runs in the decode GEMV kernels up to this many tokens (each token re-reads
+# its weights, from L2 past the first); cuBLAS's GEMM above
+SHARED_DECODE_MAX_T = 16
+
+
+def shared_expert(x: Tensor, gate_up: Tensor, down: Tensor) -> Tensor | None:
+    """A shared expert (dense SwiGLU, gate_up [2I, H] rows [gate | up], down [H, I]) on
+    decode-sized x [T, H] in two Triton launches on CUDA, or None (the caller runs the MLP)."""
+    mod = triton_for(x, "fused_moe")
+    if mod is None or x.shape[0] > SHARED_DECODE_MAX_T:
+        return None
+    return mod.shared_expert_decode(x, gate_up, down)
+
+
+def router(x: Tensor, weight: Tensor, top_k: int, renormalize: bool,
+           row_mask: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
+    """Fused softmax → top-k → renormalise (ids -1 outside `row_mask`) on CUDA, or None (the
+    caller's torch path)."""
+    mod = triton_for(x, "router")
     if mod is None:
         return None
-    return mod.fused_router(x, weight, top_k, renormalize)
+    return mod.fused_router(x, weight, top_k, renormalize, row_mask)
 
 
 def gdn_gates(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
     """g = -exp(A_log)·softplus(a + dt_bias) fp32, beta = sigmoid(b) in b's dtype: a, b
     [T, Hv] -> [T, Hv] each."""
-    mod = _use_triton(a, "gdn")
+    mod = triton_for(a, "gdn")
     if mod is not None:
         return mod.gdn_gates(a, b, a_log, dt_bias)
     return -a_log.float().exp() * F.softplus(a.float() + dt_bias), torch.sigmoid(b)
 
 
-def moe_combine(y: Tensor, w: Tensor, residual: Tensor, shared: Tensor | None,
-                shared_gate: Tensor | None) -> Tensor:
-    """residual + Σ_k w·y (+ sigmoid(shared_gate)·shared): y [T, K, H], w [T, K], residual,
-    shared [T, H], shared_gate [T, 1]."""
-    mod = _use_triton(y, "decode_fusions")
+def sigmoid_gate_mul(o: Tensor, gate: Tensor) -> Tensor:
+    """o * sigmoid(gate) flattened to [T, Hh*D]: o, gate [T, Hh, D] (gate a strided view)."""
+    mod = triton_for(o, "decode_fusions")
     if mod is not None:
-        return mod.moe_combine(y, w, residual, shared, shared_gate)
+        return mod.sigmoid_gate_mul(o, gate)
+    T = o.shape[0]
+    return o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
+
+
+def moe_combine(y: Tensor, w: Tensor, residual: Tensor, shared: Tensor | None = None,
+                gate_x: Tensor | None = None, gate_weight: Tensor | None = None,
+                next_norm=None) -> Tensor | tuple[Tensor, Tensor]:
+    """out = residual + Σ_k w·y (+ sigmoid(gate_x @ gate_weightᵀ)·shared): y [T, K, H],
+    w [T, K], residual, shared, gate_x [T, H], gate_weight [1, H] (the shared expert gate's
+    Linear). With `next_norm` (an RMSNorm) returns (out, next_norm(out)), one launch on CUDA."""
+    mod = triton_for(y, "decode_fusions")
+    if mod is not None:
+        norm = (None if next_norm is None
+                else (next_norm.weight, next_norm.eps, next_norm.zero_centered))
+        return mod.moe_combine(y, w, residual, shared, gate_x=gate_x, gate_weight=gate_weight,
+                               norm=norm)
     out = (y * w[..., None]).sum(1)  # [T, H]
     if shared is not None:
-        out = out + torch.sigmoid(shared_gate) * shared
-    return residual + out
-
+        out = out + torch.sigmoid(F.linear(gate_x, gate_weight)) * shared
+    out = residual + out
+    return out if next_norm is None else (out, next_norm(out))

@@ -61,18 +61,19 @@ class GatedDeltaNet(nn.Module):
             mixed, z = self.in_proj_qkv(x), self.in_proj_z(x)  # [T, C], [T, Hv·dv]
             b, a = self.in_proj_b(x), self.in_proj_a(x)  # [T, Hv]
         z = z.reshape(T, self.hv, self.dv)  # [T, Hv, dv]
-        g, beta = fast_ops.gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] each
         w = self.conv1d.weight[:, 0, :]  # [C, Kc]
 
         if batch.ctx is not None:  # decode-only step: state read and written in place
             slots = batch.ctx.state_slots  # [B]
             conv_out = fast_ops.conv_update(mixed, conv_pool, w, slots)  # [B, C]
             q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], -1)
+            # the gates from a, b inside the recurrent step's launch
             o = fast_ops.gdn_recurrent(q.view(T, self.hk, self.dk), k.view(T, self.hk, self.dk),
-                                       v.reshape(T, self.hv, self.dv), g, beta, ssm_pool,
-                                       slots)  # [B, Hv, dv] fp32
-            y = self.norm(o.to(x.dtype), z)  # [B, Hv, dv]
+                                       v.reshape(T, self.hv, self.dv), a, b, ssm_pool, slots,
+                                       gates=(self.A_log, self.dt_bias))  # [B, Hv, dv] fp32
+            y = self.norm(o, z, x.dtype)  # [B, Hv, dv]
             return self.out_proj(y.reshape(T, self.value_dim))
+        g, beta = fast_ops.gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] each
         core = torch.empty(T, self.hv, self.dv, dtype=torch.float32, device=x.device)  # [T, Hv, dv]
         cu = batch.cu
         decode, rows, slots = batch.decode_index(x.device)  # [D] packed rows, [D] state slots
@@ -98,7 +99,7 @@ class GatedDeltaNet(nn.Module):
             o, s = chunk_gated_delta(q, k, v, g[lo:hi], beta[lo:hi], ssm_pool[slot])
             ssm_pool[slot] = s
             core[lo:hi] = o
-        y = self.norm(core.to(x.dtype), z)  # [T, Hv, dv]
+        y = self.norm(core, z, x.dtype)  # [T, Hv, dv]
         return self.out_proj(y.reshape(T, self.value_dim))
 
     def _split(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

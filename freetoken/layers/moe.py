@@ -120,11 +120,32 @@ class FusedExperts(ExpertBackend):
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden, inter))
 
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return self.run(x, topk_ids)[0]
+
+    def run(self, x: torch.Tensor, topk_ids: torch.Tensor,
+            shared: tuple[torch.Tensor, torch.Tensor] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(y [T, K, H] as `forward`, the shared expert's output [T, H] or None). `shared` =
+        (gate_up [2I, H], down [H, I]) of the block's shared expert: the Triton decode path
+        runs it in the routed experts' two launches when its I matches; None means the caller
+        must run it."""
         T, K = topk_ids.shape
-        y = torch.zeros(T, K, x.shape[-1], dtype=x.dtype, device=x.device)  # [T, K, H]
-        if fast_ops.fused_moe(x, topk_ids, self.gate_up_proj, self.down_proj, y) is not None:
-            return y
-        return dispatch_experts(x, topk_ids, self.gate_up_proj, self.down_proj, y)
+        H = x.shape[-1]
+        mod = fast_ops.triton_for(x, "fused_moe")
+        if mod is None:
+            y = torch.zeros(T, K, H, dtype=x.dtype, device=x.device)  # [T, K, H]
+            if fast_ops.fused_moe(x, topk_ids, self.gate_up_proj, self.down_proj, y) is None:
+                dispatch_experts(x, topk_ids, self.gate_up_proj, self.down_proj, y)
+            return y, None
+        y = torch.empty(T, K, H, dtype=x.dtype, device=x.device)  # [T, K, H], every entry set
+        if (shared is not None and topk_ids.numel() <= mod.DECODE_MAX_ENTRIES
+                and shared[0].shape[0] == self.gate_up_proj.shape[1]):
+            ys = torch.empty(T, H, dtype=x.dtype, device=x.device)  # [T, H]
+            mod.fused_moe_decode(x, topk_ids, self.gate_up_proj, self.down_proj, y,
+                                 zero_missing=True, shared=(*shared, ys))
+            return y, ys
+        return mod.fused_moe(x, topk_ids, self.gate_up_proj, self.down_proj, y,
+                             zero_missing=True), None
 
 
 class Router(nn.Module):
@@ -133,14 +154,19 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
         self.top_k, self.renormalize = top_k, renormalize
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        fused = fast_ops.router(x, self.weight, self.top_k, self.renormalize)
+    def forward(self, x: torch.Tensor, row_mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (w [T, K] x.dtype, ids [T, K] int64); ids -1 on rows outside
+        `row_mask` [T] bool (they route no expert)."""
+        fused = fast_ops.router(x, self.weight, self.top_k, self.renormalize, row_mask)
         if fused is not None:
             return fused
         probs = F.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float)  # [T, E] fp32
         w, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, K]
         if self.renormalize:
             w = w / w.sum(-1, keepdim=True)
+        if row_mask is not None:
+            ids = ids.masked_fill(~row_mask[:, None], -1)
         return w.to(x.dtype), ids
 
 
@@ -160,19 +186,40 @@ class MoEBlock(nn.Module):
         self.route_hook = None  # callable(layer_id, topk_ids) for routing traces
 
     def forward(self, x: torch.Tensor, row_mask: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, next_norm: nn.Module | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> [T, H] (plus `residual` [T, H] when given, merged in the same pass).
         `row_mask [T]` bool: rows that route (a graph bucket's padding rows do not: their ids
-        become -1, so they move no expert and compute none)."""
-        w, ids = self.gate(x)  # [T, K], [T, K]
-        if row_mask is not None:
-            ids = ids.masked_fill(~row_mask[:, None], -1)
+        become -1, so they move no expert and compute none). `next_norm` (the next decoder
+        layer's input RMSNorm): return (out, next_norm(out)), the norm in the combine's launch.
+
+        On the CUDA decode path the shared expert runs inside the routed experts' launches
+        (`fused`) or in two launches of the same kernels (other backends), and its sigmoid gate
+        inside the combine; elsewhere it is the MLP and the gate's Linear."""
+        w, ids = self.gate(x, row_mask=row_mask)  # [T, K], [T, K]
         if self.route_hook is not None:
             self.route_hook(self.layer_id, ids)
-        y = self.experts(self.moe_index, x, ids)  # [T, K, H] unweighted
-        shared = gate = None
+        sw = self._shared_weights()
+        shared = None
+        if isinstance(self.experts, FusedExperts):
+            y, shared = self.experts.run(x, ids, sw)  # [T, K, H] unweighted, [T, H] or None
+        else:
+            y = self.experts(self.moe_index, x, ids)  # [T, K, H] unweighted
+        gate_w = None
         if self.shared_expert is not None:
-            shared, gate = self.shared_expert(x), self.shared_expert_gate(x)  # [T, H], [T, 1]
+            if shared is None and sw is not None:
+                shared = fast_ops.shared_expert(x, *sw)  # [T, H] or None
+            if shared is None:
+                shared = self.shared_expert(x)  # [T, H]
+            gate_w = self.shared_expert_gate.weight  # [1, H]
         if residual is None:
             residual = torch.zeros_like(x)
-        return fast_ops.moe_combine(y, w, residual, shared, gate)
+        return fast_ops.moe_combine(y, w, residual, shared, x, gate_w, next_norm)
+
+    def _shared_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(gate_up [2I, H], down [H, I]) of the shared expert once its projections are fused
+        (`QwenMoE.fuse_projections`), else None."""
+        sh = self.shared_expert
+        if sh is None or sh.fused_gu is None:
+            return None
+        return sh.fused_gu, sh.down_proj.weight

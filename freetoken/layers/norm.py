@@ -8,11 +8,9 @@ from torch import nn
 
 def _triton_norm(x: torch.Tensor):
     """The Triton norm kernels (one launch instead of ~8) for CUDA tensors, else None."""
-    if not x.is_cuda:
-        return None
-    from freetoken.layers.fast_ops import triton_module
+    from freetoken.layers import fast_ops
 
-    return triton_module("norm")
+    return fast_ops.triton_for(x, "norm")
 
 
 def add_rmsnorm(norm: RMSNorm, h: torch.Tensor, residual: torch.Tensor
@@ -55,10 +53,14 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, z: torch.Tensor, x_dtype: torch.dtype | None = None
+                ) -> torch.Tensor:
+        """`x_dtype`: round x to it first (the result is in it), in the same launch on CUDA."""
         mod = _triton_norm(x)
         if mod is not None:
-            return mod.gated_rmsnorm(x, z, self.weight, self.eps)
+            return mod.gated_rmsnorm(x, z, self.weight, self.eps, x_dtype)
+        if x_dtype is not None:
+            x = x.to(x_dtype)
         dt = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -36,8 +36,14 @@ class DecoderLayer(nn.Module):
                                                 cfg.zero_centered_norm)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch, caches: Caches) -> torch.Tensor:
-        h = self.input_layernorm(x)
+                batch: ForwardBatch, caches: Caches, h: torch.Tensor | None = None,
+                next_norm: RMSNorm | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] residual stream -> the layer's output. `h`: input_layernorm(x) when the
+        previous layer computed it. With `next_norm` (the next layer's input norm) returns
+        (x, next_norm(x)): a MoE block computes that norm in its combine launch."""
+        if h is None:
+            h = self.input_layernorm(x)
         if self.is_linear:
             assert caches.state is not None
             h = self.linear_attn(h, batch, caches.state)
@@ -46,8 +52,9 @@ class DecoderLayer(nn.Module):
         h, x = add_rmsnorm(self.post_attention_layernorm, h, x)  # x += h; h = norm(x)
         if self.is_moe:  # the block adds the residual itself (one fused pass on CUDA)
             mask = batch.ctx.row_mask if batch.ctx is not None else None
-            return self.mlp(h, mask, residual=x)
-        return x + self.mlp(h)
+            return self.mlp(h, mask, residual=x, next_norm=next_norm)
+        x = x + self.mlp(h)
+        return x if next_norm is None else (x, next_norm(x))
 
 
 class Backbone(nn.Module):
@@ -95,8 +102,12 @@ class QwenMoE(nn.Module):
         for hk in hooks:
             hk.begin_forward(x.shape[0])
         try:
-            for layer in self.model.layers:
-                x = layer(x, cos, sin, batch, caches)
+            layers = self.model.layers
+            h = None  # the next layer's normalised input, from the previous layer's last launch
+            for i, layer in enumerate(layers):
+                nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
+                out = layer(x, cos, sin, batch, caches, h=h, next_norm=nxt)
+                x, h = out if nxt is not None else (out, None)
         finally:
             for hk in hooks:
                 hk.end_forward()

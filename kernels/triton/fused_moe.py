@@ -21,7 +21,10 @@ Two paths, picked by N (`decode=None`):
           `fused_moe_kernel`; each expert's weights are read once per row block of its entries.
           No host read either (the sort is on the device, the grid is sized from the shapes).
 
-`moe_sum(y, w)` is the weighted merge sum_k w[t, k] * y[t, k] in one launch, for the block.
+The decode path also takes the block's shared expert as T more entries (`shared=`, when its
+intermediate size equals the routed one), and `shared_expert_decode` runs a shared expert alone
+in the same two launches; `zero_missing` writes zeros for ids < 0, so y need not be cleared.
+`moe_sum(y, w)` (kernels/triton/decode_fusions.py, re-exported) is the weighted merge.
 Under TRITON_INTERPRET=1 (CPU tests) everything runs in fp32 math; the grouped path upcasts
 bf16 operands before tl.dot there, since the interpreter's bf16 dot is wrong.
 """
@@ -33,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from kernels.triton.decode_fusions import moe_sum  # noqa: F401  (re-exported)
 
 # Above this many (token, k) entries the grouped path reads fewer weight bytes (repeated
 # experts share a read) and its sort is affordable. To be re-measured on the H200:
@@ -54,24 +59,30 @@ def interpreting() -> bool:
 
 @triton.jit
 def _decode_gate_up_kernel(
-    x_ptr, ids_ptr, w_ptr, a_ptr,
-    H, I, TOPK,
-    stride_xt, stride_we, stride_wn, stride_an,
+    x_ptr, ids_ptr, w_ptr, sw_ptr, a_ptr,
+    H, I, TOPK, N,
+    stride_xt, stride_we, stride_wn, stride_swn, stride_an,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """a[n, i] = silu(gate[id] @ x[t])[i] * (up[id] @ x[t])[i] for one entry n and BLOCK_N rows
-    i."""
+    i. Entries n >= N are the shared expert's (weights at sw_ptr) for token t = n - N."""
     n = tl.program_id(0)
     pid_i = tl.program_id(1)
-    row = tl.load(ids_ptr + n).to(tl.int64)
+    routed = n < N
+    row = tl.load(ids_ptr + n, mask=routed, other=0).to(tl.int64)
     if row < 0:
         return
-    t = n // TOPK
     i = pid_i * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     kk = tl.arange(0, BLOCK_K)  # [BK]
+    if routed:
+        t = n // TOPK
+        g_ptrs = w_ptr + row * stride_we + i[:, None] * stride_wn + kk[None, :]  # [BN, BK]
+        u_ptrs = g_ptrs + I * stride_wn
+    else:
+        t = n - N
+        g_ptrs = sw_ptr + i[:, None] * stride_swn + kk[None, :]  # [BN, BK]
+        u_ptrs = g_ptrs + I * stride_swn
     x_row = x_ptr + t.to(tl.int64) * stride_xt
-    g_ptrs = w_ptr + row * stride_we + i[:, None] * stride_wn + kk[None, :]  # [BN, BK]
-    u_ptrs = g_ptrs + I * stride_wn
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -96,23 +107,37 @@ def _decode_gate_up_kernel(
 
 @triton.jit
 def _decode_down_kernel(
-    a_ptr, ids_ptr, w_ptr, y_ptr,
-    H, I, TOPK,
-    stride_an, stride_we, stride_wn, stride_yt, stride_yk, stride_yh,
+    a_ptr, ids_ptr, w_ptr, sw_ptr, y_ptr, so_ptr,
+    H, I, TOPK, N,
+    stride_an, stride_we, stride_wn, stride_swn, stride_yt, stride_yk, stride_yh, stride_so,
+    ZERO_MISSING: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    """y[t, k, h] = down[id][h] @ a[n] for one entry n = t*K + k and BLOCK_N rows h."""
+    """y[t, k, h] = down[id][h] @ a[n] for one entry n = t*K + k < N and BLOCK_N rows h;
+    so[t, h] = shared_down[h] @ a[n] for a shared entry n = N + t. An entry with id < 0 is
+    written with zeros under ZERO_MISSING, else left alone."""
     n = tl.program_id(0)
     pid_h = tl.program_id(1)
-    row = tl.load(ids_ptr + n).to(tl.int64)
-    if row < 0:
-        return
-    t = n // TOPK
-    k = n % TOPK
+    routed = n < N
+    row = tl.load(ids_ptr + n, mask=routed, other=0).to(tl.int64)
     h = pid_h * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    if routed:
+        t = n // TOPK
+        k = n % TOPK
+        w_ptrs = w_ptr + row * stride_we + h[:, None] * stride_wn  # [BN, 1]
+        y_ptrs = y_ptr + t.to(tl.int64) * stride_yt + k * stride_yk + h * stride_yh  # [BN]
+    else:
+        t = n - N
+        w_ptrs = sw_ptr + h[:, None] * stride_swn
+        y_ptrs = so_ptr + t.to(tl.int64) * stride_so + h
+    if row < 0:
+        if ZERO_MISSING:
+            tl.store(y_ptrs, tl.zeros([BLOCK_N], dtype=tl.float32).to(y_ptr.dtype.element_ty),
+                     mask=h < H)
+        return
     kk = tl.arange(0, BLOCK_K)  # [BK]
+    w_ptrs = w_ptrs + kk[None, :]  # [BN, BK]
     a_row = a_ptr + n.to(tl.int64) * stride_an
-    w_ptrs = w_ptr + row * stride_we + h[:, None] * stride_wn + kk[None, :]  # [BN, BK]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         if EVEN_K:
@@ -125,46 +150,7 @@ def _decode_down_kernel(
             w = tl.load(w_ptrs + k0, mask=(h[:, None] < H) & (k0 + kk[None, :] < I), other=0.0)
         acc += w.to(tl.float32) * av[None, :]
     out = tl.sum(acc, axis=1)  # [BN]
-    y_ptrs = y_ptr + t.to(tl.int64) * stride_yt + k * stride_yk + h * stride_yh
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=h < H)
-
-
-@triton.jit
-def _moe_sum_kernel(
-    y_ptr, w_ptr, out_ptr, H,
-    stride_yt, stride_yk, stride_wt, stride_ot,
-    TOPK: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for k in tl.static_range(TOPK):
-        wk = tl.load(w_ptr + t * stride_wt + k).to(tl.float32)
-        yk = tl.load(y_ptr + t * stride_yt + k * stride_yk + h, mask=h < H, other=0.0)
-        acc += wk * yk.to(tl.float32)
-    tl.store(out_ptr + t * stride_ot + h, acc.to(out_ptr.dtype.element_ty), mask=h < H)
-
-
-def moe_sum(y: Tensor, w: Tensor, out: Tensor | None = None, block_h: int = 1024) -> Tensor:
-    """out [T, H] = sum_k w[t, k] * y[t, k] in fp32, k = 0..K-1 in order, cast to y.dtype.
-
-    y [T, K, H] and w [T, K] need a contiguous last dim. One launch instead of torch's mul + sum;
-    in bf16 it rounds once (torch rounds each product to bf16 first), so it is the same sum to
-    rounding, not bit-identical to `(y * w[..., None]).sum(1)`.
-    """
-    T, K, H = y.shape
-    if tuple(w.shape) != (T, K) or y.stride(2) != 1 or w.stride(1) != 1:
-        raise ValueError(f"moe_sum: y {tuple(y.shape)} and w {tuple(w.shape)} do not fit")
-    if out is None:
-        out = torch.empty((T, H), dtype=y.dtype, device=y.device)  # [T, H]
-    if T == 0:
-        return out
-    bh = _block(block_h, H)
-    _moe_sum_kernel[(T, triton.cdiv(H, bh))](
-        y, w, out, H, y.stride(0), y.stride(1), w.stride(0), out.stride(0),
-        TOPK=K, BLOCK_H=bh, num_warps=4,
-    )
-    return out
 
 
 def check_args(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor
@@ -200,39 +186,92 @@ def _block(want: int, dim: int, least: int = 1) -> int:
 
 
 def fused_moe_decode(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor,
-                     config: dict | None = None) -> Tensor:
-    """The decode (GEMV) path. `config` overrides DECODE_CONFIG (same keys)."""
-    T, K, H, I = check_args(x, ids, gate_up, down, y)
-    N = T * K
-    if N == 0:
-        return y
-    cfg = DECODE_CONFIG if config is None else config
-    flat = ids.reshape(N)  # [N]
+                     config: dict | None = None, *, zero_missing: bool = False,
+                     shared: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+    """The decode (GEMV) path. `config` overrides DECODE_CONFIG (same keys). `zero_missing`:
+    entries with id < 0 get zeros (the caller need not clear y first). `shared` = (gate_up
+    [2I, H], down [H, I], out [T, H]): a shared expert with the routed experts' I, run on every
+    token in the same two launches (T more entries), its unweighted output written to out."""
+    T, K, _, _ = check_args(x, ids, gate_up, down, y)
+    flat = ids.reshape(T * K)  # [N]
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    a = torch.empty((N, I), dtype=torch.float32, device=x.device)  # [N, I] SwiGLU output
+    if shared is not None:
+        check_shared(x, gate_up, *shared)
+        if shared[2].dtype != y.dtype:
+            raise ValueError(f"shared output {shared[2].dtype} and y {y.dtype} differ")
+    _decode_launch(x, flat, K, gate_up, down, y, shared, zero_missing,
+                   DECODE_CONFIG if config is None else config)
+    return y
+
+
+def check_shared(x: Tensor, gate_up: Tensor, s_gate_up: Tensor, s_down: Tensor, out: Tensor
+                 ) -> None:
+    T, H = x.shape
+    I = gate_up.shape[1] // 2
+    if (tuple(s_gate_up.shape) != (2 * I, H) or tuple(s_down.shape) != (H, I)
+            or tuple(out.shape) != (T, H)):
+        raise ValueError(f"shared expert gate_up {tuple(s_gate_up.shape)}, down "
+                         f"{tuple(s_down.shape)}, out {tuple(out.shape)} do not fit H={H}, I={I}")
+    if s_gate_up.dtype != x.dtype or s_down.dtype != x.dtype or out.dtype != x.dtype:
+        raise ValueError("the shared expert's weights and output need x's dtype")
+    if s_gate_up.stride(1) != 1 or s_down.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError("the shared expert's weights and output need a contiguous last dim")
+
+
+def shared_expert_decode(x: Tensor, gate_up: Tensor, down: Tensor, out: Tensor | None = None,
+                         config: dict | None = None) -> Tensor:
+    """A dense SwiGLU MLP (a shared expert) on decode-sized x [T, H] in the decode kernels' two
+    launches: out [T, H] = down @ (silu(gate @ x) * (up @ x)), gate_up [2I, H] rows
+    [gate | up], down [H, I]; fp32 accumulation, out in x's dtype."""
+    T, H = x.shape
+    if out is None:
+        out = torch.empty((T, H), dtype=x.dtype, device=x.device)  # [T, H]
+    check_shared(x, gate_up[None], gate_up, down, out)
+    no_ids = torch.empty(0, dtype=torch.int64, device=x.device)
+    _decode_launch(x, no_ids, 1, gate_up[None], down[None], out[:, None], (gate_up, down, out),
+                   False, DECODE_CONFIG if config is None else config)
+    return out
+
+
+def _decode_launch(x: Tensor, flat: Tensor, K: int, gate_up: Tensor, down: Tensor, y: Tensor,
+                   shared: tuple[Tensor, Tensor, Tensor] | None, zero_missing: bool,
+                   cfg: dict) -> None:
+    """The two decode launches over N = flat.numel() routed entries plus T shared ones."""
+    T, H = x.shape
+    I = gate_up.shape[1] // 2
+    N = flat.numel()
+    sgu, sdn, so = shared if shared is not None else (gate_up, down, y)
+    M = N + (T if shared is not None else 0)  # entries, shared last
+    if M == 0:
+        return
+    if N == 0:  # a valid pointer for the (never taken) routed loads
+        flat = torch.empty(1, dtype=torch.int64, device=x.device)
+    a = torch.empty((M, I), dtype=torch.float32, device=x.device)  # [M, I] SwiGLU output
     c = cfg["gate_up"]
     bn, bk = _block(c["BLOCK_N"], I), _block(c["BLOCK_K"], H)
-    _decode_gate_up_kernel[(N, triton.cdiv(I, bn))](
-        x, flat, gate_up, a, H, I, K,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), a.stride(0),
+    _decode_gate_up_kernel[(M, triton.cdiv(I, bn))](
+        x, flat, gate_up, sgu, a, H, I, K, N,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), sgu.stride(0), a.stride(0),
         BLOCK_N=bn, BLOCK_K=bk, EVEN_N=I % bn == 0, EVEN_K=H % bk == 0,
         num_warps=c.get("num_warps", 4),
     )
     c = cfg["down"]
     bn, bk = _block(c["BLOCK_N"], H), _block(c["BLOCK_K"], I)
-    _decode_down_kernel[(N, triton.cdiv(H, bn))](
-        a, flat, down, y, H, I, K,
-        a.stride(0), down.stride(0), down.stride(1), y.stride(0), y.stride(1), y.stride(2),
+    _decode_down_kernel[(M, triton.cdiv(H, bn))](
+        a, flat, down, sdn, y, so, H, I, K, N,
+        a.stride(0), down.stride(0), down.stride(1), sdn.stride(0),
+        y.stride(0), y.stride(1), y.stride(2), so.stride(0),
+        ZERO_MISSING=zero_missing,
         BLOCK_N=bn, BLOCK_K=bk, EVEN_N=H % bn == 0, EVEN_K=I % bk == 0,
         num_warps=c.get("num_warps", 4),
     )
-    return y
 
 
 def fused_moe(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor, *,
-              decode: bool | None = None) -> Tensor:
-    """Fill y [T, K, H] with the unweighted expert outputs of every entry with ids >= 0.
+              decode: bool | None = None, zero_missing: bool = False) -> Tensor:
+    """Fill y [T, K, H] with the unweighted expert outputs of every entry with ids >= 0; the
+    others keep y's value, or get zeros with `zero_missing`.
 
     x [T, H] (bf16/fp16/fp32), ids [T, K] int32/int64 bank rows, gate_up [S, 2I, H] (rows
     [gate | up]), down [S, H, I], y [T, K, H] preallocated (any strides). decode: True for the
@@ -242,7 +281,9 @@ def fused_moe(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor, 
     if decode is None:
         decode = ids.numel() <= DECODE_MAX_ENTRIES
     if decode:
-        return fused_moe_decode(x, ids, gate_up, down, y)
+        return fused_moe_decode(x, ids, gate_up, down, y, zero_missing=zero_missing)
     from kernels.triton.moe_grouped import fused_moe_grouped  # imports this module
 
+    if zero_missing:
+        y.zero_()  # the grouped kernels write only entries with ids >= 0
     return fused_moe_grouped(x, ids, gate_up, down, y)

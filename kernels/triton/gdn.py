@@ -27,9 +27,9 @@ def _gdn_recurrent_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ssm_ptr, slots_ptr, o_ptr,
     s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_gh, s_bb, s_bh,
     s_ss, s_sh, s_sk, s_ob, s_oh,
-    scale, eps,
+    scale, eps, alog_ptr, dtb_ptr,
     R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, RAW_GATES: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -45,8 +45,15 @@ def _gdn_recurrent_kernel(
     q = q * (1.0 / tl.sqrt(tl.sum(q * q, 0) + eps)) * scale
     k = k * (1.0 / tl.sqrt(tl.sum(k * k, 0) + eps))
     v = tl.load(v_ptr + b * s_vb + h * s_vh + vv, mask=v_ok, other=0.0).to(tl.float32)  # [BV]
-    decay = tl.exp(tl.load(g_ptr + b * s_gb + h * s_gh).to(tl.float32))
-    beta = tl.load(beta_ptr + b * s_bb + h * s_bh).to(tl.float32)
+    if RAW_GATES:  # g_ptr, beta_ptr hold the projections a, b: the gates are made here
+        g, beta = _gates(tl.load(g_ptr + b * s_gb + h * s_gh).to(tl.float32),
+                         tl.load(beta_ptr + b * s_bb + h * s_bh).to(tl.float32),
+                         tl.load(alog_ptr + h).to(tl.float32), tl.load(dtb_ptr + h).to(tl.float32),
+                         beta_ptr.dtype.element_ty)
+    else:
+        g = tl.load(g_ptr + b * s_gb + h * s_gh).to(tl.float32)
+        beta = tl.load(beta_ptr + b * s_bb + h * s_bh).to(tl.float32)
+    decay = tl.exp(g)
 
     slot = tl.load(slots_ptr + b).to(tl.int64)
     sp = ssm_ptr + slot * s_ss + h * s_sh + kk[:, None] * s_sk + vv[None, :]  # [BK, BV]
@@ -62,11 +69,14 @@ def _gdn_recurrent_kernel(
 
 def gdn_recurrent_pool(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                        ssm_pool: Tensor, slots: Tensor, out: Tensor | None = None,
-                       block_v: int | None = None) -> Tensor:
+                       block_v: int | None = None,
+                       raw_gates: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """One decode step for B rows. q, k [B, Hk, dk] (raw conv outputs: L2-normalised here,
     eps 1e-6, q scaled by dk^-½); v [B, Hv, dv]; g (log decay), beta [B, Hv]; ssm_pool
     [S, Hv, dk, dv] fp32, rows `slots` [B] read and overwritten in place. Views with any row
-    strides are fine (the head dims must be contiguous). Returns o [B, Hv, dv] fp32."""
+    strides are fine (the head dims must be contiguous). Returns o [B, Hv, dv] fp32.
+    `raw_gates` = (A_log, dt_bias) [Hv]: g and beta are then the projections a and b, and the
+    gates are computed in this launch exactly as `gdn_gates` would (one launch less)."""
     B, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     if k.shape != q.shape or hv % hk or ssm_pool.shape[1:] != (hv, dk, dv):
@@ -74,6 +84,8 @@ def gdn_recurrent_pool(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                          f"ssm_pool {tuple(ssm_pool.shape)} do not match")
     if ssm_pool.dtype != torch.float32:
         raise ValueError("ssm_pool must be float32")
+    if raw_gates is not None and (raw_gates[0].shape != (hv,) or raw_gates[1].shape != (hv,)):
+        raise ValueError(f"A_log and dt_bias must be [{hv}]")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or ssm_pool.stride(-1) != 1:
         raise ValueError("the head dims of q, k, v and ssm_pool must be contiguous")
     if out is None:
@@ -88,8 +100,9 @@ def gdn_recurrent_pool(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         ssm_pool.stride(0), ssm_pool.stride(1), ssm_pool.stride(2), out.stride(0),
         out.stride(1),
-        dk ** -0.5, 1e-6,
-        R=hv // hk, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=bv, num_warps=4,
+        dk ** -0.5, 1e-6, *(raw_gates if raw_gates is not None else (g, g)),
+        R=hv // hk, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=bv,
+        RAW_GATES=raw_gates is not None, num_warps=4,
     )
     return out
 
@@ -150,6 +163,19 @@ def causal_conv1d_update_pool(x: Tensor, conv_pool: Tensor, weight: Tensor, slot
 
 
 @triton.jit
+def _gates(a, b, a_log, dt_bias, BETA_DT: tl.constexpr):
+    """(g, beta) fp32 from fp32 a, b, A_log, dt_bias, as GatedDeltaNet.forward: beta rounded to
+    BETA_DT (b's dtype) as torch.sigmoid(b) returns it."""
+    x = a + dt_bias
+    # softplus as torch computes it (threshold 20); log1p(e) by Kahan's trick: exact for tiny e
+    e = tl.exp(x)
+    u = 1.0 + e
+    log1p = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
+    sp = tl.where(x > 20.0, x, log1p)  # past 20, e may be inf: that branch is not taken
+    return -tl.exp(a_log) * sp, tl.sigmoid(b).to(BETA_DT).to(tl.float32)
+
+
+@triton.jit
 def _gdn_gates_kernel(
     a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, N, HV, s_a, s_b,
     BLOCK: tl.constexpr,
@@ -158,17 +184,13 @@ def _gdn_gates_kernel(
     ok = i < N
     row = i // HV
     h = i % HV
-    x = (tl.load(a_ptr + row * s_a + h, mask=ok, other=0.0).to(tl.float32)
-         + tl.load(dtb_ptr + h, mask=ok, other=0.0).to(tl.float32))
-    # softplus as torch computes it (threshold 20); log1p(e) by Kahan's trick: exact for tiny e
-    e = tl.exp(x)
-    u = 1.0 + e
-    log1p = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
-    sp = tl.where(x > 20.0, x, log1p)  # past 20, e may be inf: that branch is not taken
-    a_log = tl.load(alog_ptr + h, mask=ok, other=0.0).to(tl.float32)
-    tl.store(g_ptr + i, -tl.exp(a_log) * sp, mask=ok)
-    b = tl.load(b_ptr + row * s_b + h, mask=ok, other=0.0).to(tl.float32)
-    tl.store(beta_ptr + i, tl.sigmoid(b).to(beta_ptr.dtype.element_ty), mask=ok)
+    g, beta = _gates(tl.load(a_ptr + row * s_a + h, mask=ok, other=0.0).to(tl.float32),
+                     tl.load(b_ptr + row * s_b + h, mask=ok, other=0.0).to(tl.float32),
+                     tl.load(alog_ptr + h, mask=ok, other=0.0).to(tl.float32),
+                     tl.load(dtb_ptr + h, mask=ok, other=0.0).to(tl.float32),
+                     beta_ptr.dtype.element_ty)
+    tl.store(g_ptr + i, g, mask=ok)
+    tl.store(beta_ptr + i, beta.to(beta_ptr.dtype.element_ty), mask=ok)
 
 
 def gdn_gates(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:

@@ -36,9 +36,9 @@ from torch import Tensor
 
 @triton.jit
 def _router_topk_kernel(
-    logits_ptr, w_ptr, ids_ptr,
+    logits_ptr, w_ptr, ids_ptr, mask_ptr,
     T, E, stride_lt,
-    TOPK: tl.constexpr, RENORM: tl.constexpr,
+    TOPK: tl.constexpr, RENORM: tl.constexpr, HAS_MASK: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
@@ -64,15 +64,19 @@ def _router_topk_kernel(
     if RENORM:
         # the top pick has p > 0 in a real row; padding rows (all p = 0) divide by 1
         sel_w = sel_w / tl.where(t_ok, tl.sum(sel_w, axis=1), 1.0)[:, None]
+    if HAS_MASK:  # rows outside the mask (a graph bucket's padding) route nowhere
+        keep = tl.load(mask_ptr + t, mask=t_ok, other=0) != 0  # [BT]
+        sel_i = tl.where(keep[:, None], sel_i, -1)
     out = t[:, None].to(tl.int64) * TOPK + kk[None, :]  # [BT, BK]
     ok = t_ok[:, None] & (kk[None, :] < TOPK)
     tl.store(w_ptr + out, sel_w.to(w_ptr.dtype.element_ty), mask=ok)
     tl.store(ids_ptr + out, sel_i, mask=ok)
 
 
-def router_topk(logits: Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype
-                ) -> tuple[Tensor, Tensor]:
-    """logits [T, E] (any float dtype) -> (w [T, K] out_dtype, ids [T, K] int64)."""
+def router_topk(logits: Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype,
+                row_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """logits [T, E] (any float dtype) -> (w [T, K] out_dtype, ids [T, K] int64). Rows where
+    `row_mask` [T] (bool) is False get ids -1 (their weights are still computed)."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be [T, E] with a contiguous last dim, got {logits.shape}")
     T, E = logits.shape
@@ -82,20 +86,24 @@ def router_topk(logits: Tensor, top_k: int, renormalize: bool, out_dtype: torch.
     ids = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)  # [T, K]
     if T == 0:
         return w, ids
+    if row_mask is not None and (row_mask.shape != (T,) or row_mask.dtype != torch.bool):
+        raise ValueError(f"row_mask must be bool [T={T}], got {row_mask.dtype} "
+                         f"{tuple(row_mask.shape)}")
     block_e = max(16, triton.next_power_of_2(E))
     # a program keeps a few BLOCK_T x BLOCK_E fp32 arrays live: 4k values each at 4 warps
     block_t = max(1, min(triton.next_power_of_2(T), 4096 // block_e))
     _router_topk_kernel[(triton.cdiv(T, block_t),)](
-        logits, w, ids, T, E, logits.stride(0),
-        TOPK=top_k, RENORM=bool(renormalize),
+        logits, w, ids, row_mask if row_mask is not None else ids, T, E, logits.stride(0),
+        TOPK=top_k, RENORM=bool(renormalize), HAS_MASK=row_mask is not None,
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=max(2, triton.next_power_of_2(top_k)),
         num_warps=4,
     )
     return w, ids
 
 
-def fused_router(x: Tensor, weight: Tensor, top_k: int, renormalize: bool
-                 ) -> tuple[Tensor, Tensor]:
-    """Router.forward: x [T, H], weight [E, H] -> (w [T, K] x.dtype, ids [T, K] int64)."""
+def fused_router(x: Tensor, weight: Tensor, top_k: int, renormalize: bool,
+                 row_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Router.forward: x [T, H], weight [E, H] -> (w [T, K] x.dtype, ids [T, K] int64), ids -1
+    on rows outside `row_mask` [T] bool."""
     logits = F.linear(x, weight)  # [T, E] in x.dtype, as the Router
-    return router_topk(logits, top_k, renormalize, x.dtype)
+    return router_topk(logits, top_k, renormalize, x.dtype, row_mask)

@@ -7,10 +7,20 @@ sync to the decode step (on CUDA a sync inside the step also breaks graph captur
 The CPU runs the torch fallbacks of the Triton kernels (conv and gated-delta updates by
 index_select/index_copy_, zero-centred norms as ~8 ops), so the op count here is larger than
 the CUDA step's kernel count; it is a regression budget, not the GPU figure (that one is
-`scripts/profile_decode.py --sort device`)."""
+`scripts/profile_decode.py --sort device`).
+
+`test_cuda_path_kernels_per_layer` counts the CUDA path itself: the same step with every
+fast_ops switch on our Triton kernels, interpreted on the CPU (tests/kernels_triton_engine/
+inventory.py), one launch per kernel-launching op or Triton kernel, per decoder layer."""
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
+
+if not torch.cuda.is_available():  # before any kernel module is imported (interpreted here)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from freetoken.engine.core import EngineCore
@@ -26,6 +36,15 @@ BLOCKING = {"_local_scalar_dense", "nonzero", "masked_select", "unique_dim", "_u
 # padded bucket of 4): measured 622 and 664 on 2026-11-30, plus ~5 % headroom.
 OPS_BUDGET = {1: 655, 4: 700}
 BLOCKING_BUDGET = 0
+# Launches per decoder layer on the CUDA path (tiny hybrid model, bf16, batch 1 and 3; a layer past
+# the first), counted on 2026-11-30 (docs/kernels.md has the inventory): gated-DeltaNet + MoE
+# layer 22 -> 11 and attention + MoE layer 26 -> 13 after the decode fusions (shared expert in
+# the routed MoE launches, its gate and the next layer's input norm in the combine, padding
+# rows masked by the router, no y clear, the gated norm's folded cast, the DeltaNet gates in
+# the recurrent kernel, the attention gate in one kernel, K norm + rotary + both pool writes in
+# one kernel). No headroom: each launch is ~2 us of the step.
+CUDA_LAYER_BUDGET = {"gdn": 11, "attn": 13}
+CUDA_STEP_TOTAL = 65  # 4 layers + embedding, rotary tables, final norm, LM head, sampling
 
 
 class _Count(TorchDispatchMode):
@@ -72,3 +91,20 @@ def test_decode_step_budget(tiny_hf, monkeypatch) -> None:
         budget = OPS_BUDGET[1 if rows == 1 else 4]
         assert total <= budget, (rows, total, sorted(c.ops.items(), key=lambda kv: -kv[1])[:12])
         assert sum(blocking.values()) <= BLOCKING_BUDGET, (rows, blocking)
+
+
+def test_cuda_path_kernels_per_layer(tiny_hf) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("counts the CUDA path through the interpreter, on a CPU-only machine")
+    pytest.importorskip("triton")
+    from tests.kernels_triton_engine.inventory import count_step, per_layer
+
+    for rows in (1, 3):  # 3: a padded bucket of 4 (strided views must not be copied there)
+        ops = count_step(tiny_hf("qwen3_5_moe", torch.bfloat16), rows=rows)
+        counts = per_layer(ops)
+        for kind, budget in CUDA_LAYER_BUDGET.items():
+            c = counts[kind]
+            assert sum(c.values()) <= budget, (rows, kind,
+                                               sorted(c.items(), key=lambda kv: -kv[1]))
+        assert sum(ops.values()) <= CUDA_STEP_TOTAL, (rows, sorted(ops.items(),
+                                                                   key=lambda kv: -kv[1]))

@@ -16,7 +16,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kernels.triton.fused_moe import fused_moe, fused_moe_decode, moe_sum
+import torch.nn.functional as F
+
+from kernels.triton.fused_moe import fused_moe, fused_moe_decode, moe_sum, shared_expert_decode
 from kernels.triton.moe_grouped import fused_moe_grouped, moe_align, moe_align_small, tile
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -172,3 +174,67 @@ def test_moe_sum_matches_float64():
     out = moe_sum(y.to(DEVICE), w.to(DEVICE), block_h=32).cpu()
     assert out.dtype == torch.float32
     assert ((out.double() - want).norm() / want.norm()) < 1e-6
+
+
+def shared_reference(x, s_gate_up, s_down):
+    """float64 dense SwiGLU: the shared expert on every token."""
+    i = s_gate_up.shape[0] // 2
+    gu = x.double() @ s_gate_up.double().T  # [T, 2I]
+    return (F.silu(gu[:, :i]) * gu[:, i:]) @ s_down.double().T  # [T, H]
+
+
+def shared_weights(seed, h=H, inter=I, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    sgu = torch.randn(2 * inter, h, generator=g) / h**0.5
+    sdn = torch.randn(h, inter, generator=g) / inter**0.5
+    return sgu.to(dtype), sdn.to(dtype)
+
+
+@pytest.mark.parametrize("T,K,h,inter,seed", [(1, 2, H, I, 0), (3, 4, H, I, 1), (2, 3, 48, 24, 2)])
+def test_decode_with_shared_expert_matches_float64(T, K, h, inter, seed):
+    """Bug it catches: the T shared entries appended after the N routed ones reading the routed
+    bank, the wrong token, or writing into y; routed entries must stay exactly as without."""
+    x, ids, gu, dn = make(T, K, seed, h=h, inter=inter)
+    ids[0, 0] = -1
+    sgu, sdn = shared_weights(seed, h, inter)
+    ys = torch.full((T, h), float("nan"), device=DEVICE)
+    y = torch.full((T, K, h), float("nan"), device=DEVICE)
+    fused_moe_decode(x.to(DEVICE), ids.to(DEVICE), gu.to(DEVICE), dn.to(DEVICE), y,
+                     config=DECODE_SMALL, shared=(sgu.to(DEVICE), sdn.to(DEVICE), ys))
+    check(y, reference(x, ids, gu, dn, torch.full((T, K, h), float("nan"))), ids, 1e-4)
+    want = shared_reference(x, sgu, sdn)
+    assert ((ys.double().cpu() - want).norm(dim=-1) / want.norm(dim=-1)).max() < 1e-5
+    alone = run(fused_moe_decode, x, ids, gu, dn, config=DECODE_SMALL)
+    assert torch.equal(alone[ids >= 0], y.cpu()[ids >= 0])
+
+
+def test_shared_expert_decode_alone_matches_float64():
+    x, _, _, _ = make(3, 1, 4)
+    sgu, sdn = shared_weights(4)
+    out = shared_expert_decode(x.to(DEVICE), sgu.to(DEVICE), sdn.to(DEVICE),
+                               config=DECODE_SMALL).cpu()
+    want = shared_reference(x, sgu, sdn)
+    assert ((out.double() - want).norm(dim=-1) / want.norm(dim=-1)).max() < 1e-5
+
+
+def test_zero_missing_writes_zeros_for_left_out_entries():
+    """Bug it catches: with zero_missing the caller stops clearing y (torch.empty); an entry
+    with id < 0 left unwritten would feed garbage (NaN) into the weighted sum."""
+    x, ids, gu, dn = make(3, 2, 8)
+    ids[1, :] = -1
+    ids[0, 0] = -1
+    for kw in ({"decode": True}, {"decode": False}):
+        y = torch.full((3, 2, H), float("nan"), device=DEVICE)
+        fused_moe(x.to(DEVICE), ids.to(DEVICE), gu.to(DEVICE), dn.to(DEVICE), y,
+                  zero_missing=True, **kw)
+        y = y.cpu()
+        assert (y[ids < 0] == 0).all(), kw
+        ref = reference(x, ids, gu, dn, torch.zeros(3, 2, H))
+        assert ((y.double() - ref).norm() / ref.norm()) < 1e-5, kw
+
+
+def test_shared_expert_bad_shapes_raise():
+    x, ids, gu, dn = make(2, 2, 0)
+    sgu, sdn = shared_weights(0, inter=I // 2)  # a shared I that differs from the routed one
+    with pytest.raises(ValueError, match="shared expert"):
+        fused_moe_decode(x, ids, gu, dn, torch.zeros(2, 2, H), shared=(sgu, sdn, torch.zeros(2, H)))

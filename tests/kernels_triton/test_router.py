@@ -81,3 +81,35 @@ def test_underflowed_probabilities_still_rank_by_logit():
 def test_bad_top_k_raises():
     with pytest.raises(ValueError, match="top_k"):
         router_topk(torch.zeros(2, 4, device=DEVICE), 5, True, torch.float32)
+
+
+def test_row_mask_routes_padding_rows_nowhere():
+    """Bug it catches: a graph bucket's padding rows routed to real experts (fetches and compute
+    for nothing, or -1 written into real rows) once the mask moved into the kernel."""
+    g = torch.Generator().manual_seed(3)
+    T, E, K, H = 5, 16, 4, 32
+    x = torch.randn(T, H, generator=g)
+    weight = torch.randn(E, H, generator=g) / H**0.5
+    mask = torch.tensor([True, False, True, True, False])
+    w0, ids0 = fused_router(x.to(DEVICE), weight.to(DEVICE), K, True)
+    w, ids = fused_router(x.to(DEVICE), weight.to(DEVICE), K, True, row_mask=mask.to(DEVICE))
+    assert (ids.cpu()[~mask] == -1).all()
+    assert torch.equal(ids.cpu()[mask], ids0.cpu()[mask])
+    assert torch.equal(w.cpu(), w0.cpu())  # weights as without the mask
+    _, ids_ref = torch_router_masked(x, weight, K, mask)
+    assert torch.equal(ids_ref[~mask], ids.cpu()[~mask])
+
+
+def torch_router_masked(x, weight, top_k, mask):
+    """Router.forward's torch path with a row mask (the CPU reference)."""
+    r = Router(weight.shape[1], weight.shape[0], top_k, True)
+    with torch.no_grad():
+        r.weight.copy_(weight)
+        return r(x, row_mask=mask)
+
+
+def test_row_mask_must_be_bool_per_row():
+    x, weight = torch.randn(2, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="row_mask"):
+        fused_router(x.to(DEVICE), weight.to(DEVICE), 2, True,
+                     row_mask=torch.ones(3, dtype=torch.bool, device=DEVICE))

@@ -163,3 +163,34 @@ def test_gates_match_the_layer_and_float64() -> None:
     for r in range(B):  # per row: the tiny first row must be right relative to itself
         assert rel_err(g[r], g_ref[r]) <= 1e-5 and rel_err(g[r], g64[r]) <= 1e-5, f"row {r}"
     assert beta.dtype == b.dtype and rel_err(beta, torch.sigmoid(b)) <= 1e-6
+
+
+def test_recurrent_with_raw_gates_equals_gates_then_recurrent() -> None:
+    """raw_gates: the decode step hands the projections a, b (strided views of one projection
+    row) and the recurrent launch makes g, beta itself; the output and the state equal
+    gdn_gates followed by gdn_recurrent_pool exactly (same fp32 math, same roundings). a spans
+    softplus's regimes. Bug it catches: gates taken from the wrong head or row, or beta not
+    rounded to b's dtype first."""
+    gen = torch.Generator().manual_seed(6)
+    B, S = 3, 6
+    slots = torch.tensor([4, 1, 2], device=DEVICE)
+    proj = torch.randn(B, 2 * HV + 3, generator=gen) * 3  # [B, ...] b | a | other columns
+    proj[0, HV:2 * HV] = -30.0
+    proj[2, HV:2 * HV] = 25.0
+    conv_out = torch.randn(B, 2 * HK * D + HV * D, generator=gen).to(DEVICE)
+    q = conv_out[:, :HK * D].view(B, HK, D)
+    k = conv_out[:, HK * D:2 * HK * D].view(B, HK, D)
+    v = conv_out[:, 2 * HK * D:].view(B, HV, D)
+    p = proj.to(DEVICE)
+    b, a = p[:, :HV], p[:, HV:2 * HV]
+    a_log, dt_bias = torch.randn(HV, generator=gen).to(DEVICE), torch.randn(HV, generator=gen)
+    dt_bias = dt_bias.to(DEVICE)
+    pool = (torch.randn(S, HV, D, D, generator=gen) * 0.5).to(DEVICE)
+    pool2 = pool.clone()
+    g, beta = gdn_gates(a, b, a_log, dt_bias)
+    want = gdn_recurrent_pool(q, k, v, g, beta, pool, slots)
+    got = gdn_recurrent_pool(q, k, v, a, b, pool2, slots, raw_gates=(a_log, dt_bias))
+    if DEVICE == "cpu":
+        assert torch.equal(got, want) and torch.equal(pool2, pool)
+    else:  # compiled apart, the two kernels may contract the gate math differently
+        assert rel_err(got, want) <= 1e-6 and rel_err(pool2, pool) <= 1e-6

@@ -113,3 +113,72 @@ def test_rmsnorm_rope_matches_norm_then_rotary(zero_centered: bool, dtype) -> No
         assert rel_err(got, ref) <= 1e-3 and rel_err(got, ref64) <= 5e-3
         if DEVICE == "cpu":
             assert torch.equal(got, ref)
+
+
+def test_gated_rmsnorm_rounds_fp32_input_to_x_dtype_first() -> None:
+    """x_dtype folds the gated DeltaNet's `o.to(model dtype)` into the norm: fp32 x with
+    x_dtype=fp16 equals the norm of x.to(fp16) exactly (fp16: the interpreter rounds fp32 ->
+    fp16 to nearest as torch does; its bf16 conversion truncates). Bug it catches: the norm
+    taken of the unrounded fp32 values, or the output left in fp32."""
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(3, 4, 16, generator=gen) * 3  # [T, Hv, dv] fp32 core output
+    z = torch.randn(3, 4, 16, generator=gen).half()
+    w = (1 + 0.3 * torch.randn(16, generator=gen)).half()
+    got = gated_rmsnorm(x.to(DEVICE), z.to(DEVICE), w.to(DEVICE), EPS, x_dtype=torch.float16)
+    want = gated_rmsnorm(x.half().to(DEVICE), z.to(DEVICE), w.to(DEVICE), EPS)
+    assert got.dtype == torch.float16 and torch.equal(got.cpu(), want.cpu())
+    mod = GatedRMSNorm(16, EPS).half()  # the torch path (CPU) takes the same argument
+    mod.weight.data = w
+    ref = mod(x, z, x_dtype=torch.float16)
+    assert ref.dtype == torch.float16 and torch.equal(ref, mod(x.half(), z))
+    assert rel_err(got.float(), ref.float()) <= 2e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rmsnorm_rope_store_writes_the_pool_slots(dtype) -> None:
+    """The decode K/V write in one launch: k normed + rotated into k_pool[slots], v copied into
+    v_pool[slots], exactly what rmsnorm_rope + index_copy_ of both give; every other slot
+    untouched (pools poisoned with NaN). k, v are strided views of one qkv projection."""
+    from freetoken.layers.rotary import Rotary
+    from kernels.triton.norm import rmsnorm_rope, rmsnorm_rope_store
+
+    gen = torch.Generator().manual_seed(31)
+    T, Hk, D, S = 3, 2, 16, 9
+    qkv = (torch.randn(T, 3 * Hk * D, generator=gen) * 2).to(dtype)  # [T, ...] projection
+    k = qkv[:, Hk * D:2 * Hk * D].reshape(T, Hk, D)
+    v = qkv[:, 2 * Hk * D:].reshape(T, Hk, D)
+    w = (torch.randn(D, generator=gen) * 0.5).to(dtype)
+    cos, sin = Rotary(8, 10000.0).cos_sin(torch.tensor([5, 0, 77]), dtype)
+    slots = torch.tensor([7, 2, 4])
+    kp = torch.full((S, Hk, D), float("nan"), dtype=dtype, device=DEVICE)
+    vp = torch.full((S, Hk, D), float("nan"), dtype=dtype, device=DEVICE)
+    rmsnorm_rope_store(k.to(DEVICE), w.to(DEVICE), EPS, True, cos.to(DEVICE), sin.to(DEVICE),
+                       v.to(DEVICE), kp, vp, slots.to(DEVICE))
+    want_k = rmsnorm_rope(k.to(DEVICE), w.to(DEVICE), EPS, True, cos.to(DEVICE),
+                          sin.to(DEVICE)).cpu()
+    kp, vp = kp.cpu(), vp.cpu()
+    assert torch.equal(vp[slots], v)
+    if DEVICE == "cpu":
+        assert torch.equal(kp[slots], want_k)
+    else:  # two compiled specializations of the kernel: the same math, maybe not the same FMAs
+        assert rel_err(kp[slots], want_k) <= 1e-3
+    others = torch.tensor([s for s in range(S) if s not in slots.tolist()])
+    assert torch.isnan(kp[others]).all() and torch.isnan(vp[others]).all()
+    with pytest.raises(ValueError, match="pools"):
+        rmsnorm_rope_store(k, w, EPS, True, cos, sin, v, kp.double(), vp, slots)
+
+
+def test_gated_rmsnorm_reads_z_in_place_from_the_projection() -> None:
+    """The DeltaNet's z is [T, Hv, dv] cut out of the fused input projection (token stride =
+    the projection's width): read with its own strides, the result equals the module on a
+    contiguous copy. Bug it catches: a token stride taken as Hv·dv (rows of the wrong token)."""
+    gen = torch.Generator().manual_seed(23)
+    T, HV, DV = 3, 4, 16
+    proj = torch.randn(T, 5 * HV * DV + 7, generator=gen)  # [T, W] fused projection
+    z = proj[:, 2 * HV * DV:3 * HV * DV].reshape(T, HV, DV)  # a strided view
+    assert not z.is_contiguous()
+    x = torch.randn(T, HV, DV, generator=gen)
+    mod = GatedRMSNorm(DV, EPS)
+    mod.weight.data = torch.randn(DV, generator=gen)
+    y = gated_rmsnorm(x.to(DEVICE), z.to(DEVICE), mod.weight.data.to(DEVICE), EPS)
+    assert rel_err(y, mod(x, z.contiguous())) <= 1e-5

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kernels.triton.decode_fusions import moe_combine
+from kernels.triton.decode_fusions import moe_combine, sigmoid_gate_mul
 from kernels.triton.uva_fill import fill_rows
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,3 +51,80 @@ def test_fill_rows_copies_only_valid_entries() -> None:
     assert torch.equal(d[1], src[4]) and torch.equal(d[3], src[0])
     for s in (0, 2, 4):
         assert torch.isnan(d[s]).all()  # untouched
+
+
+@pytest.mark.parametrize("H", [96, 2100])
+def test_moe_combine_computes_the_shared_gate(H: int) -> None:
+    """The gate Linear(H, 1) computed inside the combine (H=2100: the dot spans three 1024
+    blocks, the last one masked) against float64; bug it catches: a dot over one block only,
+    or the gate read from the wrong row."""
+    g0 = torch.Generator().manual_seed(11)
+    T, K = 3, 2
+    y, w = torch.randn(T, K, H, generator=g0), torch.rand(T, K, generator=g0)
+    res, sh = torch.randn(T, H, generator=g0), torch.randn(T, H, generator=g0)
+    x, gw = torch.randn(T, H, generator=g0), torch.randn(1, H, generator=g0) / H**0.5
+    out = moe_combine(y.to(DEV), w.to(DEV), res.to(DEV), sh.to(DEV), gate_x=x.to(DEV),
+                      gate_weight=gw.to(DEV)).cpu()
+    gate = x.double() @ gw.double().T  # [T, 1]
+    want = (res.double() + (y.double() * w.double()[..., None]).sum(1)
+            + torch.sigmoid(gate) * sh.double())
+    assert rel(out, want) < 1e-6
+    per_row = (out.double() - want).norm(dim=-1) / want.norm(dim=-1)
+    assert per_row.max() < 1e-6
+
+
+def test_moe_combine_gate_rounds_like_the_linear() -> None:
+    """16-bit: the computed gate is rounded to x's dtype before the sigmoid, as the Linear's
+    output is; the result equals the combine given that rounded gate (the previous two-step
+    path). fp16 here: the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest), so a
+    bf16 check would compare rounding modes; tests/gpu checks bf16."""
+    g0 = torch.Generator().manual_seed(12)
+    T, K, H = 4, 3, 64
+    dt = torch.float16
+    y = torch.randn(T, K, H, generator=g0).to(dt)
+    w = torch.rand(T, K, generator=g0).to(dt)
+    res, sh = torch.randn(T, H, generator=g0).to(dt), torch.randn(T, H, generator=g0).to(dt)
+    x, gw = torch.randn(T, H, generator=g0).to(dt), torch.randn(1, H, generator=g0).to(dt)
+    gate = (x.double() @ gw.double().T).to(dt)  # [T, 1] the Linear's rounded output
+    a = moe_combine(y.to(DEV), w.to(DEV), res.to(DEV), sh.to(DEV), gate_x=x.to(DEV),
+                    gate_weight=gw.to(DEV))
+    b = moe_combine(y.to(DEV), w.to(DEV), res.to(DEV), sh.to(DEV), shared_gate=gate.to(DEV))
+    assert torch.equal(a.cpu(), b.cpu())
+
+
+def test_sigmoid_gate_mul_reads_the_gate_view() -> None:
+    """o * sigmoid(gate) with the gate the second half of each head of a [T, Hq, 2D]
+    projection (the gated attention's layout), flattened to [T, Hq*D]."""
+    g0 = torch.Generator().manual_seed(13)
+    T, NH, D = 3, 4, 24
+    qg = torch.randn(T, NH, 2 * D, generator=g0)
+    o = torch.randn(T, NH, D, generator=g0)
+    out = sigmoid_gate_mul(o.to(DEV), qg.to(DEV)[..., D:]).cpu()
+    want = (o.double() * torch.sigmoid(qg[..., D:].double())).reshape(T, NH * D)
+    assert out.shape == (T, NH * D)
+    assert rel(out, want) < 1e-6
+
+
+@pytest.mark.parametrize("zero_centered,H", [(True, 96), (False, 96), (True, 2100)])
+def test_moe_combine_with_next_norm(zero_centered: bool, H: int) -> None:
+    """The next layer's input RMSNorm from the combine's launch: out as without it, and the
+    norm of out equal to the RMSNorm module on it (one program per row; H=2100 a masked tail).
+    Bug it catches: a norm over one block of the row, or of the unrounded sum."""
+    from freetoken.layers.norm import RMSNorm
+
+    g0 = torch.Generator().manual_seed(14)
+    T, K = 3, 2
+    y, w = torch.randn(T, K, H, generator=g0), torch.rand(T, K, generator=g0)
+    res, sh = torch.randn(T, H, generator=g0), torch.randn(T, H, generator=g0)
+    x, gw = torch.randn(T, H, generator=g0), torch.randn(1, H, generator=g0) / H**0.5
+    norm = RMSNorm(H, 1e-6, zero_centered)
+    norm.weight.data = torch.randn(H, generator=g0) * 0.3 + (0 if zero_centered else 1)
+    args = (y.to(DEV), w.to(DEV), res.to(DEV), sh.to(DEV))
+    kw = {"gate_x": x.to(DEV), "gate_weight": gw.to(DEV)}
+    out, normed = moe_combine(*args, **kw, norm=(norm.weight.data.to(DEV), 1e-6, zero_centered))
+    plain = moe_combine(*args, **kw)
+    assert torch.equal(out.cpu(), plain.cpu())
+    with torch.no_grad():
+        want = norm(out.cpu())
+    assert normed.dtype == want.dtype
+    assert rel(normed.cpu(), want) < 1e-6

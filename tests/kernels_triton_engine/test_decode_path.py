@@ -1,0 +1,109 @@
+"""The decode step on the CUDA code path (every fast_ops switch on our Triton kernels, run by
+the interpreter on the CPU) against the torch path, through the graph runner's static buffers on
+the tiny hybrid model (fp32): same logits to fp32 rounding and the same greedy tokens, with 3
+real rows in a bucket of 4 (one padding row). Bugs it catches: a fused kernel that changes the
+model's output (the shared expert folded into the routed launches, its gate computed in the
+combine, padding rows masked by the router, y left uncleared, the gated norm's folded cast, the
+attention gate kernel), and a padding row leaking into real rows."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+if torch.cuda.is_available():
+    pytest.skip("interprets the CUDA path on CPU tensors; tests/gpu covers the GPU",
+                allow_module_level=True)
+
+from freetoken.engine.graph_runner import DecodeRow
+from freetoken.layers.expert_backend import ExpertBackend
+from tests.kernels_triton_engine.inventory import Ops, count_triton, cuda_path, decode_runner
+
+STEPS, ROWS = 2, 3
+
+
+class _Delegate(ExpertBackend):
+    """Stands for any backend other than `fused` (offload, hybrid...): the block then runs its
+    shared expert on its own (two launches of the decode kernels on the CUDA path)."""
+
+    name = "delegate"
+
+    def __init__(self, inner: ExpertBackend):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, layer, x, topk_ids):
+        return self.inner(layer, x, topk_ids)
+
+
+def _decode(model_dir, fast: bool):
+    """Greedy tokens and logits [STEPS, Bk, V] of STEPS decode steps of ROWS rows."""
+    undo = cuda_path() if fast else None
+    try:
+        runner, _, _ = decode_runner(model_dir, ROWS, torch.float32)  # one warm step at pos 10
+        if not fast:
+            runner.attention = "torch"
+        logits: list[torch.Tensor] = []
+        hook = runner.model.register_forward_hook(lambda m, a, out: logits.append(out.clone()))
+        tokens = []
+        for s in range(STEPS):
+            p = 11 + s
+            rows = [DecodeRow(token=7 + b + s, position=p, out_slot=20 * b + p, state_slot=b,
+                              kv_slots=torch.arange(20 * b, 20 * b + p + 1))
+                    for b in range(ROWS)]
+            tokens.append(runner.step(rows))
+        hook.remove()
+    finally:
+        if undo is not None:
+            undo()
+    return tokens, torch.stack(logits)
+
+
+def test_cuda_path_decode_equals_torch_path(tiny_hf):
+    path = tiny_hf("qwen3_5_moe")
+    ref_tokens, ref = _decode(path, fast=False)
+    tokens, got = _decode(path, fast=True)
+    real, want = got[:, :ROWS], ref[:, :ROWS]  # [STEPS, ROWS, V]; not the padding row
+    assert ((real - want).norm() / want.norm()).item() < 1e-5
+    assert tokens == ref_tokens
+
+
+@pytest.mark.parametrize("delegate", [False, True])
+def test_moe_block_cuda_path_equals_torch_path(tiny_hf, delegate):
+    """One MoE block on 3 rows, the middle one masked out, with `fused` (shared expert inside
+    the routed launches) and with another backend (the shared expert in its own two launches),
+    against the block's torch path; a masked row gets the residual plus the shared expert only.
+    """
+    from freetoken.models.loader import load_model
+
+    model = load_model(tiny_hf("qwen3_5_moe"), dtype=torch.float32, progress=False)
+    block = model.moe_blocks()[0]
+    if delegate:
+        block.experts = _Delegate(block.experts)
+    g = torch.Generator().manual_seed(5)
+    H = model.cfg.hidden_size
+    x, res = torch.randn(3, H, generator=g), torch.randn(3, H, generator=g)
+    mask = torch.tensor([True, False, True])
+    with torch.inference_mode():
+        want = block(x, mask, residual=res)
+        undo = cuda_path()
+        mode = Ops()
+        try:
+            with mode, count_triton(mode):
+                got = block(x, mask, residual=res)
+        finally:
+            undo()
+        shared = block.shared_expert(x[1:2])
+        gate = torch.sigmoid(block.shared_expert_gate(x[1:2]))
+    ops = {name: n for (_, name), n in mode.ops.items()}
+    # the router's GEMM is the block's only torch op; the shared expert rides in the routed
+    # launches under `fused`, in two launches of its own otherwise
+    assert ops.pop("linear") == 1 and ops.pop("triton:_decode_gate_up_kernel") == 1 + delegate
+    assert ops.pop("triton:_decode_down_kernel") == 1 + delegate
+    assert set(ops) == {"triton:_router_topk_kernel", "triton:_combine_kernel"}, ops
+    assert ((got - want).norm() / want.norm()).item() < 1e-6
+    assert torch.allclose(got[1:2], res[1:2] + gate * shared, rtol=1e-6, atol=1e-6)
