@@ -22,6 +22,14 @@ then told apart from every other harness by four answers, which are the whole co
   as template messages (OpenAI shape: role, content, tool_calls, tool messages), in the order
   the template renders them. Positions returned are a subset of the anchors' positions.
 
+One more answer, with a default: `head_breaks(body) -> list[int]`, character offsets into the
+leading system text (`system_text(body)`, as the template renders it) where *another session*
+of this harness may part from this one although the text before is the same: each Anthropic
+system block after the first, and the start of each of the adapter's `head_marks` (the section
+holding the working directory, the date). The proxy marks them as `system_block` anchors, which
+the engine snapshots with class `head`: a new session in another directory, or on another day,
+resumes there instead of recomputing the whole system prompt.
+
 An adapter is stateless; one instance serves every request.
 """
 from __future__ import annotations
@@ -33,6 +41,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from freetoken.types.api import Anchor
+
+BILLING = "x-anthropic-billing-header"  # Claude Code's per-session system block
 
 
 @dataclass(frozen=True)
@@ -74,7 +84,7 @@ def system_text(body: dict[str, Any]) -> str:
         sys = body["system"]
         if isinstance(sys, list):
             return "\n".join(text_of([b]) for b in sys if isinstance(b, dict) and not
-                             str(b.get("text", "")).startswith("x-anthropic-billing-header"))
+                             str(b.get("text", "")).startswith(BILLING))
         return text_of(sys)
     msgs = body.get("messages") or []
     if msgs and isinstance(msgs[0], dict) and msgs[0].get("role") in ("system", "developer"):
@@ -120,6 +130,8 @@ class HarnessAdapter:
                                       "system_in_place")
     #: header carrying the harness's own session id, if it sends one
     session_headers: tuple[str, ...] = ()
+    #: text opening a part of the system prompt that differs between sessions (see head_breaks)
+    head_marks: tuple[str, ...] = ()
 
     def detect(self, req: HarnessRequest) -> bool:
         return False
@@ -139,6 +151,26 @@ class HarnessAdapter:
             if v:
                 return f"{self.name}:{str(v)[:128]}:{head_hash(req.body)}"
         return f"{self.name}:{head_hash(req.body)}"
+
+    def head_breaks(self, body: dict[str, Any]) -> list[int]:
+        """Sorted offsets into `system_text(body)` (see the module docstring): where the text
+        before each system block after the first, and before the line each head mark is on,
+        ends (trailing whitespace excluded: it may merge with what follows into one token)."""
+        text = system_text(body)
+        starts: list[int] = []
+        sys = body.get("system")
+        if isinstance(sys, list):
+            at = 0  # system_text joins the kept blocks with "\n"
+            for b in sys:
+                if isinstance(b, dict) and not str(b.get("text", "")).startswith(BILLING):
+                    starts.append(at)
+                    at += len(text_of([b])) + 1
+            starts = starts[1:]
+        for mark in self.head_marks:
+            i = text.find(mark)
+            if i > 0:
+                starts.append(text.rfind("\n", 0, i) + 1)
+        return sorted({len(text[:i].rstrip()) for i in starts} - {0})
 
     def cut_points(self, anchors: Sequence[Anchor], messages: Sequence[dict[str, Any]]
                    ) -> list[int]:

@@ -15,6 +15,7 @@ from harness_adapters.base import HarnessAdapter, HarnessRequest
 class ClaudeCode(HarnessAdapter):
     name = "claude_code"
     session_headers = ("x-claude-code-session-id",)
+    head_marks = ("# Environment\n",)  # working directory, git state, model
 
     def detect(self, req: HarnessRequest) -> bool:
         return (req.user_agent.startswith("claude-cli/")

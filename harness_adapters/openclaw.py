@@ -25,6 +25,7 @@ CONTEXT_TAG = "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>"
 
 class OpenClaw(HarnessAdapter):
     name = "openclaw"
+    head_marks = ("## Workspace\n", "<!-- openclaw:attempt:DYNAMIC -->")  # directory; date
 
     def detect(self, req: HarnessRequest) -> bool:
         if system_text(req.body).startswith("<!-- openclaw:"):

@@ -21,6 +21,7 @@ PRUNED = "[Old tool result content cleared]"
 class OpenCode(HarnessAdapter):
     name = "opencode"
     session_headers = ("x-session-id", "x-session-affinity")
+    head_marks = ("<env>",)  # working directory, date
 
     def detect(self, req: HarnessRequest) -> bool:
         return req.user_agent.startswith("opencode/") or "x-session-affinity" in req.headers

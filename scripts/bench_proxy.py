@@ -4,12 +4,14 @@ process, all on 127.0.0.1).
 - added latency per request: median wall time of sequential non-streamed requests through the
   proxy minus direct to the upstream, for a small body and a Claude Code-sized one (the first
   request of the recorded cc_try1 trace, 78 kB, translated Anthropic -> OpenAI); floor 2 ms.
+  Direct, proxy and a bare forwarder are asked in turn (interleaved), in `--rounds` rounds;
+  the figure is the median of the rounds' differences (the machine is shared: check `uptime`).
 - streaming overhead at a decode-like pace: a stream of N events sent every `--pace-ms`; the
   extra time the whole stream takes through the proxy, as a share of it; floor 1%.
 - relay capacity: events/s the proxy relays when the upstream sends as fast as it can (how far
   above any decode rate the proxy sits).
 
-    python scripts/bench_proxy.py [--requests 300] [--events 1000] [--pace-ms 5]
+    python scripts/bench_proxy.py [--requests 300] [--rounds 3] [--events 1000] [--pace-ms 5]
 """
 from __future__ import annotations
 
@@ -185,13 +187,20 @@ def _wait(url: str) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-def _latency(c: httpx.Client, url: str, body: dict, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        r = c.post(url, json=body)
-        out.append(time.perf_counter() - t)
-        assert r.status_code == 200, r.text[:200]
+def _interleaved(c: httpx.Client, targets: list[tuple[str, bytes]], n: int
+                 ) -> list[list[float]]:
+    """`n` sequential requests to each target, round-robin with a rotating order, so a change
+    of load on a shared machine hits every target alike. Bodies are sent pre-encoded."""
+    out: list[list[float]] = [[] for _ in targets]
+    hdr = {"content-type": "application/json"}
+    for i in range(n):
+        for j in range(len(targets)):
+            k = (i + j) % len(targets)
+            url, raw = targets[k]
+            t = time.perf_counter()
+            r = c.post(url, content=raw, headers=hdr)
+            out[k].append(time.perf_counter() - t)
+            assert r.status_code == 200, r.text[:200]
     return out
 
 
@@ -207,10 +216,12 @@ def _stream(c: httpx.Client, url: str, body: dict) -> tuple[float, int]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--events", type=int, default=1000)
     ap.add_argument("--pace-ms", type=float, default=5.0)
     ap.add_argument("--burst-events", type=int, default=20000)
     a = ap.parse_args()
+    load0 = os.getloadavg()
     up_port, px_port, tr_port = _port(), _port(), _port()
     procs = [mp.Process(target=upstream, args=(up_port,), daemon=True),
              mp.Process(target=proxy, args=(px_port, up_port), daemon=True),
@@ -232,24 +243,31 @@ def main() -> int:
             for name, path, body in (("small OpenAI body", "/v1/chat/completions", small),
                                      ("Claude Code body (78 kB, translated)", "/v1/messages",
                                       cc)):
-                up_path = "/v1/chat/completions"
-                same = body  # the fake upstream ignores what it is sent; the bytes still travel
-                _latency(c, via + path, body, 20)  # warm up all three
-                _latency(c, direct + up_path, same, 20)
-                _latency(c, base + up_path, same, 20)
-                d = _latency(c, direct + up_path, same, a.requests)
-                b = _latency(c, base + up_path, same, a.requests)
-                cpu0 = _cpu_s(procs[1].pid)
-                v = _latency(c, via + path, body, a.requests)
-                cpu = (_cpu_s(procs[1].pid) - cpu0) / a.requests * 1000
-                med = {k: statistics.median(x) * 1000 for k, x in (("d", d), ("b", b), ("v", v))}
-                rows.append((f"added latency, {name}", f"{med['v'] - med['d']:.2f} ms", "< 2 ms",
-                             (f"direct {med['d']:.2f} ms, via proxy {med['v']:.2f} ms, via a "
-                             f"bare starlette+httpx forwarder {med['b']:.2f} ms "
-                             f"(medians of {a.requests})")))
+                up = direct + "/v1/chat/completions"
+                raw = json.dumps(body).encode()  # the fake upstream ignores what it is sent
+                targets = [(up, raw), (base + "/v1/chat/completions", raw), (via + path, raw)]
+                _interleaved(c, targets, 20)  # warm up all three
+                added, parts = [], []
+                cpu0, bare0 = _cpu_s(procs[1].pid), _cpu_s(procs[2].pid)
+                for _ in range(a.rounds):
+                    d, b, v = (statistics.median(x) * 1000
+                               for x in _interleaved(c, targets, a.requests))
+                    added.append(v - d)
+                    parts.append((d, b, v))
+                cpu = (_cpu_s(procs[1].pid) - cpu0) / (a.requests * a.rounds) * 1000
+                bare = (_cpu_s(procs[2].pid) - bare0) / (a.requests * a.rounds) * 1000
+                d, b, v = (statistics.median(x) for x in zip(*parts))
+                rows.append((f"added latency, {name}", f"{statistics.median(added):.2f} ms",
+                             "< 2 ms",
+                             (f"direct {d:.2f} ms, via proxy {v:.2f} ms, via a bare "
+                              f"starlette+httpx forwarder {b:.2f} ms (median over {a.rounds} "
+                              f"rounds of the medians of {a.requests} interleaved requests; "
+                              f"rounds: {', '.join(f'{x:.2f}' for x in added)})")))
                 rows.append((f"proxy process CPU per request, {name}", f"{cpu:.2f} ms", "-",
-                             ("user+system time of the proxy process / requests (uvicorn and "
-                             "both HTTP hops included)")))
+                             (f"user+system time of the proxy process / requests (uvicorn and "
+                              f"both HTTP hops included); the bare forwarder's: {bare:.2f} ms, "
+                              f"so the proxy's own share {cpu - bare:.2f} ms (steadier than wall "
+                              f"time on a loaded machine)")))
                 own = inprocess_cpu_ms(body, path, a.requests)
                 rows.append((f"proxy's own work per request, {name}", f"{own:.2f} ms", "< 2 ms",
                              "CPU time, ASGI app called in-process, in-memory upstream"))
@@ -269,6 +287,9 @@ def main() -> int:
     finally:
         for p in procs:
             p.terminate()
+    load1 = os.getloadavg()
+    print(f"load average (1, 5, 15 min) at start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}, "
+          f"at end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} on {os.cpu_count()} cores")
     print("| measure | figure | floor | detail |\n|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")

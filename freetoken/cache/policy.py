@@ -33,6 +33,7 @@ from freetoken.types.api import Anchor
 
 CUT_POINT, HEAD, ANCHOR, INTERVAL, END = "cut_point", "head", "anchor", "interval", "end"
 CLASS_RANK: dict[str, int] = {END: 0, INTERVAL: 1, ANCHOR: 1, HEAD: 2, CUT_POINT: 3}
+HEAD_KINDS = ("head_end", "system_block")  # anchor kinds whose snapshots get class `head`
 
 
 def class_rank(cls: str) -> int:
@@ -113,12 +114,16 @@ class IntervalPolicy(CheckpointPolicy):
 class SemanticPolicy(CheckpointPolicy):
     """Default: snapshot at chat-template anchors where harnesses edit their context.
 
-    Anchors with `cut_point=True` (any kind) get class `cut_point`; other `head_end` anchors
-    get class `head`, other `turn_start` anchors class `anchor`; other kinds are ignored. At
-    most `max_per_request` anchor snapshots per request (the end point is extra), chosen in this
-    order: cut points deepest first, then `head_end` (shared by sub-agents and after
-    compaction), then turn starts deepest first (the deepest snapshot saves the most recompute
-    next turn).
+    Anchors with `cut_point=True` (any kind) get class `cut_point`; other `head_end` and
+    `system_block` anchors get class `head`, other `turn_start` anchors class `anchor`; other
+    kinds are ignored. (`system_block`: a point inside the system prompt that the proxy marks
+    where another session of the same harness may part from this one: a system block boundary,
+    a section holding the working directory or the date. Class `head` keeps it past the
+    session's own plain snapshots, so a new session started later still finds it.) At most
+    `max_per_request` anchor snapshots per request (the end point is extra), chosen in this
+    order: cut points deepest first, then heads deepest first (`head_end`, shared by sub-agents
+    and after compaction, then the system blocks), then turn starts deepest first (the deepest
+    snapshot saves the most recompute next turn).
 
     Fill: where two chosen points (or the start) lie more than `fill_every` tokens apart, the
     multiples of `fill_every` inside the gap (at least `fill_every // 8` from either end) are
@@ -146,7 +151,7 @@ class SemanticPolicy(CheckpointPolicy):
     def positions(self, prompt_len: int, anchors: Sequence[Anchor]) -> list[tuple[int, str]]:
         ok = [a for a in anchors if 1 <= a.position <= prompt_len - 1]
         cuts = sorted({a.position for a in ok if a.cut_point}, reverse=True)
-        heads = sorted({a.position for a in ok if not a.cut_point and a.kind == "head_end"},
+        heads = sorted({a.position for a in ok if not a.cut_point and a.kind in HEAD_KINDS},
                        reverse=True)
         turns = sorted({a.position for a in ok if not a.cut_point and a.kind == "turn_start"},
                        reverse=True)

@@ -11,7 +11,7 @@ failures.
 """
 from __future__ import annotations
 
-import json
+import logging
 import uuid
 from typing import Any
 
@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from freetoken.chat import ChatInputError, anthropic_to_template, openai_to_template
 from freetoken.log import get_logger, kv
-from freetoken.proxy import info_routes
+from freetoken.proxy import info_routes, jsonc
 from freetoken.proxy.config import ProxyConfig
 from freetoken.proxy.forward import forward
 from freetoken.proxy.metrics import RequestRecord
@@ -35,6 +35,7 @@ from freetoken.server.errors import APIError, answer_errors
 from freetoken.server.sse import EventStreamResponse
 from freetoken.server.state import ServerState
 from harness_adapters import HarnessRequest, detect_adapter
+from harness_adapters.base import system_text
 
 __all__ = ["ProxyState", "create_proxy_app", "template_rejects_mid_system"]
 
@@ -58,22 +59,22 @@ async def _handle(request: Request, api: str, kind: str) -> Response:
     ps: ProxyState = request.app.state.proxy
     raw = await request.body()
     try:
-        body = json.loads(raw)
+        body = jsonc.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise APIError.bad("request body is not valid JSON", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError.bad("request body must be a JSON object", code="invalid_json")
     headers = {k.lower(): v for k, v in request.headers.items()}
-    adapter = detect_adapter(HarnessRequest(api, request.url.path, headers, body),
-                             ps.cfg.force_harness)
-    work = HarnessRequest(api, request.url.path, headers, json.loads(raw))  # a private copy
-    norm, fired = adapter.normalise(work, ps.cfg.steps, ps.fold_system, copy=False)
+    received = HarnessRequest(api, request.url.path, headers, body)
+    adapter = detect_adapter(received, ps.cfg.force_harness)
+    # one parse: detection is done with the body as received, so the pipeline may edit it
+    norm, fired = adapter.normalise(received, ps.cfg.steps, ps.fold_system, copy=False)
     session = adapter.session_key(HarnessRequest(api, request.url.path, headers, norm))
     rid = uuid.uuid4().hex[:16]
     rec = RequestRecord(rid, adapter.name, session, api, "native" if ps.cfg.native else api,
                         request.url.path, bool(norm.get("stream")) and kind == "generate",
                         normalised=fired)
-    if fired:
+    if fired and log.isEnabledFor(logging.INFO):
         log.info(kv("normalise", request=rid, harness=adapter.name,
                     fired=",".join(f"{k}:{v}" for k, v in fired.items())))
     out_headers: dict[str, str] = {}
@@ -122,8 +123,9 @@ async def _native(request: Request, ps: ProxyState, body: dict, api: str, kind: 
         messages = ti.messages
     except ChatInputError:
         messages = []  # the route answers the 400
-    turn = TurnEngine(eng, Turn(adapter, session, messages, rec, cap), ps.sessions,
-                      ps.metrics.record)
+    turn = TurnEngine(eng, Turn(adapter, session, messages, rec, cap, system_text(body),
+                                adapter.head_breaks(body)), ps.sessions, ps.metrics.record,
+                      ps.heads)
     names = ps.cfg.served_model_names or [eng.model_name]
     st = ServerState(turn, ps.tokenizer, None, names, False, ps.parser_family)  # type: ignore[arg-type]
     inner = inner_request(request, body, st)

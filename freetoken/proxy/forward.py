@@ -3,9 +3,10 @@ in its own API shape (see upstream.py for the streaming contract)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import httpx
 from starlette.requests import Request
@@ -25,9 +26,41 @@ from freetoken.proxy.translate import (
 )
 from freetoken.proxy.upstream import Upstream, error_from
 from freetoken.server.errors import APIError
-from freetoken.server.sse import EventStreamResponse, run_unless_disconnected
+from freetoken.server.sse import EventStreamResponse
 
 log = get_logger("proxy")
+T = TypeVar("T")
+
+
+async def unless_disconnected(receive: Callable[[], Awaitable[dict]], work: Awaitable[T]
+                              ) -> tuple[bool, T | None]:
+    """`await work` in this task while one watcher task waits for the client's
+    `http.disconnect` and cancels this task if it comes first (closing the upstream request).
+    Returns (finished, result). The non-streamed hop's version of
+    `freetoken.server.sse.run_unless_disconnected`, with one task instead of a task group of
+    two: the event-loop round trips are a measurable share of the proxy's added latency."""
+    me = asyncio.current_task()
+    assert me is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        me.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return True, await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise  # cancelled from outside (shutdown): not ours to swallow
+        if hasattr(me, "uncancel"):  # 3.11+: the cancel was ours and is handled
+            me.uncancel()
+        return False, None
+    finally:
+        watcher.cancel()
 
 
 def translate_request(body: dict, api_in: str, api_out: str) -> dict:
@@ -97,7 +130,7 @@ async def forward(up: Upstream, request: Request, body: dict, api_in: str, rec: 
         return r
 
     try:
-        finished, r = await run_unless_disconnected(request.receive, call())
+        finished, r = await unless_disconnected(request.receive, call())
     except httpx.HTTPError as e:
         raise APIError(502, f"upstream unreachable: {e!r}", None, "upstream_error") from None
     if not finished:
@@ -118,7 +151,8 @@ async def forward(up: Upstream, request: Request, body: dict, api_in: str, rec: 
     else:
         rec.prompt_tokens, rec.cached_tokens, rec.output_tokens = usage_from_openai(
             data.get("usage"))
-    log.debug(kv("forwarded", request=rec.request_id, status=r.status_code, api_out=api_out))
+    if log.isEnabledFor(logging.DEBUG):  # kv() formats eagerly: keep it off the hot path
+        log.debug(kv("forwarded", request=rec.request_id, status=r.status_code, api_out=api_out))
     if api_in == api_out and not rec.capped:  # as received: no re-encoding
         return Response(r.content, 200, headers=headers, media_type="application/json")
     if api_in != api_out:

@@ -3,7 +3,8 @@ per-request wrapper that adds what the proxy knows.
 
 The proxy renders the chat template itself (the server's own Anthropic/OpenAI routes run inside
 the proxy over `TurnEngine`), so it holds the token ids and anchors of every prompt. `TurnEngine`
-marks the adapter's predicted cut points on the anchors, sets the proxy's session key, computes
+marks the adapter's predicted cut points on the anchors, adds a `system_block` anchor at each of
+the adapter's head breaks (`heads.py`), sets the proxy's session key, computes
 the edit point against the session's previous prompt, sends the native request and records
 prompt / cached tokens, TTFT and decode rate from the event stream. A reply stopped by the
 proxy's output cap (below what the client asked for) is reported as a normal end of turn: the
@@ -14,12 +15,13 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from freetoken.log import get_logger, kv
+from freetoken.proxy.heads import HeadBreaks
 from freetoken.proxy.metrics import RequestRecord
 from freetoken.proxy.sessions import SessionStore
 from freetoken.server.errors import APIError
@@ -131,14 +133,18 @@ class Turn:
     messages: list[dict[str, Any]]
     record: RequestRecord
     cap: int | None  # the proxy's output cap when it is below what the client asked for
+    system: str = ""  # the leading system text, as rendered
+    breaks: list[int] = field(default_factory=list)  # adapter.head_breaks: offsets into system
 
 
 class TurnEngine:
     """One request's view of the engine (see the module docstring)."""
 
     def __init__(self, inner: NativeEngine, turn: Turn, sessions: SessionStore,
-                 on_done: Callable[[RequestRecord], None]) -> None:
+                 on_done: Callable[[RequestRecord], None], heads: HeadBreaks | None = None
+                 ) -> None:
         self.inner, self.turn, self.sessions, self.on_done = inner, turn, sessions, on_done
+        self.heads = heads
         self.model_name = inner.model_name
         self.max_context = inner.max_context
         self.max_output_tokens = None
@@ -171,6 +177,8 @@ class TurnEngine:
         cuts = set(t.adapter.cut_points(req.anchors, t.messages))
         req.anchors = [Anchor(a.position, a.kind, a.role, a.cut_point or a.position in cuts)
                        for a in req.anchors]
+        if self.heads is not None and t.breaks:
+            req.anchors = self.heads.anchors(req.anchors, t.system, t.breaks, req.input_ids)
         req.session_key = t.session
         ep = self.sessions.observe_tokens(t.session, req.input_ids, req.anchors, sorted(cuts))
         rec = t.record

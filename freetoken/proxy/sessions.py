@@ -10,7 +10,6 @@ canonical JSON of the messages: the edit point is a message index.
 """
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from freetoken.log import get_logger, kv
+from freetoken.proxy import jsonc
 from freetoken.types.api import Anchor
 
 log = get_logger("proxy")
@@ -93,7 +93,7 @@ class SessionStore:
         return ep
 
     def observe_messages(self, key: str, messages: Sequence[Any]) -> EditPoint:
-        items = [json.dumps(m, sort_keys=True, ensure_ascii=False) for m in messages]
+        items = [jsonc.canonical(m) for m in messages]
         roles = [str(m.get("role")) if isinstance(m, dict) else "?" for m in messages]
         old = self._swap(key, _Prev(items, roles=roles))
         if old is None:

@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from types import SimpleNamespace
 from typing import Any
 
 import httpx
 from starlette.requests import Request
 
+from freetoken.proxy import jsonc
 from freetoken.proxy.config import ProxyConfig
+from freetoken.proxy.heads import HeadBreaks
 from freetoken.proxy.metrics import Metrics
 from freetoken.proxy.native import NativeEngine
 from freetoken.proxy.sessions import SessionStore
@@ -37,6 +38,7 @@ class ProxyState:
         self._client = client
         self.metrics = Metrics(cfg.metrics_path)
         self.sessions = SessionStore()
+        self.heads = HeadBreaks(tokenizer) if tokenizer is not None else None
         self._native: NativeEngine | None = None
         self._lock: asyncio.Lock | None = None
         fold = cfg.fold_system
@@ -77,4 +79,4 @@ def inner_request(request: Request, body: dict, st: ServerState) -> Request:
     """The same request with the normalised body and an app whose state is `st`."""
     scope = dict(request.scope)
     scope["app"] = SimpleNamespace(state=SimpleNamespace(ft=st))
-    return Request(scope, replaying(json.dumps(body).encode(), request.receive))
+    return Request(scope, replaying(jsonc.dumps(body), request.receive))

@@ -11,7 +11,7 @@ replaced by `--upstream-api-key`; they are never logged or recorded.
 """
 from __future__ import annotations
 
-import json
+import functools
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from freetoken.log import get_logger
+from freetoken.proxy import jsonc
 from freetoken.proxy.translate_stream import json_or_none
 from freetoken.server.errors import APIError
 
@@ -107,9 +108,15 @@ class Upstream:
 
     async def open(self, url: str, body: dict, headers: dict[str, str],
                    raw: bytes | None = None) -> httpx.Response:
-        content = raw if raw is not None else json.dumps(body).encode()
-        req = self.client.build_request("POST", url, content=content, headers=headers)
+        content = raw if raw is not None else jsonc.dumps(body)
+        req = self.client.build_request("POST", _parsed(url), content=content, headers=headers)
         return await self.client.send(req, stream=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(url: str) -> httpx.URL:
+    """Parsed once per upstream URL, not per request."""
+    return httpx.URL(url)
 
 
 def error_from(status: int, raw: bytes) -> APIError:

@@ -32,7 +32,8 @@ from freetoken.types.api import Anchor, EngineEvent
 log = get_logger("server")
 KEEPALIVE_S = 10.0
 ANCHOR_KINDS = {"head_end", "turn_start", "think_start", "think_end", "tool_call_start",
-                "tool_result_start", "tool_result_end"}
+                "tool_result_start", "tool_result_end",
+                "system_block"}  # the agent proxy's head breaks (freetoken/proxy/heads.py)
 
 
 async def health(request: Request) -> Response:

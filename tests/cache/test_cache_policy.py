@@ -71,3 +71,17 @@ def test_contract_on_random_inputs(name: str, kw: dict) -> None:
             want = {a.position for a in anchors if a.cut_point and 1 <= a.position < n}
             got = {q for q, c in pts if c == "cut_point"}
             assert got <= want and len(got) == min(len(want), 2)
+
+
+def test_semantic_system_blocks_are_heads() -> None:
+    """The proxy's `system_block` anchors (where a new session of the harness may part from this
+    one inside the system prompt) get class `head`, which the value rule keeps past a
+    session's plain snapshots; before, the policy ignored the kind and the second session
+    recomputed the shared system prompt."""
+    anchors = [Anchor(300, "system_block"), Anchor(900, "system_block"),
+               Anchor(1000, "head_end", cut_point=True), Anchor(1200, "turn_start", "user")]
+    assert create_policy("semantic").positions(1300, anchors) == [
+        (300, "head"), (900, "head"), (1000, "cut_point"), (1200, "anchor"), (1299, "end")]
+    # under the cap, head_end (a cut point here) first, then the deepest system block
+    assert create_policy("semantic", max_per_request=2).positions(1300, anchors) == [
+        (900, "head"), (1000, "cut_point"), (1299, "end")]

@@ -1,9 +1,11 @@
 """Replays the recorded harness traffic through the adapters and the session store with the real
 Qwen3 template, the way the native proxy sees it: per request the rendered ids, anchors,
-predicted cut points and the edit point against the session's previous request."""
+predicted cut points, the `system_block` anchors of the adapter's head breaks and the edit
+point against the session's previous request."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -14,8 +16,10 @@ from freetoken.chat import (
     openai_to_template,
     qwen3_tokenizer_dir,
 )
+from freetoken.proxy.heads import HeadBreaks
 from freetoken.proxy.sessions import EditPoint, SessionStore
 from harness_adapters import HarnessRequest, detect_adapter
+from harness_adapters.base import system_text
 
 TRACES = Path(__file__).parents[1] / "data" / "harness_traces"
 FILES = sorted(TRACES.glob("*/*.jsonl"))
@@ -51,15 +55,18 @@ class Step:
     fired: dict[str, int]
 
 
-def replay(path: Path, seqs: set[int] | None = None) -> list[Step]:
+def replay(path: Path, seqs: set[int] | None = None,
+           edit: Callable[[dict], dict] | None = None) -> list[Step]:
+    """`edit`: applied to each recorded body first (e.g. another working directory)."""
     tok = tokenizer()
+    heads = HeadBreaks(tok)
     store = SessionStore()
     last: dict[str, list] = {}
     out = []
     for rec in records(path):
         if "count_tokens" in rec["path"] or (seqs is not None and rec["seq"] not in seqs):
             continue
-        req = harness_request(rec)
+        req = harness_request({**rec, "body": edit(rec["body"])} if edit else rec)
         ad = detect_adapter(req)
         body, fired = ad.normalise(req)
         nreq = HarnessRequest(req.api, req.path, req.headers, body)
@@ -67,10 +74,13 @@ def replay(path: Path, seqs: set[int] | None = None) -> list[Step]:
         ti = (anthropic_to_template if req.api == "anthropic" else openai_to_template)(body)
         prompt = tok.apply(ti.messages, tools=ti.tools, enable_thinking=ti.enable_thinking)
         cuts = ad.cut_points(prompt.anchors, ti.messages)
+        # as TurnEngine: the head breaks become system_block anchors after the cuts are chosen
+        anchors = heads.anchors(prompt.anchors, system_text(body), ad.head_breaks(body),
+                                prompt.input_ids)
         prev_anchors = last.get(key, [])
-        last[key] = prompt.anchors
-        ep = store.observe_tokens(key, prompt.input_ids, prompt.anchors, cuts)
-        out.append(Step(rec["seq"], ad.name, key, prompt.input_ids, cuts, prompt.anchors,
+        last[key] = anchors
+        ep = store.observe_tokens(key, prompt.input_ids, anchors, cuts)
+        out.append(Step(rec["seq"], ad.name, key, prompt.input_ids, cuts, anchors,
                         prev_anchors, ep, fired))
     return out
 
