@@ -8,6 +8,8 @@ V = dv, C chunk size, N chunks.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -32,8 +34,9 @@ def recurrent_gated_delta(
 
 
 def _triton_scan(q: torch.Tensor, chunk: int, k_dim: int, v_dim: int):
-    """The chunk scan kernel on CUDA for tile-friendly shapes, else None (the torch loop)."""
-    if not q.is_cuda:
+    """The chunk scan kernel on CUDA for tile-friendly shapes, else None (the torch loop).
+    `FT_GDN_SCAN=torch` keeps the loop, to compare the two on a GPU."""
+    if not q.is_cuda or os.environ.get("FT_GDN_SCAN") == "torch":
         return None
     from freetoken.layers.fast_ops import triton_module
 
