@@ -139,6 +139,8 @@ class EngineCore:
         else:
             logits = self.model(self._batch(items), self.caches)  # [R, V]
             toks = self._sample([it for it in items if it.wants_logits], logits)
+        if self.guard is not None:
+            self.guard.end_step()
         dt = time.perf_counter() - t0
         self.cache_ops.run(plan.post_ops)
         n_decode = sum(1 for i in items if i.n == 1)

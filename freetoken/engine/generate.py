@@ -123,8 +123,11 @@ def generate(model: QwenMoE, prompt: list[int], sampling: SamplingParams, eos_id
                                          out_slot=pos,
                                          state_slot=0 if state is not None else -1,
                                          kv_slots=host_slots[: pos + 1])])[0]
-            continue
-        logits = model(ForwardBatch.single([tok], pos, slots[: pos + 1], state, device), caches)
-        tok = sampler.sample(logits[0], len(out))
+        else:
+            logits = model(ForwardBatch.single([tok], pos, slots[: pos + 1], state, device),
+                           caches)
+            tok = sampler.sample(logits[0], len(out))
+        if guard is not None:
+            guard.end_step()
     _sync(device)
     return GenerationResult(out, reason, t1 - t0, time.perf_counter() - t1)

@@ -250,29 +250,34 @@ class AutoGuard:
 
     `on_step` is called once at the start of every forward step by what runs the step
     (`EngineCore.step`, `generate`), with `decode=True` when every row of the step is one token
-    of a decoding sequence, however many sequences there are. The caller knows the step's
-    kind; a layer sees only a token count, which cannot tell 3 decode rows from a 3-token
-    prefill chunk."""
+    of a decoding sequence, however many sequences there are, and `end_step` once its tokens
+    are on the host. The caller knows the step's kind; a layer sees only a token count, which
+    cannot tell 3 decode rows from a 3-token prefill chunk. Only the decode steps' own durations
+    are summed: the time between steps (an idle server, the warm-up before the first request,
+    the host's handling of the tokens) is not the backend's."""
 
     def __init__(self, choice: str, q_choice: Callable[[int], int], window: int = 32):
         self.choice, self.q_choice, self.window = choice, q_choice, window
-        self.phase, self.steps, self.t0 = "choice", 0, 0.0
+        self.phase, self.steps, self.elapsed = "choice", 0, 0.0
+        self._start: float | None = None  # start of the current decode step, if timed
         self.times: dict[str, float] = {}
 
     def num_fetch(self, misses: int) -> int:
         return self.q_choice(misses) if self.phase in ("choice", "settled") else -1
 
     def on_step(self, decode: bool) -> None:
-        if self.phase == "settled" or not decode:
+        self._start = (time.perf_counter() if decode and self.phase != "settled" else None)
+
+    def end_step(self) -> None:
+        if self._start is None:
             return
-        now = time.perf_counter()
-        if self.steps == 0:
-            self.t0 = now
+        self.elapsed += time.perf_counter() - self._start
+        self._start = None
         self.steps += 1
         if self.steps < self.window:
             return
-        self.times[self.phase] = (now - self.t0) / self.window
-        self.steps = 0
+        self.times[self.phase] = self.elapsed / self.window
+        self.steps, self.elapsed = 0, 0.0
         if self.phase == "choice":
             self.phase = "offload"
             return

@@ -69,7 +69,8 @@ class Anchor:
 
     position: int
     # head_end, turn_start, think_start, think_end, tool_call_start, tool_result_start,
-    # tool_result_end
+    # tool_result_end; system_block (a proxy adapter's head break inside the system text,
+    # where another session of the same harness may part from this one: snapshot class head)
     kind: str
     role: str | None = None
     cut_point: bool = False  # predicted by a harness adapter to be an edit point next turn
