@@ -38,20 +38,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def measure_link(store, device, seconds: float = 0.5) -> float:
-    """B_P in GB/s: whole-layer copies from the pinned store to the device (the streamer's
-    unit of transfer, through the same fill kernel it uses)."""
+    """B_P in GB/s: whole-layer copies from the pinned store to the device by the copy
+    engine, the streamer's unit and mechanism of transfer (`LayerStreamer._copy_runs`)."""
     import torch
 
-    from kernels.triton.uva_fill import fill_rows
-
-    E = store.num_experts
     dst = torch.empty_like(store.gate_up(0), device=device)
-    ids = torch.arange(E, device=device)
-    fill_rows(store.gate_up(0), dst, ids, ids)  # compile / warm
+    dst.copy_(store.gate_up(0), non_blocking=True)  # warm
     torch.cuda.synchronize(device)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        fill_rows(store.gate_up(n % store.num_layers), dst, ids, ids)
+        dst.copy_(store.gate_up(n % store.num_layers), non_blocking=True)
         n += 1
         torch.cuda.synchronize(device)
     dt = time.perf_counter() - t0

@@ -68,21 +68,17 @@ class _Layout:
                  ("f32", torch.float32, (2, bm)), ("indptr", torch.int32, (bm + 1,)),
                  ("mask", torch.bool, (bm,)), ("blk_on", torch.bool, (bm, MAX_BLOCKED)),
                  ("indices", torch.int32, (cap,))]
-        self.specs, at = [], 0
+        self.specs, at = [], 0  # (offset, dtype, shape, bytes)
         for name, dt, shape in specs:
-            nbytes = torch.empty((), dtype=dt).element_size() * math.prod(shape)
-            self.specs.append((at, dt, shape))
+            nbytes = dt.itemsize * math.prod(shape)
+            self.specs.append((at, dt, shape, nbytes))
             if name == "indices":
                 self.indices_at = at
             at += (nbytes + 7) // 8 * 8
         self.nbytes = at
 
     def views(self, buf: Tensor) -> list[Tensor]:
-        out = []
-        for at, dt, shape in self.specs:
-            n = torch.empty((), dtype=dt).element_size() * math.prod(shape)
-            out.append(buf[at:at + n].view(dt).view(shape))
-        return out
+        return [buf[at:at + n].view(dt).view(shape) for at, dt, shape, n in self.specs]
 
 
 class _Bucket:
