@@ -2,7 +2,7 @@
 # One call on the GPU machine (device tool): GPU tests, then the benchmarks of
 # docs/benchmarks.md. Writes logs under $OUT.
 # Usage: OUT=/tmp/out scripts/gpu_run.sh [stage ...]
-#   stages: tests gputests fast batch prefill decode2 bridge kprof kernel kdiag kunbound ksweep linear bw decode profile
+#   stages: tests gputests fast batch prefill pbisect decode2 bridge kprof kernel kdiag kunbound ksweep linear bw decode profile
 # (default: gputests kernel linear bw, about 6 min; `decode` alone takes about 5 min more)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -119,6 +119,17 @@ if has bridge; then
   { timeout 120 python3 scripts/bench_bridge.py --threads 15 --experts 2,4,0
     timeout 60 python3 scripts/bench_bridge.py --threads 15 --experts 2 --rows 4; } 2>&1 \
     | tee "$OUT/bridge.log"
+fi
+if has pbisect; then
+  # prefill compute: fused with the chunk-scan kernel vs the torch loop, streamed 8k, and the
+  # kernels of one fused 8k chunk (4 layers) by device time
+  timeout 300 $FT bench prefill --shape qwen3.6-35b-a3b --layers 20 --random-weights \
+    --moe-cache-rate 0.37 --tokens ${FT_PREFILL_TOKENS:-8192} --repeats 2 \
+    --rows ${FT_PREFILL_ROWS:-fused,fused/scan-torch,stream} 2>&1 | grep -v "random weights:" \
+    | tee "$OUT/prefill_bisect.log"
+  timeout 200 python3 scripts/profile_decode.py --layers 4 --backends fused \
+    --prefill-tokens ${FT_PREFILL_TOKENS:-8192} --sort device --rows 30 2>&1 \
+    | grep -v "^USDT\|^STAGE" | tee "$OUT/profile_prefill.log"
 fi
 if has kprof; then
   # GPU kernels of one decode step by device time (the runner run eagerly, fused, 8 layers)

@@ -34,6 +34,9 @@ def main() -> int:
     p.add_argument("--sort", choices=["cpu", "device"], default="cpu",
                    help="cpu: host overhead by op; device: GPU kernels by time (the decode "
                         "runner run eagerly, so each kernel of the graph shows up)")
+    p.add_argument("--prefill-tokens", type=int, default=0,
+                   help="profile one prefill chunk of N tokens (fused: its kernels by device "
+                        "time) instead of decode steps")
     a = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = preset_config(a.shape, a.layers)
@@ -44,24 +47,31 @@ def main() -> int:
     for b in blocks:
         b.experts = None
     prompt = list(range(100, 132))
+    if a.prefill_tokens:
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, cfg.vocab_size, (a.prefill_tokens,), generator=g).tolist()
+        a.tokens = 1
     for be in a.backends.split(","):
         install_backend(model, store, be, MoEOptions(cache_rate=0.37), device)
         sp = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
-        generate(model, prompt, sp, [])  # warm-up
+        chunk = max(2048, len(prompt))
+        generate(model, prompt, sp, [], prefill_chunk=chunk)  # warm-up
         t0 = time.perf_counter()
-        res = generate(model, prompt, sp, [])
+        res = generate(model, prompt, sp, [], prefill_chunk=chunk)
         wall = time.perf_counter() - t0
         acts = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             acts.append(torch.profiler.ProfilerActivity.CUDA)
         graphs = a.sort == "cpu"
-        generate(model, prompt, sp, [], cuda_graph=graphs)  # warm the eager runner too
+        generate(model, prompt, sp, [], cuda_graph=graphs,
+                 prefill_chunk=chunk)  # warm the eager runner too
         with torch.profiler.profile(activities=acts) as prof:
-            generate(model, prompt, sp, [], cuda_graph=graphs)
+            generate(model, prompt, sp, [], cuda_graph=graphs, prefill_chunk=chunk)
             if device.type == "cuda":
                 torch.cuda.synchronize()
         print(f"\n=== {be}: {res.decode_tps:.1f} decode tok/s ({a.layers} layers; "
-              f"{wall:.2f}s for {a.tokens} tokens incl. prefill) ===", flush=True)
+              f"{wall:.2f}s for {a.tokens} tokens incl. a {len(prompt)}-token prefill of "
+              f"{res.prefill_seconds:.3f}s) ===", flush=True)
         sort = "self_cpu_time_total" if a.sort == "cpu" else "self_device_time_total"
         avg = prof.key_averages()
         if a.sort == "device":

@@ -9,12 +9,14 @@ Per prompt size (one chunk = the whole prompt), rows:
                   its floor is `pool_bytes / B_P`, the design's figure
   experts         the per-expert path (streaming off): misses fetched through the decode cache
   fused           every expert resident on the GPU: the compute-only bound
+  fused/scan-torch  fused with the gated-DeltaNet chunk scan as the torch loop (FT_GDN_SCAN=torch)
 Floors: bytes the row must move over the link / B_P, B_P measured now (one large pinned copy
 and the per-expert fill rate of `ft bench bw`), or taken from the cached profile.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 
@@ -111,7 +113,10 @@ def run(args: argparse.Namespace) -> int:
 
     results: dict[tuple[int, str], tuple[float, float]] = {}
     for row in rows:
-        if row == "fused":
+        scan = os.environ.get("FT_GDN_SCAN")
+        if row == "fused/scan-torch":  # fused with the torch chunk loop instead of the kernel
+            os.environ["FT_GDN_SCAN"] = "torch"
+        if row.startswith("fused"):
             if pool > 0.8 * torch.cuda.mem_get_info(device)[0]:
                 print("[bench] fused skipped: the pool does not fit on the GPU", flush=True)
                 continue
@@ -139,8 +144,12 @@ def run(args: argparse.Namespace) -> int:
             results[(T, row)] = (best, moved)
             print(f"[bench] {row:16} {T:6d} tokens: {best:7.3f} s  {T / best:8.0f} tok/s  "
                   f"{moved / 1e9:6.2f} GB over the link", flush=True)
-        if row == "fused":
+        if row.startswith("fused"):
             drop_fused(model, device)
+        if scan is None:
+            os.environ.pop("FT_GDN_SCAN", None)
+        else:
+            os.environ["FT_GDN_SCAN"] = scan
     _table(results, sizes, rows, b_p * 1e9, pool)
     if args.ttft:
         install_backend(model, store, "offload", base, device)
