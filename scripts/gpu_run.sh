@@ -121,11 +121,11 @@ if has bridge; then
     | tee "$OUT/bridge.log"
 fi
 if has pbisect; then
-  # prefill compute: fused with the chunk-scan kernel vs the torch loop, streamed 8k, and the
+  # prefill compute: fused with the torch chunk loop vs the scan kernel, streamed 8k, and the
   # kernels of one fused 8k chunk (4 layers) by device time
   timeout 300 $FT bench prefill --shape qwen3.6-35b-a3b --layers 20 --random-weights \
     --moe-cache-rate 0.37 --tokens ${FT_PREFILL_TOKENS:-8192} --repeats 2 \
-    --rows ${FT_PREFILL_ROWS:-fused,fused/scan-torch,stream} 2>&1 | grep -v "random weights:" \
+    --rows ${FT_PREFILL_ROWS:-fused,fused/scan-triton,stream} 2>&1 | grep -v "random weights:" \
     | tee "$OUT/prefill_bisect.log"
   timeout 200 python3 scripts/profile_decode.py --layers 4 --backends fused \
     --prefill-tokens ${FT_PREFILL_TOKENS:-8192} --sort device --rows 30 2>&1 \

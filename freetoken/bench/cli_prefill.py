@@ -9,7 +9,8 @@ Per prompt size (one chunk = the whole prompt), rows:
                   its floor is `pool_bytes / B_P`, the design's figure
   experts         the per-expert path (streaming off): misses fetched through the decode cache
   fused           every expert resident on the GPU: the compute-only bound
-  fused/scan-torch  fused with the gated-DeltaNet chunk scan as the torch loop (FT_GDN_SCAN=torch)
+  fused/scan-triton  fused with the gated-DeltaNet chunk scan in the Triton kernel
+                  (FT_GDN_SCAN=triton) instead of the torch loop
 Floors: bytes the row must move over the link / B_P, B_P measured now (one large pinned copy
 and the per-expert fill rate of `ft bench bw`), or taken from the cached profile.
 """
@@ -114,8 +115,8 @@ def run(args: argparse.Namespace) -> int:
     results: dict[tuple[int, str], tuple[float, float]] = {}
     for row in rows:
         scan = os.environ.get("FT_GDN_SCAN")
-        if row == "fused/scan-torch":  # fused with the torch chunk loop instead of the kernel
-            os.environ["FT_GDN_SCAN"] = "torch"
+        if row == "fused/scan-triton":  # fused with the scan kernel instead of the torch loop
+            os.environ["FT_GDN_SCAN"] = "triton"
         if row.startswith("fused"):
             if pool > 0.8 * torch.cuda.mem_get_info(device)[0]:
                 print("[bench] fused skipped: the pool does not fit on the GPU", flush=True)

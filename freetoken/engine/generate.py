@@ -105,6 +105,18 @@ def generate(model: QwenMoE, prompt: list[int], sampling: SamplingParams, eos_id
 
     tok = (sampler.sample(logits[0], 0) if runner is None
            else sample_rows(logits, [params(0)], device)[0])
+    state_slot = 0 if state is not None else -1
+
+    def row(n: int, token: int) -> DecodeRow:  # the step that feeds out[n - 1]
+        pos = len(prompt) + n - 1
+        return DecodeRow(**vars(params(n)), token=token, position=pos, out_slot=pos,
+                         state_slot=state_slot, kv_slots=host_slots[: pos + 1])
+
+    # On CUDA the next step is launched before this one's token is read (it takes the token
+    # from the device): the host's staging overlaps the GPU's step. After a stop token the one
+    # step launched ahead is discarded; it wrote only slots past the sequence's end.
+    chained = runner is not None and guard is None and runner.can_chain()
+    pending = None
     while True:
         out.append(tok)
         if on_token:
@@ -114,20 +126,27 @@ def generate(model: QwenMoE, prompt: list[int], sampling: SamplingParams, eos_id
             break
         if len(out) >= sampling.max_tokens:
             break
-        pos = len(prompt) + len(out) - 1
+        n = len(out)
+        if chained:
+            if pending is None:
+                pending = runner.launch([row(n, tok)])
+            ahead = (runner.launch([row(n + 1, 0)], chain=[0])
+                     if n + 1 < sampling.max_tokens else None)
+            tok = runner.collect(pending)[0]
+            pending = ahead
+            continue
         if guard is not None:
             guard.on_step(decode=True)
         if runner is not None:
-            n = len(out)
-            tok = runner.step([DecodeRow(**vars(params(n)), token=tok, position=pos,
-                                         out_slot=pos,
-                                         state_slot=0 if state is not None else -1,
-                                         kv_slots=host_slots[: pos + 1])])[0]
+            tok = runner.step([row(n, tok)])[0]
         else:
+            pos = len(prompt) + n - 1
             logits = model(ForwardBatch.single([tok], pos, slots[: pos + 1], state, device),
                            caches)
-            tok = sampler.sample(logits[0], len(out))
+            tok = sampler.sample(logits[0], n)
         if guard is not None:
             guard.end_step()
+    if runner is not None:
+        runner.drain()
     _sync(device)
     return GenerationResult(out, reason, t1 - t0, time.perf_counter() - t1)

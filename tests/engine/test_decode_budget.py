@@ -44,7 +44,9 @@ BLOCKING_BUDGET = 0
 # the recurrent kernel, the attention gate in one kernel, K norm + rotary + both pool writes in
 # one kernel). No headroom: each launch is ~2 us of the step.
 CUDA_LAYER_BUDGET = {"gdn": 11, "attn": 13}
-CUDA_STEP_TOTAL = 65  # 4 layers + embedding, rotary tables, final norm, LM head, sampling
+# 4 layers + input-id gather (chained steps), embedding, rotary tables, final norm, LM head,
+# sampling
+CUDA_STEP_TOTAL = 66
 
 
 class _Count(TorchDispatchMode):
