@@ -177,7 +177,7 @@ class SlotExperts(ExpertBackend):
                               y) is None:
             dispatch_experts(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots, y,
                              mask=d.slot_ids >= 0)
-        y_cpu = self.bridge.receive(self.m, T)  # [T, K, H]
+        y_cpu = self.bridge.receive(self.m, T, d.cpu_mask)  # [T, K, H]
         return torch.where(d.cpu_mask[..., None], y_cpu, y)
 
     @property

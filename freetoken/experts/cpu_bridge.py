@@ -7,11 +7,14 @@ Per hybrid (or cpu) MoE layer m, inside the graph, in stream order:
    pinned buffers (device-to-host copy nodes), then a one-thread kernel stores the step's
    sequence number into `go[m]` (kernels/triton/host_flags.py).
 2. the GPU fills the fetched experts and computes the resident ones meanwhile;
-3. `receive(m)`: a one-thread kernel spins until `done[m]` holds the sequence number, the CPU
+3. `receive(m, T, mask)`: a one-thread kernel spins until `done[m]` holds the sequence number
+   (not at all when the layer's CPU mask is empty: most layers, when the cache hits), the CPU
    results are copied back (host-to-device copy node) and merged with `torch.where`.
 
 The worker thread, told before each replay that step `seq` begins (`begin_step`), walks the
-layers in order: it waits for `go[m] == seq`, computes the layer's masked entries (or nothing,
+layers in order: it waits for `go[m] >= seq` (the GPU, which did not wait for layers without
+CPU work, may already be in the next step: the buffers then hold that step's layer, whose own
+pass computes it again before its `done`), computes the layer's masked entries (or nothing,
 when the layer has no CPU work), writes the results into the pinned output and then stores
 `done[m] = seq`. x86 stores are seen in program order, so the results are in place before the
 flag the GPU is waiting on. Two ways to walk the layers:
@@ -111,13 +114,14 @@ class CpuBridge:
         else:
             self._go_np[m] = int(self.seq_dev)
 
-    def receive(self, m: int, T: int) -> Tensor:
-        """[T, K, H] on the device: the CPU branch's outputs (zeros outside its mask)."""
+    def receive(self, m: int, T: int, mask: Tensor) -> Tensor:
+        """[T, K, H] on the device: the CPU branch's outputs (stale outside `mask`, the layer's
+        CPU mask [T, K]; when it is empty the GPU does not wait for the host)."""
         if self.cuda:
             from kernels.triton.host_flags import wait_flag
 
-            wait_flag(self.done, m, self.seq_dev, self.err_dev)
-        else:
+            wait_flag(self.done, m, self.seq_dev, self.err_dev, need=mask)
+        elif bool(mask.any()):
             seq, t0 = int(self.seq_dev), time.perf_counter()
             while self._done_np[m] != seq:
                 if self._failed is not None or time.perf_counter() - t0 > WORKER_TIMEOUT_S:
@@ -175,7 +179,7 @@ class CpuBridge:
         go, done = self._go_np, self._done_np
         for m in range(self.L):
             t0 = time.perf_counter()
-            while go[m] != seq:
+            while go[m] < seq:
                 if time.perf_counter() - t0 > WORKER_TIMEOUT_S:
                     raise BridgeError(f"layer {m} of step {seq} never arrived")
                 time.sleep(0)

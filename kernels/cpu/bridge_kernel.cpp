@@ -141,7 +141,7 @@ int ft_bridge_run_step(void* h, int64_t seq, int64_t T, double timeout_s, double
                    Clock::time_point::max(), b.pauses);
         const auto t0 = Clock::now();
         const bool arrived_go = spin_until(
-            [&] { return __atomic_load_n(&b.go[m], __ATOMIC_ACQUIRE) == seq; }, t0 + budget,
+            [&] { return __atomic_load_n(&b.go[m], __ATOMIC_ACQUIRE) >= seq; }, t0 + budget,
             b.pauses);
         const double w = ns_between(t0, Clock::now());
         wait_ns += w;

@@ -45,7 +45,7 @@ def _step(br: CpuBridge, x, ids, mask) -> torch.Tensor:
     ys = []
     for m in range(L):
         br.send(m, x[m], ids[m], mask[m])
-        ys.append(br.receive(m, T).clone())
+        ys.append(br.receive(m, T, mask[m]).clone())
     br.end_step()
     # the worker counts a step after its last done flag, which receive may see first
     t0 = time.perf_counter()
@@ -118,8 +118,9 @@ def test_native_layer_that_never_arrives_fails_the_step(monkeypatch) -> None:
     x, ids, mask = _inputs(1, torch.bfloat16, seed=3)
     br.begin_step(1)
     br.send(0, x[0], ids[0], mask[0])
-    br.receive(0, 1)
-    br.receive(1, 1)  # layer 1 never sent: its wait gives up after the timeout
+    br.receive(0, 1, mask[0])
+    # layer 1 never sent: its wait (for CPU work it was given) gives up after the timeout
+    br.receive(1, 1, torch.ones(1, K, dtype=torch.bool))
     with pytest.raises(BridgeError):
         br.end_step()
     br._thread.join(timeout=5)  # the worker gives up on its own clock and exits
@@ -137,12 +138,45 @@ def test_native_bad_expert_id_fails_the_step(monkeypatch) -> None:
     ids[0, 0, 0], mask[0, 0, 0] = E, True
     br.begin_step(1)
     br.send(0, x[0], ids[0], mask[0])
-    br.receive(0, 1)
+    br.receive(0, 1, mask[0])
     with pytest.raises(BridgeError):
         br.end_step()
     br._thread.join(timeout=5)
     with pytest.raises(BridgeError, match="out of range"):
         br.begin_step(1)
+
+
+@needs_kernel
+def test_native_loop_takes_a_later_steps_flag() -> None:
+    """The GPU does not wait for layers without CPU work, so it can start step seq+1 (raising
+    go[m] = seq+1) before the worker has seen go[m] = seq. Bug caught: a loop that waits for
+    go[m] == seq exactly spins until its timeout (a failed step) instead of going on; the
+    results it then computes are the later step's (its buffers), done[m] = seq."""
+    gu, dn = _banks(torch.bfloat16)
+    br = _bridge(gu, dn, torch.bfloat16, True)
+    x, ids, mask = _inputs(1, torch.bfloat16, seed=5)
+    br.x[:, :1].copy_(x)
+    br.ids[:, :1].copy_(ids)
+    br.mask[:, :1].copy_(mask)
+    br.go.fill_(2)
+    st = br.native.run_step(1, 1, 0.5)
+    assert st.total_s < 0.4
+    assert br.done.tolist() == [1] * L
+    for m in range(L):
+        ref = expert_ffn_reference(x[m].float(), ids[m], gu[m], dn[m], mask[m])
+        got = br.out[m, :1].double() * mask[m][..., None]
+        assert float((got - ref).norm()) <= 2e-2 * max(float(ref.norm()), 1e-6)
+
+
+def test_layer_without_cpu_work_does_not_wait() -> None:
+    """receive() of a layer whose CPU mask is empty returns at once, even though the worker
+    never answered it (on CUDA the wait kernel skips the same way)."""
+    gu, dn = _banks(torch.bfloat16)
+    br = _bridge(gu, dn, torch.bfloat16, False)
+    br.seq_dev.fill_(7)  # a step the worker was never told about: no done flag will come
+    t0 = time.perf_counter()
+    br.receive(0, 1, torch.zeros(1, K, dtype=torch.bool))
+    assert time.perf_counter() - t0 < 1.0 and int(br.err_dev) == 0
 
 
 def test_python_worker_without_banks() -> None:

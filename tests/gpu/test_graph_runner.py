@@ -47,6 +47,27 @@ def test_graph_replay_equals_eager(tiny_hf, backend: str) -> None:
     assert generate(model, prompts[0], sp, []).token_ids == eager[0][:64]
 
 
+def test_chained_generate_stops_where_eager_stops(tiny_hf) -> None:
+    """generate() launches step n+1 before reading step n's token (chained on the device). On a
+    stop token it must end exactly where the eager path ends, drop the step run ahead, and the
+    next call must not see it (same tokens again)."""
+    d = tiny_hf("qwen3_5_moe")
+    model = load_model(d, dtype=torch.float32, device="cuda", progress=False)
+    prompt = list(range(7, 50))
+    sp = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    full = generate(model, prompt, sp, [], cuda_graph=False).token_ids
+    assert generate(model, prompt, sp, []).token_ids == full
+    stop = full[20]
+    first = full.index(stop)
+    sp_eos = SamplingParams(max_tokens=48, temperature=0.0)
+    for _ in range(2):
+        res = generate(model, prompt, sp_eos, [stop])
+        assert res.token_ids == full[:first + 1] and res.finish_reason == "stop"
+    priv = model._ft_private
+    runner = next(iter(priv.runners.values()))
+    assert not runner._open and runner.replays > 40
+
+
 def test_seeded_sampling_same_in_graph_and_eager(tiny_hf) -> None:
     d = tiny_hf("qwen3_5_moe")
     model = load_model(d, dtype=torch.float32, device="cuda", progress=False)
