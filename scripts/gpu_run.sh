@@ -2,7 +2,7 @@
 # One call on the GPU machine (device tool): GPU tests, then the benchmarks of
 # docs/benchmarks.md. Writes logs under $OUT.
 # Usage: OUT=/tmp/out scripts/gpu_run.sh [stage ...]
-#   stages: tests gputests fast batch prefill pbisect decode2 bridge kprof kernel kdiag kunbound ksweep linear bw decode profile
+#   stages: tests gtests gputests fast batch prefill pbisect decode2 bridge kprof kernel kdiag kunbound ksweep linear bw decode profile
 # (default: gputests kernel linear bw, about 6 min; `decode` alone takes about 5 min more)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +43,12 @@ if has fast; then
       --backends ${FT_BACKENDS:-fused,offload} --graphs ${FT_GRAPHS:-both} "${extra[@]}" 2>&1 \
       | grep -v "random weights:" | tee "$OUT/decode_fast_$trace.log"
   done
+fi
+if has gtests; then
+  # chosen GPU test files (FT_GPU_TESTS), short tracebacks kept whole under $OUT
+  timeout ${FT_TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider --tb=short \
+    ${FT_GPU_TESTS:-tests/gpu/test_graph_runner.py} > "$OUT/gtests.log" 2>&1
+  tail -15 "$OUT/gtests.log"
 fi
 if has gputests; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -30 \
