@@ -37,6 +37,10 @@ def main() -> int:
     p.add_argument("--prefill-tokens", type=int, default=0,
                    help="profile one prefill chunk of N tokens (fused: its kernels by device "
                         "time) instead of decode steps")
+    p.add_argument("--route-trace", default=None,
+                   help="'shared' (the recorded trace) or a .npy path: decode routes from it")
+    p.add_argument("--prompt-len", type=int, default=32,
+                   help="decode prompt length (1: almost no prefill in the profile)")
     a = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = preset_config(a.shape, a.layers)
@@ -46,7 +50,16 @@ def main() -> int:
                         [b.experts.down_proj.data for b in blocks], pin=device.type == "cuda")
     for b in blocks:
         b.experts = None
-    prompt = list(range(100, 132))
+    prompt = list(range(100, 100 + a.prompt_len))
+    if a.route_trace:
+        import numpy as np
+
+        from freetoken.bench.moe import TraceRouter, install_trace
+        from freetoken.experts.record import SHARED_TRACE_DIR
+
+        path = (str(SHARED_TRACE_DIR / "decode_routing.npy") if a.route_trace == "shared"
+                else a.route_trace)
+        install_trace(model, TraceRouter(np.load(path), cfg.num_experts, cfg.top_k, device))
     if a.prefill_tokens:
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, cfg.vocab_size, (a.prefill_tokens,), generator=g).tolist()
