@@ -118,9 +118,7 @@ class SlotExperts(ExpertBackend):
         self.cpu_threads = cpu_threads  # CPU branch threads (None: torch's thread count)
         self.guard: AutoGuard | None = None  # `auto`: its steps are marked by the step's runner
         self._device_fill: bool | None = None  # decided on first use (see device_fill)
-        # q* on the device (captured steps): fetch round(m·q_ratio) of m misses, at least one,
-        # at most max_fetch — the same rule as `num_fetch` (set by configure_experts)
-        self.q_ratio, self.max_fetch = 1.0, None
+        self._fetch_table: Tensor | None = None  # num_fetch(m) for m = 0..E, on the device
         self.bridge: CpuBridge | None = None  # the CPU branch of captured steps (decode runner)
         self.streamer: LayerStreamer | None = None  # prefill streaming (experts/streamer.py)
 
@@ -142,30 +140,24 @@ class SlotExperts(ExpertBackend):
         steps on the host and stays eager)."""
         return self.guard is None and not (self.device_fill and self.all_fetched(max_entries))
 
-    def _device_num_fetch(self, topk_ids: Tensor) -> int | Tensor:
-        """`num_fetch` of this step as a device scalar: the distinct misses m counted against
-        the residency table on the device, then q = clamp(round(m·q_ratio), 1, m)."""
+    def _device_num_fetch(self) -> int | Tensor:
+        """`num_fetch` for a captured step: the fixed count, or the rule as a table [E+1] of
+        `num_fetch(m)` per miss count m, which the decision indexes on the device with the
+        misses it counts itself (the same q as the eager path, no extra launches)."""
         if self.fixed_fetch is not None:
             return self.fixed_fetch
-        E, m = self.store.num_experts, self.m
-        dev = self.cache.device
-        ids = topk_ids.to(dev).reshape(-1)
-        idx = torch.where(ids >= 0, ids, E)  # padding -> a spare bucket
-        seen = torch.zeros(E + 1, dtype=torch.bool, device=dev).index_fill_(0, idx, True)[:E]
-        resident = self.cache.table.expert_slot[m * E:(m + 1) * E] >= 0  # [E]
-        misses = (seen & ~resident).sum()  # [] int64
-        q = torch.floor(misses.double() * self.q_ratio + 0.5).long()
-        q = torch.minimum(q.clamp(min=1), misses)
-        if self.max_fetch is not None:
-            q = q.clamp(max=max(0, self.max_fetch))
-        return q
+        if self._fetch_table is None:
+            E = self.store.num_experts
+            self._fetch_table = torch.tensor([self.num_fetch(m) for m in range(E + 1)],
+                                             dtype=torch.int64, device=self.cache.device)
+        return self._fetch_table
 
     def _forward_bridged(self, x: Tensor, topk_ids: Tensor) -> Tensor:
         """The hybrid/cpu layer inside a captured step: decide on the device, hand the CPU
         share to the bridge's worker, fill and compute the rest meanwhile, merge."""
         assert self.bridge is not None
         T, K = topk_ids.shape
-        d = self.cache.decide(self.m, topk_ids, self._device_num_fetch(topk_ids))
+        d = self.cache.decide(self.m, topk_ids, self._device_num_fetch())
         self.bridge.send(self.m, x, topk_ids, d.cpu_mask)
         if self.cache.can_fill_on_device(self.store):
             self.cache.fill_device(self.m, d.fetch_experts, d.fetch_slots, self.store)
@@ -177,8 +169,7 @@ class SlotExperts(ExpertBackend):
                               y) is None:
             dispatch_experts(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots, y,
                              mask=d.slot_ids >= 0)
-        y_cpu = self.bridge.receive(self.m, T, d.cpu_mask)  # [T, K, H]
-        return torch.where(d.cpu_mask[..., None], y_cpu, y)
+        return self.bridge.receive(self.m, d.cpu_mask, y)  # [T, K, H]
 
     @property
     def device_fill(self) -> bool:

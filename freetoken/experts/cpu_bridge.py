@@ -3,13 +3,13 @@ host worker through flags in mapped pinned memory, with no host sync of the comp
 
 Per hybrid (or cpu) MoE layer m, inside the graph, in stream order:
 
-1. `send(m, x, ids, cpu_mask)`: the layer's input rows, routed ids and CPU mask are copied into
-   pinned buffers (device-to-host copy nodes), then a one-thread kernel stores the step's
-   sequence number into `go[m]` (kernels/triton/host_flags.py).
+1. `send(m, x, ids, cpu_mask)`: a kernel stores the layer's input rows, routed ids and CPU mask
+   into pinned buffers through their mapped addresses, then a one-thread kernel stores the
+   step's sequence number into `go[m]` (kernels/triton/host_flags.py).
 2. the GPU fills the fetched experts and computes the resident ones meanwhile;
-3. `receive(m, T, mask)`: a one-thread kernel spins until `done[m]` holds the sequence number
-   (not at all when the layer's CPU mask is empty: most layers, when the cache hits), the CPU
-   results are copied back (host-to-device copy node) and merged with `torch.where`.
+3. `receive(m, mask, y)`: a one-thread kernel spins until `done[m]` holds the sequence number
+   (not at all when the layer's CPU mask is empty: most layers, when the cache hits), then a
+   kernel reads the CPU results of the masked rows from the pinned output into `y`.
 
 The worker thread, told before each replay that step `seq` begins (`begin_step`), walks the
 layers in order: it waits for `go[m] >= seq` (the GPU, which did not wait for layers without
@@ -104,31 +104,35 @@ class CpuBridge:
         T = x.shape[0]
         if m == 0:
             self.seq_dev.add_(1)  # one step = one sequence number for every layer
-        self.x[m, :T].copy_(x, non_blocking=True)
-        self.ids[m, :T].copy_(ids, non_blocking=True)
-        self.mask[m, :T].copy_(mask, non_blocking=True)
         if self.cuda:
-            from kernels.triton.host_flags import raise_flag
+            from kernels.triton.host_flags import raise_flag, store_rows
 
+            store_rows(x, ids, mask, self.x[m, :T], self.ids[m, :T], self.mask[m, :T])
             raise_flag(self.go, m, self.seq_dev)
         else:
+            self.x[m, :T].copy_(x)
+            self.ids[m, :T].copy_(ids)
+            self.mask[m, :T].copy_(mask)
             self._go_np[m] = int(self.seq_dev)
 
-    def receive(self, m: int, T: int, mask: Tensor) -> Tensor:
-        """[T, K, H] on the device: the CPU branch's outputs (stale outside `mask`, the layer's
-        CPU mask [T, K]; when it is empty the GPU does not wait for the host)."""
+    def receive(self, m: int, mask: Tensor, y: Tensor) -> Tensor:
+        """`y [T, K, H]` (the GPU's results, on the device) with the rows of `mask` [T, K] (the
+        layer's CPU mask) replaced by the CPU branch's; when the mask is empty the GPU does not
+        wait for the host."""
+        T = y.shape[0]
         if self.cuda:
-            from kernels.triton.host_flags import wait_flag
+            from kernels.triton.host_flags import merge_rows, wait_flag
 
             wait_flag(self.done, m, self.seq_dev, self.err_dev, need=mask)
-        elif bool(mask.any()):
+            return merge_rows(y, self.out[m, :T], mask)
+        if bool(mask.any()):
             seq, t0 = int(self.seq_dev), time.perf_counter()
             while self._done_np[m] != seq:
                 if self._failed is not None or time.perf_counter() - t0 > WORKER_TIMEOUT_S:
                     self.err_dev.fill_(1)
                     break
                 time.sleep(0)
-        return self.out[m, :T].to(self.device, non_blocking=True)
+        return torch.where(mask[..., None], self.out[m, :T], y)
 
     # -- host side ----------------------------------------------------------------------------
 

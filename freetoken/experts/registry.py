@@ -3,8 +3,8 @@
 
 - `fused`: the layer's banks resident on the compute device (`banks=(gate_up, down)`).
 - `offload`, `cpu`, `hybrid`, `auto`: views of the shared slot cache (`cache`, `store`,
-  `stats`) that differ in how many of a step's misses they fetch (`num_fetch`, `fixed_fetch`,
-  `q_ratio`, `max_fetch`; see SlotExperts).
+  `stats`) that differ in how many of a step's misses they fetch (`num_fetch`, `fixed_fetch`;
+  see SlotExperts).
 """
 from __future__ import annotations
 
@@ -28,11 +28,10 @@ def _fused(layer: int, *, banks: tuple[torch.Tensor, torch.Tensor], **_: Any) ->
 
 def _slot(name: str) -> Callable[..., ExpertBackend]:
     def make(layer: int, *, cache, store, stats, num_fetch: Callable[[int], int],
-             fixed_fetch: int | None = None, cpu_threads: int | None = None,
-             q_ratio: float = 1.0, max_fetch: int | None = None, guard=None,
+             fixed_fetch: int | None = None, cpu_threads: int | None = None, guard=None,
              **_: Any) -> ExpertBackend:
         e = SlotExperts(layer, cache, store, stats, num_fetch, name, fixed_fetch, cpu_threads)
-        e.q_ratio, e.max_fetch, e.guard = q_ratio, max_fetch, guard
+        e.guard = guard
         return e
 
     return make

@@ -13,8 +13,10 @@ exactly the same tensors and leave exactly the same tables):
 
 1. `U` = distinct routed experts of `topk_ids [T, K]` (entries < 0 are padding and ignored).
 2. hits = U resident, misses = U not resident.
-3. `q = min(num_fetch if num_fetch >= 0 else |misses|, |misses|, S - |hits|)` misses are
-   fetched: misses ordered by (routed count descending, expert id ascending), first q taken.
+3. `q = min(nf if nf >= 0 else |misses|, |misses|, S - |hits|)` misses are fetched, where
+   nf = `num_fetch` (an int or a one-element tensor) or, given a table `num_fetch [E+1]`,
+   nf = num_fetch[|misses|] (a fetch rule per miss count, read on the device): misses
+   ordered by (routed count descending, expert id ascending), first q taken.
 4. Victims: the q first slots not holding a hit of this step, in the order (age ascending, slot
    index ascending), where age = last_use for an occupied slot and -1 for an empty one (so empty
    slots go first, then least recently used; equal last_use breaks ties by lowest slot index).
@@ -166,7 +168,8 @@ def decide_reference(
     hit = need & (slot_of >= 0)  # [E]
     miss = need & (slot_of < 0)  # [E]
     n_hit, n_miss = int(hit.sum()), int(miss.sum())
-    nf = int(num_fetch)
+    nf = (int(num_fetch[n_miss]) if isinstance(num_fetch, Tensor) and num_fetch.numel() > 1
+          else int(num_fetch))
     q = min(n_miss if nf < 0 else min(nf, n_miss), S - n_hit)
 
     experts = torch.arange(E, device=dev)  # [E]

@@ -165,10 +165,9 @@ def configure_experts(model: QwenMoE, opts: MoEOptions, device: torch.device | s
         nf = (lambda m: 0) if on_cpu else (guard.num_fetch if guard else q_for(backend))
         fixed = 0 if on_cpu or backend == "cpu" else (-1 if backend == "offload" and not guard
                                                        else None)
-        q_ratio = b_p / (b_p + b_h) if overlap else (1.0 if b_h <= b_p else b_p / b_h)
         b.experts = create_backend(backend, i, cache=cache, store=store, stats=stats,
                                    num_fetch=nf, fixed_fetch=fixed, cpu_threads=cpu_threads,
-                                   q_ratio=q_ratio, max_fetch=opts.hybrid_max_fetch, guard=guard)
+                                   guard=guard)
     if backend == "cpu":
         _prefill_static(cache, store, slots)
     log.info(kv("moe_backend", backend=backend, slots=slots, pool=pool,

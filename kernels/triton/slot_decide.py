@@ -34,6 +34,7 @@ def _slot_decide_kernel(
     slot_ids_ptr, cpu_ptr, fetch_e_ptr, fetch_s_ptr, counters_ptr,
     layer, TK, E, S, F,
     BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr,
+    TABLE: tl.constexpr,
 ):
     base = layer * E
     e = tl.arange(0, BLOCK_E)  # [BE]
@@ -53,7 +54,10 @@ def _slot_decide_kernel(
     miss = need & (slot_of < 0)  # [BE]
     n_hit = tl.sum(hit.to(tl.int64), axis=0)
     n_miss = tl.sum(miss.to(tl.int64), axis=0)
-    nf = tl.load(num_fetch_ptr).to(tl.int64)
+    if TABLE:  # a fetch rule per miss count: nf = num_fetch[n_miss]
+        nf = tl.load(num_fetch_ptr + n_miss).to(tl.int64)
+    else:
+        nf = tl.load(num_fetch_ptr).to(tl.int64)
     q = tl.where(nf < 0, n_miss, tl.minimum(nf, n_miss))
     q = tl.minimum(q, S - n_hit)
 
@@ -115,13 +119,18 @@ def slot_decide(
     updating them in place. Returns `(slot_ids [T, K], cpu_mask [T, K], fetch_experts [F],
     fetch_slots [F], counters [3])` with F = `fetch_cap`; `ResidencyTable.decide` wraps them.
 
-    `num_fetch` may be a python int or a 0-d/1-element int tensor on the tables' device.
+    `num_fetch` may be a python int, a 0-d/1-element int tensor on the tables' device, or a
+    table [E+1] of the number to fetch per miss count (see residency.py, rule 3).
     """
     dev = slot_owner.device
     E, S, F = num_experts, int(slot_owner.numel()), fetch_cap
     ids = topk_ids.to(device=dev, dtype=torch.int64).contiguous()  # [T, K]
     T, K = ids.shape
-    if isinstance(num_fetch, Tensor):
+    table = isinstance(num_fetch, Tensor) and num_fetch.numel() > 1
+    if table:
+        assert num_fetch.numel() == E + 1, "a fetch table has one entry per miss count 0..E"
+        nf = num_fetch.to(device=dev, dtype=torch.int64).contiguous()  # [E+1]
+    elif isinstance(num_fetch, Tensor):
         nf = num_fetch.to(device=dev, dtype=torch.int64).reshape(1)  # [1]
     else:
         nf = torch.full((1,), int(num_fetch), dtype=torch.int64, device=dev)  # [1]
@@ -136,6 +145,6 @@ def slot_decide(
         slot_ids, cpu_mask, fetch_e, fetch_s, counters,
         layer, T * K, E, S, F,
         BLOCK_TK=min(_pow2(T * K), 32), BLOCK_E=_pow2(E), BLOCK_S=block_s, BLOCK_F=_pow2(F),
-        num_warps=8 if block_s >= 2048 else 4,
+        TABLE=table, num_warps=8 if block_s >= 2048 else 4,
     )
     return slot_ids, cpu_mask, fetch_e, fetch_s, counters

@@ -45,7 +45,7 @@ def _step(br: CpuBridge, x, ids, mask) -> torch.Tensor:
     ys = []
     for m in range(L):
         br.send(m, x[m], ids[m], mask[m])
-        ys.append(br.receive(m, T, mask[m]).clone())
+        ys.append(br.receive(m, mask[m], torch.zeros(T, K, H, dtype=x.dtype)).clone())
     br.end_step()
     # the worker counts a step after its last done flag, which receive may see first
     t0 = time.perf_counter()
@@ -118,9 +118,10 @@ def test_native_layer_that_never_arrives_fails_the_step(monkeypatch) -> None:
     x, ids, mask = _inputs(1, torch.bfloat16, seed=3)
     br.begin_step(1)
     br.send(0, x[0], ids[0], mask[0])
-    br.receive(0, 1, mask[0])
+    y = torch.zeros(1, K, H, dtype=torch.bfloat16)
+    br.receive(0, mask[0], y)
     # layer 1 never sent: its wait (for CPU work it was given) gives up after the timeout
-    br.receive(1, 1, torch.ones(1, K, dtype=torch.bool))
+    br.receive(1, torch.ones(1, K, dtype=torch.bool), y)
     with pytest.raises(BridgeError):
         br.end_step()
     br._thread.join(timeout=5)  # the worker gives up on its own clock and exits
@@ -138,7 +139,7 @@ def test_native_bad_expert_id_fails_the_step(monkeypatch) -> None:
     ids[0, 0, 0], mask[0, 0, 0] = E, True
     br.begin_step(1)
     br.send(0, x[0], ids[0], mask[0])
-    br.receive(0, 1, mask[0])
+    br.receive(0, mask[0], torch.zeros(1, K, H, dtype=torch.bfloat16))
     with pytest.raises(BridgeError):
         br.end_step()
     br._thread.join(timeout=5)
@@ -175,7 +176,8 @@ def test_layer_without_cpu_work_does_not_wait() -> None:
     br = _bridge(gu, dn, torch.bfloat16, False)
     br.seq_dev.fill_(7)  # a step the worker was never told about: no done flag will come
     t0 = time.perf_counter()
-    br.receive(0, 1, torch.zeros(1, K, dtype=torch.bool))
+    y = torch.randn(1, K, H).to(torch.bfloat16)
+    assert torch.equal(br.receive(0, torch.zeros(1, K, dtype=torch.bool), y), y)
     assert time.perf_counter() - t0 < 1.0 and int(br.err_dev) == 0
 
 

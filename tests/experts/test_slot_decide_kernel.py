@@ -50,6 +50,34 @@ def test_kernel_matches_reference(seed: int) -> None:
         check_decision(dev, layer, ids.to(DEVICE), k)
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_fetch_table_matches_reference(seed: int) -> None:
+    """A fetch rule per miss count (num_fetch [E+1], what captured hybrid steps pass): the
+    kernel indexes it with the misses it counts; it must give the reference's q, outputs and
+    tables, and the reference's q must be table[misses]. Bug caught: a table read at the wrong
+    count (hits, routed experts) or as its first entry."""
+    rng = random.Random(300 + seed)
+    L, E, S = 2, 8, rng.randint(2, 10)
+    table = [0] + [rng.choice([-1, 0, 1, m, max(1, m // 2)]) for m in range(1, E + 1)]
+    ref, dev = ResidencyTable(L, E, S), ResidencyTable(L, E, S, device=DEVICE)
+    t_ref, t_dev = torch.tensor(table), torch.tensor(table, device=DEVICE)
+    for step in range(12):
+        layer = rng.randrange(L)
+        ids = random_ids(rng, rng.randint(1, 4), 3, E, pad=True)
+        hits = ref.expert_slot[layer * E:(layer + 1) * E].clone()
+        r = ref.decide(layer, ids, t_ref)
+        k = dev.decide(layer, ids.to(DEVICE), t_dev, impl="triton")
+        for name, a, b in zip(r._fields, r, k):
+            assert a.tolist() == b.cpu().tolist(), f"step {step}: {name} differs"
+        same_tables(ref, dev)
+        seen = {int(e) for e in ids.reshape(-1) if e >= 0}
+        n_miss = sum(1 for e in seen if hits[e] < 0)
+        nf = table[n_miss]
+        n_hit = len(seen) - n_miss
+        want_q = min(n_miss if nf < 0 else min(nf, n_miss), S - n_hit)
+        assert int(r.counters[2]) == want_q
+
+
 def test_kernel_chunks_long_id_lists() -> None:
     """More ids than one BLOCK_TK chunk (T*K = 36 > 32) must still count every entry."""
     rng = random.Random(5)
