@@ -2,7 +2,7 @@
 # One call on the GPU machine (device tool): GPU tests, then the benchmarks of
 # docs/benchmarks.md. Writes logs under $OUT.
 # Usage: OUT=/tmp/out scripts/gpu_run.sh [stage ...]
-#   stages: tests gtests gputests fast batch prefill pbisect decode2 bridge kprof kernel kdiag kunbound ksweep linear bw decode profile
+#   stages: tests gtests bwshort gputests fast batch prefill pbisect decode2 bridge kprof kernel kdiag kunbound ksweep linear bw decode profile
 # (default: gputests kernel linear bw, about 6 min; `decode` alone takes about 5 min more)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -86,6 +86,10 @@ if has linear; then
     OMP_PROC_BIND=close OMP_PLACES=cores timeout 120 python3 scripts/bench_cpu_attention.py \
       --heads 16,2,256 --dtype bfloat16 --lengths 8192,57344; } 2>&1 | tee "$OUT/cpu_linear.log"
 fi
+if has bwshort; then
+  # the bandwidth profile q* and the floors use (cached for the later stages of this call)
+  timeout 150 $FT bench bw --pool-gb 3 --seconds 1 2>&1 | tail -12 | tee "$OUT/bw_short.log"
+fi
 if has bw; then
   timeout 180 $FT bench bw --pool-gb 6 --seconds 2 2>&1 | tee "$OUT/bw.log"
 fi
@@ -110,6 +114,7 @@ if has prefill; then
   # every expert over the link, the per-expert path and fused; then TTFT of a 32k prompt
   timeout 420 $FT bench prefill --shape qwen3.6-35b-a3b --layers 20 --random-weights \
     --moe-cache-rate 0.37 --tokens ${FT_PREFILL_TOKENS:-4096,8192,16384} --repeats 2 \
+    --rows ${FT_PREFILL_ROWS:-stream,stream/serial,stream/all-link,experts,fused} \
     --ttft ${FT_TTFT:-32768} 2>&1 | grep -v "random weights:" | tee "$OUT/prefill.log"
 fi
 if has decode2; then

@@ -42,6 +42,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -84,11 +85,13 @@ class CpuBridge:
         self.done = torch.full((L,), -1, dtype=torch.int64, pin_memory=pin)
         self._go_np, self._done_np = self.go.numpy(), self.done.numpy()
         self.seq_dev = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.err_dev = torch.zeros(1, dtype=torch.int32, device=self.device)
+        # set by a wait that gave up; in pinned memory (the wait kernel stores to it mapped),
+        # so end_step reads it without a device sync that would wait for a step launched ahead
+        self.err = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
         self.compute = compute
         self.active = False  # set by the decode runner around its forward
         self.seq = 0  # host mirror of seq_dev after begin_step
-        self.rows = 0
+        self._steps: deque[tuple[int, int]] = deque()  # (seq, rows) begun, not run yet
         self._start = threading.Event()
         self._failed: BaseException | None = None
         self.busy_s = self.wait_go_s = 0.0  # worker time computing / waiting for layers
@@ -123,13 +126,13 @@ class CpuBridge:
         if self.cuda:
             from kernels.triton.host_flags import merge_rows, wait_flag
 
-            wait_flag(self.done, m, self.seq_dev, self.err_dev, need=mask)
+            wait_flag(self.done, m, self.seq_dev, self.err, need=mask)
             return merge_rows(y, self.out[m, :T], mask)
         if bool(mask.any()):
             seq, t0 = int(self.seq_dev), time.perf_counter()
             while self._done_np[m] != seq:
                 if self._failed is not None or time.perf_counter() - t0 > WORKER_TIMEOUT_S:
-                    self.err_dev.fill_(1)
+                    self.err.fill_(1)
                     break
                 time.sleep(0)
         return torch.where(mask[..., None], self.out[m, :T], y)
@@ -137,17 +140,19 @@ class CpuBridge:
     # -- host side ----------------------------------------------------------------------------
 
     def begin_step(self, rows: int) -> None:
-        """Before launching step seq+1 (a replay or an eager run through the runner)."""
+        """Before launching step seq+1 (a replay or an eager run through the runner). Steps may
+        be begun ahead of the worker (the runner launches step n+1 before step n's tokens are
+        read): the worker runs them in order."""
         if self._failed is not None:
             raise BridgeError(f"the CPU branch worker failed: {self._failed!r}")
         self.seq += 1
-        self.rows = rows
+        self._steps.append((self.seq, rows))
         self._start.set()
 
     def end_step(self) -> None:
         """After the step's tokens are back: raise if any layer's wait gave up."""
-        if int(self.err_dev) != 0:
-            self.err_dev.zero_()
+        if int(self.err[0]) != 0:
+            self.err.zero_()
             raise BridgeError("a captured step's CPU branch did not answer "
                               f"(worker error: {self._failed!r})")
 
@@ -155,19 +160,26 @@ class CpuBridge:
         while True:
             self._start.wait()
             self._start.clear()
-            seq, T = self.seq, self.rows
-            try:
-                # fp32 banks: the Python path computes several rows with grouped F.linear, the
-                # native loop with the C++ kernel — equal only for one row
-                if self.native is not None and (T == 1 or not self._native_fp32):
-                    self._native_step(seq, T)
-                else:
-                    self._python_step(seq, T)
-                self.steps_done += 1
-            except BaseException as e:  # noqa: BLE001 — reported by begin_step / end_step
-                self._failed = e
-                log.error(kv("cpu_bridge_failed", seq=seq, error=repr(e)[:200]))
-                return
+            while self._steps:
+                seq, T = self._steps.popleft()
+                if not self._run(seq, T):
+                    return
+
+    def _run(self, seq: int, T: int) -> bool:
+        """One step's layers; False (and the error kept for begin_step / end_step) on failure."""
+        try:
+            # fp32 banks: the Python path computes several rows with grouped F.linear, the
+            # native loop with the C++ kernel — equal only for one row
+            if self.native is not None and (T == 1 or not self._native_fp32):
+                self._native_step(seq, T)
+            else:
+                self._python_step(seq, T)
+            self.steps_done += 1
+        except BaseException as e:  # noqa: BLE001 — reported by begin_step / end_step
+            self._failed = e
+            log.error(kv("cpu_bridge_failed", seq=seq, error=repr(e)[:200]))
+            return False
+        return True
 
     def _native_step(self, seq: int, T: int) -> None:
         assert self.native is not None
