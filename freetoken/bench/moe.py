@@ -178,7 +178,7 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEOptio
             bp = (prof.b_p or 1.0) * 1e9
             bh = prof.b_h * 1e9
             t = max(fb / bp, cb / bh) if backend == "hybrid" else fb / bp + cb / bh
-            floor = 1.0 / t if t > 0 else None
+            floor = batch / t if t > 0 else None  # a step moves the bytes of all its rows
     if backend == "fused":
         drop_fused(model, device)
     return RunResult(backend, tok_s, hit, fb, cb, floor, note)

@@ -2,17 +2,28 @@
 
 Synchronous and single-threaded by design; `AsyncEngine` runs it on a background thread and
 bridges events to asyncio. Nothing here knows about HTTP.
+
+Decode overlap: a decode-only step through the runner is launched and left in flight; the next
+`step()` launches the step after it — the same requests, each fed the token the step in flight
+samples, read on the device (`DecodeRunner.launch(chain=...)`) — before it reads the first
+step's tokens and post-processes them, so the host's scheduling, staging and token handling
+run while the GPU computes. It does so only when that next step is certain up to stop tokens:
+nothing waiting, every running request decoding, a KV slot free for each without preempting;
+a request that ends by length is left out. A request that stops on a token while the step
+after it is in flight keeps that step's work: its KV and state already cover the stop token,
+so it is committed with it (the step's own token is dropped).
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from freetoken.cache.tensors import Caches, KVPool, StateTensors
 from freetoken.engine.cache_ops import CacheOps, HostStates, host_slots_for
 from freetoken.engine.gpu_sampler import RowSampling, sample_rows
-from freetoken.engine.graph_runner import DecodeRow, DecodeRunner
+from freetoken.engine.graph_runner import DecodeRow, DecodeRunner, Pending
 from freetoken.engine.stats import EngineStats
 from freetoken.log import get_logger, kv
 from freetoken.models.qwen import QwenMoE
@@ -27,6 +38,19 @@ log = get_logger("engine")
 
 class ResizeError(RuntimeError):
     """A run-time re-budget could not allocate; the previous cache is still serving."""
+
+
+@dataclass
+class _InFlight:
+    """A decode step launched and not post-processed yet: its items in row order, the state
+    ops to run after it, the runner's handle, when it was launched, and its tokens if they
+    were read early (a request stopped while this step was in flight)."""
+
+    items: list[BatchItem]
+    post_ops: list
+    pending: Pending
+    t0: float
+    tokens: list[int] | None = None
 
 
 class EngineCore:
@@ -66,6 +90,8 @@ class EngineCore:
         self.max_context = min(max_context or cfg.max_position_embeddings, kv_tokens)
         self.stats = EngineStats()
         self.guard = getattr(getattr(model, "moe_runtime", None), "guard", None)  # `auto` only
+        self._inflight: _InFlight | None = None
+        self.steps_ahead = 0  # decode steps launched before the previous one's tokens were read
         log.info(kv("ready", kv_tokens=kv_tokens, state_slots=state_slots if state else 0,
                     max_running=max_running, chunk=chunk_tokens, max_context=self.max_context,
                     kv_mb=KVPool.bytes_per_token(cfg, self.dtype) * kv_tokens // 2**20))
@@ -117,9 +143,14 @@ class EngineCore:
         self.sched.abort(rid)
 
     def has_work(self) -> bool:
-        return self.sched.has_work()
+        return self.sched.has_work() or self._inflight is not None
 
     def step(self) -> None:
+        if self._inflight is not None:
+            cur = self._inflight
+            self._inflight = self._launch_ahead(cur)
+            self._complete(cur)
+            return
         plan = self.sched.schedule()
         self.cache_ops.run(plan.pre_ops)
         items = plan.items
@@ -134,6 +165,10 @@ class EngineCore:
             rows = [self._decode_row(it) for it in items]
             if not self.runner.fits(rows):
                 rows = None
+        if rows is not None and self.guard is None and self.runner.can_chain():
+            # left in flight: the next step() launches the step after it, then reads these ids
+            self._inflight = _InFlight(items, plan.post_ops, self.runner.launch(rows), t0)
+            return
         if rows is not None:
             toks = self.runner.step(rows)  # one host read: the sampled ids
         else:
@@ -153,12 +188,84 @@ class EngineCore:
                 self._on_token(it, toks[row])
                 row += 1
 
+    def _launch_ahead(self, cur: _InFlight) -> _InFlight | None:
+        """Launch the decode step after `cur` (which is in flight) when it is certain: every
+        running request is a row of `cur` and goes on decoding, nothing waits for admission,
+        and the KV pool has a slot for each without preempting. Rows chain on `cur`'s sampled
+        ids. None (nothing launched) otherwise."""
+        sched = self.sched
+        if cur.tokens is not None or sched.waiting or self.guard is not None:
+            return None
+        running = {id(r) for r in sched.running}
+        rows_of = {id(it.req): i for i, it in enumerate(cur.items)}
+        if not running or any(k not in rows_of for k in running):
+            return None
+        ahead = []  # (request, its row in cur): those that surely decode once more
+        for it in cur.items:
+            r = it.req
+            if id(r) not in running or it.n != 1:
+                continue
+            if (r.num_generated + 1 >= r.req.sampling.max_tokens
+                    or len(r.ids) + 1 >= self.max_context):
+                continue  # cur's token ends it by length
+            ahead.append((r, rows_of[id(r)]))
+        if not ahead:
+            return None
+        slots = sched.cache.alloc_kv(len(ahead))
+        if slots is None:
+            return None
+        t0 = time.perf_counter()
+        items, rows = [], []
+        for i, (r, _) in enumerate(ahead):
+            r.row = torch.cat([r.row, slots[i:i + 1]])
+            pos = r.computed + 1  # cur feeds position r.computed
+            item = BatchItem(r, 1, True, pos, None, r.row[:pos + 1])
+            items.append(item)
+            rows.append(DecodeRow(**vars(self._row_sampling(item, r.num_generated + 1)),
+                                  token=0, position=pos, out_slot=int(r.row[pos]),
+                                  state_slot=r.state_slot if r.state_slot is not None else -1,
+                                  kv_slots=r.row[:pos + 1]))
+        if not self.runner.fits(rows):
+            for r, _ in ahead:  # give the slots back: the next step is scheduled as usual
+                sched.kv_alloc.free(r.row[-1:])
+                r.row = r.row[:-1]
+            return None
+        pending = self.runner.launch(rows, chain=[j for _, j in ahead])
+        self.steps_ahead += 1
+        return _InFlight(items, sched.cache.take_ops(), pending, t0)
+
+    def _complete(self, cur: _InFlight) -> None:
+        """Read a launched decode step's tokens and post-process it (as `step` does after a
+        synchronous forward); rows of requests aborted or finished meanwhile are dropped."""
+        toks = cur.tokens if cur.tokens is not None else self.runner.collect(cur.pending)
+        dt = time.perf_counter() - cur.t0
+        self.cache_ops.run(cur.post_ops)
+        running = {id(r) for r in self.sched.running}
+        live = [(it, t) for it, t in zip(cur.items, toks) if id(it.req) in running]
+        self.stats.on_step(dt, prefill_tokens=0, decode_tokens=len(live))
+        for it, tok in live:
+            self.sched.after_forward(it)
+            self._on_token(it, tok)
+
+    def _settle_ahead(self, r: Request) -> None:
+        """`r` stops: if the step in flight has a row of it, that row fed the stop token and
+        advanced r's KV and state past it — wait for the step and count the token computed, so
+        that the prefix committed with the state is the one the state covers."""
+        ahead = self._inflight
+        if ahead is None or not any(it.req is r for it in ahead.items):
+            return
+        if ahead.tokens is None:
+            ahead.tokens = self.runner.collect(ahead.pending)
+        r.computed += 1
+
     @staticmethod
-    def _row_sampling(it: BatchItem) -> RowSampling:
+    def _row_sampling(it: BatchItem, n: int | None = None) -> RowSampling:
+        """Sampling of `it`'s row; `n`: the generated-token index it samples (default: the
+        request's count now)."""
         r = it.req
         p, s = r.req.sampling, r.sampler
-        return RowSampling(p.temperature, p.top_k, p.top_p, s.seed, r.num_generated,
-                           tuple(s.blocked_ids(r.num_generated)))
+        n = r.num_generated if n is None else n
+        return RowSampling(p.temperature, p.top_k, p.top_p, s.seed, n, tuple(s.blocked_ids(n)))
 
     def _decode_row(self, it: BatchItem) -> DecodeRow:
         r = it.req
@@ -210,6 +317,7 @@ class EngineCore:
         elif r.num_generated >= r.req.sampling.max_tokens or len(r.ids) >= self.max_context:
             reason = "length"
         if reason:
+            self._settle_ahead(r)
             self.sched.finish(r)
             r.finished = True
             log.info(kv("finish", rid=r.rid, prompt=r.prompt_len, cached=r.cached_tokens,
