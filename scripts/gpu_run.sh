@@ -2,7 +2,7 @@
 # One call on the GPU machine (device tool): GPU tests, then the benchmarks of
 # docs/benchmarks.md. Writes logs under $OUT.
 # Usage: OUT=/tmp/out scripts/gpu_run.sh [stage ...]
-#   stages: tests gtests bwshort gputests fast batch prefill pbisect decode2 bridge kprof kernel kdiag kunbound ksweep linear bw decode profile
+#   stages: tests gtests bwshort gputests fast batch prefill pbisect handoff decode2 bridge kprof kernel kdiag kunbound ksweep linear bw decode profile
 # (default: gputests kernel linear bw, about 6 min; `decode` alone takes about 5 min more)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -130,6 +130,12 @@ if has bridge; then
   { timeout 120 python3 scripts/bench_bridge.py --threads 15 --experts 2,4,0
     timeout 60 python3 scripts/bench_bridge.py --threads 15 --experts 2 --rows 4; } 2>&1 \
     | tee "$OUT/bridge.log"
+fi
+if has handoff; then
+  # the hybrid hand-off's mechanisms side by side: spin-wait on mapped flags, host-function
+  # nodes, one graph per layer (per-layer cost over a no-hand-off baseline)
+  timeout 150 python3 scripts/bench_handoff.py --layers 20 --steps 300 2>&1 \
+    | tee "$OUT/handoff.log"
 fi
 if has pbisect; then
   # prefill compute: fused with the torch chunk loop vs the scan kernel, streamed 8k, and the

@@ -42,6 +42,10 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.ft_bridge_run_step.argtypes = [_p, _i64, _i64, _dbl, _p]
     lib.ft_bridge_sim_gpu.restype = _int
     lib.ft_bridge_sim_gpu.argtypes = [_p, _p, _i64, _i64, _i64, _dbl, _p, _i64]
+    lib.ft_bridge_echo.restype = _int
+    lib.ft_bridge_echo.argtypes = [_p, _p, _i64, _i64, _dbl, _i64]
+    lib.ft_host_bump.restype = None
+    lib.ft_host_bump.argtypes = [_p]
     lib._ft_bridge_bound = True
 
 
@@ -133,3 +137,22 @@ def sim_gpu(kern: CpuKernel, go: Tensor, done: Tensor, seq: int, gap_s: float,
     if rc != 0:
         raise TimeoutError(f"a layer of step {seq} never answered")
     return [v * 1e-9 for v in lat]
+
+
+def echo_step(kern: CpuKernel, go: Tensor, done: Tensor, seq: int, timeout_s: float,
+              threads: int = 1) -> None:
+    """The host's side of a bare hand-off for step `seq` on this thread (the GIL released):
+    every layer answered as soon as its go flag arrives (scripts/bench_handoff.py)."""
+    _bind(kern.lib)
+    L = go.numel()
+    rc = kern.lib.ft_bridge_echo(go.data_ptr(), done.data_ptr(), L, seq, timeout_s,
+                                 spin_pauses(threads))
+    if rc == 3:
+        raise TimeoutError(f"a go flag of step {seq} never arrived")
+
+
+def host_bump_address(kern: CpuKernel) -> int:
+    """Address of the C callback `ft_host_bump(void* p)` (++*(int64_t*)p), for host-function
+    nodes (cuLaunchHostFunc) in scripts/bench_handoff.py."""
+    _bind(kern.lib)
+    return ctypes.cast(kern.lib.ft_host_bump, ctypes.c_void_p).value

@@ -235,3 +235,30 @@ def test_steps_begun_ahead_run_in_order() -> None:
             ref = expert_ffn_reference(x[m].float(), ids[m], gu[m], dn[m], mask[m])
             got = y[m].double() * mask[m][..., None]
             assert float((got - ref).norm()) <= 2e-2 * max(float(ref.norm()), 1e-6)
+
+
+@needs_kernel
+def test_echo_answers_the_simulated_gpu_and_host_bump_counts() -> None:
+    """The host side of scripts/bench_handoff.py: ft_bridge_echo answers each layer's go flag
+    (the GPU's side simulated on another thread), and the host-function callback's address
+    increments its counter. Bug caught: an echo that answers before the flag (done set ahead
+    of go) or never (the simulated GPU times out)."""
+    import ctypes
+    import threading
+
+    from kernels.cpu.bridge_ops import echo_step, host_bump_address, sim_gpu
+
+    kern = load_kernel()
+    go = torch.full((L,), -1, dtype=torch.int64)
+    done = torch.full((L,), -1, dtype=torch.int64)
+    for seq in (1, 2):
+        t = threading.Thread(target=echo_step, args=(kern, go, done, seq, 5.0))
+        t.start()
+        lat = sim_gpu(kern, go, done, seq, gap_s=1e-5, timeout_s=5.0)
+        t.join(timeout=5)
+        assert all(v >= 0 for v in lat) and done.tolist() == [seq] * L
+    with pytest.raises(TimeoutError):
+        echo_step(kern, go, done, 3, 0.05)  # no go flag for step 3 ever comes
+    counter = ctypes.c_int64(5)
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(host_bump_address(kern))(ctypes.addressof(counter))
+    assert counter.value == 6
