@@ -120,3 +120,33 @@ def test_abort_with_a_step_in_flight(tiny_hf) -> None:
             aborted = True
     assert aborted and len(got["x"]) < 20 and len(got["y"]) == 20
     _clean(core)
+
+
+def test_resize_with_a_step_in_flight(tiny_hf) -> None:
+    """The expert cache re-budgeted between steps while a decode step is in flight (the server
+    runs `resize_experts` between steps): the next launch drops the runner's graphs and waits
+    for the step in flight, then still chains on its ids (kept in the device buffer), and the
+    engine reads the first step's ids afterwards. Tokens stay the eager engine's. Bug caught:
+    ids lost or read from the wrong pinned buffer across that drain."""
+    from freetoken.experts.setup import MoEOptions
+
+    d = tiny_hf("qwen3_5_moe")
+    model = load_model(d, dtype=torch.float32, progress=False,
+                       moe=MoEOptions(backend="offload", cache_size=6))
+    V = model.cfg.vocab_size
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    reqs = [GenerateRequest(_prompt(V, 20, 7 + i), sp, request_id=f"r{i}") for i in range(2)]
+    want = {k: _toks(v) for k, v in _run(_core(model, False), reqs).items()}
+    core = _core(model, True)
+    got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        core.add(r, lambda e, rid=r.request_id: got[rid].extend(e.token_ids))
+    resized = False
+    while core.has_work():
+        core.step()
+        if not resized and len(got["r0"]) >= 4 and core._inflight is not None:
+            core.resize_experts(slots=9)
+            resized = True
+    assert resized and got == want
+    assert model.moe_runtime.cache.num_slots == 9
+    _clean(core)
