@@ -10,32 +10,14 @@ import torch
 
 from freetoken.engine.core import EngineCore
 from freetoken.models.loader import load_model
-from freetoken.types.api import EngineEvent, GenerateRequest, SamplingParams
-
-
-def _prompt(vocab: int, n: int, seed: int) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+from freetoken.types.api import GenerateRequest, SamplingParams
+from tests.engine.test_engine_core import _prompt, _run
+from tests.engine.test_engine_core import _tokens as _toks
 
 
 def _core(model, runner: bool, eos=(), **kw) -> EngineCore:
     return EngineCore(model, list(eos), kv_tokens=768, state_slots=12, max_running=4,
                       chunk_tokens=32, decode_runner=runner, **kw)
-
-
-def _run(core: EngineCore, reqs: list[GenerateRequest]) -> dict[str, list[EngineEvent]]:
-    out: dict[str, list[EngineEvent]] = {r.request_id: [] for r in reqs}
-    for r in reqs:
-        core.add(r, out[r.request_id].append)
-    steps = 0
-    while core.has_work():
-        core.step()
-        steps += 1
-        assert steps < 5000
-    return out
-
-
-def _toks(evs: list[EngineEvent]) -> list[int]:
-    return [t for e in evs for t in e.token_ids]
 
 
 def _clean(core: EngineCore) -> None:
