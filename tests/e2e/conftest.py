@@ -50,16 +50,31 @@ def tiny_chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
 
 
-@pytest.fixture(scope="session")
-def live(tiny_chat_dir: Path):
-    """(server, engine): a real engine behind the real app on a free port."""
+def _serve(tiny_chat_dir: Path, decode_runner: bool):
     model = load_model(tiny_chat_dir, dtype=torch.float32, progress=False)
     tok = ChatTokenizer.from_dir(tiny_chat_dir)
     core = EngineCore(model, tok.eos_token_ids, kv_tokens=280000, state_slots=48, max_running=4,
-                      chunk_tokens=1024, max_context=262144)
+                      chunk_tokens=1024, max_context=262144, decode_runner=decode_runner)
     engine = AsyncEngine(core, tiny_chat_dir, "tiny")
     server = Server(create_app(engine, tok, api_key=None, served_model_names=["tiny"],
                                parser_family="qwen3_5_moe"))
+    return server, engine
+
+
+@pytest.fixture(scope="session")
+def live(tiny_chat_dir: Path):
+    """(server, engine): a real engine behind the real app on a free port."""
+    server, engine = _serve(tiny_chat_dir, False)
+    yield server, engine
+    server.stop()
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def live_overlap(tiny_chat_dir: Path):
+    """`live` with decode steps through the decode runner, as on CUDA: each decode step is
+    launched before the previous one's tokens are post-processed (EngineCore's overlap)."""
+    server, engine = _serve(tiny_chat_dir, True)
     yield server, engine
     server.stop()
     engine.shutdown()

@@ -1,5 +1,6 @@
 """The real engine behind the real server: SDK round trips, prefix reuse across turns,
-interleaved concurrent streams, and abort on disconnect returning the pools to baseline."""
+interleaved concurrent streams, and abort on disconnect returning the pools to baseline — with
+the eager engine and with decode steps overlapped through the decode runner (the CUDA path)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,12 @@ import time
 import anthropic
 import httpx
 import openai
+import pytest
+
+
+@pytest.fixture(params=["live", "live_overlap"])
+def served(request):
+    return request.getfixturevalue(request.param)
 
 
 def _wait_idle(engine, timeout: float = 20.0) -> dict:
@@ -21,8 +28,8 @@ def _wait_idle(engine, timeout: float = 20.0) -> dict:
     raise AssertionError("engine did not go idle")
 
 
-def test_sdks_and_second_turn_reuses_prefix(live) -> None:
-    server, _engine = live
+def test_sdks_and_second_turn_reuses_prefix(served) -> None:
+    server, _engine = served
     oa = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
     msgs = [{"role": "system", "content": "You are terse. " * 40},
             {"role": "user", "content": "Say something about caches."}]
@@ -48,8 +55,8 @@ def test_sdks_and_second_turn_reuses_prefix(live) -> None:
     assert final.usage.cache_read_input_tokens > 0  # shares the system prompt with turn 1
 
 
-def test_parallel_streams_interleave(live) -> None:
-    server, engine = live
+def test_parallel_streams_interleave(served) -> None:
+    server, engine = served
     _wait_idle(engine)
     n = 4
 
@@ -74,8 +81,8 @@ def test_parallel_streams_interleave(live) -> None:
     assert max(t[0] for t in streams) < min(t[-1] for t in streams)
 
 
-def test_disconnect_aborts_and_frees(live) -> None:
-    server, engine = live
+def test_disconnect_aborts_and_frees(served) -> None:
+    server, engine = served
     base = _wait_idle(engine)
     body = {"model": "m", "stream": True, "max_tokens": 4000, "ignore_eos": True,
             "messages": [{"role": "user", "content": "long " * 50}]}
@@ -111,3 +118,23 @@ def test_over_long_prompt_is_rejected_at_once(live) -> None:
         "messages": [{"role": "user", "content": "word " * 270000}]})
     assert r.status_code == 400 and r.json()["type"] == "error"
     assert time.time() - t0 < 10
+
+
+def test_overlapped_serving_answers_like_eager(live, live_overlap) -> None:
+    """The same greedy chat requests through both servers, one after the other (the batch a
+    request lands in must not differ between the two): the same text and finish reasons, and
+    the overlapped engine really launched steps ahead."""
+    def answers(server) -> list[tuple[str, str]]:
+        out = []
+        for i in range(3):
+            r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+                "model": "m", "max_tokens": 20, "temperature": 0,
+                "messages": [{"role": "user", "content": f"count to {i} " * (3 + 2 * i)}]})
+            assert r.status_code == 200, r.text
+            c = r.json()["choices"][0]
+            out.append((c["message"]["content"], c["finish_reason"]))
+        return out
+
+    before = live_overlap[1].core.steps_ahead
+    assert answers(live_overlap[0]) == answers(live[0])
+    assert live_overlap[1].core.steps_ahead > before
