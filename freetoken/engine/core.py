@@ -91,6 +91,7 @@ class EngineCore:
         self.stats = EngineStats()
         self.guard = getattr(getattr(model, "moe_runtime", None), "guard", None)  # `auto` only
         self._inflight: _InFlight | None = None
+        self._t_done = 0.0  # when the last step's tokens were read (overlapped steps' time)
         self.steps_ahead = 0  # decode steps launched before the previous one's tokens were read
         log.info(kv("ready", kv_tokens=kv_tokens, state_slots=state_slots if state else 0,
                     max_running=max_running, chunk=chunk_tokens, max_context=self.max_context,
@@ -176,7 +177,8 @@ class EngineCore:
             toks = self._sample([it for it in items if it.wants_logits], logits)
         if self.guard is not None:
             self.guard.end_step()
-        dt = time.perf_counter() - t0
+        self._t_done = time.perf_counter()
+        dt = self._t_done - t0
         self.cache_ops.run(plan.post_ops)
         n_decode = sum(1 for i in items if i.n == 1)
         self.stats.on_step(dt, prefill_tokens=sum(i.n for i in items) - n_decode,
@@ -238,7 +240,11 @@ class EngineCore:
         """Read a launched decode step's tokens and post-process it (as `step` does after a
         synchronous forward); rows of requests aborted or finished meanwhile are dropped."""
         toks = cur.tokens if cur.tokens is not None else self.runner.collect(cur.pending)
-        dt = time.perf_counter() - cur.t0
+        # a step launched while the previous one ran is charged from that one's end: the
+        # statistics' busy time is wall time, not launch-to-tokens summed over overlapping steps
+        now = time.perf_counter()
+        dt = now - max(cur.t0, self._t_done)
+        self._t_done = now
         self.cache_ops.run(cur.post_ops)
         running = {id(r) for r in self.sched.running}
         live = [(it, t) for it, t in zip(cur.items, toks) if id(it.req) in running]

@@ -132,3 +132,24 @@ def test_resize_with_a_step_in_flight(tiny_hf) -> None:
     assert resized and got == want
     assert model.moe_runtime.cache.num_slots == 9
     _clean(core)
+
+
+def test_overlapped_steps_are_timed_once(tiny_hf) -> None:
+    """/v1/stats' decode rate divides tokens by the steps' summed time. Overlapped steps run
+    launch-to-tokens across two step() calls each; charged that way, their times would sum to
+    about twice the wall time and halve the reported rate."""
+    import time
+
+    model = load_model(tiny_hf("qwen3_5_moe"), dtype=torch.float32, progress=False)
+    V = model.cfg.vocab_size
+    core = _core(model, True)
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for i in range(2):
+        core.add(GenerateRequest(_prompt(V, 10, 20 + i), sp, request_id=f"t{i}"), lambda e: None)
+    t0 = time.perf_counter()
+    while core.has_work():
+        core.step()
+    wall = time.perf_counter() - t0
+    busy = sum(s[1] for s in core.stats._steps)
+    assert core.steps_ahead > 20
+    assert busy <= wall * 1.02, (busy, wall)
