@@ -8,7 +8,8 @@ Decode overlap: a decode-only step through the runner is launched and left in fl
 samples, read on the device (`DecodeRunner.launch(chain=...)`) — before it reads the first
 step's tokens and post-processes them, so the host's scheduling, staging and token handling
 run while the GPU computes. It does so only when that next step is certain up to stop tokens:
-nothing waiting, every running request decoding, a KV slot free for each without preempting;
+no waiting request that could be admitted now, every running request decoding, a KV slot free
+for each without preempting;
 a request that ends by length is left out. A request that stops on a token while the step
 after it is in flight keeps that step's work: its KV and state already cover the stop token,
 so it is committed with it (the step's own token is dropped).
@@ -192,12 +193,14 @@ class EngineCore:
 
     def _launch_ahead(self, cur: _InFlight) -> _InFlight | None:
         """Launch the decode step after `cur` (which is in flight) when it is certain: every
-        running request is a row of `cur` and goes on decoding, nothing waits for admission,
-        and the KV pool has a slot for each without preempting. Rows chain on `cur`'s sampled
+        running request is a row of `cur` and goes on decoding, no waiting request could be
+        admitted now (the batch is full), and the KV pool has a slot for each without
+        preempting. Rows chain on `cur`'s sampled
         ids. None (nothing launched) otherwise."""
         sched = self.sched
-        if cur.tokens is not None or sched.waiting or self.guard is not None:
-            return None
+        admissible = sched.waiting and len(sched.running) < sched.max_running
+        if cur.tokens is not None or admissible or self.guard is not None:
+            return None  # (a full batch keeps overlapping while others wait their turn)
         running = {id(r) for r in sched.running}
         rows_of = {id(it.req): i for i, it in enumerate(cur.items)}
         if not running or any(k not in rows_of for k in running):

@@ -153,3 +153,25 @@ def test_overlapped_steps_are_timed_once(tiny_hf) -> None:
     busy = sum(s[1] for s in core.stats._steps)
     assert core.steps_ahead > 20
     assert busy <= wall * 1.02, (busy, wall)
+
+
+def test_full_batch_keeps_overlapping_while_others_wait(tiny_hf) -> None:
+    """Six requests, two running at a time: while the batch is full the waiting ones cannot be
+    admitted anyway, so the running pair keeps overlapping; a finished request makes room and
+    the next one is admitted one step later. Tokens stay the eager engine's."""
+    model = load_model(tiny_hf("qwen3_5_moe"), dtype=torch.float32, progress=False)
+    V = model.cfg.vocab_size
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    reqs = [GenerateRequest(_prompt(V, 9 + i, 60 + i), sp, request_id=f"w{i}") for i in range(6)]
+
+    def core(runner: bool) -> EngineCore:
+        return EngineCore(model, [], kv_tokens=768, state_slots=12, max_running=2,
+                          chunk_tokens=32, decode_runner=runner)
+
+    want = {k: _toks(v) for k, v in _run(core(False), reqs).items()}
+    c = core(True)
+    assert {k: _toks(v) for k, v in _run(c, reqs).items()} == want
+    # three waves of two; each overlaps for most of its 11 decode steps (only the last wave
+    # would, if any waiting request stopped the overlap)
+    assert c.steps_ahead >= 24, c.steps_ahead
+    _clean(c)
