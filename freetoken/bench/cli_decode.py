@@ -31,6 +31,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", default="1",
                    help="sequences decoding together (through the engine's batch path); a comma "
                         "list (1,4,16) measures each size in this process over the same model")
+    p.add_argument("--path", choices=["generate", "engine"], default="generate",
+                   help="batch 1 through `generate` (ft generate's path) or through the engine "
+                        "`ft serve` runs (EngineCore, its decode overlap included); larger "
+                        "batches always take the engine")
     p.add_argument("--route-trace", default=None,
                    help="replay decode routing from a trace (.npy [steps, L, N, K] or 'shared'); "
                         "a comma list (random,shared) measures each routing in this process")
@@ -185,7 +189,8 @@ def bench_rounds(args, model, store, opts, device, prompt, backends, batch) -> d
                     and store.nbytes > 0.8 * torch.cuda.mem_get_info()[0]):
                 continue
             r = run_backend(model, store, be, opts, device, prompt, args.decode_tokens,
-                            cuda_graph=graphs, batch=batch)
+                            cuda_graph=graphs, batch=batch,
+                            engine=getattr(args, "path", "generate") == "engine")
             print(f"[bench] round {rnd + 1} batch {batch}: {name} {r.tok_s:.1f} tok/s {r.note}",
                   flush=True)
             if name not in best or r.tok_s > best[name].tok_s:

@@ -134,7 +134,9 @@ def decode_batch(model: QwenMoE, prompts: list[list[int]], n_tokens: int,
 
 def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEOptions,
                 device: torch.device, prompt: list[int], n_tokens: int, cuda_graph: bool = True,
-                batch: int = 1) -> RunResult:
+                batch: int = 1, engine: bool = False) -> RunResult:
+    """One backend's decode rate: batch 1 through `generate` unless `engine` (then, as every
+    larger batch, through EngineCore as `ft serve` runs it)."""
     rt = install_backend(model, store, backend, opts, device)
     note = ""
     sp = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
@@ -143,7 +145,7 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEOptio
     if rt:
         rt.stats.sync()
     s0 = {k: v for k, v in rt.stats.__dict__.items() if isinstance(v, int)} if rt else None
-    if batch > 1:
+    if batch > 1 or engine:
         # B prompts of the same length, each a rotation of the first (no shared prefix)
         prompts = [prompt[i % len(prompt):] + prompt[:i % len(prompt)] for i in range(batch)]
         tok_s, steps = decode_batch(model, prompts, n_tokens, cuda_graph)

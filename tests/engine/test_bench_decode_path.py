@@ -1,0 +1,34 @@
+"""`ft bench decode --path engine`: batch 1 measured through EngineCore (what `ft serve` runs,
+its decode overlap included) instead of `generate`. Bug caught: the flag not reaching the
+measurement (the figure then silently comes from the other path)."""
+from __future__ import annotations
+
+import torch
+
+from freetoken.bench import moe as bench_moe
+from freetoken.experts.setup import MoEOptions
+from freetoken.experts.store import ExpertStore
+from freetoken.models.loader import load_model
+
+
+def test_engine_path_takes_batch_one_through_the_engine(tiny_hf, monkeypatch) -> None:
+    model = load_model(tiny_hf("qwen3_5_moe"), dtype=torch.float32, progress=False)
+    blocks = model.moe_blocks()
+    store = ExpertStore([b.experts.gate_up_proj.data for b in blocks],
+                        [b.experts.down_proj.data for b in blocks], pin=False)
+    calls: list[int] = []
+    real = bench_moe.decode_batch
+
+    def spy(model, prompts, n_tokens, cuda_graph):
+        calls.append(len(prompts))
+        return real(model, prompts, n_tokens, cuda_graph)
+
+    monkeypatch.setattr(bench_moe, "decode_batch", spy)
+    cpu = torch.device("cpu")
+    prompt = list(range(3, 19))
+    r = bench_moe.run_backend(model, store, "offload", MoEOptions(cache_size=4), cpu, prompt, 8,
+                              cuda_graph=False, batch=1, engine=True)
+    assert calls == [1] and r.tok_s > 0 and 0.0 <= r.hit_rate <= 1.0 and r.fetch_bytes_tok > 0
+    r = bench_moe.run_backend(model, store, "offload", MoEOptions(cache_size=4), cpu, prompt, 8,
+                              cuda_graph=False, batch=1)
+    assert calls == [1] and r.tok_s > 0  # the default batch-1 path is generate
