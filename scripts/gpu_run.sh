@@ -122,7 +122,8 @@ if has decode2; then
   timeout ${FT_DECODE_TIMEOUT:-400} $FT bench decode --shape qwen3.6-35b-a3b --layers 20 \
     --random-weights --moe-cache-rate 0.37 --prompt-tokens 32 --decode-tokens 128 --repeats 1 \
     --backends ${FT_BACKENDS:-fused,offload,hybrid} --graphs on \
-    --route-trace ${FT_TRACES:-random,shared} --batch ${FT_BATCH:-1} 2>&1 \
+    --route-trace ${FT_TRACES:-random,shared} --batch ${FT_BATCH:-1} \
+    --path ${FT_DECODE_PATH:-generate} 2>&1 \
     | grep -v "random weights:\|ft.engine: finish\|ft.sched: admit" | tee "$OUT/decode2.log"
 fi
 if has bridge; then
