@@ -190,7 +190,7 @@ def bench_rounds(args, model, store, opts, device, prompt, backends, batch) -> d
                 continue
             r = run_backend(model, store, be, opts, device, prompt, args.decode_tokens,
                             cuda_graph=graphs, batch=batch,
-                            engine=getattr(args, "path", "generate") == "engine")
+                            engine=args.path == "engine")
             print(f"[bench] round {rnd + 1} batch {batch}: {name} {r.tok_s:.1f} tok/s {r.note}",
                   flush=True)
             if name not in best or r.tok_s > best[name].tok_s:

@@ -9,10 +9,9 @@ samples, read on the device (`DecodeRunner.launch(chain=...)`) — before it rea
 step's tokens and post-processes them, so the host's scheduling, staging and token handling
 run while the GPU computes. It does so only when that next step is certain up to stop tokens:
 no waiting request that could be admitted now, every running request decoding, a KV slot free
-for each without preempting;
-a request that ends by length is left out. A request that stops on a token while the step
-after it is in flight keeps that step's work: its KV and state already cover the stop token,
-so it is committed with it (the step's own token is dropped).
+for each without preempting; a request that ends by length is left out. A request that stops
+on a token while the step after it is in flight keeps that step's work: its KV and state
+already cover the stop token, so it is committed with it (the step's own token is dropped).
 """
 from __future__ import annotations
 
@@ -167,7 +166,7 @@ class EngineCore:
             rows = [self._decode_row(it) for it in items]
             if not self.runner.fits(rows):
                 rows = None
-        if rows is not None and self.guard is None and self.runner.can_chain():
+        if rows is not None and self.guard is None:
             # left in flight: the next step() launches the step after it, then reads these ids
             self._inflight = _InFlight(items, plan.post_ops, self.runner.launch(rows), t0)
             return
@@ -195,8 +194,7 @@ class EngineCore:
         """Launch the decode step after `cur` (which is in flight) when it is certain: every
         running request is a row of `cur` and goes on decoding, no waiting request could be
         admitted now (the batch is full), and the KV pool has a slot for each without
-        preempting. Rows chain on `cur`'s sampled
-        ids. None (nothing launched) otherwise."""
+        preempting. Rows chain on `cur`'s sampled ids. None (nothing launched) otherwise."""
         sched = self.sched
         admissible = sched.waiting and len(sched.running) < sched.max_running
         if cur.tokens is not None or admissible or self.guard is not None:

@@ -113,9 +113,10 @@ def generate(model: QwenMoE, prompt: list[int], sampling: SamplingParams, eos_id
                          state_slot=state_slot, kv_slots=host_slots[: pos + 1])
 
     # On CUDA the next step is launched before this one's token is read (it takes the token
-    # from the device): the host's staging overlaps the GPU's step. After a stop token the one
-    # step launched ahead is discarded; it wrote only slots past the sequence's end.
-    chained = runner is not None and guard is None and runner.can_chain()
+    # from the device): the host's staging overlaps the GPU's step (every backend: the CPU
+    # bridge queues the steps begun ahead of its worker). After a stop token the one step
+    # launched ahead is discarded; it wrote only slots past the sequence's end.
+    chained = runner is not None and guard is None
     pending = None
     while True:
         out.append(tok)

@@ -353,11 +353,6 @@ class DecodeRunner:
         """Run one decode step for `rows` (at most max_batch); returns the sampled token ids."""
         return self.collect(self.launch(rows))
 
-    def can_chain(self) -> bool:
-        """Whether `launch` may run ahead of `collect` (a CPU branch's bridge queues the steps
-        begun ahead of its worker, so every backend can)."""
-        return True
-
     def launch(self, rows: list[DecodeRow], chain: list[int] | None = None) -> Pending:
         """Stage and launch one decode step without waiting for its tokens (`collect` them).
         `chain[i] >= 0` feeds row i the id sampled in row chain[i] of the step launched just

@@ -15,8 +15,8 @@ step the runner reports, not a hung GPU).
 never a cached copy of an earlier step's buffer): one kernel each where copy nodes and a
 `where` took four graph nodes per layer, every one a switch between the copy engine and the SMs.
 
-Shapes: flags [L] int64 (pinned host), seq [1] int64 (device), err [1] int32 (device); x [T, H],
-ids / mask [T, K], y and the host results [T, K, H].
+Shapes: flags [L] int64 (pinned host), seq [1] int64 (device), err [1] int32 (pinned host);
+x [T, H], ids / mask [T, K], y and the host results [T, K, H].
 """
 from __future__ import annotations
 
@@ -96,13 +96,11 @@ def raise_flag(flags: Tensor, i: int, seq: Tensor) -> None:
     _raise_kernel[(1,)](flags, seq, i)
 
 
-def wait_flag(flags: Tensor, i: int, seq: Tensor, err: Tensor, need: Tensor | None = None,
+def wait_flag(flags: Tensor, i: int, seq: Tensor, err: Tensor, need: Tensor,
               max_polls: int = MAX_POLLS) -> None:
-    """Hold the stream until flags[i] == seq[0] (err[0] = 1 if it never comes); with `need`
-    (a device bool/int tensor, e.g. the layer's CPU mask), only when some entry is set: a layer
-    that gave the host no work does not wait for its answer."""
-    if need is None:
-        need = seq  # the sequence number is never 0 during a step: always wait
+    """Hold the stream until flags[i] == seq[0] (err[0] = 1 if it never comes), when some entry
+    of `need` (a device bool/int tensor: the layer's CPU mask) is set: a layer that gave the
+    host no work does not wait for its answer."""
     flat = need.reshape(-1)
     _wait_kernel[(1,)](flags, seq, err, i, max_polls, flat, flat.numel(),
                        BLOCK=triton.next_power_of_2(max(1, flat.numel())))
