@@ -1,21 +1,28 @@
 """Per-layer cost of the ways a captured decode step can hand work to the host and take the
-answer back (issue 10, item 4), on a CUDA device. A step is L layers, each two GEMVs of a
-(work-dim x hidden) bf16 matrix (a layer's GPU work before and after the hand-off), and between
-them one of:
+answer back (issue 10, item 4), on a CUDA device. A step is L layers; each layer is two GEMVs
+of a (work-dim x hidden) bf16 matrix, the layer's GPU work before the hand-off and the GPU's
+own share after it, and between them one of:
 
-  none      no hand-off: the baseline
-  spin      the bridge's mechanism (experts/cpu_bridge.py): store_rows + raise_flag, the GEMV,
-            wait_flag + merge_rows; the host answers from a native loop spinning on the flags
-            (ft_bridge_echo), started for each step from a persistent thread
-  hostfunc  a host-function node per layer (cuLaunchHostFunc, captured into the graph) running
-            a C callback; the stream waits for it to return
-  split     one graph per layer: the host waits for it (stream sync), answers, replays the next
+  none          no hand-off: the baseline
+  spin          the bridge's mechanism (experts/cpu_bridge.py): store_rows + raise_flag, the
+                GPU's share, wait_flag + merge_rows; the host answers from a native loop
+                spinning on the flags (ft_bridge_echo), started for each step from a
+                persistent thread. The host's work overlaps the GPU's share.
+  hostfunc      a host-function node per layer (cuLaunchHostFunc, captured) in line: the
+                stream waits for the callback, the GPU's share runs after it
+  hostfunc-par  the host node on a forked branch of the graph, beside the GPU's share, joined
+                before the next layer (the best a host node can do: the work overlaps)
+  split         graphs per layer: A = merge of the previous answer, the layer's first GEMV,
+                store_rows; the host waits for A (stream sync), replays B (the GPU's share),
+                answers while B runs, and replays the next A
 
-`none`, `spin` and `hostfunc` are captured as one graph per step. Prints the median step time
-of each and (step - none) / L, the mechanism's cost per layer. The host answers with no work,
-so this is the bare hand-off; what the CPU computes comes on top in every mechanism.
+Every mechanism is captured once; the host's answer busy-waits --host-us microseconds per
+layer (0: the bare hand-off; the CPU share's work at real sizes: tens to hundreds of µs).
+Prints the median step time of each and (step - none) / L, the cost per layer over no
+hand-off, and that cost less the host's work (the mechanism's overhead; below zero where the
+host's work hides behind the GPU's share).
 
-  python scripts/bench_handoff.py --layers 20 --steps 300
+  python scripts/bench_handoff.py --layers 20 --steps 300 --host-us 0,30,100
 """
 from __future__ import annotations
 
@@ -69,6 +76,8 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--work-dim", type=int, default=4096, help="rows of each layer's GEMVs")
+    p.add_argument("--host-us", default="0,30,100",
+                   help="the host's busy work per layer, µs, comma-separated")
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_handoff measures a GPU's hand-off to the host: it needs CUDA")
@@ -86,14 +95,15 @@ def main() -> int:
     def work() -> None:
         torch.mm(x, w.t(), out=sink)
 
-    # -- none -------------------------------------------------------------------------------
+    # -- none ---------------------------------------------------------------------------------
     def body_none() -> None:
         for _ in range(L):
             work()
             work()
 
     g_none = _graph(body_none)
-    results = {"none": _timed(g_none.replay, a.steps)}
+    host_us = [float(v) for v in a.host_us.split(",")]
+    steps = {"none": g_none.replay}
 
     # -- spin: the bridge's kernels and a native host loop answering the flags ---------------
     pin = {"pin_memory": True}
@@ -108,14 +118,15 @@ def main() -> int:
     ids = torch.zeros(1, K, dtype=torch.int64, device=dev)
     need = torch.ones(1, K, dtype=torch.bool, device=dev)  # every layer waits for its answer
     y = torch.zeros(1, K, H, dtype=bf, device=dev)
-    steps_q: queue.Queue[int] = queue.Queue()
+    steps_q: queue.Queue[tuple[int, float]] = queue.Queue()
+    work_now = [0.0]  # the host's work per layer, µs, of the rows being timed
 
     def answer() -> None:
         while True:
-            seq = steps_q.get()
+            seq, us = steps_q.get()
             if seq < 0:
                 return
-            echo_step(kern, go, done, seq, 10.0, threads=1)
+            echo_step(kern, go, done, seq, 10.0, threads=1, work_us=us)
 
     worker = threading.Thread(target=answer, daemon=True)
     worker.start()
@@ -133,7 +144,7 @@ def main() -> int:
 
     def step_spin(run) -> None:
         seq[0] += 1
-        steps_q.put(seq[0])
+        steps_q.put((seq[0], work_now[0]))
         run()
 
     # warm-up and capture (the capture's own pass is not executed: no step number for it)
@@ -146,51 +157,96 @@ def main() -> int:
     g_spin = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g_spin):
         body_spin()
-    results["spin"] = _timed(lambda: step_spin(g_spin.replay), a.steps)
-    steps_q.put(-1)
-    worker.join(timeout=5)
-    if int(err[0]) or done.tolist() != [seq[0]] * L:
-        raise SystemExit(f"spin: a wait gave up (err={int(err[0])}, done={done.tolist()})")
+    steps["spin"] = lambda: step_spin(g_spin.replay)
 
-    # -- hostfunc: a host node per layer --------------------------------------------------------
+    # -- hostfunc: a host node per layer, in line and on a parallel branch ----------------------
     libcuda = ctypes.CDLL("libcuda.so.1")
     libcuda.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     libcuda.cuLaunchHostFunc.restype = ctypes.c_int
     fn = host_bump_address(kern)
-    counter = ctypes.c_int64(0)
+    harg = (ctypes.c_int64 * 2)(0, 0)  # {callbacks run, work ns}
+
+    def host_node() -> None:
+        rc = libcuda.cuLaunchHostFunc(torch.cuda.current_stream().cuda_stream, fn,
+                                      ctypes.addressof(harg))
+        if rc != 0:
+            raise RuntimeError(f"cuLaunchHostFunc failed: CUresult {rc}")
 
     def body_hostfunc() -> None:
-        stream = torch.cuda.current_stream().cuda_stream
         for _ in range(L):
             work()
-            rc = libcuda.cuLaunchHostFunc(stream, fn, ctypes.addressof(counter))
-            if rc != 0:
-                raise RuntimeError(f"cuLaunchHostFunc failed: CUresult {rc}")
+            host_node()
             work()
+
+    side = torch.cuda.Stream()
+
+    def body_hostfunc_par() -> None:
+        main = torch.cuda.current_stream()
+        for _ in range(L):
+            work()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                host_node()
+            work()
+            main.wait_stream(side)
 
     g_host = _graph(body_hostfunc)
-    counter.value = 0
-    results["hostfunc"] = _timed(g_host.replay, a.steps)
-    if counter.value != L * a.steps:
-        raise SystemExit(f"hostfunc: {counter.value} callbacks ran, expected {L * a.steps}")
+    g_host_par = _graph(body_hostfunc_par)
+    steps["hostfunc"] = g_host.replay
+    steps["hostfunc-par"] = g_host_par.replay
 
-    # -- split: one graph per layer, the host in between ----------------------------------------
-    g_layer = _graph(lambda: (work(), work()))
+    # -- split: graphs per layer, the host in between -------------------------------------------
+    bump = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(fn)
+
+    def part_a() -> None:
+        merge_rows(y, hout[0], need)
+        work()
+        store_rows(x, ids, need, hx[0], hids[0], hmask[0])
+
+    g_a, g_b = _graph(part_a), _graph(work)
+    g_merge = _graph(lambda: merge_rows(y, hout[0], need))
 
     def step_split() -> None:
+        stream = torch.cuda.current_stream()
         for _ in range(L):
-            g_layer.replay()
-            torch.cuda.current_stream().synchronize()  # the host takes the layer's result
+            g_a.replay()
+            stream.synchronize()  # the host takes the layer's rows
+            g_b.replay()
+            bump(ctypes.addressof(harg))  # the host's answer, while B runs
+        g_merge.replay()
 
-    results["split"] = _timed(step_split, a.steps)
+    steps["split"] = step_split
 
-    base = results["none"]
+    results: dict[tuple[str, float], float] = {}
+    for us in host_us:
+        work_now[0] = us
+        harg[1] = round(us * 1e3)
+        for name, run in steps.items():
+            harg[0] = 0
+            results[name, us] = _timed(run, a.steps)
+            if name.startswith("hostfunc") and harg[0] != L * a.steps:
+                raise SystemExit(f"{name}: {harg[0]} callbacks ran, expected {L * a.steps}")
+    steps_q.put((-1, 0.0))
+    worker.join(timeout=5)
+    if int(err[0]) or done.tolist() != [seq[0]] * L:
+        raise SystemExit(f"spin: a wait gave up (err={int(err[0])}, done={done.tolist()})")
+
+    base = results["none", host_us[0]]
     print(f"layers={L} hidden={H} work_dim={a.work_dim} steps={a.steps} "
-          f"({torch.cuda.get_device_name()})")
-    print(f"{'mechanism':10} {'step ms':>9} {'per layer µs':>13}")
-    for name, t in results.items():
-        per = "-" if name == "none" else f"{(t - base) / L * 1e6:13.1f}"
-        print(f"{name:10} {t * 1e3:9.3f} {per:>13}", flush=True)
+          f"({torch.cuda.get_device_name()}); the GPU's share per layer: one GEMV "
+          f"(about {base / (2 * L) * 1e6:.1f} µs)")
+    print(f"{'mechanism':13} {'host µs':>8} {'step ms':>9} {'+/layer µs':>11} "
+          f"{'overhead µs':>12}")
+    for us in host_us:
+        for name in steps:
+            t = results[name, us]
+            if name == "none":
+                if us == host_us[0]:
+                    print(f"{name:13} {'-':>8} {t * 1e3:9.3f} {'-':>11} {'-':>12}")
+                continue
+            per = (t - base) / L * 1e6
+            print(f"{name:13} {us:8.0f} {t * 1e3:9.3f} {per:11.1f} {per - us:12.1f}",
+                  flush=True)
     return 0
 
 

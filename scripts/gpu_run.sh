@@ -135,7 +135,7 @@ fi
 if has handoff; then
   # the hybrid hand-off's mechanisms side by side: spin-wait on mapped flags, host-function
   # nodes, one graph per layer (per-layer cost over a no-hand-off baseline)
-  timeout 150 python3 scripts/bench_handoff.py --layers 20 --steps 300 2>&1 \
+  timeout 150 python3 scripts/bench_handoff.py --layers 20 --steps 300 --host-us 0,30,100 2>&1 \
     | tee "$OUT/handoff.log"
 fi
 if has pbisect; then

@@ -215,23 +215,37 @@ int ft_bridge_sim_gpu(int64_t* go, const int64_t* done, int64_t L, int64_t seq, 
   return 0;
 }
 
-// The host's side of a bare hand-off (benchmarks, no expert work): for each layer in order,
-// wait until go[m] >= seq, then store done[m] = seq at once. Returns 0, or 3 when a go flag did
-// not come within timeout_s.
+// Busy-waits ns nanoseconds on this thread (a stand-in for the CPU share's work in benchmarks).
+static void busy_ns(int64_t ns) {
+  if (ns <= 0) return;
+  const auto until = Clock::now() + std::chrono::nanoseconds(ns);
+  while (Clock::now() < until) {
+  }
+}
+
+// The host's side of a hand-off with work_ns of simulated work per layer (benchmarks): for each
+// layer in order, wait until go[m] >= seq, busy-wait work_ns, then store done[m] = seq. Returns
+// 0, or 3 when a go flag did not come within timeout_s.
 int ft_bridge_echo(const int64_t* go, int64_t* done, int64_t L, int64_t seq, double timeout_s,
-                   int64_t pauses) {
+                   int64_t pauses, int64_t work_ns) {
   const auto budget = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(timeout_s));
   for (int64_t m = 0; m < L; ++m) {
     if (!spin_until([&] { return __atomic_load_n(&go[m], __ATOMIC_ACQUIRE) >= seq; },
                     Clock::now() + budget, pauses))
       return 3;
+    busy_ns(work_ns);
     __atomic_store_n(&done[m], seq, __ATOMIC_RELEASE);
   }
   return 0;
 }
 
-// A host-function node's callback (cuLaunchHostFunc; benchmarks): adds one to the int64 at p.
-void ft_host_bump(void* p) { __atomic_add_fetch(static_cast<int64_t*>(p), 1, __ATOMIC_RELEASE); }
+// A host-function node's callback (cuLaunchHostFunc; benchmarks). p points at two int64:
+// {counter, work_ns}; busy-waits work_ns, then adds one to the counter.
+void ft_host_bump(void* p) {
+  auto* v = static_cast<int64_t*>(p);
+  busy_ns(__atomic_load_n(&v[1], __ATOMIC_ACQUIRE));
+  __atomic_add_fetch(&v[0], 1, __ATOMIC_RELEASE);
+}
 
 }  // extern "C"

@@ -43,7 +43,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.ft_bridge_sim_gpu.restype = _int
     lib.ft_bridge_sim_gpu.argtypes = [_p, _p, _i64, _i64, _i64, _dbl, _p, _i64]
     lib.ft_bridge_echo.restype = _int
-    lib.ft_bridge_echo.argtypes = [_p, _p, _i64, _i64, _dbl, _i64]
+    lib.ft_bridge_echo.argtypes = [_p, _p, _i64, _i64, _dbl, _i64, _i64]
     lib.ft_host_bump.restype = None
     lib.ft_host_bump.argtypes = [_p]
     lib._ft_bridge_bound = True
@@ -140,19 +140,21 @@ def sim_gpu(kern: CpuKernel, go: Tensor, done: Tensor, seq: int, gap_s: float,
 
 
 def echo_step(kern: CpuKernel, go: Tensor, done: Tensor, seq: int, timeout_s: float,
-              threads: int = 1) -> None:
-    """The host's side of a bare hand-off for step `seq` on this thread (the GIL released):
-    every layer answered as soon as its go flag arrives (scripts/bench_handoff.py)."""
+              threads: int = 1, work_us: float = 0.0) -> None:
+    """The host's side of a hand-off for step `seq` on this thread (the GIL released): every
+    layer answered `work_us` after its go flag arrives, the host busy meanwhile (the CPU
+    share's stand-in; scripts/bench_handoff.py)."""
     _bind(kern.lib)
     L = go.numel()
     rc = kern.lib.ft_bridge_echo(go.data_ptr(), done.data_ptr(), L, seq, timeout_s,
-                                 spin_pauses(threads))
+                                 spin_pauses(threads), round(work_us * 1e3))
     if rc == 3:
         raise TimeoutError(f"a go flag of step {seq} never arrived")
 
 
 def host_bump_address(kern: CpuKernel) -> int:
-    """Address of the C callback `ft_host_bump(void* p)` (++*(int64_t*)p), for host-function
-    nodes (cuLaunchHostFunc) in scripts/bench_handoff.py."""
+    """Address of the C callback `ft_host_bump(void* p)`, for host-function nodes
+    (cuLaunchHostFunc) in scripts/bench_handoff.py: p points at two int64 {counter, work_ns};
+    the callback busy-waits work_ns, then adds one to the counter."""
     _bind(kern.lib)
     return ctypes.cast(kern.lib.ft_host_bump, ctypes.c_void_p).value

@@ -240,25 +240,33 @@ def test_steps_begun_ahead_run_in_order() -> None:
 @needs_kernel
 def test_echo_answers_the_simulated_gpu_and_host_bump_counts() -> None:
     """The host side of scripts/bench_handoff.py: ft_bridge_echo answers each layer's go flag
-    (the GPU's side simulated on another thread), and the host-function callback's address
-    increments its counter. Bug caught: an echo that answers before the flag (done set ahead
-    of go) or never (the simulated GPU times out)."""
+    (the GPU's side simulated on another thread) after its simulated work, and the
+    host-function callback busy-waits its work, then increments its counter. Bugs caught: an
+    echo that answers before the flag (done set ahead of go), never (the simulated GPU times
+    out) or without doing its work (the benchmark's host-work rows would measure nothing)."""
     import ctypes
     import threading
+    import time
 
     from kernels.cpu.bridge_ops import echo_step, host_bump_address, sim_gpu
 
     kern = load_kernel()
     go = torch.full((L,), -1, dtype=torch.int64)
     done = torch.full((L,), -1, dtype=torch.int64)
-    for seq in (1, 2):
-        t = threading.Thread(target=echo_step, args=(kern, go, done, seq, 5.0))
+    for seq, work_us in ((1, 0.0), (2, 300.0)):
+        t = threading.Thread(target=echo_step, args=(kern, go, done, seq, 5.0),
+                             kwargs={"work_us": work_us})
         t.start()
         lat = sim_gpu(kern, go, done, seq, gap_s=1e-5, timeout_s=5.0)
         t.join(timeout=5)
-        assert all(v >= 0 for v in lat) and done.tolist() == [seq] * L
+        assert all(v >= work_us * 1e-6 for v in lat) and done.tolist() == [seq] * L
     with pytest.raises(TimeoutError):
         echo_step(kern, go, done, 3, 0.05)  # no go flag for step 3 ever comes
-    counter = ctypes.c_int64(5)
-    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(host_bump_address(kern))(ctypes.addressof(counter))
-    assert counter.value == 6
+    bump = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(host_bump_address(kern))
+    arg = (ctypes.c_int64 * 2)(5, 0)
+    bump(ctypes.addressof(arg))
+    assert arg[0] == 6
+    arg[1] = 2_000_000  # 2 ms of work
+    t0 = time.perf_counter()
+    bump(ctypes.addressof(arg))
+    assert arg[0] == 7 and time.perf_counter() - t0 >= 2e-3
