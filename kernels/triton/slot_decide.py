@@ -6,12 +6,16 @@ and `num_fetch` may be a device tensor, so no value travels to the host and a de
 calls this per layer can be captured in a CUDA graph.
 
 Layout of the work (a single program, `grid=(1,)`; the decision is tiny next to the experts):
-  phase 1  count routed entries per expert [E] over chunks of the T*K ids; sort the miss keys
-           (a composite key is a total order, so sort == spec order)
+  phase 1  count routed entries per expert [E] over chunks of the T*K ids; pick the q smallest
+           miss keys (a composite key is a total order, so sorted order == spec order)
              miss key   = (T*K - count) * BLOCK_E + expert   -> first q = experts to fetch
            and refresh the hit slots' last_use to the new clock value.
   phase 2  victim key = (age + 1) * BLOCK_S + slot over slots whose last_use != now (the hit
            slots are exactly those) -> first q = victim slots; store the clock.
+           The q smallest keys come from q block-wide minimum reductions up to SMALL_Q picks
+           (decode), from a bitonic sort of the block past it: the sort of ~2k slot keys took
+           24.5 µs per layer on the H200, most of an offload decode layer's overhead, and q is
+           0 on most layers of a routing with locality.
   phase 3  read the fetch lists back and rewrite the three tables.
   phase 4  slot_ids = expert_slot[layer*E + id] for every entry.
 A block barrier separates the phases so one phase's global stores are visible to every thread
@@ -27,6 +31,29 @@ from torch import Tensor
 
 _EXCLUDED = tl.constexpr(2**62)
 
+# Up to this many picks, the q smallest keys come from q block reductions (a few hundred
+# cycles each); past it, from one bitonic sort of the whole block (tens of µs for the ~2k
+# slot keys of a real cache). Decode steps pick a handful (q <= top-k at batch 1), and on
+# routing with locality most layers pick none.
+SMALL_Q = 16
+
+
+@triton.jit
+def _store_smallest(keys, q, out_ptr, F, BLOCK: tl.constexpr, SMALL: tl.constexpr):
+    """out[j] = (j-th smallest of keys) % BLOCK for j < q, -1 for q <= j < F. The keys below
+    _EXCLUDED are distinct (each carries its index), so both ways give the sorted order."""
+    idx = tl.arange(0, BLOCK)
+    tl.store(out_ptr + idx, tl.full([BLOCK], -1, tl.int64), mask=(idx >= q) & (idx < F))
+    if q <= SMALL:
+        rest = keys
+        for j in range(0, q):
+            low = tl.min(rest, axis=0)
+            tl.store(out_ptr + j, low % BLOCK)
+            rest = tl.where(rest == low, _EXCLUDED, rest)
+    else:
+        ordered = tl.sort(keys)
+        tl.store(out_ptr + idx, ordered % BLOCK, mask=(idx < q) & (idx < F))
+
 
 @triton.jit
 def _slot_decide_kernel(
@@ -34,7 +61,7 @@ def _slot_decide_kernel(
     slot_ids_ptr, cpu_ptr, fetch_e_ptr, fetch_s_ptr, counters_ptr,
     layer, TK, E, S, F,
     BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr,
-    TABLE: tl.constexpr,
+    TABLE: tl.constexpr, SMALL: tl.constexpr,
 ):
     base = layer * E
     e = tl.arange(0, BLOCK_E)  # [BE]
@@ -62,8 +89,7 @@ def _slot_decide_kernel(
     q = tl.minimum(q, S - n_hit)
 
     mkey = tl.where(miss, (TK - counts).to(tl.int64) * BLOCK_E + e, _EXCLUDED)  # [BE]
-    mkey = tl.sort(mkey)
-    tl.store(fetch_e_ptr + e, tl.where(e < q, mkey % BLOCK_E, -1), mask=e < F)
+    _store_smallest(mkey, q, fetch_e_ptr, F, BLOCK_E, SMALL)
     # Refreshing the hit slots first marks them: after the barrier, last_use == now holds for
     # exactly the slots this step uses (the clock only grows), which keeps them from eviction.
     now = tl.load(clock_ptr) + 1
@@ -75,8 +101,7 @@ def _slot_decide_kernel(
     age = tl.where(owner >= 0, last, -1)  # [BS]
     candidate = s_ok & (last != now)
     vkey = tl.where(candidate, (age + 1) * BLOCK_S + s, _EXCLUDED)  # [BS]
-    vkey = tl.sort(vkey)
-    tl.store(fetch_s_ptr + s, tl.where(s < q, vkey % BLOCK_S, -1), mask=s < F)
+    _store_smallest(vkey, q, fetch_s_ptr, F, BLOCK_S, SMALL)
     # every thread has read the clock before the first barrier; only now may it move
     tl.store(clock_ptr, now)
     tl.store(counters_ptr + 0, n_hit)
@@ -113,6 +138,7 @@ def _pow2(n: int) -> int:
 def slot_decide(
     slot_owner: Tensor, expert_slot: Tensor, slot_last_use: Tensor, clock: Tensor,
     num_experts: int, layer: int, topk_ids: Tensor, num_fetch: int | Tensor, fetch_cap: int,
+    small_q: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Launch the decision kernel for `topk_ids [T, K]` over one residency table's tensors
     (`slot_owner [S]`, `expert_slot [L*E]`, `slot_last_use [S]`, `clock [1]`, all on one device),
@@ -120,7 +146,9 @@ def slot_decide(
     fetch_slots [F], counters [3])` with F = `fetch_cap`; `ResidencyTable.decide` wraps them.
 
     `num_fetch` may be a python int, a 0-d/1-element int tensor on the tables' device, or a
-    table [E+1] of the number to fetch per miss count (see residency.py, rule 3).
+    table [E+1] of the number to fetch per miss count (see residency.py, rule 3). `small_q`:
+    up to this many fetches the picks are block reductions, past it a sort (tests lower it to
+    reach the sort at tiny shapes).
     """
     dev = slot_owner.device
     E, S, F = num_experts, int(slot_owner.numel()), fetch_cap
@@ -145,6 +173,6 @@ def slot_decide(
         slot_ids, cpu_mask, fetch_e, fetch_s, counters,
         layer, T * K, E, S, F,
         BLOCK_TK=min(_pow2(T * K), 32), BLOCK_E=_pow2(E), BLOCK_S=block_s, BLOCK_F=_pow2(F),
-        TABLE=table, num_warps=8 if block_s >= 2048 else 4,
+        TABLE=table, SMALL=SMALL_Q if small_q is None else small_q, num_warps=8 if block_s >= 2048 else 4,
     )
     return slot_ids, cpu_mask, fetch_e, fetch_s, counters

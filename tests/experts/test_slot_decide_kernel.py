@@ -22,6 +22,17 @@ from tests.experts.test_residency import random_ids
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.fixture(params=[16, 1], ids=["picks", "sort"])
+def small_q(request, monkeypatch) -> int:
+    """Both ways the kernel picks the q smallest keys: block reductions (q <= SMALL_Q, every
+    q at these shapes) and the sort (SMALL_Q = 1: every q >= 2). Bug caught: a pick loop that
+    repeats a key, skips one or breaks ties differently from the sort and the reference."""
+    import kernels.triton.slot_decide as sd
+
+    monkeypatch.setattr(sd, "SMALL_Q", request.param)
+    return request.param
+
+
 def same_tables(a: ResidencyTable, b: ResidencyTable) -> None:
     assert a.slot_owner.tolist() == b.slot_owner.tolist()
     assert a.expert_slot.tolist() == b.expert_slot.tolist()
@@ -30,7 +41,7 @@ def same_tables(a: ResidencyTable, b: ResidencyTable) -> None:
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_kernel_matches_reference(seed: int) -> None:
+def test_kernel_matches_reference(seed: int, small_q: int) -> None:
     rng = random.Random(100 + seed)
     L, E, S = rng.randint(1, 3), rng.randint(4, 8), rng.randint(1, 12)
     ref, dev = ResidencyTable(L, E, S), ResidencyTable(L, E, S, device=DEVICE)
@@ -51,7 +62,7 @@ def test_kernel_matches_reference(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_fetch_table_matches_reference(seed: int) -> None:
+def test_fetch_table_matches_reference(seed: int, small_q: int) -> None:
     """A fetch rule per miss count (num_fetch [E+1], what captured hybrid steps pass): the
     kernel indexes it with the misses it counts; it must give the reference's q, outputs and
     tables, and the reference's q must be table[misses]. Bug caught: a table read at the wrong
@@ -78,7 +89,7 @@ def test_fetch_table_matches_reference(seed: int) -> None:
         assert int(r.counters[2]) == want_q
 
 
-def test_kernel_chunks_long_id_lists() -> None:
+def test_kernel_chunks_long_id_lists(small_q: int) -> None:
     """More ids than one BLOCK_TK chunk (T*K = 36 > 32) must still count every entry."""
     rng = random.Random(5)
     ref, dev = ResidencyTable(2, 8, 5), ResidencyTable(2, 8, 5, device=DEVICE)
@@ -92,7 +103,7 @@ def test_kernel_chunks_long_id_lists() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_kernel_realistic_shapes_gpu() -> None:
+def test_kernel_realistic_shapes_gpu(small_q: int) -> None:
     """Qwen3.6-sized pool (40 x 256, top-8) at 37% capacity, batch 4: GPU kernel == CPU
     reference."""
     from freetoken.bench.routing import synthetic_trace
