@@ -25,14 +25,15 @@ from freetoken.experts.cpu_bridge import CpuBridge
 from freetoken.experts.slot_cache import SlotCache
 from freetoken.experts.store import ExpertStore
 from freetoken.experts.streamer import LayerStreamer
-from freetoken.layers import fast_ops
 from freetoken.layers.expert_backend import ExpertBackend
-from freetoken.layers.moe import dispatch_experts
+from freetoken.layers.moe import dispatch_experts, run_experts
 from freetoken.log import get_logger, kv
 
 log = get_logger("experts")
 # one long-lived worker for the CPU branch (a thread per layer and step costs ~0.1 ms)
 _CPU_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
+# a block's shared expert: gate_up [2I, H], down [H, I]
+SharedWeights = tuple[Tensor, Tensor] | None
 
 
 def cpu_branch(x: Tensor, ids: Tensor, mask: Tensor, store: ExpertStore, layer: int,
@@ -152,11 +153,11 @@ class SlotExperts(ExpertBackend):
                                              dtype=torch.int64, device=self.cache.device)
         return self._fetch_table
 
-    def _forward_bridged(self, x: Tensor, topk_ids: Tensor) -> Tensor:
+    def _forward_bridged(self, x: Tensor, topk_ids: Tensor, shared: SharedWeights
+                         ) -> tuple[Tensor, Tensor | None]:
         """The hybrid/cpu layer inside a captured step: decide on the device, hand the CPU
         share to the bridge's worker, fill and compute the rest meanwhile, merge."""
         assert self.bridge is not None
-        T, K = topk_ids.shape
         d = self.cache.decide(self.m, topk_ids, self._device_num_fetch())
         self.bridge.send(self.m, x, topk_ids, d.cpu_mask)
         if self.cache.can_fill_on_device(self.store):
@@ -164,12 +165,9 @@ class SlotExperts(ExpertBackend):
         else:  # the CPU device (tests): host lists are free there
             self.cache.fill(self.m, d.fetch_experts, d.fetch_slots, self.store)
         self.stats.add_device(d.counters)
-        y = torch.zeros(T, K, x.shape[-1], dtype=x.dtype, device=x.device)  # [T, K, H]
-        if fast_ops.fused_moe(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots,
-                              y) is None:
-            dispatch_experts(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots, y,
-                             mask=d.slot_ids >= 0)
-        return self.bridge.receive(self.m, d.cpu_mask, y)  # [T, K, H]
+        y, ys = run_experts(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots,
+                            shared)  # [T, K, H]: zeros on the CPU's entries until the merge
+        return self.bridge.receive(self.m, d.cpu_mask, y), ys
 
     @property
     def device_fill(self) -> bool:
@@ -180,23 +178,25 @@ class SlotExperts(ExpertBackend):
         return self._device_fill
 
     def forward(self, layer: int, x: Tensor, topk_ids: Tensor) -> Tensor:
+        return self.forward_with_shared(layer, x, topk_ids)[0]
+
+    def forward_with_shared(self, layer: int, x: Tensor, topk_ids: Tensor,
+                            shared: SharedWeights = None) -> tuple[Tensor, Tensor | None]:
+        """y [T, K, H] (ExpertBackend's contract), and the shared expert's output [T, H] when
+        it rode the launches of the GPU's share (decode-sized steps on CUDA), else None."""
         if layer != self.m:
             raise ValueError(f"MoE layer {layer} called the backend of layer {self.m}")
         T, K = topk_ids.shape
         if self.streamer is not None and self.streamer.active:
-            return self.streamer.forward(self.m, x, topk_ids)
+            return self.streamer.forward(self.m, x, topk_ids), None
         if self.bridge is not None and self.bridge.active:
-            return self._forward_bridged(x, topk_ids)
+            return self._forward_bridged(x, topk_ids, shared)
         if self.device_fill and self.all_fetched(T * K):
             d = self.cache.decide(self.m, topk_ids, -1)
             self.cache.fill_device(self.m, d.fetch_experts, d.fetch_slots, self.store)
             self.stats.add_device(d.counters)
-            y = torch.zeros(T, K, x.shape[-1], dtype=x.dtype, device=x.device)  # [T, K, H]
-            if fast_ops.fused_moe(x, d.slot_ids, self.cache.gate_up_slots,
-                                  self.cache.down_slots, y) is None:
-                dispatch_experts(x, d.slot_ids, self.cache.gate_up_slots,
-                                self.cache.down_slots, y, mask=d.slot_ids >= 0)
-            return y
+            return run_experts(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots,
+                               shared)
         q = (self.fixed_fetch if self.fixed_fetch is not None
              else self.num_fetch(self._count_misses(topk_ids)))
         d = self.cache.decide(self.m, topk_ids, q)
@@ -213,21 +213,18 @@ class SlotExperts(ExpertBackend):
         n_cpu = miss - fetched
         st.cpu_experts += n_cpu
         st.cpu_bytes += n_cpu * eb
-        y = torch.zeros(T, K, x.shape[-1], dtype=x.dtype, device=x.device)  # [T, K, H]
         worker: Future | None = None
         if n_cpu:
             # CPU branch first: it runs while this thread fills slots and computes hits
             worker = _CPU_POOL.submit(cpu_branch, x, topk_ids, d.cpu_mask, self.store, self.m,
                                       self.cpu_threads)
         self.cache.fill(self.m, fetch_experts, fetch_slots, self.store)
-        if fast_ops.fused_moe(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots,
-                              y) is None:
-            dispatch_experts(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots, y,
-                            mask=d.slot_ids >= 0)
+        y, ys = run_experts(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots,
+                            shared)  # [T, K, H]
         if worker is not None:
             cm = d.cpu_mask.to(x.device)
             y[cm] = worker.result().to(x.device)[cm]
-        return y
+        return y, ys
 
     def _count_misses(self, topk_ids: Tensor) -> int:
         g = topk_ids.reshape(-1).unique() + self.m * self.store.num_experts

@@ -39,3 +39,11 @@ class ExpertBackend(nn.Module):
 
     def forward(self, layer: int, x: Tensor, topk_ids: Tensor) -> Tensor:
         raise NotImplementedError
+
+    def forward_with_shared(self, layer: int, x: Tensor, topk_ids: Tensor,
+                            shared: tuple[Tensor, Tensor] | None = None
+                            ) -> tuple[Tensor, Tensor | None]:
+        """`forward`, and the block's shared expert (gate_up [2I, H], down [H, I]) where the
+        backend can run it in its own launches: (y [T, K, H], its output [T, H] or None, in
+        which case the block runs it)."""
+        return self(layer, x, topk_ids), None

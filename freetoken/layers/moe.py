@@ -125,27 +125,39 @@ class FusedExperts(ExpertBackend):
     def run(self, x: torch.Tensor, topk_ids: torch.Tensor,
             shared: tuple[torch.Tensor, torch.Tensor] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(y [T, K, H] as `forward`, the shared expert's output [T, H] or None). `shared` =
-        (gate_up [2I, H], down [H, I]) of the block's shared expert: the Triton decode path
-        runs it in the routed experts' two launches when its I matches; None means the caller
-        must run it."""
-        T, K = topk_ids.shape
-        H = x.shape[-1]
-        mod = fast_ops.triton_for(x, "fused_moe")
-        if mod is None:
-            y = torch.zeros(T, K, H, dtype=x.dtype, device=x.device)  # [T, K, H]
-            if fast_ops.fused_moe(x, topk_ids, self.gate_up_proj, self.down_proj, y) is None:
-                dispatch_experts(x, topk_ids, self.gate_up_proj, self.down_proj, y)
-            return y, None
-        y = torch.empty(T, K, H, dtype=x.dtype, device=x.device)  # [T, K, H], every entry set
-        if (shared is not None and topk_ids.numel() <= mod.DECODE_MAX_ENTRIES
-                and shared[0].shape[0] == self.gate_up_proj.shape[1]):
-            ys = torch.empty(T, H, dtype=x.dtype, device=x.device)  # [T, H]
-            mod.fused_moe_decode(x, topk_ids, self.gate_up_proj, self.down_proj, y,
-                                 zero_missing=True, shared=(*shared, ys))
-            return y, ys
-        return mod.fused_moe(x, topk_ids, self.gate_up_proj, self.down_proj, y,
-                             zero_missing=True), None
+        """(y [T, K, H] as `forward`, the shared expert's output [T, H] or None): see
+        `run_experts`."""
+        return run_experts(x, topk_ids, self.gate_up_proj, self.down_proj, shared)
+
+    def forward_with_shared(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                            shared: tuple[torch.Tensor, torch.Tensor] | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.run(x, topk_ids, shared)
+
+
+def run_experts(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The routed experts of a bank (`fused`'s experts, or a slot cache's slots through slot
+    ids): y [T, K, H] unweighted, zeros where ids < 0 (entries routed elsewhere, padding).
+    `shared` = (gate_up [2I, H], down [H, I]) of the block's shared expert: the Triton decode
+    path runs it in the routed experts' two launches when its I matches and returns its output
+    [T, H]; otherwise the second value is None and the caller runs it."""
+    T, K = ids.shape
+    H = x.shape[-1]
+    mod = fast_ops.triton_for(x, "fused_moe")
+    if mod is None:
+        y = torch.zeros(T, K, H, dtype=x.dtype, device=x.device)  # [T, K, H]
+        if fast_ops.fused_moe(x, ids, gate_up, down, y) is None:
+            dispatch_experts(x, ids, gate_up, down, y)
+        return y, None
+    y = torch.empty(T, K, H, dtype=x.dtype, device=x.device)  # [T, K, H], every entry set
+    if (shared is not None and ids.numel() <= mod.DECODE_MAX_ENTRIES
+            and shared[0].shape[0] == gate_up.shape[1]):
+        ys = torch.empty(T, H, dtype=x.dtype, device=x.device)  # [T, H]
+        mod.fused_moe_decode(x, ids, gate_up, down, y, zero_missing=True, shared=(*shared, ys))
+        return y, ys
+    return mod.fused_moe(x, ids, gate_up, down, y, zero_missing=True), None
 
 
 class Router(nn.Module):
@@ -194,17 +206,16 @@ class MoEBlock(nn.Module):
         layer's input RMSNorm): return (out, next_norm(out)), the norm in the combine's launch.
 
         On the CUDA decode path the shared expert runs inside the routed experts' launches
-        (`fused`) or in two launches of the same kernels (other backends), and its sigmoid gate
+        (`fused`, and the slot backends' GPU share) or in two launches of the same kernels
+        (where the experts are not computed on the GPU in one call), and its sigmoid gate
         inside the combine; elsewhere it is the MLP and the gate's Linear."""
         w, ids = self.gate(x, row_mask=row_mask)  # [T, K], [T, K]
         if self.route_hook is not None:
             self.route_hook(self.layer_id, ids)
         sw = self._shared_weights()
         shared = None
-        if isinstance(self.experts, FusedExperts):
-            y, shared = self.experts.run(x, ids, sw)  # [T, K, H] unweighted, [T, H] or None
-        else:
-            y = self.experts(self.moe_index, x, ids)  # [T, K, H] unweighted
+        # [T, K, H] unweighted, and the shared expert's [T, H] where it rode the same launches
+        y, shared = self.experts.forward_with_shared(self.moe_index, x, ids, sw)
         gate_w = None
         if self.shared_expert is not None:
             if shared is None and sw is not None:

@@ -46,7 +46,7 @@ def _store_smallest(keys, q, out_ptr, F, BLOCK: tl.constexpr, SMALL: tl.constexp
     tl.store(out_ptr + idx, tl.full([BLOCK], -1, tl.int64), mask=(idx >= q) & (idx < F))
     if q <= SMALL:
         rest = keys
-        for j in range(0, q):
+        for j in range(q):
             low = tl.min(rest, axis=0)
             tl.store(out_ptr + j, low % BLOCK)
             rest = tl.where(rest == low, _EXCLUDED, rest)
@@ -173,6 +173,7 @@ def slot_decide(
         slot_ids, cpu_mask, fetch_e, fetch_s, counters,
         layer, T * K, E, S, F,
         BLOCK_TK=min(_pow2(T * K), 32), BLOCK_E=_pow2(E), BLOCK_S=block_s, BLOCK_F=_pow2(F),
-        TABLE=table, SMALL=SMALL_Q if small_q is None else small_q, num_warps=8 if block_s >= 2048 else 4,
+        TABLE=table, SMALL=SMALL_Q if small_q is None else small_q,
+        num_warps=8 if block_s >= 2048 else 4,
     )
     return slot_ids, cpu_mask, fetch_e, fetch_s, counters

@@ -107,3 +107,39 @@ def test_moe_block_cuda_path_equals_torch_path(tiny_hf, delegate):
     assert set(ops) == {"triton:_router_topk_kernel", "triton:_combine_kernel"}, ops
     assert ((got - want).norm() / want.norm()).item() < 1e-6
     assert torch.allclose(got[1:2], res[1:2] + gate * shared, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["offload", "hybrid"])
+def test_slot_backend_runs_the_shared_expert_in_its_launches(tiny_hf, backend):
+    """A slot backend (its GPU share computed through slot ids) on the CUDA path runs the
+    block's shared expert in the same two decode launches as its routed slots, over a cache
+    too small for the step (offload fetches, hybrid sends a share to the CPU), and the block
+    equals its torch path and the `fused` block. Bugs caught: the shared expert run twice or
+    not at all, CPU entries left as the slot kernel's zeros, a slot output written over the
+    CPU's rows."""
+    from freetoken.experts.setup import MoEOptions, configure_experts
+    from freetoken.models.loader import load_model
+
+    model = load_model(tiny_hf("qwen3_5_moe"), dtype=torch.float32, progress=False)
+    g = torch.Generator().manual_seed(6)
+    H = model.cfg.hidden_size
+    x, res = torch.randn(2, H, generator=g), torch.randn(2, H, generator=g)
+    mask = torch.tensor([True, True])
+    with torch.inference_mode():
+        want = model.moe_blocks()[0](x, mask, residual=res)  # fused, torch path
+        stats = configure_experts(model, MoEOptions(backend=backend, cache_size=3), "cpu").stats
+        block = model.moe_blocks()[0]
+        undo = cuda_path()
+        mode = Ops()
+        try:  # first, on the cold cache: the step misses
+            with mode, count_triton(mode):
+                got = block(x, mask, residual=res)
+        finally:
+            undo()
+        misses, cpu_experts = stats.misses, stats.cpu_experts
+        torch_path = block(x, mask, residual=res)
+    ops = {name: n for (_, name), n in mode.ops.items()}
+    assert ops["triton:_decode_gate_up_kernel"] == 1 and ops["triton:_decode_down_kernel"] == 1
+    assert misses > 0 and (cpu_experts > 0) == (backend == "hybrid")
+    assert ((torch_path - want).norm() / want.norm()).item() < 1e-6
+    assert ((got - want).norm() / want.norm()).item() < 1e-6
