@@ -70,11 +70,14 @@ class MoEStats:
             self._dev_stream = torch.zeros(2, dtype=torch.int64, device=counters.device)
         self._dev_stream.add_(counters)
 
-    def add_device(self, counters: Tensor) -> None:
-        """Accumulate a decision's counters [3] without reading them (no host sync)."""
+    def device_counters(self, device: torch.device) -> Tensor:
+        """The running (hits, misses, fetched) [3] on `device` that decisions of layers which
+        never sync add their counters to (`SlotCache.decide(accumulate=...)`: in the decision
+        kernel itself); folded into the host counters by `sync`. Its address stays fixed, so
+        captured steps may hold it."""
         if self._dev is None:
-            self._dev = torch.zeros(3, dtype=torch.int64, device=counters.device)
-        self._dev.add_(counters)
+            self._dev = torch.zeros(3, dtype=torch.int64, device=device)
+        return self._dev
 
     def sync(self) -> None:
         """Fold the device counters into the host ones (one device read)."""
@@ -158,13 +161,13 @@ class SlotExperts(ExpertBackend):
         """The hybrid/cpu layer inside a captured step: decide on the device, hand the CPU
         share to the bridge's worker, fill and compute the rest meanwhile, merge."""
         assert self.bridge is not None
-        d = self.cache.decide(self.m, topk_ids, self._device_num_fetch())
+        d = self.cache.decide(self.m, topk_ids, self._device_num_fetch(),
+                              accumulate=self.stats.device_counters(self.cache.device))
         self.bridge.send(self.m, x, topk_ids, d.cpu_mask)
         if self.cache.can_fill_on_device(self.store):
             self.cache.fill_device(self.m, d.fetch_experts, d.fetch_slots, self.store)
         else:  # the CPU device (tests): host lists are free there
             self.cache.fill(self.m, d.fetch_experts, d.fetch_slots, self.store)
-        self.stats.add_device(d.counters)
         y, ys = run_experts(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots,
                             shared)  # [T, K, H]: zeros on the CPU's entries until the merge
         return self.bridge.receive(self.m, d.cpu_mask, y), ys
@@ -192,9 +195,9 @@ class SlotExperts(ExpertBackend):
         if self.bridge is not None and self.bridge.active:
             return self._forward_bridged(x, topk_ids, shared)
         if self.device_fill and self.all_fetched(T * K):
-            d = self.cache.decide(self.m, topk_ids, -1)
+            d = self.cache.decide(self.m, topk_ids, -1,
+                                  accumulate=self.stats.device_counters(self.cache.device))
             self.cache.fill_device(self.m, d.fetch_experts, d.fetch_slots, self.store)
-            self.stats.add_device(d.counters)
             return run_experts(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots,
                                shared)
         q = (self.fixed_fetch if self.fixed_fetch is not None

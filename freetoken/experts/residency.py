@@ -95,13 +95,19 @@ class ResidencyTable:
         return int((self.slot_owner >= 0).sum())
 
     def decide(
-        self, layer: int, topk_ids: Tensor, num_fetch: int | Tensor = -1, impl: str = "reference"
+        self, layer: int, topk_ids: Tensor, num_fetch: int | Tensor = -1, impl: str = "reference",
+        accumulate: Tensor | None = None,
     ) -> Decision:
-        """Decide one layer's step and update the tables (contract in the module docstring)."""
+        """Decide one layer's step and update the tables (contract in the module docstring).
+        `accumulate` [3] int64 on the tables' device: the decision's counters are added to it
+        (by the kernel itself under `triton`: no launch of its own in a captured step)."""
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
         if impl == "reference":
-            return decide_reference(self, layer, topk_ids, num_fetch)
+            d = decide_reference(self, layer, topk_ids, num_fetch)
+            if accumulate is not None:
+                accumulate.add_(d.counters)
+            return d
         if impl == "triton":
             from kernels.triton.slot_decide import slot_decide
 
@@ -109,7 +115,7 @@ class ResidencyTable:
             cap = fetch_capacity(T, K, self.num_experts, self.num_slots)
             return Decision(*slot_decide(self.slot_owner, self.expert_slot, self.slot_last_use,
                                          self.clock, self.num_experts, layer, topk_ids, num_fetch,
-                                         cap))
+                                         cap, accumulate=accumulate))
         raise ValueError(f"unknown decide impl {impl!r} (reference|triton)")
 
     def resize(self, num_slots: int) -> tuple[Tensor, Tensor]:

@@ -75,9 +75,12 @@ class SlotCache:
         shape = (n, self.hidden, self.intermediate)
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
-    def decide(self, layer: int, topk_ids: Tensor, num_fetch: int | Tensor = -1) -> Decision:
-        """The layer's decision (see residency.py); call `fill` with its fetch lists next."""
-        return self.table.decide(layer, topk_ids, num_fetch, impl=self.impl)
+    def decide(self, layer: int, topk_ids: Tensor, num_fetch: int | Tensor = -1,
+               accumulate: Tensor | None = None) -> Decision:
+        """The layer's decision (see residency.py); call `fill` with its fetch lists next.
+        `accumulate` [3]: (hits, misses, fetched) added to it on the device."""
+        return self.table.decide(layer, topk_ids, num_fetch, impl=self.impl,
+                                 accumulate=accumulate)
 
     def fill(
         self, layer: int, fetch_experts: Tensor, fetch_slots: Tensor, store: ExpertBanks
@@ -117,10 +120,10 @@ class SlotCache:
         """`fill` without leaving the device: a kernel reads the chosen experts from the pinned
         store through its mapped address into their slots (padding entries are skipped on the
         device), so nothing syncs and the call can be captured in a CUDA graph."""
-        from kernels.triton.uva_fill import fill_rows
+        from kernels.triton.uva_fill import fill_pair
 
-        fill_rows(store.gate_up(layer), self.gate_up_slots, fetch_experts, fetch_slots)
-        fill_rows(store.down(layer), self.down_slots, fetch_experts, fetch_slots)
+        fill_pair(store.gate_up(layer), self.gate_up_slots, store.down(layer), self.down_slots,
+                  fetch_experts, fetch_slots)
 
     def resize(self, num_slots: int) -> None:
         """Re-budget to `num_slots` slots at run time, all or nothing.

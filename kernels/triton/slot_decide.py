@@ -58,10 +58,10 @@ def _store_smallest(keys, q, out_ptr, F, BLOCK: tl.constexpr, SMALL: tl.constexp
 @triton.jit
 def _slot_decide_kernel(
     ids_ptr, num_fetch_ptr, owner_ptr, eslot_ptr, last_ptr, clock_ptr,
-    slot_ids_ptr, cpu_ptr, fetch_e_ptr, fetch_s_ptr, counters_ptr,
+    slot_ids_ptr, cpu_ptr, fetch_e_ptr, fetch_s_ptr, counters_ptr, acc_ptr,
     layer, TK, E, S, F,
     BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr,
-    TABLE: tl.constexpr, SMALL: tl.constexpr,
+    TABLE: tl.constexpr, SMALL: tl.constexpr, ACC: tl.constexpr,
 ):
     base = layer * E
     e = tl.arange(0, BLOCK_E)  # [BE]
@@ -107,6 +107,10 @@ def _slot_decide_kernel(
     tl.store(counters_ptr + 0, n_hit)
     tl.store(counters_ptr + 1, n_miss)
     tl.store(counters_ptr + 2, q)
+    if ACC:  # running totals (one program, stream-ordered launches: no atomics needed)
+        tl.store(acc_ptr + 0, tl.load(acc_ptr + 0) + n_hit)
+        tl.store(acc_ptr + 1, tl.load(acc_ptr + 1) + n_miss)
+        tl.store(acc_ptr + 2, tl.load(acc_ptr + 2) + q)
     tl.debug_barrier()
 
     f = tl.arange(0, BLOCK_F)  # [BF]
@@ -138,7 +142,7 @@ def _pow2(n: int) -> int:
 def slot_decide(
     slot_owner: Tensor, expert_slot: Tensor, slot_last_use: Tensor, clock: Tensor,
     num_experts: int, layer: int, topk_ids: Tensor, num_fetch: int | Tensor, fetch_cap: int,
-    small_q: int | None = None,
+    small_q: int | None = None, accumulate: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Launch the decision kernel for `topk_ids [T, K]` over one residency table's tensors
     (`slot_owner [S]`, `expert_slot [L*E]`, `slot_last_use [S]`, `clock [1]`, all on one device),
@@ -171,9 +175,10 @@ def slot_decide(
     _slot_decide_kernel[(1,)](
         ids, nf, slot_owner, expert_slot, slot_last_use, clock,
         slot_ids, cpu_mask, fetch_e, fetch_s, counters,
+        counters if accumulate is None else accumulate,
         layer, T * K, E, S, F,
         BLOCK_TK=min(_pow2(T * K), 32), BLOCK_E=_pow2(E), BLOCK_S=block_s, BLOCK_F=_pow2(F),
-        TABLE=table, SMALL=SMALL_Q if small_q is None else small_q,
+        TABLE=table, SMALL=SMALL_Q if small_q is None else small_q, ACC=accumulate is not None,
         num_warps=8 if block_s >= 2048 else 4,
     )
     return slot_ids, cpu_mask, fetch_e, fetch_s, counters

@@ -57,6 +57,49 @@ def fill_rows(src: Tensor, dst: Tensor, experts: Tensor, slots: Tensor,
     _fill_kernel[grid](src, dst, experts, slots, n, BLOCK=block, ITERS=iters, num_warps=4)
 
 
+@triton.jit
+def _fill_pair_kernel(src_a, dst_a, src_b, dst_b, experts_ptr, slots_ptr, NA, NB, CA,
+                      BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """_fill_kernel over two banks in one launch: chunks c < CA copy rows of bank a (NA
+    elements each), the others rows of bank b (NB elements)."""
+    i = tl.program_id(0)  # fetch entry
+    c = tl.program_id(1)  # chunk: bank a's first, then bank b's
+    e = tl.load(experts_ptr + i).to(tl.int64)
+    s = tl.load(slots_ptr + i).to(tl.int64)
+    if (e >= 0) & (s >= 0):
+        if c < CA:
+            src = src_a + e * NA
+            dst = dst_a + s * NA
+            n = NA
+            base = c.to(tl.int64) * (BLOCK * ITERS)
+        else:
+            src = src_b + e * NB
+            dst = dst_b + s * NB
+            n = NB
+            base = (c - CA).to(tl.int64) * (BLOCK * ITERS)
+        for j in tl.static_range(ITERS):
+            offs = base + j * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n
+            tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+
+
+def fill_pair(src_a: Tensor, dst_a: Tensor, src_b: Tensor, dst_b: Tensor, experts: Tensor,
+              slots: Tensor, block: int = 2048, iters: int = 4) -> None:
+    """`fill_rows` for two banks of the same experts and slots (an expert's gate_up and down
+    rows) in one launch: one kernel node per layer in a captured step instead of two."""
+    for src, dst in ((src_a, dst_a), (src_b, dst_b)):
+        assert src.shape[1:] == dst.shape[1:] and src.dtype == dst.dtype
+        assert src.is_contiguous() and dst.is_contiguous()
+    assert src_a.dtype == src_b.dtype
+    F = experts.numel()
+    if F == 0:
+        return
+    na, nb = src_a[0].numel(), src_b[0].numel()
+    ca, cb = triton.cdiv(na, block * iters), triton.cdiv(nb, block * iters)
+    _fill_pair_kernel[(F, ca + cb)](src_a, dst_a, src_b, dst_b, experts, slots, na, nb, ca,
+                                    BLOCK=block, ITERS=iters, num_warps=4)
+
+
 def device_can_read(t: Tensor) -> bool:
     """Whether kernels can read host tensor `t` through its mapped address (pinned, with CUDA)."""
     return t.device.type == "cpu" and t.is_pinned() and torch.cuda.is_available()

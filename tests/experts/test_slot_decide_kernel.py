@@ -45,6 +45,10 @@ def test_kernel_matches_reference(seed: int, small_q: int) -> None:
     rng = random.Random(100 + seed)
     L, E, S = rng.randint(1, 3), rng.randint(4, 8), rng.randint(1, 12)
     ref, dev = ResidencyTable(L, E, S), ResidencyTable(L, E, S, device=DEVICE)
+    # running counters as the stats keep them: the kernel adds each decision's in its launch
+    acc_ref, acc_dev = torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64,
+                                                                     device=DEVICE)
+    total = torch.zeros(3, dtype=torch.int64)
     for step in range(14):
         layer = rng.randrange(L)
         T, K = rng.randint(1, 4), rng.randint(1, min(4, E))
@@ -52,8 +56,10 @@ def test_kernel_matches_reference(seed: int, small_q: int) -> None:
         nf = rng.choice([-1, -1, 0, 1, 3])
         # a device-tensor num_fetch is the graph-capturable form; exercise both
         nf_arg = torch.tensor(nf, device=DEVICE) if step % 2 else nf
-        r = ref.decide(layer, ids, nf)
-        k = dev.decide(layer, ids.to(DEVICE), nf_arg, impl="triton")
+        r = ref.decide(layer, ids, nf, accumulate=acc_ref)
+        k = dev.decide(layer, ids.to(DEVICE), nf_arg, impl="triton", accumulate=acc_dev)
+        total += r.counters
+        assert acc_ref.tolist() == acc_dev.cpu().tolist() == total.tolist(), f"step {step}"
         for name, a, b in zip(r._fields, r, k):
             assert a.tolist() == b.cpu().tolist(), f"step {step}: {name} differs"
         same_tables(ref, dev)

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from kernels.triton.decode_fusions import moe_combine, sigmoid_gate_mul
-from kernels.triton.uva_fill import fill_rows
+from kernels.triton.uva_fill import fill_pair, fill_rows
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -51,6 +51,28 @@ def test_fill_rows_copies_only_valid_entries() -> None:
     assert torch.equal(d[1], src[4]) and torch.equal(d[3], src[0])
     for s in (0, 2, 4):
         assert torch.isnan(d[s]).all()  # untouched
+
+
+def test_fill_pair_copies_both_banks_in_one_launch() -> None:
+    """Two banks of different row sizes (gate_up [2I, H] and down [H, I] rows), several chunks
+    each: every chunk of each valid entry lands in its slot of its own bank, padding and other
+    slots untouched. Bugs caught: bank b's chunks offset from bank a's count wrongly (a row
+    copied in part, or shifted), a bank's rows read with the other's size."""
+    g0 = torch.Generator().manual_seed(2)
+    src_a = torch.randn(6, 8, 40, generator=g0)  # 320 elements: 3 chunks of 128
+    src_b = torch.randn(6, 20, 8, generator=g0)  # 160 elements: 2 chunks
+    if DEV == "cuda":
+        src_a, src_b = src_a.pin_memory(), src_b.pin_memory()
+    dst_a = torch.full((5, 8, 40), float("nan"), device=DEV)
+    dst_b = torch.full((5, 20, 8), float("nan"), device=DEV)
+    experts = torch.tensor([4, -1, 0, 5], device=DEV)
+    slots = torch.tensor([1, -1, 3, -1], device=DEV)  # the last: no slot, not copied
+    fill_pair(src_a, dst_a, src_b, dst_b, experts, slots, block=64, iters=2)
+    a, b = dst_a.cpu(), dst_b.cpu()
+    assert torch.equal(a[1], src_a[4]) and torch.equal(a[3], src_a[0])
+    assert torch.equal(b[1], src_b[4]) and torch.equal(b[3], src_b[0])
+    for s in (0, 2, 4):
+        assert torch.isnan(a[s]).all() and torch.isnan(b[s]).all()
 
 
 @pytest.mark.parametrize("H", [96, 2100])
