@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 from pathlib import Path
 
@@ -158,6 +159,15 @@ def sweep(banks, args, gen):
             ids, y = route(T, E, K, gen), torch.empty(T, K, H, device=DEV, dtype=dtype)
             calls.append(lambda x=x, ids=ids, gu=gu, dn=dn, y=y:
                          fused_moe_decode(x, ids, gu, dn, y, config=cfg))
+        # the tiles must not change the answer: one call against torch's gather + bmm
+        gu, dn = banks[0]
+        x, ids = torch.randn(T, H, device=DEV, dtype=dtype), route(T, E, K, gen)
+        y, want = (torch.empty(T, K, H, device=DEV, dtype=dtype) for _ in range(2))
+        fused_moe_decode(x, ids, gu, dn, y, config=cfg)
+        gathered_experts(x, ids, gu, dn, want)
+        err = float((y.float() - want.float()).norm() / want.float().norm())
+        if err > 2e-2:
+            raise SystemExit(f"decode tiles {cfg} give a wrong answer: relative error {err:.3g}")
         return time_graph(calls, rounds=3)
 
     best = {k: dict(v) for k, v in DECODE_CONFIG.items()}
@@ -173,6 +183,9 @@ def sweep(banks, args, gen):
         best[part] = results[0][2]
         print(f"best {part}: {best[part]}")
     print(f"DECODE_CONFIG = {best}")
+    print(f"FT_MOE_DECODE_CONFIG='{json.dumps(best)}'", flush=True)
+    if args.no_grouped:
+        return
     T = int(args.prefill.split(",")[0]) if args.prefill else 4096
     gu, dn = banks[0]
     x, ids = torch.randn(T, H, device=DEV, dtype=dtype), route(T, E, K, gen)
@@ -206,6 +219,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,4,16")
     ap.add_argument("--prefill", default="4096")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--no-grouped", action="store_true", help="--sweep: the decode tiles only")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_triton_moe.py needs CUDA")

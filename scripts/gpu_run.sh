@@ -2,7 +2,7 @@
 # One call on the GPU machine (device tool): GPU tests, then the benchmarks of
 # docs/benchmarks.md. Writes logs under $OUT.
 # Usage: OUT=/tmp/out scripts/gpu_run.sh [stage ...]
-#   stages: tests gtests bwshort gputests fast batch prefill pbisect handoff decode2 bridge kprof kernel kdiag kunbound ksweep linear bw decode profile
+#   stages: tests gtests bwshort gputests fast batch prefill pbisect msweep handoff decode2 bridge kprof kernel kdiag kunbound ksweep linear bw decode profile
 # (default: gputests kernel linear bw, about 6 min; `decode` alone takes about 5 min more)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -131,6 +131,21 @@ if has bridge; then
   { timeout 120 python3 scripts/bench_bridge.py --threads 15 --experts 2,4,0
     timeout 60 python3 scripts/bench_bridge.py --threads 15 --experts 2 --rows 4; } 2>&1 \
     | tee "$OUT/bridge.log"
+fi
+if has msweep; then
+  # the decode MoE tiles swept (each checked against torch), then fused decode with the best
+  # (FT_MOE_DECODE_CONFIG) on both routings; the default tiles' rate is decode2's fused row
+  timeout 170 python3 scripts/bench_triton_moe.py --tokens 1,4 --prefill "" --sweep \
+    --no-grouped 2>&1 | tee "$OUT/moe_sweep.log"
+  cfg=$(grep "^FT_MOE_DECODE_CONFIG=" "$OUT/moe_sweep.log" | tail -1 \
+    | sed "s/^FT_MOE_DECODE_CONFIG=//; s/^'//; s/'\$//")
+  if [ -n "$cfg" ]; then
+    FT_MOE_DECODE_CONFIG="$cfg" timeout 220 $FT bench decode --shape qwen3.6-35b-a3b \
+      --layers 20 --random-weights --moe-cache-rate 0.37 --prompt-tokens 32 \
+      --decode-tokens 128 --repeats 1 --backends fused --graphs on \
+      --route-trace random,shared --batch 1 2>&1 | grep -v "random weights:" \
+      | tee "$OUT/decode_swept.log"
+  fi
 fi
 if has handoff; then
   # the hybrid hand-off's mechanisms side by side: spin-wait on mapped flags, host-function

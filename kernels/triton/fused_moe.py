@@ -53,8 +53,31 @@ DECODE_CONFIG = {
 }
 
 
+def _config_from_env() -> None:
+    """FT_MOE_DECODE_CONFIG='{"gate_up": {...}, "down": {...}}' (JSON, the keys above; either
+    part may be left out) replaces DECODE_CONFIG's tiles: what `scripts/bench_triton_moe.py
+    --sweep` prints for another GPU, tried without editing the code."""
+    raw = os.environ.get("FT_MOE_DECODE_CONFIG")
+    if not raw:
+        return
+    import json
+
+    try:
+        cfg = json.loads(raw)
+        for part, tiles in cfg.items():
+            if part not in DECODE_CONFIG or set(tiles) - {"BLOCK_N", "BLOCK_K", "num_warps"}:
+                raise ValueError(f"unknown part or key in {part}: {tiles}")
+            DECODE_CONFIG[part] = {**DECODE_CONFIG[part], **{k: int(v) for k, v in tiles.items()}}
+    except (ValueError, AttributeError, TypeError) as exc:
+        raise ValueError(f"FT_MOE_DECODE_CONFIG={raw!r} is not a decode tile config: {exc}"
+                         ) from exc
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_config_from_env()
 
 
 @triton.jit

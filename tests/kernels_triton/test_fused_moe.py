@@ -238,3 +238,31 @@ def test_shared_expert_bad_shapes_raise():
     sgu, sdn = shared_weights(0, inter=I // 2)  # a shared I that differs from the routed one
     with pytest.raises(ValueError, match="shared expert"):
         fused_moe_decode(x, ids, gu, dn, torch.zeros(2, 2, H), shared=(sgu, sdn, torch.zeros(2, H)))
+
+
+def test_decode_config_from_the_environment() -> None:
+    """FT_MOE_DECODE_CONFIG replaces the decode tiles at import (a part may be left out, values
+    as ints); anything else fails the import with an error naming the variable. Bugs caught: the
+    variable ignored, a part it leaves out wiped, a typo'd key accepted silently."""
+    import subprocess
+    import sys
+
+    def load(value: str) -> subprocess.CompletedProcess:
+        code = ("import json; from kernels.triton.fused_moe import DECODE_CONFIG as c; "
+                "print(json.dumps(c))")
+        env = {**os.environ, "FT_MOE_DECODE_CONFIG": value, "TRITON_INTERPRET": "1"}
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=120)
+
+    import json
+
+    from kernels.triton.fused_moe import DECODE_CONFIG
+
+    got = load('{"gate_up": {"BLOCK_N": 8, "num_warps": "8"}}')
+    assert got.returncode == 0, got.stderr
+    cfg = json.loads(got.stdout)
+    assert cfg["gate_up"] == {**DECODE_CONFIG["gate_up"], "BLOCK_N": 8, "num_warps": 8}
+    assert cfg["down"] == DECODE_CONFIG["down"]
+    for bad in ('{"gate_up": {"BLOCK_M": 8}}', '{"up": {}}', "not json", '["gate_up"]'):
+        got = load(bad)
+        assert got.returncode != 0 and "FT_MOE_DECODE_CONFIG" in got.stderr, bad
