@@ -62,6 +62,10 @@ def add_moe_args(p: argparse.ArgumentParser) -> None:
                    action=argparse.BooleanOptionalAction, default=True,
                    help="experts already in the GPU cache stay off the link while streaming "
                         "(read in place); --no-moe-prefill-hit-d2d sends every expert over it")
+    g.add_argument("--no-bw-measure", dest="measure_bw", action="store_false",
+                   help="hybrid/auto on a GPU without a saved bandwidth profile: use the "
+                        "fallback bandwidths instead of measuring the machine at start (~35 s, "
+                        "once; `ft bench bw` measures it on its own)")
 
 
 def default_backend(cfg, dtype: torch.dtype, device: str, kv_reserve_tokens: int) -> str:
@@ -99,6 +103,7 @@ def moe_options(args: argparse.Namespace, backend: str | None = None):
         prefill_stream_tokens=getattr(args, "moe_prefill_stream_tokens", None),
         prefill_overlap=getattr(args, "prefill_overlap", True),
         prefill_hit_d2d=getattr(args, "prefill_hit_d2d", True),
+        measure_bw=getattr(args, "measure_bw", True),
     )
 
 

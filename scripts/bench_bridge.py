@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from freetoken.bench import bandwidth as bw
+from freetoken.experts import bandwidth as bw
 from freetoken.experts import profile as bwp
 from freetoken.experts.backends import cpu_branch
 from freetoken.experts.cpu_bridge import CpuBridge

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from freetoken.bench import bandwidth as bw
+from freetoken.experts import bandwidth as bw
 from freetoken.experts import profile as bwp
 from kernels.cpu.expert_ops import cpu_experts_torch
 from kernels.cpu.ext import PREFETCH_HINTS, cpu_model, load_kernel

@@ -6,11 +6,10 @@ B_P). Without CUDA, B_P is skipped with a message and the profile holds B_H alon
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from freetoken.bench import bandwidth as bw
+from freetoken.experts import bandwidth as bw
 from freetoken.experts import profile as bwp
 from freetoken.experts.cost_model import (
     BandwidthProfile,
@@ -36,10 +35,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _steps_for(seconds: float, step_s: float) -> int:
-    return int(min(5000, max(10, seconds / max(step_s, 1e-6))))
-
-
 def _pct(v: float | None, ceil: float | None) -> str:
     return f"{100 * v / ceil:5.1f}%" if v and ceil else "    -"
 
@@ -50,50 +45,8 @@ def run(args: argparse.Namespace) -> int:
         from freetoken.experts.setup import default_cpu_threads
 
         args.threads = default_cpu_threads("cuda" if torch.cuda.is_available() else "cpu")
-    s_bytes = shape.expert_bytes(dtype)
-    pool = args.pool_gb * 1e9
-    print(f"[bw] shape={args.shape} dtype={args.dtype} expert={s_bytes / 1e6:.2f} MB "
-          f"pool={args.pool_gb:g} GB threads={args.threads}", flush=True)
-
-    print("[bw] host read ceiling ...", flush=True)
-    host_read = bw.host_read_gbps(min(pool, 4e9),  # the machine's: every thread
-                                   threads=max(args.threads, torch.get_num_threads()))
-
-    print("[bw] B_H: CPU kernel, batch 1, fresh experts ...", flush=True)
-    cpu_pool = bw.make_pool(shape, dtype, pool)
-    fn = bw.cpu_kernel_fn(args.threads)
-    n_pool = cpu_pool[0].shape[0]
-    # one untimed pass over the whole pool first (a fresh pool's first reads ran slower on the
-    # H200 host), then the median of three windows: the host's bandwidth drifts with its
-    # other tenants, and B_H steers `auto` and every floor
-    warm = bw.fresh_routes(n_pool, shape.experts, 1, shape.top_k, n_pool // shape.top_k + 1, 7)
-    _, step_s = bw.time_experts(fn, *cpu_pool, warm, warmup=0)
-    steps = _steps_for(args.seconds, step_s)
-    windows = sorted(
-        bw.time_experts(fn, *cpu_pool, bw.fresh_routes(n_pool, shape.experts, 1, shape.top_k,
-                                                       max(3, steps // 3), w))[0]
-        for w in range(3))
-    b_h = windows[1]
-    print(f"[bw] B_H windows: {', '.join(f'{v:.1f}' for v in windows)} GB/s (median kept)",
-          flush=True)
-
-    b_p = link = b_p_o = b_h_o = None
-    if torch.cuda.is_available():
-        print("[bw] B_P: pinned pool -> GPU slots ...", flush=True)
-        fill = bw.FillBench(shape, dtype, pool)
-        link = fill.link_gbps()
-        fill.run(3)
-        b_p = fill.run(_steps_for(args.seconds, shape.top_k * s_bytes / (b_p or 30e9)))
-        print("[bw] B_P' and B_H' concurrently ...", flush=True)
-        b_p_o, b_h_o = bw.measure_overlap(fill, cpu_pool, steps, args.threads)
-    else:
-        print("[bw] no CUDA device: B_P skipped (the profile holds B_H only)", flush=True)
-
-    prof = BandwidthProfile(
-        key=bwp.profile_key(args.shape, dtype), b_h=b_h, b_p=b_p, b_p_overlap=b_p_o,
-        b_h_overlap=b_h_o, host_read=host_read, link=link, expert_bytes=s_bytes,
-        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), cpu_threads=args.threads,
-    )
+    prof = bw.measure_profile(args.shape, shape, dtype, args.seconds, args.pool_gb, args.threads,
+                           say=lambda line: print(line, flush=True))
     _print_table(prof)
     if not args.no_save:
         print(f"[bw] saved {bwp.save_profile(prof)}")

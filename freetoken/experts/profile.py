@@ -46,6 +46,17 @@ def _from_preset(name: str) -> ExpertShape:
 SHAPES: dict[str, ExpertShape] = {"qwen3.6-35b-a3b": _from_preset("qwen3.6-35b-a3b")}
 
 
+def shape_for(cfg) -> tuple[str, ExpertShape]:
+    """(profile name, expert shape) of a model config: a preset's name when its expert
+    dimensions match one (the name `ft bench bw --shape` saves under), else "HxI"."""
+    for name, sh in SHAPES.items():
+        if (sh.hidden, sh.inter) == (cfg.hidden_size, cfg.moe_intermediate_size):
+            return name, sh
+    return (f"{cfg.hidden_size}x{cfg.moe_intermediate_size}",
+            ExpertShape(hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size,
+                        experts=cfg.num_experts, top_k=cfg.top_k, layers=len(cfg.moe_layers)))
+
+
 def profile_key(shape_name: str, dtype: torch.dtype) -> dict[str, str]:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     return {"gpu": gpu, "cpu": cpu_model(), "shape": shape_name, "dtype": str(dtype)}

@@ -7,6 +7,7 @@ that cache. The caller then moves the rest of the model to the device.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,7 @@ from freetoken.experts.cost_model import (
     q_star_overlapped,
     recommend_backend,
 )
-from freetoken.experts.profile import SHAPES, load_profile, profile_key
+from freetoken.experts.profile import load_profile, profile_key, save_profile, shape_for
 from freetoken.experts.registry import create_backend
 from freetoken.experts.slot_cache import SlotCache
 from freetoken.experts.store import ExpertStore
@@ -52,6 +53,8 @@ class MoEOptions:
     prefill_stream_tokens: int | None = None  # the threshold (None: from the profile)
     prefill_overlap: bool = True  # two buffers (off: one, copy and compute serialised)
     prefill_hit_d2d: bool = True  # resident experts stay off the link (read in place)
+    # hybrid/auto on a GPU with no saved bandwidth profile: measure one at start (~35 s, once)
+    measure_bw: bool = True
 
     def __post_init__(self) -> None:
         if self.cpu_threads is not None and self.cpu_threads < 1:
@@ -93,11 +96,36 @@ def _num_slots(opts: MoEOptions, pool: int, expert_bytes: int, device: torch.dev
 
 
 def find_profile(model: QwenMoE, dtype: torch.dtype) -> BandwidthProfile | None:
-    cfg = model.cfg
-    for name, sh in SHAPES.items():
-        if (sh.hidden, sh.inter) == (cfg.hidden_size, cfg.moe_intermediate_size):
-            return load_profile(profile_key(name, dtype))
-    return load_profile(profile_key(f"{cfg.hidden_size}x{cfg.moe_intermediate_size}", dtype))
+    return load_profile(profile_key(shape_for(model.cfg)[0], dtype))
+
+
+# the short measurement a first `hybrid`/`auto` start on a GPU runs (what `ft bench bw
+# --pool-gb 3 --seconds 1` does: about 35 s on the H200 host)
+AUTO_BW_SECONDS, AUTO_BW_POOL_GB = 1.0, 3.0
+
+
+def measure_profile_now(model: QwenMoE, dtype: torch.dtype, threads: int
+                        ) -> BandwidthProfile | None:
+    """Measure and save this machine's bandwidth profile for the model's expert shape (a
+    first start without one), logging each stage; None, with a warning, if it fails."""
+    from freetoken.experts.bandwidth import measure_profile
+
+    name, shape = shape_for(model.cfg)
+    log.info(kv("bw_profile_measure", shape=name, threads=threads, pool_gb=AUTO_BW_POOL_GB,
+                why="no profile for this machine and shape (once; --no-bw-measure skips)"))
+    t0 = time.perf_counter()
+    try:
+        prof = measure_profile(name, shape, dtype, AUTO_BW_SECONDS, AUTO_BW_POOL_GB, threads,
+                               say=lambda line: log.info(kv("bw_profile_stage", stage=line)))
+    except (RuntimeError, OSError, ValueError) as e:  # e.g. no pinned memory to spare
+        log.warning(kv("bw_profile_measure_failed", error=f"{type(e).__name__}: {e}"))
+        return None
+    save_profile(prof)
+    log.info(kv("bw_profile_measured", seconds=f"{time.perf_counter() - t0:.1f}",
+                b_p=f"{prof.b_p or 0:.1f}", b_h=f"{prof.b_h:.1f}",
+                b_p_overlap=f"{prof.b_p_overlap or 0:.1f}",
+                b_h_overlap=f"{prof.b_h_overlap or 0:.1f}"))
+    return prof
 
 
 def configure_experts(model: QwenMoE, opts: MoEOptions, device: torch.device | str,
@@ -127,8 +155,11 @@ def configure_experts(model: QwenMoE, opts: MoEOptions, device: torch.device | s
                       dtype=store.dtype, device=device,
                       impl="triton" if device.type == "cuda" else "reference")
     backend, guard = opts.backend, None
+    cpu_threads = opts.cpu_threads or default_cpu_threads(device)
     if profile is None and backend in ("auto", "hybrid"):
         profile = find_profile(model, store.dtype)
+        if profile is None and device.type == "cuda" and opts.measure_bw:
+            profile = measure_profile_now(model, store.dtype, cpu_threads)
     if backend == "auto":
         rate = slots / pool
         backend = recommend_backend(profile, rate, cfg.top_k) if profile else "offload"
@@ -153,7 +184,6 @@ def configure_experts(model: QwenMoE, opts: MoEOptions, device: torch.device | s
 
     if opts.backend == "auto":
         guard = AutoGuard(backend, q_for(backend))
-    cpu_threads = opts.cpu_threads or default_cpu_threads(device)
     if (profile is not None and profile.cpu_threads and backend in ("hybrid", "cpu")
             and cpu_threads != profile.cpu_threads):
         # B_H scales with the threads behind it: q* and the floors lean on the profile's

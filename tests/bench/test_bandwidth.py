@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from freetoken.bench import bandwidth as bw
 from freetoken.bench.cli_bw import register
+from freetoken.experts import bandwidth as bw
 from freetoken.experts import profile as bwp
 from freetoken.experts.cost_model import BandwidthProfile
 
@@ -54,3 +54,43 @@ def test_bench_bw_cpu_only_saves_b_h(tmp_path: Path, monkeypatch: pytest.MonkeyP
     data = json.loads(files[0].read_text())
     assert data["b_p"] is None and data["b_h"] > 0 and data["key"]["gpu"] == "none"
     assert bwp.load_profile(data["key"]) is not None
+
+
+def test_first_start_measures_a_profile_for_the_models_own_shape(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A model whose expert shape is no preset (`ft bench bw --shape` cannot name it) gets its
+    profile measured at start and saved under "HxI", where `find_profile` then finds it; each
+    stage is logged. Bugs caught: a profile saved under a key the lookup never asks for (the
+    next start measures again), a measurement for the preset's shape instead of the model's."""
+    import logging
+
+    from freetoken.experts.setup import find_profile, measure_profile_now
+    from freetoken.types.presets import preset_config
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("FT_CPU_ISA", "torch")  # no kernel build in a fresh cache dir
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("freetoken.experts.setup.AUTO_BW_SECONDS", 0.01)
+    monkeypatch.setattr("freetoken.experts.setup.AUTO_BW_POOL_GB", 0.02)
+    import dataclasses
+
+    # no preset has these expert dimensions
+    cfg = dataclasses.replace(preset_config("qwen3.6-35b-a3b", 2), hidden_size=256,
+                              moe_intermediate_size=96)
+
+    class Model:  # what find_profile / measure_profile_now read of a model
+        pass
+
+    model = Model()
+    model.cfg = cfg
+    name, shape = bwp.shape_for(cfg)
+    assert name == "256x96" and (shape.hidden, shape.inter) == (256, 96)
+    assert bwp.shape_for(preset_config("qwen3.6-35b-a3b", 2))[0] == "qwen3.6-35b-a3b"
+    assert find_profile(model, torch.float32) is None
+    with caplog.at_level(logging.INFO, logger="ft.experts"):
+        prof = measure_profile_now(model, torch.float32, threads=1)
+    assert prof is not None and prof.b_h > 0 and prof.b_p is None
+    assert prof.expert_bytes == shape.expert_bytes(torch.float32)
+    assert find_profile(model, torch.float32) == prof
+    msgs = " ".join(r.getMessage() for r in caplog.records)
+    assert "bw_profile_measure " in msgs and "B_H windows" in msgs and "bw_profile_measured" in msgs

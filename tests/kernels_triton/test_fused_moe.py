@@ -252,7 +252,7 @@ def test_decode_config_from_the_environment() -> None:
                 "print(json.dumps(c))")
         env = {**os.environ, "FT_MOE_DECODE_CONFIG": value, "TRITON_INTERPRET": "1"}
         return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                              text=True, timeout=120)
+                              text=True, timeout=120, check=False)
 
     import json
 

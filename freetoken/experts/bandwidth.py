@@ -1,4 +1,5 @@
-"""Bandwidth measurements behind the decode equation (`ft bench bw`).
+"""Bandwidth measurements behind the decode equation: `measure_profile`, run by `ft bench bw`
+and by the first hybrid/auto start on a GPU without a saved profile (experts/setup.py).
 
 Shape legend: P experts in the measured pool, E experts per layer window, T tokens, K top-k,
 H hidden, I intermediate. S = 3 * H * I * element bytes per expert.
@@ -19,7 +20,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from freetoken.experts.profile import ExpertShape
+from freetoken.experts.cost_model import BandwidthProfile
+from freetoken.experts.profile import ExpertShape, profile_key
 from freetoken.log import get_logger
 from kernels.cpu.ext import load_kernel
 
@@ -32,7 +34,7 @@ def make_pool(shape: ExpertShape, dtype: torch.dtype, pool_bytes: float,
     """Random expert banks holding about `pool_bytes`: gate_up [P, 2I, H], down [P, H, I]."""
     p = max(1, int(pool_bytes // shape.expert_bytes(dtype)))
     h, i = shape.hidden, shape.inter
-    from freetoken.bench.random_fill import random_fill_
+    from freetoken.experts.random_fill import random_fill_
 
     # random data, never zeros (zeros can run faster); filled first, pinned afterwards
     gate_up = random_fill_(torch.empty(p, 2 * i, h, dtype=dtype), h**-0.5, 1)  # [P, 2I, H]
@@ -196,3 +198,57 @@ def measure_overlap(fill: FillBench, cpu_pool: tuple[Tensor, Tensor], steps: int
     b_p = fill.run(steps)
     worker.join()
     return b_p, result["b_h"]
+
+
+def _steps_for(seconds: float, step_s: float) -> int:
+    return int(min(5000, max(10, seconds / max(step_s, 1e-6))))
+
+
+def measure_profile(name: str, shape: ExpertShape, dtype: torch.dtype, seconds: float,
+                    pool_gb: float, threads: int, say=print) -> BandwidthProfile:
+    """Measure the machine's profile for an expert shape (keyed `name`): the host read ceiling,
+    B_H (the CPU kernel at batch 1 on fresh experts), and with CUDA the link ceiling, B_P and
+    the pair at once. `say` gets one line per stage (progress)."""
+    s_bytes = shape.expert_bytes(dtype)
+    pool = pool_gb * 1e9
+    say(f"[bw] shape={name} dtype={str(dtype).removeprefix('torch.')} "
+        f"expert={s_bytes / 1e6:.2f} MB pool={pool_gb:g} GB threads={threads}")
+
+    say("[bw] host read ceiling ...")
+    host_read = host_read_gbps(min(pool, 4e9),  # the machine's: every thread
+                                   threads=max(threads, torch.get_num_threads()))
+
+    say("[bw] B_H: CPU kernel, batch 1, fresh experts ...")
+    cpu_pool = make_pool(shape, dtype, pool)
+    fn = cpu_kernel_fn(threads)
+    n_pool = cpu_pool[0].shape[0]
+    # one untimed pass over the whole pool first (a fresh pool's first reads ran slower on the
+    # H200 host), then the median of three windows: the host's bandwidth drifts with its
+    # other tenants, and B_H steers `auto` and every floor
+    warm = fresh_routes(n_pool, shape.experts, 1, shape.top_k, n_pool // shape.top_k + 1, 7)
+    _, step_s = time_experts(fn, *cpu_pool, warm, warmup=0)
+    steps = _steps_for(seconds, step_s)
+    windows = sorted(
+        time_experts(fn, *cpu_pool, fresh_routes(n_pool, shape.experts, 1, shape.top_k,
+                                                       max(3, steps // 3), w))[0]
+        for w in range(3))
+    b_h = windows[1]
+    say(f"[bw] B_H windows: {', '.join(f'{v:.1f}' for v in windows)} GB/s (median kept)")
+
+    b_p = link = b_p_o = b_h_o = None
+    if torch.cuda.is_available():
+        say("[bw] B_P: pinned pool -> GPU slots ...")
+        fill = FillBench(shape, dtype, pool)
+        link = fill.link_gbps()
+        fill.run(3)
+        b_p = fill.run(_steps_for(seconds, shape.top_k * s_bytes / (b_p or 30e9)))
+        say("[bw] B_P' and B_H' concurrently ...")
+        b_p_o, b_h_o = measure_overlap(fill, cpu_pool, steps, threads)
+        del fill
+    else:
+        say("[bw] no CUDA device: B_P skipped (the profile holds B_H only)")
+    return BandwidthProfile(
+        key=profile_key(name, dtype), b_h=b_h, b_p=b_p, b_p_overlap=b_p_o,
+        b_h_overlap=b_h_o, host_read=host_read, link=link, expert_bytes=s_bytes,
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), cpu_threads=threads,
+    )
