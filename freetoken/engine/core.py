@@ -166,7 +166,7 @@ class EngineCore:
             rows = [self._decode_row(it) for it in items]
             if not self.runner.fits(rows):
                 rows = None
-        if rows is not None and self.guard is None:
+        if rows is not None and (self.guard is None or self.guard.settled):
             # left in flight: the next step() launches the step after it, then reads these ids
             self._inflight = _InFlight(items, plan.post_ops, self.runner.launch(rows), t0)
             return
@@ -197,7 +197,8 @@ class EngineCore:
         preempting. Rows chain on `cur`'s sampled ids. None (nothing launched) otherwise."""
         sched = self.sched
         admissible = sched.waiting and len(sched.running) < sched.max_running
-        if cur.tokens is not None or admissible or self.guard is not None:
+        if cur.tokens is not None or admissible or not (self.guard is None
+                                                         or self.guard.settled):
             return None  # (a full batch keeps overlapping while others wait their turn)
         running = {id(r) for r in sched.running}
         rows_of = {id(it.req): i for i, it in enumerate(cur.items)}

@@ -115,8 +115,8 @@ def generate(model: QwenMoE, prompt: list[int], sampling: SamplingParams, eos_id
     # On CUDA the next step is launched before this one's token is read (it takes the token
     # from the device): the host's staging overlaps the GPU's step (every backend: the CPU
     # bridge queues the steps begun ahead of its worker). After a stop token the one step
-    # launched ahead is discarded; it wrote only slots past the sequence's end.
-    chained = runner is not None and guard is None
+    # launched ahead is discarded; it wrote only slots past the sequence's end. Under `auto`
+    # the steps are chained once its guard has settled (until then each step is timed alone).
     pending = None
     while True:
         out.append(tok)
@@ -128,7 +128,7 @@ def generate(model: QwenMoE, prompt: list[int], sampling: SamplingParams, eos_id
         if len(out) >= sampling.max_tokens:
             break
         n = len(out)
-        if chained:
+        if runner is not None and (guard is None or guard.settled):
             if pending is None:
                 pending = runner.launch([row(n, tok)])
             ahead = (runner.launch([row(n + 1, 0)], chain=[0])

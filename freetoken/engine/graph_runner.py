@@ -117,8 +117,8 @@ class DecodeRunner:
         self.scratch_kv, self.scratch_state = scratch_kv, scratch_state
         self.bridge = attach_bridge(model, max_batch)
         # every MoE layer must decode without host syncs: offload fills from the device, the
-        # CPU-branch backends hand off through the bridge (`auto` stays eager: its guard times
-        # steps on the host)
+        # CPU-branch backends (and `auto`, whichever rule its guard runs) hand off through the
+        # bridge
         self.capturable = all(getattr(b.experts, "capturable", True) for b in model.moe_blocks())
         self._generation = self._cache_generation()
         self.use_graphs = use_graphs and self.device.type == "cuda" and self.capturable

@@ -135,26 +135,40 @@ class SlotExperts(ExpertBackend):
     @property
     def capturable(self) -> bool:
         """Whether a decode step through this layer can be captured in a CUDA graph: offload
-        with device-driven fills, or a CPU branch handed off through the bridge."""
-        return self.device_fill or (self.bridge is not None and self.guard is None)
+        with device-driven fills, or a CPU branch handed off through the bridge (`auto` too:
+        its guard switches the fetch rule between steps by rewriting the table the graph
+        reads)."""
+        return self.device_fill or self.bridge is not None
 
     def needs_bridge(self, max_entries: int) -> bool:
         """Whether the decode runner must give this layer a CPU bridge: it can send work to
-        the CPU in a decode step of up to `max_entries` pairs (not `auto`, whose guard times
-        steps on the host and stays eager)."""
-        return self.guard is None and not (self.device_fill and self.all_fetched(max_entries))
+        the CPU in a decode step of up to `max_entries` pairs."""
+        return not (self.device_fill and self.all_fetched(max_entries))
 
     def _device_num_fetch(self) -> int | Tensor:
         """`num_fetch` for a captured step: the fixed count, or the rule as a table [E+1] of
         `num_fetch(m)` per miss count m, which the decision indexes on the device with the
-        misses it counts itself (the same q as the eager path, no extra launches)."""
+        misses it counts itself (the same q as the eager path, no extra launches). Under
+        `auto` the guard's rule changes with its phase: the table is rewritten in place when
+        it does (the graph holds its address)."""
         if self.fixed_fetch is not None:
             return self.fixed_fetch
         if self._fetch_table is None:
-            E = self.store.num_experts
-            self._fetch_table = torch.tensor([self.num_fetch(m) for m in range(E + 1)],
-                                             dtype=torch.int64, device=self.cache.device)
+            self._fetch_table = torch.tensor(self._fetch_rule(), dtype=torch.int64,
+                                             device=self.cache.device)
+            if self.guard is not None:
+                self.guard.listeners.append(self._refresh_fetch_table)
         return self._fetch_table
+
+    def _fetch_rule(self) -> list[int]:
+        return [self.num_fetch(m) for m in range(self.store.num_experts + 1)]
+
+    def _refresh_fetch_table(self) -> None:
+        """The guard changed phase: the table takes the rule it follows now (between steps;
+        the guard's caller has the step's tokens, so no replay reads the table meanwhile)."""
+        assert self._fetch_table is not None
+        with torch.inference_mode():  # the table was made inside a forward
+            self._fetch_table.copy_(torch.tensor(self._fetch_rule(), dtype=torch.int64))
 
     def _forward_bridged(self, x: Tensor, topk_ids: Tensor, shared: SharedWeights
                          ) -> tuple[Tensor, Tensor | None]:
@@ -252,6 +266,14 @@ class AutoGuard:
         self.phase, self.steps, self.elapsed = "choice", 0, 0.0
         self._start: float | None = None  # start of the current decode step, if timed
         self.times: dict[str, float] = {}
+        # called after each change of phase (the rule `num_fetch` follows may change with it):
+        # captured layers rewrite their device fetch tables
+        self.listeners: list[Callable[[], None]] = []
+
+    @property
+    def settled(self) -> bool:
+        """Done timing: steps need no marking any more (the engine may overlap them)."""
+        return self.phase == "settled"
 
     def num_fetch(self, misses: int) -> int:
         return self.q_choice(misses) if self.phase in ("choice", "settled") else -1
@@ -271,6 +293,7 @@ class AutoGuard:
         self.steps, self.elapsed = 0, 0.0
         if self.phase == "choice":
             self.phase = "offload"
+            self._changed()
             return
         if self.times["offload"] < self.times["choice"]:
             log.warning(kv("auto_fallback", chosen=self.choice, to="offload",
@@ -282,3 +305,8 @@ class AutoGuard:
                         chosen_ms=f"{self.times['choice'] * 1e3:.2f}",
                         offload_ms=f"{self.times['offload'] * 1e3:.2f}"))
         self.phase = "settled"
+        self._changed()
+
+    def _changed(self) -> None:
+        for fn in self.listeners:
+            fn()

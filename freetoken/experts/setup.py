@@ -193,8 +193,9 @@ def configure_experts(model: QwenMoE, opts: MoEOptions, device: torch.device | s
     for i, b in enumerate(blocks):
         on_cpu = i >= len(blocks) - opts.cpu_layers
         nf = (lambda m: 0) if on_cpu else (guard.num_fetch if guard else q_for(backend))
-        fixed = 0 if on_cpu or backend == "cpu" else (-1 if backend == "offload" and not guard
-                                                       else None)
+        # `auto` follows its guard's rule (its choice, then offload while timing it)
+        fixed = (0 if on_cpu or (backend == "cpu" and not guard)
+                 else -1 if backend == "offload" and not guard else None)
         b.experts = create_backend(backend, i, cache=cache, store=store, stats=stats,
                                    num_fetch=nf, fixed_fetch=fixed, cpu_threads=cpu_threads,
                                    guard=guard)

@@ -85,3 +85,47 @@ def test_runner_slot_backends_equal_eager(tiny_hf, backend: str) -> None:
     if backend != "offload":
         assert runner.bridge is not None and runner.bridge.seq == runner.steps
         assert model.moe_runtime.stats.as_dict()["cpu_experts"] > 0
+
+
+def test_runner_runs_auto_through_the_bridge(tiny_hf, monkeypatch) -> None:
+    """`auto` decodes through the runner (the path CUDA graphs capture) like hybrid: its layers
+    get the bridge, the guard times its choice (hybrid, from a profile that favours it) and
+    then offload over runner steps, each change of phase rewrites the device fetch tables in
+    place (a graph holds their address), and once settled the engine launches steps ahead
+    again. Tokens equal fused's. Bugs caught: `auto` left eager (not capturable), a table left
+    on the previous phase's rule, the overlap never resumed."""
+    from freetoken.engine.generate import generate
+    from freetoken.experts.cost_model import BandwidthProfile
+    from freetoken.experts.setup import MoEOptions
+
+    d = tiny_hf("qwen3_5_moe")
+    fused = load_model(d, dtype=torch.float32, progress=False)
+    V, E = fused.cfg.vocab_size, fused.cfg.num_experts
+    prompts = [_prompt(V, 20 + 6 * i, 60 + i) for i in range(2)]
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    want = {f"a{i}": generate(fused, p, sp, []).token_ids for i, p in enumerate(prompts)}
+    prof = BandwidthProfile(key={}, b_h=60.0, b_p=50.0, b_p_overlap=45.0, b_h_overlap=50.0,
+                            expert_bytes=2**20)
+    monkeypatch.setattr("freetoken.experts.setup.find_profile", lambda model, dtype: prof)
+    model = load_model(d, dtype=torch.float32, progress=False,
+                       moe=MoEOptions(backend="auto", cache_size=5))
+    guard = model.moe_runtime.guard
+    assert guard is not None and guard.choice == "hybrid"
+    guard.window = 3
+    core = EngineCore(model, [2], kv_tokens=512, state_slots=8, max_running=4,
+                      chunk_tokens=32, decode_runner=True)
+    runner = core.runner
+    assert runner is not None and runner.capturable and runner.bridge is not None
+    for b in model.moe_blocks():  # the tables a first step makes (their listeners first)
+        b.experts._device_num_fetch()
+    layer = model.moe_blocks()[0].experts
+    hybrid_rule = layer._fetch_rule()
+    assert layer._fetch_table.tolist() == hybrid_rule != [-1] * (E + 1)
+    seen: list[tuple[str, list[int]]] = []  # after the layers' own listeners
+    guard.listeners.append(lambda: seen.append((guard.phase, layer._fetch_table.tolist())))
+    reqs = [GenerateRequest(p, sp, request_id=f"a{i}") for i, p in enumerate(prompts)]
+    assert _run(core, reqs) == want
+    assert [ph for ph, _ in seen] == ["offload", "settled"]
+    assert seen[0][1] == [-1] * (E + 1)  # timing offload: fetch every miss
+    assert seen[1][1] == [guard.num_fetch(m) for m in range(E + 1)]  # the kept rule
+    assert core.steps_ahead > 0 and runner.bridge.seq == runner.steps > 6
