@@ -7,6 +7,10 @@ all interleaved). Every request goes through the real renderer (the API mapping,
 template, anchor detection) and `anchor_sim.replay`, per policy, at the same device and host
 slot budgets. Prints recomputed prefill tokens per turn beside the unavoidable minimum.
 
+Like the native proxy, each request gets a `system_block` anchor at each of its harness
+adapter's head breaks (where another session may part from this one inside the system text:
+the working directory, the date); `--no-head-breaks` replays the template's anchors only.
+
 Predicted cut points (`semantic+cuts`) come from the agent proxy's harness adapters by default
 (`harness_adapters.detect_adapter(request).cut_points(anchors, messages)`, what the proxy sends
 the engine), or from `--cut-points MODULE:FUNC`, a function `(request, anchors, messages) ->
@@ -44,17 +48,24 @@ def adapter_cuts(req: Any, anchors: list, messages: list) -> list[int]:
 
 
 def _render(tok: ChatTokenizer, path: str, body: dict[str, Any], headers: dict[str, str],
-            session: str, predictor: Predictor | None) -> SimRequest:
+            session: str, predictor: Predictor | None, heads: Any = None) -> SimRequest:
+    """One request as the engine receives it. `heads` (a `proxy.heads.HeadBreaks`): add the
+    `system_block` anchors the native proxy adds at the claiming adapter's head breaks."""
     api = "anthropic" if path.startswith("/v1/messages") else "openai"
     ti = (anthropic_to_template if api == "anthropic" else openai_to_template)(body)
     p = tok.apply(ti.messages, tools=ti.tools, enable_thinking=ti.enable_thinking)
-    cuts = None
-    if predictor is not None:
-        from harness_adapters import HarnessRequest
+    cuts, anchors = None, p.anchors
+    if predictor is not None or heads is not None:
+        from harness_adapters import HarnessRequest, detect_adapter
+        from harness_adapters.base import system_text
 
         req = HarnessRequest(api, path, {k.lower(): v for k, v in headers.items()}, body)
-        cuts = predictor(req, p.anchors, ti.messages)
-    return SimRequest(session, p.input_ids, p.anchors, cuts=cuts)
+        if predictor is not None:
+            cuts = predictor(req, p.anchors, ti.messages)
+        if heads is not None:
+            breaks = detect_adapter(req).head_breaks(body)
+            anchors = heads.anchors(anchors, system_text(body), breaks, p.input_ids)
+    return SimRequest(session, p.input_ids, anchors, cuts=cuts)
 
 
 def _fill_gen(reqs: list[SimRequest], im_end: int) -> None:
@@ -77,7 +88,10 @@ def _fill_gen(reqs: list[SimRequest], im_end: int) -> None:
 
 
 def load_trace(tok: ChatTokenizer, path: Path, session: str,
-               predictor: Predictor | None = None) -> list[SimRequest]:
+               predictor: Predictor | None = None, heads: Any = None,
+               edit: Callable[[dict], dict] | None = None) -> list[SimRequest]:
+    """A recorded session's requests rendered (`_render`); `edit` rewrites each body first
+    (e.g. the same session started in another directory)."""
     out = []
     for line in path.read_text().splitlines():
         rec = json.loads(line)
@@ -85,16 +99,19 @@ def load_trace(tok: ChatTokenizer, path: Path, session: str,
         if "count_tokens" in rec.get("path", "") or not isinstance(body, dict) \
                 or "messages" not in body:
             continue
+        if edit is not None:
+            body = edit(body)
         try:
             out.append(_render(tok, rec["path"], body, rec.get("headers", {}), session,
-                               predictor))
+                               predictor, heads))
         except ChatInputError:
             continue
     return out
 
 
 def load_workload(tok: ChatTokenizer, name: str, scale: str,
-                  predictor: Predictor | None = None) -> list[list[SimRequest]]:
+                  predictor: Predictor | None = None, heads: Any = None
+                  ) -> list[list[SimRequest]]:
     from workloads.registry import build_workload
 
     w = build_workload(name, scale)  # type: ignore[arg-type]
@@ -102,7 +119,7 @@ def load_workload(tok: ChatTokenizer, name: str, scale: str,
     per: dict[str, list[SimRequest]] = {}
     for t in w.turns:
         per.setdefault(t.session, []).append(
-            _render(tok, path, t.body, t.headers, f"{name}/{t.session}", predictor))
+            _render(tok, path, t.body, t.headers, f"{name}/{t.session}", predictor, heads))
     return list(per.values())
 
 
@@ -112,6 +129,18 @@ def interleave(streams: list[list[SimRequest]]) -> list[SimRequest]:
         out += [s[i] for s in streams if i < len(s)]
         i += 1
     return out
+
+
+def head_breaks(tok: ChatTokenizer) -> Any:
+    """The native proxy's head-break anchoring (`proxy.heads.HeadBreaks`), or None where the
+    harness adapters are not installed."""
+    try:
+        importlib.import_module("harness_adapters")
+    except ImportError:
+        return None
+    from freetoken.proxy.heads import HeadBreaks
+
+    return HeadBreaks(tok)
 
 
 def load_predictor(spec: str | None) -> Predictor | None:
@@ -148,6 +177,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cut-points", default=None, metavar="MODULE:FUNC",
                    help="predictor for semantic+cuts: (request, anchors, messages) -> positions "
                         "(default: the harness adapters')")
+    p.add_argument("--head-breaks", action=argparse.BooleanOptionalAction, default=True,
+                   help="`system_block` anchors at the harness adapters' head breaks, as the "
+                        "native proxy sends them (--no-head-breaks: the template's anchors only)")
     p.add_argument("--json", action="store_true", help="one JSON object, figures per policy")
     p.set_defaults(func=run)
 
@@ -155,14 +187,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     tok = ChatTokenizer.from_dir(_tokenizer_dir())
     predictor = load_predictor(args.cut_points) if "semantic+cuts" in args.policies else None
+    heads = head_breaks(tok) if args.head_breaks else None
     streams: list[list[SimRequest]] = []
     if args.traces is not None or not args.workloads:
         paths = [Path(x) for x in (args.traces or [str(DEFAULT_TRACES)])]
         files = [f for p in paths for f in (sorted(p.glob("*/*.jsonl")) + sorted(p.glob("*.jsonl"))
                                              if p.is_dir() else [p])]
-        streams += [load_trace(tok, f, f.stem, predictor) for f in files]
+        streams += [load_trace(tok, f, f.stem, predictor, heads) for f in files]
     for name in filter(None, args.workloads.split(",")):
-        streams += load_workload(tok, name.strip(), args.scale, predictor)
+        streams += load_workload(tok, name.strip(), args.scale, predictor, heads)
     reqs = interleave(streams)
     _fill_gen(reqs, tok.special_ids["<|im_end|>"])
     res = run_bench(reqs, args.policies.split(","), args.state_slots, args.host_slots,

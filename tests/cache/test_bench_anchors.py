@@ -92,3 +92,34 @@ def test_predicted_cut_points_let_an_edit_resume_there() -> None:
     cut = replay([first, pruned], "semantic+cuts", 8, 0)
     assert plain.recomputed[1] == 150 - 50 and cut.recomputed[1] == 150 - 120
     assert cut.unavoidable[1] == 150 - 120
+
+
+def test_head_breaks_let_a_session_elsewhere_resume_inside_the_system_prompt() -> None:
+    """`ft bench anchors` anchors the harness adapters' head breaks as the native proxy does
+    (`system_block`): an OpenClaw session started in another directory (its system prompt
+    parts from the earlier session's at `## Workspace`, 5.4k tokens in) then resumes within a
+    few tokens of where the prompts part, and recomputes the whole prompt without them. The
+    oracle is the longest prefix the new prompt shares with any earlier one. Bug caught: the
+    bench replaying without the anchors the proxy sends (it understated cross-session reuse)."""
+    from freetoken.bench.cli_anchors import head_breaks, load_trace
+    from freetoken.chat import ChatTokenizer, qwen3_tokenizer_dir
+
+    tok = ChatTokenizer.from_dir(qwen3_tokenizer_dir())
+
+    def elsewhere(body: dict) -> dict:
+        return json.loads(json.dumps(body).replace("/home/dev/project", "/home/dev/other"))
+
+    reused = {}
+    for heads in (head_breaks(tok), None):
+        first = load_trace(tok, TRACES / "openclaw" / "ocl_anth.jsonl", "a", None, heads)
+        new = load_trace(tok, TRACES / "openclaw" / "ocl_try1.jsonl", "b", None, heads,
+                         edit=elsewhere)[0]
+        r = replay([*first, new], "semantic", device_slots=64, host_slots=256)
+        reused[heads is not None] = len(new.ids) - r.recomputed[-1]
+        if heads is not None:
+            assert any(a.kind == "system_block" for a in new.anchors)
+    lcp = max(next((i for i, (x, y) in enumerate(zip(p.ids, new.ids)) if x != y),
+                   min(len(p.ids), len(new.ids))) for p in first)
+    assert 5000 < lcp < len(new.ids) - 1000  # they part inside the system prompt
+    assert lcp - 32 <= reused[True] <= lcp
+    assert reused[False] < lcp - 1000
