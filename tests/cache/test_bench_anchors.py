@@ -98,7 +98,7 @@ def test_head_breaks_let_a_session_elsewhere_resume_inside_the_system_prompt() -
     """`ft bench anchors` anchors the harness adapters' head breaks as the native proxy does
     (`system_block`): an OpenClaw session started in another directory (its system prompt
     parts from the earlier session's at `## Workspace`, 5.4k tokens in) then resumes within a
-    few tokens of where the prompts part, and recomputes the whole prompt without them. The
+    few tokens of where the prompts part; without them only the 4,096 fill point serves. The
     oracle is the longest prefix the new prompt shares with any earlier one. Bug caught: the
     bench replaying without the anchors the proxy sends (it understated cross-session reuse)."""
     from freetoken.bench.cli_anchors import head_breaks, load_trace
