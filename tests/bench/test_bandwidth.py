@@ -94,3 +94,31 @@ def test_first_start_measures_a_profile_for_the_models_own_shape(
     assert find_profile(model, torch.float32) == prof
     msgs = " ".join(r.getMessage() for r in caplog.records)
     assert "bw_profile_measure " in msgs and "B_H windows" in msgs and "bw_profile_measured" in msgs
+
+
+def test_a_failed_start_measurement_falls_back_with_a_warning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A measurement that cannot run at start (no pinned memory to spare, say) must not stop
+    the server: no profile, a warning naming the error, nothing saved."""
+    import logging
+
+    from freetoken.experts import bandwidth
+    from freetoken.experts.setup import find_profile, measure_profile_now
+    from freetoken.types.presets import preset_config
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
+    def no_memory(*a, **k):
+        raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+
+    monkeypatch.setattr(bandwidth, "measure_profile", no_memory)
+
+    class Model:
+        cfg = preset_config("qwen3.6-35b-a3b", 2)
+
+    with caplog.at_level(logging.WARNING, logger="ft.experts"):
+        assert measure_profile_now(Model(), torch.bfloat16, threads=1) is None
+    assert any("bw_profile_measure_failed" in r.getMessage() and "out of memory" in r.getMessage()
+               for r in caplog.records)
+    assert find_profile(Model(), torch.bfloat16) is None
+    assert not (tmp_path / "freetoken" / "profiles").exists()
