@@ -181,6 +181,11 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEOptio
             bh = prof.b_h * 1e9
             t = max(fb / bp, cb / bh) if backend == "hybrid" else fb / bp + cb / bh
             floor = batch / t if t > 0 else None  # a step moves the bytes of all its rows
+    guard = rt.guard if rt is not None else None
+    if guard is not None:  # what `auto` ran: its choice, the timings, what it kept
+        timed = ", ".join(f"{k} {v * 1e3:.2f} ms/step" for k, v in guard.times.items())
+        note += (("; " if note else "") + f"auto: {guard.phase}, running {guard.choice}"
+                 + (f" (timed {timed})" if timed else ""))
     if backend == "fused":
         drop_fused(model, device)
     return RunResult(backend, tok_s, hit, fb, cb, floor, note)
