@@ -64,8 +64,8 @@ def add_moe_args(p: argparse.ArgumentParser) -> None:
                         "(read in place); --no-moe-prefill-hit-d2d sends every expert over it")
     g.add_argument("--no-bw-measure", dest="measure_bw", action="store_false",
                    help="hybrid/auto on a GPU without a saved bandwidth profile: use the "
-                        "fallback bandwidths instead of measuring the machine at start (~35 s, "
-                        "once; `ft bench bw` measures it on its own)")
+                        "fallback bandwidths instead of measuring the machine at start (~12 s "
+                        "on an H200 host, once; `ft bench bw` measures it on its own)")
 
 
 def default_backend(cfg, dtype: torch.dtype, device: str, kv_reserve_tokens: int) -> str:

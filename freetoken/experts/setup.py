@@ -53,7 +53,7 @@ class MoEOptions:
     prefill_stream_tokens: int | None = None  # the threshold (None: from the profile)
     prefill_overlap: bool = True  # two buffers (off: one, copy and compute serialised)
     prefill_hit_d2d: bool = True  # resident experts stay off the link (read in place)
-    # hybrid/auto on a GPU with no saved bandwidth profile: measure one at start (~35 s, once)
+    # hybrid/auto on a GPU with no saved bandwidth profile: measure one at start (once)
     measure_bw: bool = True
 
     def __post_init__(self) -> None:
@@ -100,7 +100,7 @@ def find_profile(model: QwenMoE, dtype: torch.dtype) -> BandwidthProfile | None:
 
 
 # the short measurement a first `hybrid`/`auto` start on a GPU runs (what `ft bench bw
-# --pool-gb 3 --seconds 1` does: about 35 s on the H200 host)
+# --pool-gb 3 --seconds 1` does: 11.5 s on the H200 host, 2026-12-01)
 AUTO_BW_SECONDS, AUTO_BW_POOL_GB = 1.0, 3.0
 
 

@@ -142,7 +142,7 @@ def _pow2(n: int) -> int:
 def slot_decide(
     slot_owner: Tensor, expert_slot: Tensor, slot_last_use: Tensor, clock: Tensor,
     num_experts: int, layer: int, topk_ids: Tensor, num_fetch: int | Tensor, fetch_cap: int,
-    small_q: int | None = None, accumulate: Tensor | None = None,
+    accumulate: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Launch the decision kernel for `topk_ids [T, K]` over one residency table's tensors
     (`slot_owner [S]`, `expert_slot [L*E]`, `slot_last_use [S]`, `clock [1]`, all on one device),
@@ -150,9 +150,10 @@ def slot_decide(
     fetch_slots [F], counters [3])` with F = `fetch_cap`; `ResidencyTable.decide` wraps them.
 
     `num_fetch` may be a python int, a 0-d/1-element int tensor on the tables' device, or a
-    table [E+1] of the number to fetch per miss count (see residency.py, rule 3). `small_q`:
-    up to this many fetches the picks are block reductions, past it a sort (tests lower it to
-    reach the sort at tiny shapes).
+    table [E+1] of the number to fetch per miss count (see residency.py, rule 3). Up to
+    SMALL_Q fetches the picks are block reductions, past it a sort (tests lower SMALL_Q to
+    reach the sort at tiny shapes). `accumulate` [3] int64 on the device: the counters are
+    added to it in the same launch.
     """
     dev = slot_owner.device
     E, S, F = num_experts, int(slot_owner.numel()), fetch_cap
@@ -178,7 +179,7 @@ def slot_decide(
         counters if accumulate is None else accumulate,
         layer, T * K, E, S, F,
         BLOCK_TK=min(_pow2(T * K), 32), BLOCK_E=_pow2(E), BLOCK_S=block_s, BLOCK_F=_pow2(F),
-        TABLE=table, SMALL=SMALL_Q if small_q is None else small_q, ACC=accumulate is not None,
+        TABLE=table, SMALL=SMALL_Q, ACC=accumulate is not None,
         num_warps=8 if block_s >= 2048 else 4,
     )
     return slot_ids, cpu_mask, fetch_e, fetch_s, counters
