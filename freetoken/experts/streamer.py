@@ -314,10 +314,10 @@ class LayerStreamer:
         c = self.cache
         src_rows, dst_rows = torch.where(up, buf, -1), torch.where(up, dest, -1)
         if self._cuda:
-            from kernels.triton.uva_fill import fill_rows
+            from kernels.triton.uva_fill import fill_pair
 
-            fill_rows(c.gate_up_slots, c.gate_up_slots, src_rows, dst_rows)
-            fill_rows(c.down_slots, c.down_slots, src_rows, dst_rows)
+            fill_pair(c.gate_up_slots, c.gate_up_slots, c.down_slots, c.down_slots, src_rows,
+                      dst_rows)
         else:
             sel = up.nonzero().flatten()
             c.gate_up_slots.index_copy_(0, dest[sel], c.gate_up_slots.index_select(0, buf[sel]))

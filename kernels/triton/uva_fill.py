@@ -26,42 +26,11 @@ from torch import Tensor
 
 
 @triton.jit
-def _fill_kernel(src_ptr, dst_ptr, experts_ptr, slots_ptr, N, BLOCK: tl.constexpr,
-                 ITERS: tl.constexpr):
-    i = tl.program_id(0)  # fetch entry
-    c = tl.program_id(1)  # chunk of the row
-    e = tl.load(experts_ptr + i)
-    s = tl.load(slots_ptr + i)
-    if (e >= 0) & (s >= 0):
-        src = src_ptr + e.to(tl.int64) * N
-        dst = dst_ptr + s.to(tl.int64) * N
-        base = c.to(tl.int64) * (BLOCK * ITERS)
-        for j in tl.static_range(ITERS):
-            offs = base + j * BLOCK + tl.arange(0, BLOCK)
-            m = offs < N
-            tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
-
-
-def fill_rows(src: Tensor, dst: Tensor, experts: Tensor, slots: Tensor,
-              block: int = 2048, iters: int = 4) -> None:
-    """dst[slots[i]] = src[experts[i]] for entries with both >= 0.
-    src [E, ...] (pinned host, or any tensor the device can address); dst [S, ...] on the device
-    with the same row shape and dtype; experts, slots [F] int64 on the device."""
-    assert src.shape[1:] == dst.shape[1:] and src.dtype == dst.dtype
-    assert src.is_contiguous() and dst.is_contiguous()
-    n = src[0].numel()
-    F = experts.numel()
-    if F == 0:
-        return
-    grid = (F, triton.cdiv(n, block * iters))
-    _fill_kernel[grid](src, dst, experts, slots, n, BLOCK=block, ITERS=iters, num_warps=4)
-
-
-@triton.jit
 def _fill_pair_kernel(src_a, dst_a, src_b, dst_b, experts_ptr, slots_ptr, NA, NB, CA,
                       BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    """_fill_kernel over two banks in one launch: chunks c < CA copy rows of bank a (NA
-    elements each), the others rows of bank b (NB elements)."""
+    """dst[slots[i]] = src[experts[i]] for entry i = program 0 (padding entries, -1, return
+    at once), over two banks in one launch: chunks c < CA copy rows of bank a (NA elements
+    each), the others rows of bank b (NB elements)."""
     i = tl.program_id(0)  # fetch entry
     c = tl.program_id(1)  # chunk: bank a's first, then bank b's
     e = tl.load(experts_ptr + i).to(tl.int64)
@@ -98,6 +67,23 @@ def fill_pair(src_a: Tensor, dst_a: Tensor, src_b: Tensor, dst_b: Tensor, expert
     ca, cb = triton.cdiv(na, block * iters), triton.cdiv(nb, block * iters)
     _fill_pair_kernel[(F, ca + cb)](src_a, dst_a, src_b, dst_b, experts, slots, na, nb, ca,
                                     BLOCK=block, ITERS=iters, num_warps=4)
+
+
+def fill_rows(src: Tensor, dst: Tensor, experts: Tensor, slots: Tensor,
+              block: int = 2048, iters: int = 4) -> None:
+    """dst[slots[i]] = src[experts[i]] for entries with both >= 0.
+    src [E, ...] (pinned host, or any tensor the device can address); dst [S, ...] on the device
+    with the same row shape and dtype; experts, slots [F] int64 on the device. (The pair
+    kernel with every chunk in its first bank.)"""
+    assert src.shape[1:] == dst.shape[1:] and src.dtype == dst.dtype
+    assert src.is_contiguous() and dst.is_contiguous()
+    n = src[0].numel()
+    F = experts.numel()
+    if F == 0:
+        return
+    chunks = triton.cdiv(n, block * iters)
+    _fill_pair_kernel[(F, chunks)](src, dst, src, dst, experts, slots, n, n, chunks,
+                                   BLOCK=block, ITERS=iters, num_warps=4)
 
 
 def device_can_read(t: Tensor) -> bool:
