@@ -166,7 +166,7 @@ class EngineCore:
             rows = [self._decode_row(it) for it in items]
             if not self.runner.fits(rows):
                 rows = None
-        if rows is not None and (self.guard is None or self.guard.settled):
+        if rows is not None and self._may_overlap():
             # left in flight: the next step() launches the step after it, then reads these ids
             self._inflight = _InFlight(items, plan.post_ops, self.runner.launch(rows), t0)
             return
@@ -190,6 +190,11 @@ class EngineCore:
                 self._on_token(it, toks[row])
                 row += 1
 
+    def _may_overlap(self) -> bool:
+        """Whether decode steps may be left in flight: always, except while `auto`'s guard
+        times its phases (each step then runs alone)."""
+        return self.guard is None or self.guard.settled
+
     def _launch_ahead(self, cur: _InFlight) -> _InFlight | None:
         """Launch the decode step after `cur` (which is in flight) when it is certain: every
         running request is a row of `cur` and goes on decoding, no waiting request could be
@@ -197,8 +202,7 @@ class EngineCore:
         preempting. Rows chain on `cur`'s sampled ids. None (nothing launched) otherwise."""
         sched = self.sched
         admissible = sched.waiting and len(sched.running) < sched.max_running
-        if cur.tokens is not None or admissible or not (self.guard is None
-                                                         or self.guard.settled):
+        if cur.tokens is not None or admissible or not self._may_overlap():
             return None  # (a full batch keeps overlapping while others wait their turn)
         running = {id(r) for r in sched.running}
         rows_of = {id(it.req): i for i, it in enumerate(cur.items)}
@@ -225,10 +229,7 @@ class EngineCore:
             pos = r.computed + 1  # cur feeds position r.computed
             item = BatchItem(r, 1, True, pos, None, r.row[:pos + 1])
             items.append(item)
-            rows.append(DecodeRow(**vars(self._row_sampling(item, r.num_generated + 1)),
-                                  token=0, position=pos, out_slot=int(r.row[pos]),
-                                  state_slot=r.state_slot if r.state_slot is not None else -1,
-                                  kv_slots=r.row[:pos + 1]))
+            rows.append(self._decode_row(item, ahead=True))
         if not self.runner.fits(rows):
             for r, _ in ahead:  # give the slots back: the next step is scheduled as usual
                 sched.kv_alloc.free(r.row[-1:])
@@ -275,12 +276,17 @@ class EngineCore:
         n = r.num_generated if n is None else n
         return RowSampling(p.temperature, p.top_k, p.top_p, s.seed, n, tuple(s.blocked_ids(n)))
 
-    def _decode_row(self, it: BatchItem) -> DecodeRow:
+    def _decode_row(self, it: BatchItem, ahead: bool = False) -> DecodeRow:
+        """`it`'s runner row: it feeds position r.computed (the token there), or with `ahead`
+        the position after it, whose token the runner takes on the device from the step in
+        flight (`token` unused) and whose sample is the request's next but one."""
         r = it.req
-        return DecodeRow(**vars(self._row_sampling(it)), token=r.ids[r.computed],
-                         position=r.computed, out_slot=int(r.row[r.computed]),
+        pos = r.computed + ahead
+        return DecodeRow(**vars(self._row_sampling(it, r.num_generated + ahead)),
+                         token=0 if ahead else r.ids[pos], position=pos,
+                         out_slot=int(r.row[pos]),
                          state_slot=r.state_slot if r.state_slot is not None else -1,
-                         kv_slots=r.row[: r.computed + 1])
+                         kv_slots=r.row[: pos + 1])
 
     def _sample(self, items: list[BatchItem], logits: torch.Tensor) -> list[int]:
         """Next token of every row: on CUDA one batched call of the device sampler (the same
