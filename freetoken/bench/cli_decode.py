@@ -36,8 +36,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "`ft serve` runs (EngineCore, its decode overlap included); larger "
                         "batches always take the engine")
     p.add_argument("--route-trace", default=None,
-                   help="replay decode routing from a trace (.npy [steps, L, N, K] or 'shared'); "
-                        "a comma list (random,shared) measures each routing in this process")
+                   help="decode routing: 'random' (default: K distinct experts per token drawn "
+                        "uniformly, as random weights route when served), 'model' (the random "
+                        "router on the benchmark's own tokens), 'shared' (the trained router's "
+                        "recorded routing) or a trace file (.npy [steps, L, N, K]); a comma list "
+                        "(random,shared) measures each routing in this process")
     from freetoken.cli_options import add_moe_args
 
     add_moe_args(p)
@@ -117,9 +120,10 @@ def run_shape(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from freetoken.bench.moe import TraceRouter, install_trace
+    from freetoken.bench.moe import TraceRouter, install_trace, uniform_trace
     from freetoken.bench.random_model import random_model
     from freetoken.cli_options import moe_options, resolve_device, resolve_dtype
+    from freetoken.experts.setup import find_profile
     from freetoken.experts.store import ExpertStore
     from freetoken.types.presets import preset_config
 
@@ -152,7 +156,13 @@ def run_shape(args: argparse.Namespace) -> int:
     for trace in traces:
         for b in blocks:  # back to the model's own router (an earlier trace wrapped it)
             b.gate.__dict__.pop("forward", None)
-        if trace != "random":
+        if trace == "random":
+            rows = max(parse_batches(args.batch))
+            steps = args.decode_tokens + 64  # the warm-up's and the timed run's decode steps
+            install_trace(model, TraceRouter(
+                uniform_trace(steps, len(blocks), rows, cfg.num_experts, cfg.top_k),
+                cfg.num_experts, cfg.top_k, device))
+        elif trace != "model":
             path = trace
             if path == "shared":  # a copy of ../shared/routing_traces travels with the repo
                 from freetoken.experts.record import SHARED_TRACE_DIR
@@ -162,7 +172,9 @@ def run_shape(args: argparse.Namespace) -> int:
         for batch in parse_batches(args.batch):
             print(f"[bench] routing {trace}, batch {batch}", flush=True)
             best = bench_rounds(args, model, store, opts, device, prompt, backends, batch)
-            print_table(best, backends, args.repeats, batch)
+            prof = find_profile(model, store.dtype)
+            print_table(best, backends, args.repeats, batch,
+                        (prof.link or prof.b_p) if prof is not None else None)
     return 0
 
 
@@ -198,16 +210,22 @@ def bench_rounds(args, model, store, opts, device, prompt, backends, batch) -> d
     return best
 
 
-def print_table(best: dict, backends: list[str], repeats: int, batch: int) -> None:
+def print_table(best: dict, backends: list[str], repeats: int, batch: int,
+                link_gbps: float | None = None) -> None:
     print(f"best of {max(1, repeats)} rounds per backend; batch {batch}")
     print(f"{'backend':14} {'tok/s':>8} {'hit':>6} {'fetch MB/step':>13} {'cpu MB/step':>11} "
-          f"{'GB/s moved':>11} {'floor tok/s':>12}")
+          f"{'link GB/s':>10} {'GB/s moved':>11} {'floor tok/s':>12}")
     for be in backends:
         r = best.get(be)
         if r is None:
             print(f"{be:14} skipped: the pool does not fit on the GPU")
             continue
-        moved = (r.fetch_bytes_tok + r.cpu_bytes_tok) * r.tok_s / 1e9
+        steps_s = r.tok_s / batch  # a step decodes one token of every row
+        link = r.fetch_bytes_tok * steps_s / 1e9
+        moved = (r.fetch_bytes_tok + r.cpu_bytes_tok) * steps_s / 1e9
         floor = f"{r.floor_tok_s:12.1f}" if r.floor_tok_s else f"{'n/a':>12}"
         print(f"{be:14} {r.tok_s:8.1f} {r.hit_rate:6.3f} {r.fetch_bytes_tok / 1e6:13.1f} "
-              f"{r.cpu_bytes_tok / 1e6:11.1f} {moved:11.2f} {floor}", flush=True)
+              f"{r.cpu_bytes_tok / 1e6:11.1f} {link:10.2f} {moved:11.2f} {floor}", flush=True)
+        if link_gbps and link > 1.05 * link_gbps:
+            print(f"  !! {be}: {link:.1f} GB/s over the link exceeds its measured "
+                  f"{link_gbps:.1f} GB/s: the fetch counters or the time are wrong", flush=True)

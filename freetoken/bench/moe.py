@@ -9,6 +9,7 @@ from a trace (`--route-trace`) to model a trained router's locality.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,10 +25,10 @@ from freetoken.types.api import SamplingParams
 
 
 class TraceRouter:
-    """Replaces the router's choice with a recorded one: model layer l at decode step s takes
-    trace layer l % Lt of sequence (l // Lt + seq) % N, step s % steps. The trace and the step
-    counter live on the model's device and the step advances there, so a replayed CUDA graph
-    walks the trace like eager steps do."""
+    """Replaces the router's choice in decode steps with a recorded one: row r of model layer l
+    at decode step s takes trace layer l % Lt of sequence (l // Lt + r) % N, step s % steps.
+    The trace and the step counter live on the model's device and the step advances there, so
+    a replayed CUDA graph walks the trace like eager steps do."""
 
     def __init__(self, decode: np.ndarray, num_experts: int, top_k: int,
                  device: torch.device | str = "cpu"):
@@ -36,13 +37,28 @@ class TraceRouter:
         self.k = top_k
         self.step = torch.zeros(1, dtype=torch.int64, device=device)
 
-    def ids(self, layer: int, seq: int = 0) -> torch.Tensor:
+    def ids(self, layer: int, rows: int = 1) -> torch.Tensor:
+        """[rows, K]: the step's routing of `rows` decode rows (row r = sequence r)."""
         steps, lt, n, _ = self.t.shape
         frame = self.t.index_select(0, self.step % steps)[0]  # [Lt, N, K]
-        return frame[layer % lt, (layer // lt + seq) % n].view(1, -1)  # [1, K]
+        seqs = [(layer // lt + r) % n for r in range(rows)]
+        return frame[layer % lt, seqs]  # [rows, K]
 
     def advance(self) -> None:
         self.step.add_(1)
+
+
+def uniform_trace(steps: int, layers: int, rows: int, num_experts: int, top_k: int,
+                  seed: int = 0) -> np.ndarray:
+    """[steps, layers, rows, K] routing drawn uniformly per token: each row of each step picks
+    K distinct experts of E at random. Random weights served through real prompts route like
+    this (their hit rate equals the cache rate, DESIGN §9), while a random router fed the
+    benchmark's own greedy tokens does not, so this is `ft bench decode`'s `random` case."""
+    g = np.random.default_rng(seed)
+    out = np.empty((steps, layers, rows, top_k), dtype=np.int16)
+    for s in range(steps):  # a step at a time: argsort of [L, N, E] keys stays small
+        out[s] = np.argsort(g.random((layers, rows, num_experts)), axis=-1)[..., :top_k]
+    return out
 
 
 @dataclass
@@ -57,18 +73,22 @@ class RunResult:
 
 
 def install_trace(model: QwenMoE, router: TraceRouter) -> None:
-    for i, b in enumerate(model.moe_blocks()):
+    """Route every decode step of `model` by `router`: a one-token step, or the rows of a
+    decode runner's bucket (which pass `row_mask`; its padding rows route nowhere). Prefill
+    chunks keep the model's own router."""
+    blocks = model.moe_blocks()
+    for i, b in enumerate(blocks):
         gate = b.gate
         orig = gate.forward
 
         def fwd(x: torch.Tensor, row_mask: torch.Tensor | None = None, _i: int = i,
                 _orig=orig) -> tuple[torch.Tensor, torch.Tensor]:
             w, ids = _orig(x, row_mask=row_mask)
-            if x.shape[0] == 1:  # decode: replay; prefill keeps the random router
-                ids = router.ids(_i)
-                if row_mask is not None:  # a graph bucket's padding row routes nowhere
+            if x.shape[0] == 1 or row_mask is not None:  # decode rows: replay
+                ids = router.ids(_i, x.shape[0])  # [T, K]
+                if row_mask is not None:
                     ids = ids.masked_fill(~row_mask[:, None], -1)
-                if _i == len(model.moe_blocks()) - 1:
+                if _i == len(blocks) - 1:
                     router.advance()
             return w, ids
 
@@ -100,9 +120,11 @@ def drop_fused(model: QwenMoE, device: torch.device) -> None:
 
 
 def decode_batch(model: QwenMoE, prompts: list[list[int]], n_tokens: int,
-                 cuda_graph: bool) -> tuple[float, int]:
+                 cuda_graph: bool, on_start: Callable[[], None] | None = None
+                 ) -> tuple[float, int]:
     """B requests decoding together through the engine: (decode tok/s summed over the rows,
-    decode steps timed). Timing starts once every request has its first token."""
+    decode steps timed). Timing starts once every request has its first token, when
+    `on_start` is called (the caller's counters then cover the decode steps alone)."""
     from freetoken.engine.core import EngineCore
     from freetoken.types.api import GenerateRequest
 
@@ -122,6 +144,8 @@ def decode_batch(model: QwenMoE, prompts: list[list[int]], n_tokens: int,
                                                    ignore_eos=True), request_id=f"b{i}"), on(i))
     while core.has_work() and min(got) == 0:
         core.step()
+    if on_start is not None:
+        on_start()
     t0, start, steps = time.perf_counter(), sum(got), 0
     while core.has_work():
         core.step()
@@ -142,19 +166,26 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEOptio
     sp = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
     generate(model, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), [],
              cuda_graph=cuda_graph)
-    if rt:
-        rt.stats.sync()
-    s0 = {k: v for k, v in rt.stats.__dict__.items() if isinstance(v, int)} if rt else None
+    # the counters cover the decode steps alone: taken when the first token is out (a
+    # prefill's misses, and the hits of re-prefilling the warm-up's prompt, are not decode's)
+    s0: dict = {}
+
+    def start() -> None:
+        if rt is not None and not s0:
+            rt.stats.sync()
+            s0.update({k: v for k, v in rt.stats.__dict__.items() if isinstance(v, int)})
+
     if batch > 1 or engine:
         # B prompts of the same length, each a rotation of the first (no shared prefix)
         prompts = [prompt[i % len(prompt):] + prompt[:i % len(prompt)] for i in range(batch)]
-        tok_s, steps = decode_batch(model, prompts, n_tokens, cuda_graph)
+        tok_s, steps = decode_batch(model, prompts, n_tokens, cuda_graph, on_start=start)
         res = None
     else:
         priv = getattr(model, "_ft_private", None)
         runner = next(iter(priv.runners.values()), None) if priv else None
         h0 = (runner.host_s, runner.wait_s, runner.steps) if runner else None
-        res = generate(model, prompt, sp, [], cuda_graph=cuda_graph)
+        res = generate(model, prompt, sp, [], on_token=lambda _t: start(),
+                       cuda_graph=cuda_graph)
         tok_s, steps = res.decode_tps, max(1, len(res.token_ids) - 1)
         if runner is not None and h0 is not None and runner.steps > h0[2]:
             k = runner.steps - h0[2]
@@ -174,7 +205,8 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEOptio
         d = {k: rt.stats.__dict__[k] - s0[k] for k in s0}
         routed = d["hits"] + d["misses"]
         hit = d["hits"] / routed if routed else 0.0
-        fb, cb = d["fetch_bytes"] / (steps + 1), d["cpu_bytes"] / (steps + 1)
+        # per decode step of the timed window (each step after the first token)
+        fb, cb = d["fetch_bytes"] / steps, d["cpu_bytes"] / steps
         prof = find_profile(model, store.dtype)
         if prof is not None and (prof.b_p or not fb):
             bp = (prof.b_p or 1.0) * 1e9

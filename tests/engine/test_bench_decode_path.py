@@ -19,9 +19,9 @@ def test_engine_path_takes_batch_one_through_the_engine(tiny_hf, monkeypatch) ->
     calls: list[int] = []
     real = bench_moe.decode_batch
 
-    def spy(model, prompts, n_tokens, cuda_graph):
+    def spy(model, prompts, n_tokens, cuda_graph, **kw):
         calls.append(len(prompts))
-        return real(model, prompts, n_tokens, cuda_graph)
+        return real(model, prompts, n_tokens, cuda_graph, **kw)
 
     monkeypatch.setattr(bench_moe, "decode_batch", spy)
     cpu = torch.device("cpu")
