@@ -93,6 +93,10 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, Shape]:
     checkpoint that stores them already fused is accepted by the reader (see
     `fused_expert_tensors`). No `lm_head.weight` when the embeddings are tied.
     """
+    if cfg.is_mla:  # deepseek_v3: its own attention and MoE tensors
+        from freetoken.checkpoint.layout_mla import expected_tensors_mla
+
+        return expected_tensors_mla(cfg)
     pre, H = cfg.weight_prefix, cfg.hidden_size
     out: dict[str, Shape] = {f"{pre}embed_tokens.weight": (cfg.vocab_size, H)}
     for i, kind in enumerate(cfg.layer_types):

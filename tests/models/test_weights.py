@@ -24,9 +24,10 @@ def _read_all(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _hf_runtime_params(model: torch.nn.Module, tied: bool) -> dict[str, torch.Tensor]:
-    """transformers' in-memory parameters under our runtime names (text model only)."""
+    """transformers' in-memory parameters and persistent buffers (deepseek's
+    e_score_correction_bias is one) under our runtime names (text model only)."""
     out = {}
-    for name, p in model.named_parameters():
+    for name, p in model.state_dict().items():
         name = name.replace("model.language_model.", "model.")
         if name.startswith("model.visual.") or (tied and name == "lm_head.weight"):
             continue

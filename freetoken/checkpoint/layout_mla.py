@@ -1,0 +1,68 @@
+"""The tensors of a DeepSeek-V3 checkpoint (`deepseek_v3`), as `layout.expected_tensors`.
+
+Legend: H hidden, Hq heads, N qk_nope_head_dim, R qk_rope_head_dim, C kv_lora_rank, Q q_lora_rank,
+Dv v_head_dim, E experts, I moe intermediate, S shared intermediate (n_shared_experts·I),
+D dense intermediate. Multi-token-prediction layers (`model.layers.{num_hidden_layers}.*`) are
+not listed: the reader skips them.
+"""
+from __future__ import annotations
+
+from freetoken.types.model_config import ModelConfig
+
+Shape = tuple[int, ...]
+
+
+def _mla(cfg: ModelConfig, p: str) -> dict[str, Shape]:
+    H, Hq, C, R = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    q_rows = Hq * (cfg.qk_nope_head_dim + R)
+    out: dict[str, Shape] = {}
+    if cfg.q_lora_rank:
+        Q = cfg.q_lora_rank
+        out.update({f"{p}q_a_proj.weight": (Q, H), f"{p}q_a_layernorm.weight": (Q,),
+                    f"{p}q_b_proj.weight": (q_rows, Q)})
+        if cfg.attention_bias:
+            out[f"{p}q_a_proj.bias"] = (Q,)
+    else:
+        out[f"{p}q_proj.weight"] = (q_rows, H)
+    out.update({
+        f"{p}kv_a_proj_with_mqa.weight": (C + R, H),
+        f"{p}kv_a_layernorm.weight": (C,),
+        f"{p}kv_b_proj.weight": (Hq * (cfg.qk_nope_head_dim + cfg.v_head_dim), C),
+        f"{p}o_proj.weight": (H, Hq * cfg.v_head_dim),
+    })
+    if cfg.attention_bias:
+        out.update({f"{p}kv_a_proj_with_mqa.bias": (C + R,), f"{p}o_proj.bias": (H,)})
+    return out
+
+
+def _mlp(cfg: ModelConfig, layer: int, p: str) -> dict[str, Shape]:
+    H = cfg.hidden_size
+    if not cfg.is_moe_layer(layer):
+        D = cfg.intermediate_size
+        return {f"{p}gate_proj.weight": (D, H), f"{p}up_proj.weight": (D, H),
+                f"{p}down_proj.weight": (H, D)}
+    E, I, S = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    out: dict[str, Shape] = {f"{p}gate.weight": (E, H), f"{p}gate.e_score_correction_bias": (E,)}
+    for e in range(E):
+        out[f"{p}experts.{e}.gate_proj.weight"] = (I, H)
+        out[f"{p}experts.{e}.up_proj.weight"] = (I, H)
+        out[f"{p}experts.{e}.down_proj.weight"] = (H, I)
+    out.update({f"{p}shared_experts.gate_proj.weight": (S, H),
+                f"{p}shared_experts.up_proj.weight": (S, H),
+                f"{p}shared_experts.down_proj.weight": (H, S)})
+    return out
+
+
+def expected_tensors_mla(cfg: ModelConfig) -> dict[str, Shape]:
+    pre, H = cfg.weight_prefix, cfg.hidden_size
+    out: dict[str, Shape] = {f"{pre}embed_tokens.weight": (cfg.vocab_size, H)}
+    for i in range(cfg.num_layers):
+        lp = f"{pre}layers.{i}."
+        out[f"{lp}input_layernorm.weight"] = (H,)
+        out.update(_mla(cfg, f"{lp}self_attn."))
+        out[f"{lp}post_attention_layernorm.weight"] = (H,)
+        out.update(_mlp(cfg, i, f"{lp}mlp."))
+    out[f"{pre}norm.weight"] = (H,)
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, H)
+    return out

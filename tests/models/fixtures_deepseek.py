@@ -1,0 +1,60 @@
+"""Tiny random DeepSeek-V3 checkpoints (built by `tests.models.fixtures.build_tiny_hf`).
+
+Kinds: `deepseek_v3` (q LoRA, YaRN with mscale != mscale_all_dim so both the cos/sin factor and
+the softmax mscale are exercised, interleaved rope, 2 shared experts), `deepseek_v3_no_q_lora`
+(q_proj, plain rope, rope_interleave off, attention biases, norm_topk_prob off),
+`deepseek_v3_old_spelling` (the published config's `rope_scaling` + top-level `rope_theta`).
+The latent (kv_lora_rank + rope = 64) is a multiple of the C++ decode kernel's vector width.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+KINDS = ("deepseek_v3", "deepseek_v3_no_q_lora", "deepseek_v3_old_spelling")
+
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+         "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1,
+         "mscale": 1.0, "mscale_all_dim": 0.8}
+
+_BASE: dict[str, Any] = {
+    "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "n_shared_experts": 2, "n_routed_experts": 8, "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 48, "q_lora_rank": 32, "qk_rope_head_dim": 16, "v_head_dim": 16,
+    "qk_nope_head_dim": 16, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1, "norm_topk_prob": True, "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+
+@torch.no_grad()
+def make_deepseek(kind: str) -> torch.nn.Module:
+    import transformers as tf
+
+    kw = dict(_BASE, rope_parameters=dict(_YARN))
+    if kind == "deepseek_v3_no_q_lora":
+        kw.update(q_lora_rank=None, rope_interleave=False, attention_bias=True,
+                  norm_topk_prob=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    model = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(**kw))
+    gen = torch.Generator().manual_seed(5)
+    for layer in model.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and hasattr(gate, "e_score_correction_bias"):
+            # a zero bias (the init) would leave the biased choice untested
+            gate.e_score_correction_bias.copy_(torch.randn(gate.e_score_correction_bias.shape,
+                                                           generator=gen) * 0.05)
+    return model
+
+
+def rewrite_deepseek_config(cfg: dict, kind: str) -> dict:
+    if kind == "deepseek_v3_old_spelling":
+        rope = cfg.pop("rope_parameters")
+        cfg["rope_theta"] = rope.pop("rope_theta")
+        rope["type"] = rope.pop("rope_type")
+        cfg["rope_scaling"] = rope
+        cfg["torch_dtype"] = cfg.pop("dtype")
+    return cfg
