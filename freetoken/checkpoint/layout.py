@@ -114,6 +114,17 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, Shape]:
     return out
 
 
+def fp32_tensors(cfg: ModelConfig) -> set[str]:
+    """Disk names loaded in float32 whatever the model dtype: DeepSeek-V3's router weight and
+    correction bias (transformers' `_keep_in_fp32_modules_strict`; a bias rounded to bf16 picks
+    other experts)."""
+    if not cfg.is_mla:
+        return set()
+    from freetoken.checkpoint.layout_mla import router_tensors
+
+    return router_tensors(cfg)
+
+
 def expert_bank_names(cfg: ModelConfig, layer: int, prefix: str | None = None) -> tuple[str, str]:
     """(gate_up_proj, down_proj) bank names of an MoE layer under `prefix` (default: on disk)."""
     p = f"{cfg.weight_prefix if prefix is None else prefix}layers.{layer}.mlp.experts."

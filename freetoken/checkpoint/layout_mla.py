@@ -66,3 +66,10 @@ def expected_tensors_mla(cfg: ModelConfig) -> dict[str, Shape]:
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, H)
     return out
+
+
+def router_tensors(cfg: ModelConfig) -> set[str]:
+    """The router's weight and correction bias of every MoE layer (kept in float32)."""
+    pre = cfg.weight_prefix
+    return {f"{pre}layers.{i}.mlp.gate.{n}" for i in cfg.moe_layers
+            for n in ("weight", "e_score_correction_bias")}

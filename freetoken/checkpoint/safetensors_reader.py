@@ -30,6 +30,7 @@ from freetoken.checkpoint.layout import (
     Shape,
     expected_tensors,
     expert_bank_names,
+    fp32_tensors,
     fused_expert_tensors,
     runtime_name,
 )
@@ -155,8 +156,8 @@ class _Reader:
         self.bar.update(1)
         return t
 
-    def get(self, name: str) -> Tensor:
-        return self.raw(name).to(device=self.device, dtype=self.dtype).contiguous()
+    def get(self, name: str, dtype: torch.dtype | None = None) -> Tensor:
+        return self.raw(name).to(device=self.device, dtype=dtype or self.dtype).contiguous()
 
 
 def _load_experts(cfg: ModelConfig, layer: int, rd: _Reader, out: dict[str, Tensor]) -> None:
@@ -212,9 +213,11 @@ def load_checkpoint(
         if cfg.linear_fused_qkvz:
             for i in cfg.linear_attention_layers:
                 _load_fused_linear_attn(cfg, f"{cfg.weight_prefix}layers.{i}.linear_attn.", rd, out)
+        fp32 = fp32_tensors(cfg)  # kept in float32 whatever `dtype` is (deepseek's router)
         for name in expected:
             if name not in rd.done:  # everything not converted above is renamed as is
-                out[runtime_name(cfg, name)] = rd.get(name)
+                out[runtime_name(cfg, name)] = rd.get(name, torch.float32 if name in fp32
+                                                      else None)
     log.info(kv("loaded", dir=model_dir, files=len(files), tensors=len(out), dtype=dtype,
                 device=dev, skipped=len(found) - len(expected)))
     return out

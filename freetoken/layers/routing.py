@@ -30,6 +30,18 @@ class GroupLimitedRouter(nn.Module):
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
         self.renormalize, self.scaling = renormalize, scaling
 
+    def _apply(self, fn, recurse: bool = True):
+        # weight and bias stay float32 (transformers keeps them so; the checkpoint reader loads
+        # them so): a model-wide `.to(bfloat16)` moves them, it does not round them
+        keep = {n: p.data for n, p in self.named_parameters(recurse=False)
+                if p.dtype == torch.float32}
+        super()._apply(fn, recurse)
+        for n, data in keep.items():
+            p = getattr(self, n)
+            if p.dtype != torch.float32:
+                p.data = data.to(p.device)
+        return self
+
     def forward(self, x: torch.Tensor, row_mask: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (w [T, K] x.dtype, ids [T, K] int64); ids -1 on rows outside

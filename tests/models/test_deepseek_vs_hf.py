@@ -185,3 +185,46 @@ def test_unsupported_config_is_refused(tiny_hf, bad: dict, word: str) -> None:
     raw.update(bad)
     with pytest.raises(ConfigError, match=word):
         config_from_dict(raw)
+
+
+def test_bf16_keeps_the_router_in_fp32(tiny_hf) -> None:
+    """Bug caught: the reader cast the correction bias to bf16 with everything else (transformers
+    keeps router weight and bias in fp32), which moves expert choices; the bf16 model stays
+    close to the fp32 oracle."""
+    from safetensors import safe_open
+
+    d = tiny_hf("deepseek_v3")
+    ours, ref = load_model(d, dtype=torch.bfloat16, progress=False), hf_reference(d)
+    with safe_open(str(d / "model.safetensors"), framework="pt") as f:
+        for b in ours.moe_blocks():
+            p = f"model.layers.{b.layer_id}.mlp.gate."
+            assert b.gate.weight.dtype == b.gate.e_score_correction_bias.dtype == torch.float32
+            bias = f.get_tensor(p + "e_score_correction_bias")
+            assert torch.equal(b.gate.e_score_correction_bias, bias)
+            assert torch.equal(b.gate.weight, f.get_tensor(p + "weight"))
+    assert ours.model.layers[1].self_attn.kv_b_proj.weight.dtype == torch.bfloat16
+    ids = _prompt(ours.cfg.vocab_size, 70, seed=2)
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    c = Caches(KVPool(ours.cfg, 128, torch.bfloat16, "cpu"), None)
+    got = ours(ForwardBatch.single(ids, 0, torch.arange(70), None, all_logits=True), c)
+    assert (got - want).norm() / want.norm() < 0.05
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+def test_preset_is_the_published_model() -> None:
+    """`--shape deepseek-v3`: the tensors of the preset total DeepSeek-V3's published 671B
+    parameters (MTP module excluded), 37B of them active per token."""
+    import math
+
+    from freetoken.checkpoint.layout import expected_tensors
+    from freetoken.types.presets import preset_config
+
+    cfg = preset_config("deepseek-v3")
+    shapes = expected_tensors(cfg)
+    total = sum(math.prod(s) for s in shapes.values())
+    experts = sum(math.prod(s) for k, s in shapes.items() if ".experts." in k)
+    active = total - experts * (1 - cfg.top_k / cfg.num_experts)
+    assert round(total / 1e9) == 671 and round(active / 1e9) in (37, 38)
+    cut = preset_config("deepseek-v3", layers=5)
+    assert cut.moe_layers == [3, 4] and cut.kv_entry == (1, 576, 0)
