@@ -41,6 +41,12 @@ def deepseek_config(raw: dict, prefix: str = "model.") -> ModelConfig:
         vocab = int(raw["vocab_size"])
     except KeyError as e:
         raise ConfigError(f"config.json is missing required field {e.args[0]!r}") from None
+    quant = raw.get("quantization_config")
+    if quant:
+        # the published weights are fp8 blocks with `weight_scale_inv` beside them: read as
+        # plain tensors (the scales skipped as unused) they would load as garbage
+        raise ConfigError(f"deepseek_v3: quantized checkpoints ({quant.get('quant_method')!r}) "
+                          "are not supported; dequantize to bf16 first")
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"deepseek_v3: hidden_act {act!r} is not supported (silu)")

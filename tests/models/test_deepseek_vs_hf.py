@@ -178,7 +178,10 @@ def test_config_spellings_and_defaults(tiny_hf) -> None:
                                       ({"n_group": 3}, "n_group"),
                                       ({"topk_group": 9}, "topk_group"),
                                       ({"rope_scaling": {"type": "llama3", "factor": 8}}, "llama3"),
-                                      ({"hidden_act": "gelu"}, "gelu")])
+                                      ({"hidden_act": "gelu"}, "gelu"),
+                                      ({"quantization_config": {"quant_method": "fp8",
+                                                                "weight_block_size": [128, 128]}},
+                                       "fp8")])
 def test_unsupported_config_is_refused(tiny_hf, bad: dict, word: str) -> None:
     raw = json.loads((tiny_hf("deepseek_v3") / "config.json").read_text())
     raw.pop("rope_parameters", None) if "rope_scaling" in bad else None
