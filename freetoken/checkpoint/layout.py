@@ -127,7 +127,8 @@ def fp32_tensors(cfg: ModelConfig) -> set[str]:
 
 def expert_bank_names(cfg: ModelConfig, layer: int, prefix: str | None = None) -> tuple[str, str]:
     """(gate_up_proj, down_proj) bank names of an MoE layer under `prefix` (default: on disk)."""
-    p = f"{cfg.weight_prefix if prefix is None else prefix}layers.{layer}.mlp.experts."
+    p = (f"{cfg.weight_prefix if prefix is None else prefix}layers.{layer}."
+         f"{cfg.moe_module}.experts.")
     return f"{p}gate_up_proj", f"{p}down_proj"
 
 

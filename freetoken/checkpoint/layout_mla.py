@@ -1,9 +1,11 @@
-"""The tensors of a DeepSeek-V3 checkpoint (`deepseek_v3`), as `layout.expected_tensors`.
+"""The tensors of a DeepSeek-V3 (`deepseek_v3`) or Kimi-Linear (`kimi_linear`) checkpoint, as
+`layout.expected_tensors`: MLA layers, Kimi Delta Attention layers (kimi), dense or
+group-limited MoE blocks under `cfg.moe_module` with experts named `cfg.expert_names`.
 
 Legend: H hidden, Hq heads, N qk_nope_head_dim, R qk_rope_head_dim, C kv_lora_rank, Q q_lora_rank,
 Dv v_head_dim, E experts, I moe intermediate, S shared intermediate (n_shared_experts·I),
-D dense intermediate. Multi-token-prediction layers (`model.layers.{num_hidden_layers}.*`) are
-not listed: the reader skips them.
+D dense intermediate, Hl / d KDA heads and head dim, Kc conv kernel. Multi-token-prediction
+layers (`model.layers.{num_hidden_layers}.*`) are not listed: the reader skips them.
 """
 from __future__ import annotations
 
@@ -35,6 +37,21 @@ def _mla(cfg: ModelConfig, p: str) -> dict[str, Shape]:
     return out
 
 
+def _kda(cfg: ModelConfig, p: str) -> dict[str, Shape]:
+    H, Hl, d = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    out: dict[str, Shape] = {}
+    for n in ("q", "k", "v"):
+        out[f"{p}{n}_proj.weight"] = (Hl * d, H)
+        out[f"{p}{n}_conv1d.weight"] = (Hl * d, 1, cfg.linear_conv_kernel)
+    out.update({
+        f"{p}f_a_proj.weight": (d, H), f"{p}f_b_proj.weight": (Hl * d, d),
+        f"{p}dt_bias": (Hl * d,), f"{p}A_log": (1, 1, Hl, 1), f"{p}b_proj.weight": (Hl, H),
+        f"{p}g_a_proj.weight": (d, H), f"{p}g_b_proj.weight": (Hl * d, d),
+        f"{p}o_norm.weight": (d,), f"{p}o_proj.weight": (H, Hl * d),
+    })
+    return out
+
+
 def _mlp(cfg: ModelConfig, layer: int, p: str) -> dict[str, Shape]:
     H = cfg.hidden_size
     if not cfg.is_moe_layer(layer):
@@ -43,10 +60,11 @@ def _mlp(cfg: ModelConfig, layer: int, p: str) -> dict[str, Shape]:
                 f"{p}down_proj.weight": (H, D)}
     E, I, S = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     out: dict[str, Shape] = {f"{p}gate.weight": (E, H), f"{p}gate.e_score_correction_bias": (E,)}
+    gate, up, down = cfg.expert_names
     for e in range(E):
-        out[f"{p}experts.{e}.gate_proj.weight"] = (I, H)
-        out[f"{p}experts.{e}.up_proj.weight"] = (I, H)
-        out[f"{p}experts.{e}.down_proj.weight"] = (H, I)
+        out[f"{p}experts.{e}.{gate}.weight"] = (I, H)
+        out[f"{p}experts.{e}.{up}.weight"] = (I, H)
+        out[f"{p}experts.{e}.{down}.weight"] = (H, I)
     out.update({f"{p}shared_experts.gate_proj.weight": (S, H),
                 f"{p}shared_experts.up_proj.weight": (S, H),
                 f"{p}shared_experts.down_proj.weight": (H, S)})
@@ -59,9 +77,12 @@ def expected_tensors_mla(cfg: ModelConfig) -> dict[str, Shape]:
     for i in range(cfg.num_layers):
         lp = f"{pre}layers.{i}."
         out[f"{lp}input_layernorm.weight"] = (H,)
-        out.update(_mla(cfg, f"{lp}self_attn."))
+        if cfg.layer_types[i] == "linear_attention":
+            out.update(_kda(cfg, f"{lp}self_attn."))
+        else:
+            out.update(_mla(cfg, f"{lp}self_attn."))
         out[f"{lp}post_attention_layernorm.weight"] = (H,)
-        out.update(_mlp(cfg, i, f"{lp}mlp."))
+        out.update(_mlp(cfg, i, f"{lp}{cfg.moe_module}."))
     out[f"{pre}norm.weight"] = (H,)
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, H)
@@ -69,7 +90,10 @@ def expected_tensors_mla(cfg: ModelConfig) -> dict[str, Shape]:
 
 
 def router_tensors(cfg: ModelConfig) -> set[str]:
-    """The router's weight and correction bias of every MoE layer (kept in float32)."""
+    """The router's weight and correction bias of every MoE layer, and KDA's dt_bias (kept in
+    float32)."""
     pre = cfg.weight_prefix
-    return {f"{pre}layers.{i}.mlp.gate.{n}" for i in cfg.moe_layers
-            for n in ("weight", "e_score_correction_bias")}
+    out = {f"{pre}layers.{i}.{cfg.moe_module}.gate.{n}" for i in cfg.moe_layers
+           for n in ("weight", "e_score_correction_bias")}
+    return out | {f"{pre}layers.{i}.self_attn.dt_bias" for i in cfg.linear_attention_layers
+                  if cfg.linear_kind == "kda"}

@@ -94,7 +94,7 @@ def resolve_expected(cfg: ModelConfig, found: dict[str, TensorInfo]) -> dict[str
         gate_up, down = expert_bank_names(cfg, i)
         if gate_up not in found and down not in found:
             continue
-        per_expert = f"{cfg.weight_prefix}layers.{i}.mlp.experts."
+        per_expert = f"{cfg.weight_prefix}layers.{i}.{cfg.moe_module}.experts."
         expected = {
             k: v for k, v in expected.items()
             if not (k.startswith(per_expert) and k[len(per_expert)].isdigit())
@@ -171,11 +171,12 @@ def _load_experts(cfg: ModelConfig, layer: int, rd: _Reader, out: dict[str, Tens
     E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     gate_up = torch.empty(E, 2 * I, H, dtype=rd.dtype, device=rd.device)  # [E, 2I, H]
     down = torch.empty(E, H, I, dtype=rd.dtype, device=rd.device)  # [E, H, I]
-    p = f"{cfg.weight_prefix}layers.{layer}.mlp.experts."
+    p = f"{cfg.weight_prefix}layers.{layer}.{cfg.moe_module}.experts."
+    g, u, dn = cfg.expert_names  # gate_proj / up_proj / down_proj (kimi_linear: w1 / w3 / w2)
     for e in range(E):
-        gate_up[e, :I].copy_(rd.raw(f"{p}{e}.gate_proj.weight"))  # [I, H]
-        gate_up[e, I:].copy_(rd.raw(f"{p}{e}.up_proj.weight"))  # [I, H]
-        down[e].copy_(rd.raw(f"{p}{e}.down_proj.weight"))  # [H, I]
+        gate_up[e, :I].copy_(rd.raw(f"{p}{e}.{g}.weight"))  # [I, H]
+        gate_up[e, I:].copy_(rd.raw(f"{p}{e}.{u}.weight"))  # [I, H]
+        down[e].copy_(rd.raw(f"{p}{e}.{dn}.weight"))  # [H, I]
     out[gate_up_name], out[down_name] = gate_up, down
 
 

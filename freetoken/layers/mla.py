@@ -63,7 +63,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(self.c, self.hq * (self.n + self.dv), bias=False)
         self.o_proj = Linear(self.hq * self.dv, H, bias=bias)
         self.scale = mla_scale(cfg)
-        self.interleave = cfg.rope_interleave
+        self.interleave, self.rope = cfg.rope_interleave, cfg.mla_rope
         self.fused_in: torch.Tensor | None = None  # see fuse_projections
         first = self.q_lora if self.q_lora else q_out
         self.in_sizes = [first, self.c + self.r]
@@ -74,6 +74,8 @@ class MLAttention(nn.Module):
         self.fused_in = fuse_linears([first, self.kv_a_proj_with_mqa])
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if not self.rope:  # kimi_linear: NoPE, the "rope" dims pass unrotated
+            return x
         if self.interleave:
             return apply_rotary_interleaved(x, cos, sin)
         return apply_rotary(x, cos, sin)

@@ -17,11 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.layers import fast_ops
+from freetoken.layers.fp32 import KeepFp32
 from freetoken.layers.moe import MLP, FusedExperts, MoEBlock
 from freetoken.types.model_config import ModelConfig
 
 
-class GroupLimitedRouter(nn.Module):
+class GroupLimitedRouter(KeepFp32):
+    fp32_params = ("weight", "e_score_correction_bias")  # as transformers keeps them
     def __init__(self, hidden: int, num_experts: int, top_k: int, n_group: int, topk_group: int,
                  renormalize: bool, scaling: float):
         super().__init__()
@@ -29,18 +31,6 @@ class GroupLimitedRouter(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
         self.renormalize, self.scaling = renormalize, scaling
-
-    def _apply(self, fn, recurse: bool = True):
-        # weight and bias stay float32 (transformers keeps them so; the checkpoint reader loads
-        # them so): a model-wide `.to(bfloat16)` moves them, it does not round them
-        keep = {n: p.data for n, p in self.named_parameters(recurse=False)
-                if p.dtype == torch.float32}
-        super()._apply(fn, recurse)
-        for n, data in keep.items():
-            p = getattr(self, n)
-            if p.dtype != torch.float32:
-                p.data = data.to(p.device)
-        return self
 
     def forward(self, x: torch.Tensor, row_mask: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,4 +10,8 @@ def model_class(cfg: ModelConfig) -> type[QwenMoE]:
         from freetoken.models.deepseek import DeepseekV3
 
         return DeepseekV3
+    if cfg.model_type == "kimi_linear":
+        from freetoken.models.kimi import KimiLinear
+
+        return KimiLinear
     return QwenMoE

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3")
+FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3", "kimi_linear")
 _TEXT_TYPES = {"qwen3_5_moe_text": "qwen3_5_moe"}
 
 
@@ -74,6 +74,13 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_expert_gated: bool = True  # qwen: sigmoid gate on the shared expert; deepseek: none
+    mla_rope: bool = True  # kimi_linear's MLA is NoPE: its "rope" part of the key is not rotated
+    # linear-attention kind: "gdn" (gated DeltaNet, qwen) or "kda" (Kimi Delta Attention)
+    linear_kind: str = "gdn"
+    # where a layer's MLP / MoE block and its experts' projections sit in the checkpoint
+    # (kimi_linear: `block_sparse_moe`, experts w1 / w3 / w2)
+    moe_module: str = "mlp"
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
     # checkpoint facts
     weight_prefix: str = "model."
     dtype: str = "bfloat16"
@@ -172,6 +179,10 @@ def config_from_dict(raw: dict) -> ModelConfig:
         from freetoken.types.deepseek_config import deepseek_config
 
         return deepseek_config(raw, prefix)
+    if model_type == "kimi_linear":
+        from freetoken.types.kimi_config import kimi_config
+
+        return kimi_config(raw, prefix)
     if model_type not in FAMILIES:
         raise ConfigError(
             f"unsupported model_type {model_type!r}; supported: {', '.join(FAMILIES)}"

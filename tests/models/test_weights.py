@@ -45,7 +45,8 @@ def test_expected_tensors_match_save_pretrained(tiny_hf: TinyFactory, kind: str)
     assert expected_tensors(cfg) == text
 
 
-@pytest.mark.parametrize("kind", KINDS)
+# kimi_linear's transformers names differ from its checkpoint's (tests/models/test_kimi_vs_hf.py)
+@pytest.mark.parametrize("kind", [k for k in KINDS if not k.startswith("kimi")])
 def test_loaded_tensors_equal_transformers(tiny_hf: TinyFactory, kind: str) -> None:
     d = tiny_hf(kind)
     cfg = load_config(d)
