@@ -38,6 +38,20 @@ SHAPES: dict[str, dict] = {
                          "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
         "rms_norm_eps": 1e-6, "dtype": "bfloat16",
     },
+    # Kimi-Linear-48B-A3B: 27 layers, Kimi Delta Attention (32 heads × 128) with NoPE MLA every
+    # 4th layer (transformers' default pattern), the first layer dense, then 256 experts top-8 of
+    # 3×2304×1024 and one shared expert; 2304 hidden.
+    "kimi-linear": {
+        "model_type": "kimi_linear", "vocab_size": 163840, "hidden_size": 2304,
+        "intermediate_size": 9216, "moe_intermediate_size": 1024, "num_hidden_layers": 27,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "num_shared_experts": 1,
+        "num_experts": 256, "num_experts_per_token": 8, "routed_scaling_factor": 2.446,
+        "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "qk_nope_head_dim": 128, "num_expert_group": 1, "topk_group": 1,
+        "first_k_dense_replace": 1, "moe_renormalize": True, "model_max_length": 1048576,
+        "linear_attn_config": {"head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4},
+        "rms_norm_eps": 1e-5, "dtype": "bfloat16",
+    },
 }
 
 

@@ -1,9 +1,10 @@
-"""DeepSeek-V3's decode step through the graph runner's static buffers (a DecodeContext: device
-out-slots, the runner's 'torch' attention plan over the latent pool), on the torch path and on
-the CUDA code path (every fast_ops switch on our Triton kernels, interpreted on the CPU: norms,
-fused MoE decode, shared-expert decode, combine), against transformers. Bugs it catches: the
-ungated shared expert lost or gated by the combine, MLA writing latents where the runner did not
-plan them, a runner planning a GQA kernel over the latent pool."""
+"""DeepSeek-V3's and Kimi-Linear's decode step through the graph runner's static buffers (a
+DecodeContext: device out-slots and state slots, the runner's 'torch' attention plan over the
+latent pool), on the torch path and on the CUDA code path (every fast_ops switch on our Triton
+kernels, interpreted on the CPU: norms, fused MoE decode, shared-expert decode, combine),
+against transformers. Bugs it catches: the ungated shared expert lost or gated by the combine,
+MLA writing latents where the runner did not plan them, a runner planning a GQA kernel over the
+latent pool, KDA reading or writing another row's state slot."""
 from __future__ import annotations
 
 import os
@@ -37,9 +38,9 @@ def _runner_logits(model_dir, seqs: list[list[int]], fast: bool, attention: str 
     rows = []
     for b, s in enumerate(seqs):
         slots = torch.arange(60 * b, 60 * b + len(s))
-        model(ForwardBatch.single(s[:-1], 0, slots[:-1], None), core.caches)
+        model(ForwardBatch.single(s[:-1], 0, slots[:-1], b), core.caches)
         rows.append(DecodeRow(token=s[-1], position=len(s) - 1, out_slot=int(slots[-1]),
-                              state_slot=0, kv_slots=slots))
+                              state_slot=b, kv_slots=slots))
     logits: list[torch.Tensor] = []
     hook = model.register_forward_hook(lambda m, a, out: logits.append(out.clone()))
     undo = cuda_path() if fast else None
@@ -56,8 +57,9 @@ def _runner_logits(model_dir, seqs: list[list[int]], fast: bool, attention: str 
     return logits[-1][: len(seqs)]  # [B, V]; not a bucket's padding rows
 
 
-def test_runner_decode_matches_transformers_on_both_paths(tiny_hf) -> None:
-    d = tiny_hf("deepseek_v3")
+@pytest.mark.parametrize("kind", ["deepseek_v3", "kimi_linear"])
+def test_runner_decode_matches_transformers_on_both_paths(tiny_hf, kind: str) -> None:
+    d = tiny_hf(kind)
     g = torch.Generator().manual_seed(4)
     seqs = [torch.randint(0, 512, (9 + 4 * b,), generator=g).tolist() for b in range(3)]
     ref = hf_reference(d)
