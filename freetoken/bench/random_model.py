@@ -17,8 +17,10 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | st
     to an expert store yourself). Norm weights as a trained model's are near: zero-centred 0,
     plain 1. A_log = log(U(1, 16)), dt_bias = 1."""
     torch.manual_seed(seed)
+    from freetoken.models.registry import model_class
+
     with torch.device("meta"):
-        model = QwenMoE(cfg)
+        model = model_class(cfg)(cfg)
     params = list(model.named_parameters())
     for name, p in tqdm(params, desc="random weights", disable=not progress, unit="t"):
         on = "cpu" if ".experts." in name else device

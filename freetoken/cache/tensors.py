@@ -15,23 +15,28 @@ from freetoken.types.model_config import ModelConfig
 class KVPool:
     """K/V of every full-attention layer, one slot per token (page size 1).
 
-    k[l], v[l]: [num_slots, Hkv, D] for the l-th full-attention layer.
+    k[l], v[l]: [num_slots, Hkv, D] for the l-th full-attention layer. For multi-head latent
+    attention (`cfg.kv_entry`) k[l] is [num_slots, 1, kv_lora_rank + rope dim], the latent, and
+    v[l] is empty ([num_slots, 1, 0]): values are read from the latent.
     """
 
     def __init__(
         self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device | str
     ):
         n_layers = len(cfg.full_attention_layers)
-        shape = (num_slots, cfg.num_kv_heads, cfg.head_dim)
+        heads, dk, dv = cfg.kv_entry
         self.num_slots = num_slots
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.k = [torch.zeros(num_slots, heads, dk, dtype=dtype, device=device)
+                  for _ in range(n_layers)]
+        self.v = [torch.zeros(num_slots, heads, dv, dtype=dtype, device=device)
+                  for _ in range(n_layers)]
         self.layer_index = {layer: i for i, layer in enumerate(cfg.full_attention_layers)}
 
     @staticmethod
     def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
         el = torch.empty((), dtype=dtype).element_size()
-        return 2 * len(cfg.full_attention_layers) * cfg.num_kv_heads * cfg.head_dim * el
+        heads, dk, dv = cfg.kv_entry
+        return len(cfg.full_attention_layers) * heads * (dk + dv) * el
 
 
 class StateTensors:

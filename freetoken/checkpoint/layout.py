@@ -93,6 +93,10 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, Shape]:
     checkpoint that stores them already fused is accepted by the reader (see
     `fused_expert_tensors`). No `lm_head.weight` when the embeddings are tied.
     """
+    if cfg.is_mla:  # deepseek_v3: its own attention and MoE tensors
+        from freetoken.checkpoint.layout_mla import expected_tensors_mla
+
+        return expected_tensors_mla(cfg)
     pre, H = cfg.weight_prefix, cfg.hidden_size
     out: dict[str, Shape] = {f"{pre}embed_tokens.weight": (cfg.vocab_size, H)}
     for i, kind in enumerate(cfg.layer_types):
@@ -110,9 +114,21 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, Shape]:
     return out
 
 
+def fp32_tensors(cfg: ModelConfig) -> set[str]:
+    """Disk names loaded in float32 whatever the model dtype: DeepSeek-V3's router weight and
+    correction bias (transformers' `_keep_in_fp32_modules_strict`; a bias rounded to bf16 picks
+    other experts)."""
+    if not cfg.is_mla:
+        return set()
+    from freetoken.checkpoint.layout_mla import router_tensors
+
+    return router_tensors(cfg)
+
+
 def expert_bank_names(cfg: ModelConfig, layer: int, prefix: str | None = None) -> tuple[str, str]:
     """(gate_up_proj, down_proj) bank names of an MoE layer under `prefix` (default: on disk)."""
-    p = f"{cfg.weight_prefix if prefix is None else prefix}layers.{layer}.mlp.experts."
+    p = (f"{cfg.weight_prefix if prefix is None else prefix}layers.{layer}."
+         f"{cfg.moe_module}.experts.")
     return f"{p}gate_up_proj", f"{p}down_proj"
 
 

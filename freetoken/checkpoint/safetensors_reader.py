@@ -30,6 +30,7 @@ from freetoken.checkpoint.layout import (
     Shape,
     expected_tensors,
     expert_bank_names,
+    fp32_tensors,
     fused_expert_tensors,
     runtime_name,
 )
@@ -93,7 +94,7 @@ def resolve_expected(cfg: ModelConfig, found: dict[str, TensorInfo]) -> dict[str
         gate_up, down = expert_bank_names(cfg, i)
         if gate_up not in found and down not in found:
             continue
-        per_expert = f"{cfg.weight_prefix}layers.{i}.mlp.experts."
+        per_expert = f"{cfg.weight_prefix}layers.{i}.{cfg.moe_module}.experts."
         expected = {
             k: v for k, v in expected.items()
             if not (k.startswith(per_expert) and k[len(per_expert)].isdigit())
@@ -155,8 +156,8 @@ class _Reader:
         self.bar.update(1)
         return t
 
-    def get(self, name: str) -> Tensor:
-        return self.raw(name).to(device=self.device, dtype=self.dtype).contiguous()
+    def get(self, name: str, dtype: torch.dtype | None = None) -> Tensor:
+        return self.raw(name).to(device=self.device, dtype=dtype or self.dtype).contiguous()
 
 
 def _load_experts(cfg: ModelConfig, layer: int, rd: _Reader, out: dict[str, Tensor]) -> None:
@@ -170,11 +171,12 @@ def _load_experts(cfg: ModelConfig, layer: int, rd: _Reader, out: dict[str, Tens
     E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     gate_up = torch.empty(E, 2 * I, H, dtype=rd.dtype, device=rd.device)  # [E, 2I, H]
     down = torch.empty(E, H, I, dtype=rd.dtype, device=rd.device)  # [E, H, I]
-    p = f"{cfg.weight_prefix}layers.{layer}.mlp.experts."
+    p = f"{cfg.weight_prefix}layers.{layer}.{cfg.moe_module}.experts."
+    g, u, dn = cfg.expert_names  # gate_proj / up_proj / down_proj (kimi_linear: w1 / w3 / w2)
     for e in range(E):
-        gate_up[e, :I].copy_(rd.raw(f"{p}{e}.gate_proj.weight"))  # [I, H]
-        gate_up[e, I:].copy_(rd.raw(f"{p}{e}.up_proj.weight"))  # [I, H]
-        down[e].copy_(rd.raw(f"{p}{e}.down_proj.weight"))  # [H, I]
+        gate_up[e, :I].copy_(rd.raw(f"{p}{e}.{g}.weight"))  # [I, H]
+        gate_up[e, I:].copy_(rd.raw(f"{p}{e}.{u}.weight"))  # [I, H]
+        down[e].copy_(rd.raw(f"{p}{e}.{dn}.weight"))  # [H, I]
     out[gate_up_name], out[down_name] = gate_up, down
 
 
@@ -212,9 +214,11 @@ def load_checkpoint(
         if cfg.linear_fused_qkvz:
             for i in cfg.linear_attention_layers:
                 _load_fused_linear_attn(cfg, f"{cfg.weight_prefix}layers.{i}.linear_attn.", rd, out)
+        fp32 = fp32_tensors(cfg)  # kept in float32 whatever `dtype` is (deepseek's router)
         for name in expected:
             if name not in rd.done:  # everything not converted above is renamed as is
-                out[runtime_name(cfg, name)] = rd.get(name)
+                out[runtime_name(cfg, name)] = rd.get(name, torch.float32 if name in fp32
+                                                      else None)
     log.info(kv("loaded", dir=model_dir, files=len(files), tensors=len(out), dtype=dtype,
                 device=dev, skipped=len(found) - len(expected)))
     return out

@@ -19,8 +19,10 @@ log = get_logger("model")
 
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device | str,
                 dtype: torch.dtype) -> QwenMoE:
+    from freetoken.models.registry import model_class
+
     with torch.device("meta"):
-        model = QwenMoE(cfg)
+        model = model_class(cfg)(cfg)
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     if missing or unexpected:
         raise ValueError(f"weights do not match the model: missing={missing[:5]} "

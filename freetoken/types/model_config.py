@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe")
+FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3", "kimi_linear")
 _TEXT_TYPES = {"qwen3_5_moe_text": "qwen3_5_moe"}
 
 
@@ -58,6 +58,29 @@ class ModelConfig:
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     linear_fused_qkvz: bool = False  # qwen3_next: in_proj_qkvz / in_proj_ba grouped per K-head
+    # multi-head latent attention (deepseek_v3; freetoken/types/deepseek_config.py): the KV pool
+    # holds one latent per token, [kv_lora_rank | qk_rope_head_dim]. q_lora_rank 0: no q LoRA
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # rotary on interleaved pairs (x0, x1), (x2, x3), ...
+    # RoPE scaling as configured, sorted (key, value) pairs (`rope_type` "yarn" is the one read)
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
+    # routing: "softmax" (qwen) or "sigmoid" with a correction bias and group limits (deepseek)
+    scoring_func: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gated: bool = True  # qwen: sigmoid gate on the shared expert; deepseek: none
+    mla_rope: bool = True  # kimi_linear's MLA is NoPE: its "rope" part of the key is not rotated
+    # linear-attention kind: "gdn" (gated DeltaNet, qwen) or "kda" (Kimi Delta Attention)
+    linear_kind: str = "gdn"
+    # where a layer's MLP / MoE block and its experts' projections sit in the checkpoint
+    # (kimi_linear: `block_sparse_moe`, experts w1 / w3 / w2)
+    moe_module: str = "mlp"
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
     # checkpoint facts
     weight_prefix: str = "model."
     dtype: str = "bfloat16"
@@ -68,7 +91,21 @@ class ModelConfig:
     # ---- derived -------------------------------------------------------------------------
     @property
     def rotary_dim(self) -> int:
+        if self.is_mla:
+            return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_entry(self) -> tuple[int, int, int]:
+        """(heads, K dim, V dim) of one token's entry in the KV pool: MLA stores its latent
+        [kv_lora_rank | qk_rope_head_dim] as one head and no V (V is read from the latent)."""
+        if self.is_mla:
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim, 0
+        return self.num_kv_heads, self.head_dim, self.head_dim
 
     @property
     def has_linear_attention(self) -> bool:
@@ -138,6 +175,14 @@ def config_from_dict(raw: dict) -> ModelConfig:
         raw, prefix = text, "model.language_model."
         model_type = raw.get("model_type", model_type)
     model_type = _TEXT_TYPES.get(model_type, model_type)
+    if model_type == "deepseek_v3":
+        from freetoken.types.deepseek_config import deepseek_config
+
+        return deepseek_config(raw, prefix)
+    if model_type == "kimi_linear":
+        from freetoken.types.kimi_config import kimi_config
+
+        return kimi_config(raw, prefix)
     if model_type not in FAMILIES:
         raise ConfigError(
             f"unsupported model_type {model_type!r}; supported: {', '.join(FAMILIES)}"

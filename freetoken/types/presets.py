@@ -23,6 +23,35 @@ SHAPES: dict[str, dict] = {
         "num_experts_per_tok": 8, "norm_topk_prob": True, "rope_theta": 1000000.0,
         "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "dtype": "bfloat16",
     },
+    # DeepSeek-V3 / V3.1 (671B, 37B active): 61 layers of MLA (latent 512 + rope 64 per token),
+    # the first 3 dense, then 256 routed experts top-8 in 8 groups (4 kept) of 3×7168×2048 and
+    # one shared expert; 656 GB of experts in bf16 (the published weights are fp8 blocks).
+    "deepseek-v3": {
+        "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+        "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+        "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+        "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+        "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+        "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+        "norm_topk_prob": True, "max_position_embeddings": 163840, "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "rms_norm_eps": 1e-6, "dtype": "bfloat16",
+    },
+    # Kimi-Linear-48B-A3B: 27 layers, Kimi Delta Attention (32 heads × 128) with NoPE MLA every
+    # 4th layer (transformers' default pattern), the first layer dense, then 256 experts top-8 of
+    # 3×2304×1024 and one shared expert; 2304 hidden.
+    "kimi-linear": {
+        "model_type": "kimi_linear", "vocab_size": 163840, "hidden_size": 2304,
+        "intermediate_size": 9216, "moe_intermediate_size": 1024, "num_hidden_layers": 27,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "num_shared_experts": 1,
+        "num_experts": 256, "num_experts_per_token": 8, "routed_scaling_factor": 2.446,
+        "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "qk_nope_head_dim": 128, "num_expert_group": 1, "topk_group": 1,
+        "first_k_dense_replace": 1, "moe_renormalize": True, "model_max_length": 1048576,
+        "linear_attn_config": {"head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4},
+        "rms_norm_eps": 1e-5, "dtype": "bfloat16",
+    },
 }
 
 

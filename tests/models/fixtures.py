@@ -20,6 +20,9 @@ from typing import Any
 
 import torch
 
+from tests.models.fixtures_deepseek import KINDS as DEEPSEEK_KINDS
+from tests.models.fixtures_deepseek import make_deepseek, rewrite_deepseek_config
+
 KINDS = (
     "qwen3_moe",
     "qwen3_moe_dense_layers",
@@ -28,6 +31,7 @@ KINDS = (
     "qwen3_next_old_spelling",
     "qwen3_5_moe",
     "qwen3_5_moe_vl",
+    *DEEPSEEK_KINDS,
 )
 
 # MODEL_FACTS §1 sizes: small enough that a forward pass takes milliseconds.
@@ -62,6 +66,8 @@ _LINEAR: dict[str, Any] = {
 def _make_model(kind: str) -> torch.nn.Module:
     import transformers as tf
 
+    if kind.startswith(("deepseek", "kimi")):
+        return make_deepseek(kind)
     if kind.startswith("qwen3_moe"):
         kw: dict[str, Any] = dict(_COMMON, intermediate_size=128, norm_topk_prob=True)
         kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
@@ -123,6 +129,7 @@ def _rewrite_config(out_dir: Path, kind: str) -> None:
         cfg["partial_rotary_factor"] = rope["partial_rotary_factor"]
         cfg["rope_scaling"] = None
         cfg["torch_dtype"] = cfg.pop("dtype")
+    cfg = rewrite_deepseek_config(cfg, kind)
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 

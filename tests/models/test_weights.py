@@ -24,9 +24,10 @@ def _read_all(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _hf_runtime_params(model: torch.nn.Module, tied: bool) -> dict[str, torch.Tensor]:
-    """transformers' in-memory parameters under our runtime names (text model only)."""
+    """transformers' in-memory parameters and persistent buffers (deepseek's
+    e_score_correction_bias is one) under our runtime names (text model only)."""
     out = {}
-    for name, p in model.named_parameters():
+    for name, p in model.state_dict().items():
         name = name.replace("model.language_model.", "model.")
         if name.startswith("model.visual.") or (tied and name == "lm_head.weight"):
             continue
@@ -44,7 +45,8 @@ def test_expected_tensors_match_save_pretrained(tiny_hf: TinyFactory, kind: str)
     assert expected_tensors(cfg) == text
 
 
-@pytest.mark.parametrize("kind", KINDS)
+# kimi_linear's transformers names differ from its checkpoint's (tests/models/test_kimi_vs_hf.py)
+@pytest.mark.parametrize("kind", [k for k in KINDS if not k.startswith("kimi")])
 def test_loaded_tensors_equal_transformers(tiny_hf: TinyFactory, kind: str) -> None:
     d = tiny_hf(kind)
     cfg = load_config(d)

@@ -1,0 +1,99 @@
+"""The tensors of a DeepSeek-V3 (`deepseek_v3`) or Kimi-Linear (`kimi_linear`) checkpoint, as
+`layout.expected_tensors`: MLA layers, Kimi Delta Attention layers (kimi), dense or
+group-limited MoE blocks under `cfg.moe_module` with experts named `cfg.expert_names`.
+
+Legend: H hidden, Hq heads, N qk_nope_head_dim, R qk_rope_head_dim, C kv_lora_rank, Q q_lora_rank,
+Dv v_head_dim, E experts, I moe intermediate, S shared intermediate (n_shared_experts·I),
+D dense intermediate, Hl / d KDA heads and head dim, Kc conv kernel. Multi-token-prediction
+layers (`model.layers.{num_hidden_layers}.*`) are not listed: the reader skips them.
+"""
+from __future__ import annotations
+
+from freetoken.types.model_config import ModelConfig
+
+Shape = tuple[int, ...]
+
+
+def _mla(cfg: ModelConfig, p: str) -> dict[str, Shape]:
+    H, Hq, C, R = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    q_rows = Hq * (cfg.qk_nope_head_dim + R)
+    out: dict[str, Shape] = {}
+    if cfg.q_lora_rank:
+        Q = cfg.q_lora_rank
+        out.update({f"{p}q_a_proj.weight": (Q, H), f"{p}q_a_layernorm.weight": (Q,),
+                    f"{p}q_b_proj.weight": (q_rows, Q)})
+        if cfg.attention_bias:
+            out[f"{p}q_a_proj.bias"] = (Q,)
+    else:
+        out[f"{p}q_proj.weight"] = (q_rows, H)
+    out.update({
+        f"{p}kv_a_proj_with_mqa.weight": (C + R, H),
+        f"{p}kv_a_layernorm.weight": (C,),
+        f"{p}kv_b_proj.weight": (Hq * (cfg.qk_nope_head_dim + cfg.v_head_dim), C),
+        f"{p}o_proj.weight": (H, Hq * cfg.v_head_dim),
+    })
+    if cfg.attention_bias:
+        out.update({f"{p}kv_a_proj_with_mqa.bias": (C + R,), f"{p}o_proj.bias": (H,)})
+    return out
+
+
+def _kda(cfg: ModelConfig, p: str) -> dict[str, Shape]:
+    H, Hl, d = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    out: dict[str, Shape] = {}
+    for n in ("q", "k", "v"):
+        out[f"{p}{n}_proj.weight"] = (Hl * d, H)
+        out[f"{p}{n}_conv1d.weight"] = (Hl * d, 1, cfg.linear_conv_kernel)
+    out.update({
+        f"{p}f_a_proj.weight": (d, H), f"{p}f_b_proj.weight": (Hl * d, d),
+        f"{p}dt_bias": (Hl * d,), f"{p}A_log": (1, 1, Hl, 1), f"{p}b_proj.weight": (Hl, H),
+        f"{p}g_a_proj.weight": (d, H), f"{p}g_b_proj.weight": (Hl * d, d),
+        f"{p}o_norm.weight": (d,), f"{p}o_proj.weight": (H, Hl * d),
+    })
+    return out
+
+
+def _mlp(cfg: ModelConfig, layer: int, p: str) -> dict[str, Shape]:
+    H = cfg.hidden_size
+    if not cfg.is_moe_layer(layer):
+        D = cfg.intermediate_size
+        return {f"{p}gate_proj.weight": (D, H), f"{p}up_proj.weight": (D, H),
+                f"{p}down_proj.weight": (H, D)}
+    E, I, S = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    out: dict[str, Shape] = {f"{p}gate.weight": (E, H), f"{p}gate.e_score_correction_bias": (E,)}
+    gate, up, down = cfg.expert_names
+    for e in range(E):
+        out[f"{p}experts.{e}.{gate}.weight"] = (I, H)
+        out[f"{p}experts.{e}.{up}.weight"] = (I, H)
+        out[f"{p}experts.{e}.{down}.weight"] = (H, I)
+    out.update({f"{p}shared_experts.gate_proj.weight": (S, H),
+                f"{p}shared_experts.up_proj.weight": (S, H),
+                f"{p}shared_experts.down_proj.weight": (H, S)})
+    return out
+
+
+def expected_tensors_mla(cfg: ModelConfig) -> dict[str, Shape]:
+    pre, H = cfg.weight_prefix, cfg.hidden_size
+    out: dict[str, Shape] = {f"{pre}embed_tokens.weight": (cfg.vocab_size, H)}
+    for i in range(cfg.num_layers):
+        lp = f"{pre}layers.{i}."
+        out[f"{lp}input_layernorm.weight"] = (H,)
+        if cfg.layer_types[i] == "linear_attention":
+            out.update(_kda(cfg, f"{lp}self_attn."))
+        else:
+            out.update(_mla(cfg, f"{lp}self_attn."))
+        out[f"{lp}post_attention_layernorm.weight"] = (H,)
+        out.update(_mlp(cfg, i, f"{lp}{cfg.moe_module}."))
+    out[f"{pre}norm.weight"] = (H,)
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, H)
+    return out
+
+
+def router_tensors(cfg: ModelConfig) -> set[str]:
+    """The router's weight and correction bias of every MoE layer, and KDA's dt_bias (kept in
+    float32)."""
+    pre = cfg.weight_prefix
+    out = {f"{pre}layers.{i}.{cfg.moe_module}.gate.{n}" for i in cfg.moe_layers
+           for n in ("weight", "e_score_correction_bias")}
+    return out | {f"{pre}layers.{i}.self_attn.dt_bias" for i in cfg.linear_attention_layers
+                  if cfg.linear_kind == "kda"}
