@@ -61,4 +61,12 @@ def preset_config(name: str, layers: int | None = None) -> ModelConfig:
     raw = dict(SHAPES[name])
     if layers:
         raw["num_hidden_layers"] = layers
-    return config_from_dict(raw)
+    cfg = config_from_dict(raw)
+    if not cfg.moe_layers:  # deepseek-v3's first 3 layers are dense: nothing to bench
+        raise ValueError(f"shape {name!r} cut to {cfg.num_layers} layers has no MoE layer; "
+                         f"the first MoE layer is layer {preset_first_moe(name)}")
+    return cfg
+
+
+def preset_first_moe(name: str) -> int:
+    return min(config_from_dict(SHAPES[name]).moe_layers)

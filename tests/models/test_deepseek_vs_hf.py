@@ -231,3 +231,5 @@ def test_preset_is_the_published_model() -> None:
     assert round(total / 1e9) == 671 and round(active / 1e9) in (37, 38)
     cut = preset_config("deepseek-v3", layers=5)
     assert cut.moe_layers == [3, 4] and cut.kv_entry == (1, 576, 0)
+    with pytest.raises(ValueError, match="no MoE layer; the first MoE layer is layer 3"):
+        preset_config("deepseek-v3", layers=3)
