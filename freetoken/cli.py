@@ -30,6 +30,8 @@ _BENCH_COMMANDS = [
     "workloads.cli_bench",
     "freetoken.bench.cli_anchors",
     "freetoken.bench.cli_checkpoint",
+    "freetoken.bench.cli_bench_serve",
+    "freetoken.bench.cli_load",
 ]
 
 

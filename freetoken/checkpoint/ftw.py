@@ -148,11 +148,12 @@ def _validate(cfg: ModelConfig, entries: dict[str, Entry], d: Path) -> None:
 
 
 def load_ftw(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, progress: bool = True,
-             pin: bool = False, threads: int | None = None, direct: bool = True
-             ) -> dict[str, Tensor]:
+             pin: bool = False, threads: int | None = None, direct: bool = True,
+             stats: dict[str, Any] | None = None) -> dict[str, Tensor]:
     """Read every tensor into two host arenas (routed experts, the rest) with parallel direct
     I/O, then pin them in place when `pin`. A dtype other than the stored one is a cast after
-    the read (CPU tests run fp32 over bf16 files), and then nothing is pinned."""
+    the read (CPU tests run fp32 over bf16 files), and then nothing is pinned. `stats` (for
+    `ft bench load`) receives bytes, read_s, post_s (pin or cast), direct, pinned."""
     d = Path(model_dir)
     _, entries = read_index(d)
     _validate(cfg, entries, d)
@@ -180,9 +181,13 @@ def load_ftw(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, progre
     elif pin:
         for a in arenas.values():
             a.pin()
+    pinned = all(a.pinned for a in arenas.values() if a.nbytes)
+    if stats is not None:
+        stats.update(bytes=st.nbytes, read_s=st.seconds, post_s=time.perf_counter() - t0,
+                     direct=st.direct, pinned=pinned and not cast)
     log.info(kv("ftw_loaded", dir=d, tensors=len(out), gb=f"{st.nbytes / 1e9:.2f}",
                 read_s=f"{st.seconds:.2f}", gbps=f"{st.gbps:.2f}", direct=st.direct,
-                threads=st.threads, pinned=all(a.pinned for a in arenas.values() if a.nbytes),
+                threads=st.threads, pinned=pinned,
                 cast=cast, post_s=f"{time.perf_counter() - t0:.2f}"))
     return out
 

@@ -198,6 +198,7 @@ def load_checkpoint(
     progress: bool = True,
     pin: bool = False,
     threads: int | None = None,
+    stats: dict[str, Any] | None = None,
 ) -> dict[str, Tensor]:
     """Validate, then read every tensor the model needs, in runtime names (module docstring).
     Tensors stored in `dtype` are read in place into host arenas (st_inplace.py), which `pin`
@@ -231,8 +232,13 @@ def load_checkpoint(
         for name in expected:
             if name not in rd.done:  # everything not converted above is renamed as is
                 out[runtime_name(cfg, name)] = rd.get(name)
+    t1 = time.perf_counter()
     if pin and dev.type == "cpu":
         plan.pin()
+    if stats is not None:  # for `ft bench load`
+        stats.update(bytes=sum(f.stat().st_size for f in files), read_s=t1 - t0,
+                     in_place_s=t_inplace, post_s=time.perf_counter() - t1, direct=False,
+                     pinned=bool(pin and dev.type == "cpu" and plan.consumed))
     log.info(kv("loaded", dir=model_dir, files=len(files), tensors=len(out), dtype=dtype,
                 device=dev, skipped=len(found) - len(expected), in_place=len(plan.consumed),
                 in_place_gb=f"{nbytes / 1e9:.2f}", in_place_s=f"{t_inplace:.2f}",

@@ -1,0 +1,71 @@
+"""`ft serve --route-trace shared|FILE` (hidden, for `ft bench serve`): a random-weight model
+served with the routing of a trained router, replayed (bench/moe.py's `TraceRouter`, as
+`ft bench decode --route-trace` does), so the expert cache meets realistic locality.
+
+The server batches decode rows, so each row r of a decode step replays its own trace sequence
+(`(layer // Lt + r) % N`), and the step advances once per step at the last MoE layer. A batch
+is a decode step when it is a CUDA-graph bucket (`row_mask` given) or has at most
+`max_rows` rows (`--max-running`); prefill chunks keep the model's own random router. The
+step counter and the trace live on the device, so graphs replay the trace like eager steps.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from freetoken.bench.moe import TraceRouter
+from freetoken.log import get_logger, kv
+from freetoken.models.qwen import QwenMoE
+
+log = get_logger("bench")
+
+
+def trace_path(spec: str) -> Path:
+    if spec == "shared":  # a copy of ../shared/routing_traces travels with the repo
+        from freetoken.experts.record import SHARED_TRACE_DIR
+
+        return SHARED_TRACE_DIR / "decode_routing.npy"
+    return Path(spec)
+
+
+class BatchTraceRouter(TraceRouter):
+    def __init__(self, decode: np.ndarray, num_experts: int, top_k: int, max_rows: int,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__(decode, num_experts, top_k, device)
+        self.rows = torch.arange(max(max_rows, 8), device=device)  # [R]
+
+    def batch_ids(self, layer: int, rows: int) -> torch.Tensor:
+        steps, lt, n, _ = self.t.shape
+        frame = self.t.index_select(0, self.step % steps)[0]  # [Lt, N, K]
+        seqs = (self.rows[:rows] + layer // lt) % n  # [T]
+        return frame[layer % lt].index_select(0, seqs)  # [T, K]
+
+
+def install_serve_trace(model: QwenMoE, spec: str, max_rows: int = 4) -> BatchTraceRouter:
+    path = trace_path(spec)
+    if not path.is_file():
+        raise SystemExit(f"--route-trace: no trace at {path} (shared | a .npy [steps, L, N, K])")
+    device = model.model.embed_tokens.weight.device
+    cfg = model.cfg
+    router = BatchTraceRouter(np.load(path), cfg.num_experts, cfg.top_k, max_rows, device)
+    blocks = model.moe_blocks()
+    for i, b in enumerate(blocks):
+        orig = b.gate.forward
+
+        def fwd(x: torch.Tensor, row_mask: torch.Tensor | None = None, _i: int = i,
+                _orig=orig) -> tuple[torch.Tensor, torch.Tensor]:
+            w, ids = _orig(x, row_mask=row_mask)
+            if row_mask is not None or x.shape[0] <= max_rows:
+                ids = router.batch_ids(_i, x.shape[0])  # [T, K]
+                if row_mask is not None:  # a graph bucket's padding rows route nowhere
+                    ids = ids.masked_fill(~row_mask[:, None], -1)
+                if _i == len(blocks) - 1:
+                    router.advance()
+            return w, ids
+
+        b.gate.forward = fwd  # type: ignore[method-assign]
+    log.info(kv("route_trace", trace=path, steps=router.t.shape[0], trace_layers=router.t.shape[1],
+                sequences=router.t.shape[2], layers=len(blocks), max_rows=max_rows))
+    return router
