@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,10 @@ def run(args: argparse.Namespace) -> int:
     for m in models:
         for pc in [s.strip() for s in args.page_cache.split(",") if s.strip()]:
             how = evict(weight_files(m), args.drop_caches) if pc == "cold" else "just read"
-            st = timed_load(m, pin=cuda, threads=args.threads)
+            # in a child process: this one never holds a CUDA context (VRAM the server
+            # started below would otherwise not get) nor the pool's memory afterwards
+            with mp.get_context("spawn").Pool(1) as pool:
+                st = pool.apply(timed_load, (m, cuda, args.threads))
             st.update(model=m.name, page_cache=pc, evicted_by=how)
             loads.append(st)
             print(f"[bench load] {m.name} {st['format']} {pc}: {st['total_s']:.2f} s", flush=True)
