@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from freetoken.bench.serve_process import ServerProcess
 
 _COUNTERS = ("hits", "misses", "fetched", "cpu_experts", "fetch_bytes", "cpu_bytes", "streamed",
@@ -141,7 +143,7 @@ def report_markdown(meta: dict[str, Any], phases: dict[str, float], rows: list[d
     for r in rows:
         d, n = r["experts"], max(r["tokens"], 1)
         if d is None:
-            lines.append(f"| {r['workload']} | (all experts on the device: no cache) |"
+            lines.append(f"| {r['workload']} | (no expert stats: fused, or no answer) |"
                          + " |" * 7)
             continue
         lines.append(f"| {r['workload']} | {d['backend']} | {d['slots']} | "
@@ -170,8 +172,15 @@ def run(args: argparse.Namespace) -> int:
         phases = srv.phases()
         print("[bench serve] ready: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()),
               flush=True)
-        phases["first_token"] = srv.first_token_s()
+        try:
+            phases["first_token"] = srv.first_token_s()
+        except httpx.HTTPError as e:
+            print(f"[bench serve] the first request failed: {e!r}", flush=True)
         for name in names:
+            if not srv.alive():  # a crash is a result: report what ran, and the log's tail
+                print(f"[bench serve] the server died before {name}:\n{srv.log_tail()}")
+                meta["server_died_before"] = name
+                break
             before = srv.stats()
             w = build_workload(name, args.scale, args.seed)
             print(f"[bench serve] {name}: {len(w.turns)} turns", flush=True)
@@ -188,11 +197,13 @@ def run(args: argparse.Namespace) -> int:
                      "vs_w1": tps / w1 if tps is not None and w1 else None, "wall_s": r.wall_s,
                      "tokens": tokens, "experts": stats[name],
                      "floor": _floor_tok_s(stats[name], tokens, bw)})
-    write_report(results, out)
+    if results:
+        write_report(results, out)
     text = report_markdown(meta, phases, rows)
     (out / "serve_report.md").write_text(text)
     (out / "serve_report.json").write_text(json.dumps(
         {"meta": meta, "phases": phases, "workloads": rows}, indent=1, default=str))
     print(text)
     print(f"report: {out / 'serve_report.md'} (workload report in {out})")
-    return 0 if all(r.ok for r in results.values()) else 1
+    died = "server_died_before" in meta
+    return 0 if all(r.ok for r in results.values()) and not died else 1

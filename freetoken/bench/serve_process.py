@@ -8,6 +8,7 @@ first 200 from /v1/models) and split that time into phases from the server's own
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -107,10 +108,17 @@ class ServerProcess:
             out["ready"] = self.ready_s
         return out
 
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def stats(self) -> dict:
-        r = httpx.get(self.endpoint + "/v1/stats", timeout=30.0)
-        r.raise_for_status()
-        return r.json()
+        """/v1/stats, or {} when the server cannot answer (the report then says so)."""
+        try:
+            r = httpx.get(self.endpoint + "/v1/stats", timeout=30.0)
+            r.raise_for_status()
+            return r.json()
+        except httpx.HTTPError:
+            return {}
 
     def first_token_s(self, prompt: str = "Say hello.", max_tokens: int = 8) -> float:
         """Seconds from sending one streamed chat request to its first content byte."""
@@ -121,8 +129,12 @@ class ServerProcess:
                           timeout=600.0) as r:
             r.raise_for_status()
             for line in r.iter_lines():
-                if line.startswith("data:") and '"content"' in line:
-                    return time.perf_counter() - t0
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[5:]).get("choices") or []:
+                    delta = choice.get("delta") or {}
+                    if delta.get("content") or delta.get("reasoning_content"):
+                        return time.perf_counter() - t0  # a generated token, not the role
         return time.perf_counter() - t0
 
     def log_text(self) -> str:
