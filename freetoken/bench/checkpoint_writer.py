@@ -25,9 +25,9 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from freetoken.checkpoint.ftw import dtype_name, expected_runtime
+from freetoken.checkpoint.ftw import dtype_name
 from freetoken.checkpoint.ftw_write import DEFAULT_SHARD_BYTES, FtwWriter, ftw_order, tensor_bytes
-from freetoken.checkpoint.layout import expected_tensors
+from freetoken.checkpoint.layout import expected_runtime, expected_tensors
 from freetoken.log import get_logger, kv
 from freetoken.models.demo import tokenizer_size, tokenizer_source_dir
 from freetoken.types.model_config import ModelConfig, config_from_dict

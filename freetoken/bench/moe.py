@@ -11,38 +11,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from freetoken.engine.generate import generate
+from freetoken.engine.route_trace import TraceRouter
 from freetoken.experts.registry import create_backend
 from freetoken.experts.setup import MoEOptions, MoERuntime, configure_experts, find_profile
 from freetoken.experts.store import ExpertStore
 from freetoken.layers.moe import FusedExperts
 from freetoken.models.qwen import QwenMoE
 from freetoken.types.api import SamplingParams
-
-
-class TraceRouter:
-    """Replaces the router's choice with a recorded one: model layer l at decode step s takes
-    trace layer l % Lt of sequence (l // Lt + seq) % N, step s % steps. The trace and the step
-    counter live on the model's device and the step advances there, so a replayed CUDA graph
-    walks the trace like eager steps do."""
-
-    def __init__(self, decode: np.ndarray, num_experts: int, top_k: int,
-                 device: torch.device | str = "cpu"):
-        assert decode.shape[-1] >= top_k and int(decode.max()) < num_experts
-        self.t = torch.from_numpy(decode[..., :top_k].astype(np.int64)).to(device)  # [s,Lt,N,K]
-        self.k = top_k
-        self.step = torch.zeros(1, dtype=torch.int64, device=device)
-
-    def ids(self, layer: int, seq: int = 0) -> torch.Tensor:
-        steps, lt, n, _ = self.t.shape
-        frame = self.t.index_select(0, self.step % steps)[0]  # [Lt, N, K]
-        return frame[layer % lt, (layer // lt + seq) % n].view(1, -1)  # [1, K]
-
-    def advance(self) -> None:
-        self.step.add_(1)
 
 
 @dataclass

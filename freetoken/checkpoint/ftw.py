@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from freetoken.checkpoint.direct_io import Read, TruncatedError, parallel_read
 from freetoken.checkpoint.host_buffer import ALIGN, HostArena, TensorSpec, align_up
+from freetoken.checkpoint.layout import expected_runtime
 from freetoken.checkpoint.safetensors_reader import CheckpointError
 from freetoken.log import get_logger, kv
 from freetoken.types.model_config import ModelConfig
@@ -124,15 +125,6 @@ def _check_shard(f: Path, size: int, number: int, index: Path) -> None:
     if magic != MAGIC or n != number:
         raise FtwError(f"shard {f}: not FTW shard {number} of this index (header {magic!r}, "
                        f"shard {n})")
-
-
-def expected_runtime(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every runtime tensor the model needs (the parameters of `QwenMoE(cfg)`, pre-fusion)."""
-    from freetoken.models.qwen import QwenMoE
-
-    with torch.device("meta"):
-        model = QwenMoE(cfg)
-    return {n: tuple(t.shape) for n, t in model.state_dict().items()}
 
 
 def _validate(cfg: ModelConfig, entries: dict[str, Entry], d: Path) -> None:

@@ -251,7 +251,7 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
 
         attach_recorder(model, args.record_routing)
     if getattr(args, "route_trace", None):  # `ft bench serve --route-trace`: replayed routing
-        from freetoken.bench.serve_trace import install_serve_trace
+        from freetoken.engine.route_trace import install_serve_trace
 
         install_serve_trace(model, args.route_trace, getattr(args, "max_running", None) or 4)
     max_context = getattr(args, "max_context", None) or model.cfg.max_position_embeddings

@@ -17,6 +17,7 @@ from freetoken.checkpoint import direct_io
 from freetoken.checkpoint.ftw import INDEX, FtwError, is_ftw, load_ftw, read_index, verify_ftw
 from freetoken.checkpoint.ftw_write import convert
 from freetoken.checkpoint.host_buffer import ALIGN
+from freetoken.checkpoint.layout import expected_runtime
 from freetoken.checkpoint.safetensors_reader import load_checkpoint
 from freetoken.checkpoint.st_inplace import InPlace
 from freetoken.engine.generate import generate
@@ -24,6 +25,7 @@ from freetoken.models.loader import load_model
 from freetoken.types.api import SamplingParams
 from freetoken.types.model_config import load_config
 from tests.models.conftest import TinyFactory
+from tests.models.fixtures import KINDS
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -191,3 +193,15 @@ def test_convert_copies_tokenizer_and_skips_weights(tiny_hf: TinyFactory, tmp_pa
     names = {f.name for f in (tmp_path / "ftw").iterdir()}
     assert "tokenizer_config.json" in names and "config.json" in names
     assert not any(n.endswith(".safetensors") for n in names)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_expected_runtime_is_the_models_parameter_set(tiny_hf: TinyFactory, kind: str) -> None:
+    """FTW validation and `ft bench checkpoint --format ftw` use `expected_runtime`; a name or
+    shape it got wrong would reject good FTW files or write ones the model cannot take."""
+    from freetoken.models.qwen import QwenMoE
+
+    cfg = load_config(tiny_hf(kind))
+    with torch.device("meta"):
+        model = QwenMoE(cfg)
+    assert expected_runtime(cfg) == {n: tuple(t.shape) for n, t in model.state_dict().items()}

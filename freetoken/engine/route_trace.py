@@ -1,6 +1,7 @@
-"""`ft serve --route-trace shared|FILE` (hidden, for `ft bench serve`): a random-weight model
-served with the routing of a trained router, replayed (bench/moe.py's `TraceRouter`, as
-`ft bench decode --route-trace` does), so the expert cache meets realistic locality.
+"""Replayed trained-router routing for random-weight models: `TraceRouter` (what
+`ft bench decode --route-trace` installs, bench/moe.py) and `install_serve_trace`, behind the
+hidden `ft serve --route-trace shared|FILE` that `ft bench serve` passes, so the served expert
+cache meets realistic locality.
 
 The server batches decode rows, so each row r of a decode step replays its own trace sequence
 (`(layer // Lt + r) % N`), and the step advances once per step at the last MoE layer. A batch
@@ -15,11 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from freetoken.bench.moe import TraceRouter
 from freetoken.log import get_logger, kv
 from freetoken.models.qwen import QwenMoE
 
-log = get_logger("bench")
+log = get_logger("engine")
 
 
 def trace_path(spec: str) -> Path:
@@ -30,7 +30,31 @@ def trace_path(spec: str) -> Path:
     return Path(spec)
 
 
+class TraceRouter:
+    """Replaces the router's choice with a recorded one: model layer l at decode step s takes
+    trace layer l % Lt of sequence (l // Lt + seq) % N, step s % steps. The trace and the step
+    counter live on the model's device and the step advances there, so a replayed CUDA graph
+    walks the trace like eager steps do."""
+
+    def __init__(self, decode: np.ndarray, num_experts: int, top_k: int,
+                 device: torch.device | str = "cpu"):
+        assert decode.shape[-1] >= top_k and int(decode.max()) < num_experts
+        self.t = torch.from_numpy(decode[..., :top_k].astype(np.int64)).to(device)  # [s,Lt,N,K]
+        self.k = top_k
+        self.step = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def ids(self, layer: int, seq: int = 0) -> torch.Tensor:
+        steps, lt, n, _ = self.t.shape
+        frame = self.t.index_select(0, self.step % steps)[0]  # [Lt, N, K]
+        return frame[layer % lt, (layer // lt + seq) % n].view(1, -1)  # [1, K]
+
+    def advance(self) -> None:
+        self.step.add_(1)
+
+
 class BatchTraceRouter(TraceRouter):
+    """Row r of a decode batch replays its own sequence, `(layer // Lt + r) % N`."""
+
     def __init__(self, decode: np.ndarray, num_experts: int, top_k: int, max_rows: int,
                  device: torch.device | str = "cpu") -> None:
         super().__init__(decode, num_experts, top_k, device)
