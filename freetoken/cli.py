@@ -20,6 +20,7 @@ _COMMANDS = [
     "freetoken.server.cli_ctl",
     "freetoken.proxy.cli_proxy",
     "freetoken.proxy.cli_launch",
+    "freetoken.checkpoint.cli_convert",
 ]
 _BENCH_COMMANDS = [
     "freetoken.bench.cli_decode",
@@ -28,6 +29,9 @@ _BENCH_COMMANDS = [
     "freetoken.bench.cli_bw",
     "workloads.cli_bench",
     "freetoken.bench.cli_anchors",
+    "freetoken.bench.cli_checkpoint",
+    "freetoken.bench.cli_bench_serve",
+    "freetoken.bench.cli_load",
 ]
 
 

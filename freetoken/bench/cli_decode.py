@@ -156,19 +156,20 @@ def run_shape(args: argparse.Namespace) -> int:
     for trace in traces:
         for b in blocks:  # back to the model's own router (an earlier trace wrapped it)
             b.gate.__dict__.pop("forward", None)
+        rows = max(parse_batches(args.batch))
         if trace == "random":
-            rows = max(parse_batches(args.batch))
             steps = args.decode_tokens + 64  # the warm-up's and the timed run's decode steps
             install_trace(model, TraceRouter(
                 uniform_trace(steps, len(blocks), rows, cfg.num_experts, cfg.top_k),
-                cfg.num_experts, cfg.top_k, device))
+                cfg.num_experts, cfg.top_k, device, rows))
         elif trace != "model":
             path = trace
             if path == "shared":  # a copy of ../shared/routing_traces travels with the repo
                 from freetoken.experts.record import SHARED_TRACE_DIR
 
                 path = str(SHARED_TRACE_DIR / "decode_routing.npy")
-            install_trace(model, TraceRouter(np.load(path), cfg.num_experts, cfg.top_k, device))
+            install_trace(model, TraceRouter(np.load(path), cfg.num_experts, cfg.top_k, device,
+                                             rows))
         for batch in parse_batches(args.batch):
             print(f"[bench] routing {trace}, batch {batch}", flush=True)
             best = bench_rounds(args, model, store, opts, device, prompt, backends, batch)

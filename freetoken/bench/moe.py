@@ -12,53 +12,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from freetoken.engine.generate import generate
+from freetoken.engine.route_trace import TraceRouter, install_trace, uniform_trace  # noqa: F401
 from freetoken.experts.registry import create_backend
 from freetoken.experts.setup import MoEOptions, MoERuntime, configure_experts, find_profile
 from freetoken.experts.store import ExpertStore
 from freetoken.layers.moe import FusedExperts
 from freetoken.models.qwen import QwenMoE
 from freetoken.types.api import SamplingParams
-
-
-class TraceRouter:
-    """Replaces the router's choice in decode steps with a recorded one: row r of model layer l
-    at decode step s takes trace layer l % Lt of sequence (l // Lt + r) % N, step s % steps.
-    The trace and the step counter live on the model's device and the step advances there, so
-    a replayed CUDA graph walks the trace like eager steps do."""
-
-    def __init__(self, decode: np.ndarray, num_experts: int, top_k: int,
-                 device: torch.device | str = "cpu"):
-        assert decode.shape[-1] >= top_k and int(decode.max()) < num_experts
-        self.t = torch.from_numpy(decode[..., :top_k].astype(np.int64)).to(device)  # [s,Lt,N,K]
-        self.k = top_k
-        self.step = torch.zeros(1, dtype=torch.int64, device=device)
-
-    def ids(self, layer: int, rows: int = 1) -> torch.Tensor:
-        """[rows, K]: the step's routing of `rows` decode rows (row r = sequence r)."""
-        steps, lt, n, _ = self.t.shape
-        frame = self.t.index_select(0, self.step % steps)[0]  # [Lt, N, K]
-        seqs = [(layer // lt + r) % n for r in range(rows)]
-        return frame[layer % lt, seqs]  # [rows, K]
-
-    def advance(self) -> None:
-        self.step.add_(1)
-
-
-def uniform_trace(steps: int, layers: int, rows: int, num_experts: int, top_k: int,
-                  seed: int = 0) -> np.ndarray:
-    """[steps, layers, rows, K] routing drawn uniformly per token: each row of each step picks
-    K distinct experts of E at random. Random weights served through real prompts route like
-    this (their hit rate equals the cache rate, DESIGN §9), while a random router fed the
-    benchmark's own greedy tokens does not, so this is `ft bench decode`'s `random` case."""
-    g = np.random.default_rng(seed)
-    out = np.empty((steps, layers, rows, top_k), dtype=np.int16)
-    for s in range(steps):  # a step at a time: argsort of [L, N, E] keys stays small
-        out[s] = np.argsort(g.random((layers, rows, num_experts)), axis=-1)[..., :top_k]
-    return out
 
 
 @dataclass
@@ -70,29 +33,6 @@ class RunResult:
     cpu_bytes_tok: float
     floor_tok_s: float | None
     note: str = ""  # where a decode step's time went (graph runner timers)
-
-
-def install_trace(model: QwenMoE, router: TraceRouter) -> None:
-    """Route every decode step of `model` by `router`: a one-token step, or the rows of a
-    decode runner's bucket (which pass `row_mask`; its padding rows route nowhere). Prefill
-    chunks keep the model's own router."""
-    blocks = model.moe_blocks()
-    for i, b in enumerate(blocks):
-        gate = b.gate
-        orig = gate.forward
-
-        def fwd(x: torch.Tensor, row_mask: torch.Tensor | None = None, _i: int = i,
-                _orig=orig) -> tuple[torch.Tensor, torch.Tensor]:
-            w, ids = _orig(x, row_mask=row_mask)
-            if x.shape[0] == 1 or row_mask is not None:  # decode rows: replay
-                ids = router.ids(_i, x.shape[0])  # [T, K]
-                if row_mask is not None:
-                    ids = ids.masked_fill(~row_mask[:, None], -1)
-                if _i == len(blocks) - 1:
-                    router.advance()
-            return w, ids
-
-        gate.forward = fwd  # type: ignore[method-assign]
 
 
 def install_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEOptions,

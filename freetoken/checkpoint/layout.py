@@ -144,3 +144,28 @@ def runtime_name(cfg: ModelConfig, disk_name: str) -> str:
     if disk_name.startswith(cfg.weight_prefix):
         return "model." + disk_name[len(cfg.weight_prefix):]
     return disk_name
+
+
+def expected_runtime(cfg: ModelConfig) -> dict[str, Shape]:
+    """Every runtime tensor (what the reader returns and FTW stores) and its shape: disk names
+    renamed, per-expert tensors as one bank per MoE layer, qwen3_next's fused linear-attention
+    projections as qwen3_5's four."""
+    out: dict[str, Shape] = {}
+    H, Hv = cfg.hidden_size, cfg.linear_num_value_heads
+    for name, shape in expected_tensors(cfg).items():
+        if ".mlp.experts." in name:
+            continue
+        if cfg.linear_fused_qkvz and name.endswith(("in_proj_qkvz.weight", "in_proj_ba.weight")):
+            rt = runtime_name(cfg, name).rsplit(".", 2)[0] + "."
+            if name.endswith("in_proj_qkvz.weight"):
+                out[rt + "in_proj_qkv.weight"] = (2 * cfg.linear_key_dim + cfg.linear_value_dim, H)
+                out[rt + "in_proj_z.weight"] = (cfg.linear_value_dim, H)
+            else:
+                out[rt + "in_proj_b.weight"] = (Hv, H)
+                out[rt + "in_proj_a.weight"] = (Hv, H)
+            continue
+        out[runtime_name(cfg, name)] = shape
+    for i in cfg.moe_layers:
+        for name, shape in fused_expert_tensors(cfg, i).items():
+            out[runtime_name(cfg, name)] = shape
+    return out

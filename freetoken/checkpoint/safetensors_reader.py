@@ -16,6 +16,7 @@ Contract of `load_checkpoint`:
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
@@ -197,28 +198,55 @@ def load_checkpoint(
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
     progress: bool = True,
+    pin: bool = False,
+    threads: int | None = None,
+    stats: dict[str, Any] | None = None,
 ) -> dict[str, Tensor]:
-    """Validate, then read every tensor the model needs, in runtime names (module docstring)."""
+    """Validate, then read every tensor the model needs, in runtime names (module docstring).
+    Tensors stored in `dtype` are read in place into host arenas (st_inplace.py), which `pin`
+    then registers with CUDA in place (only on a CPU `device`)."""
+    from freetoken.checkpoint.st_inplace import InPlace
+
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     found = scan_headers(files)
     expected = validate(cfg, found, model_dir)
     dev = torch.device(device)
-    out: dict[str, Tensor] = {}
+    t0 = time.perf_counter()
+    fp32 = fp32_tensors(cfg)  # kept in float32 whatever `dtype` is (deepseek's router)
+    # the float32 ones take the converting path below, never an in-place read in `dtype`
+    plan = InPlace(cfg, {n: found[n].file for n in expected if n not in fp32}, dict(expected),
+                   dtype)
+    nbytes = sum(r.dest.numel() for r in plan.reads)
+    with tqdm(total=nbytes, desc="reading weights", unit="B", unit_scale=True,
+              disable=not progress or not nbytes, leave=False) as bar:
+        out = {n: t.to(dev) for n, t in plan.read(threads, bar).items()}
+    t_inplace = time.perf_counter() - t0
     with ExitStack() as stack:
-        bar = stack.enter_context(tqdm(total=len(expected), desc="loading weights", unit="t",
-                                       disable=not progress, leave=False))
+        bar = stack.enter_context(tqdm(total=len(expected) - len(plan.consumed),
+                                       desc="converting weights", unit="t", leave=False,
+                                       disable=not progress or len(plan.consumed) == len(expected)))
         rd = _Reader(stack, {n: found[n] for n in expected}, dtype, dev, bar)
+        rd.done |= plan.consumed
         for i in cfg.moe_layers:
-            _load_experts(cfg, i, rd, out)
+            if expert_bank_names(cfg, i, prefix="model.")[0] not in out:
+                _load_experts(cfg, i, rd, out)
         if cfg.linear_fused_qkvz:
             for i in cfg.linear_attention_layers:
                 _load_fused_linear_attn(cfg, f"{cfg.weight_prefix}layers.{i}.linear_attn.", rd, out)
-        fp32 = fp32_tensors(cfg)  # kept in float32 whatever `dtype` is (deepseek's router)
         for name in expected:
             if name not in rd.done:  # everything not converted above is renamed as is
                 out[runtime_name(cfg, name)] = rd.get(name, torch.float32 if name in fp32
                                                       else None)
+    t1 = time.perf_counter()
+    if pin and dev.type == "cpu":
+        plan.pin()
+    if stats is not None:  # for `ft bench load`
+        stats.update(bytes=sum(f.stat().st_size for f in files), read_s=t1 - t0,
+                     in_place_s=t_inplace, post_s=time.perf_counter() - t1, direct=False,
+                     pinned=bool(pin and dev.type == "cpu" and plan.consumed))
     log.info(kv("loaded", dir=model_dir, files=len(files), tensors=len(out), dtype=dtype,
-                device=dev, skipped=len(found) - len(expected)))
+                device=dev, skipped=len(found) - len(expected), in_place=len(plan.consumed),
+                in_place_gb=f"{nbytes / 1e9:.2f}", in_place_s=f"{t_inplace:.2f}",
+                seconds=f"{time.perf_counter() - t0:.2f}"))
     return out

@@ -250,6 +250,10 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
         from freetoken.experts.record import attach_recorder
 
         attach_recorder(model, args.record_routing)
+    if getattr(args, "route_trace", None):  # `ft bench serve --route-trace`: replayed routing
+        from freetoken.engine.route_trace import install_serve_trace
+
+        install_serve_trace(model, args.route_trace, getattr(args, "max_running", None) or 4)
     max_context = getattr(args, "max_context", None) or model.cfg.max_position_embeddings
     kv_tokens = getattr(args, "kv_tokens", None) or default_kv_tokens(model, max_context, moe)
     core = EngineCore(

@@ -36,13 +36,16 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None,
     """Load a checkpoint. With `moe` (a non-fused backend) the routed experts go to the host
     expert store and the slot cache; only the rest of the model moves to `device`.
     The expert runtime is attached as `model.moe_runtime`."""
-    from freetoken.checkpoint.safetensors_reader import load_checkpoint
+    from freetoken.checkpoint.reader import read_weights
     from freetoken.experts.setup import MoEOptions, configure_experts
 
     t0 = time.perf_counter()
     cfg = load_config(model_dir)
     dtype = dtype or (torch.float32 if str(device) == "cpu" else cfg.torch_dtype)
-    tensors = load_checkpoint(model_dir, cfg, dtype=dtype, device="cpu", progress=progress)
+    # FTW or safetensors, read in place; pinned in place for a CUDA run (the expert store's
+    # own pin_memory() is then a no-op)
+    tensors = read_weights(model_dir, cfg, dtype, pin=torch.device(device).type == "cuda",
+                           progress=progress)
     model = build_model(cfg, tensors, "cpu", dtype)
     del tensors
     model.moe_runtime = configure_experts(model, moe or MoEOptions(), device, kv_reserve_bytes)

@@ -59,6 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     add_moe_args(p)
     add_cache_args(p)
+    # `ft bench serve --route-trace`: route a random-weight model by a replayed trained router
+    p.add_argument("--route-trace", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run_serve)
 
 

@@ -52,6 +52,18 @@ SHAPES: dict[str, dict] = {
         "linear_attn_config": {"head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4},
         "rms_norm_eps": 1e-5, "dtype": "bfloat16",
     },
+    # A tiny qwen3_5_moe over the Qwen3 vocab, for tests of the real-shape tooling on a CPU
+    # (`ft bench checkpoint`, `ft bench serve`): 4 layers (3 linear : 1 full), 8 experts top-2.
+    "tiny-qwen3.5-moe": {
+        "model_type": "qwen3_5_moe_text", "vocab_size": 151680, "hidden_size": 64,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4,
+        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+        "num_experts": 8, "num_experts_per_tok": 2, "full_attention_interval": 4,
+        "rope_parameters": {"rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "dtype": "bfloat16",
+    },
 }
 
 

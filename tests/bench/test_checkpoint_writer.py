@@ -1,0 +1,55 @@
+"""`ft bench checkpoint`: a random checkpoint in the released layout that the real loader and
+tokenizer take like a downloaded one."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from freetoken.chat import ChatTokenizer
+from freetoken.checkpoint.ftw import is_ftw
+from freetoken.checkpoint.layout import expected_tensors
+from freetoken.cli import main
+from freetoken.engine.generate import generate
+from freetoken.models.loader import load_model
+from freetoken.types.api import SamplingParams
+from freetoken.types.model_config import load_config
+
+
+def test_safetensors_checkpoint_loads_and_every_id_decodes(tmp_path: Path) -> None:
+    out = tmp_path / "ckpt"
+    assert main(["bench", "checkpoint", "--shape", "tiny-qwen3.5-moe", "--layers", "2",
+                 "--shard-gb", "0.01", "--no-progress", str(out)]) == 0
+    raw = json.loads((out / "config.json").read_text())
+    # the released Qwen3.6 layout: the multimodal wrapper, text model nested, prefixed tensors
+    assert raw["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
+    assert raw["text_config"]["num_hidden_layers"] == 2
+    cfg = load_config(out)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(expected_tensors(cfg))
+    assert len(set(index["weight_map"].values())) > 1  # sharded
+    name = "model.language_model.layers.0.mlp.experts.7.down_proj.weight"
+    with safe_open(str(out / index["weight_map"][name]), framework="pt") as f:
+        t = f.get_tensor(name)
+    assert t.dtype == torch.bfloat16 and list(t.shape) == [64, 32]
+    assert 0.01 < float(t.float().std()) < 0.03
+    model = load_model(out, progress=False)
+    tok = ChatTokenizer.from_dir(out)
+    assert tok.vocab_size == cfg.vocab_size == 151680
+    ids = generate(model, tok.encode("hello"), SamplingParams(max_tokens=6, temperature=0.0,
+                                                              ignore_eos=True), []).token_ids
+    assert len(ids) == 6
+    assert tok.decode([cfg.vocab_size - 1]) == f"[PAD{cfg.vocab_size - 1}]"
+
+
+def test_ftw_checkpoint_is_written_directly(tmp_path: Path) -> None:
+    out = tmp_path / "ftw"
+    assert main(["bench", "checkpoint", "--shape", "tiny-qwen3.5-moe", "--layers", "1",
+                 "--format", "ftw", "--no-progress", str(out)]) == 0
+    assert is_ftw(out) and not list(out.glob("*.safetensors"))
+    model = load_model(out, dtype=torch.bfloat16, progress=False)
+    ids = generate(model, [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0,
+                                                    ignore_eos=True), []).token_ids
+    assert len(ids) == 4
