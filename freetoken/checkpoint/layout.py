@@ -152,8 +152,9 @@ def expected_runtime(cfg: ModelConfig) -> dict[str, Shape]:
     projections as qwen3_5's four."""
     out: dict[str, Shape] = {}
     H, Hv = cfg.hidden_size, cfg.linear_num_value_heads
+    experts = f".{cfg.moe_module}.experts."  # per-expert tensors: banks, below
     for name, shape in expected_tensors(cfg).items():
-        if ".mlp.experts." in name:
+        if experts in name:
             continue
         if cfg.linear_fused_qkvz and name.endswith(("in_proj_qkvz.weight", "in_proj_ba.weight")):
             rt = runtime_name(cfg, name).rsplit(".", 2)[0] + "."

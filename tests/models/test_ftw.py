@@ -199,9 +199,9 @@ def test_convert_copies_tokenizer_and_skips_weights(tiny_hf: TinyFactory, tmp_pa
 def test_expected_runtime_is_the_models_parameter_set(tiny_hf: TinyFactory, kind: str) -> None:
     """FTW validation and `ft bench checkpoint --format ftw` use `expected_runtime`; a name or
     shape it got wrong would reject good FTW files or write ones the model cannot take."""
-    from freetoken.models.qwen import QwenMoE
+    from freetoken.models.registry import model_class
 
     cfg = load_config(tiny_hf(kind))
     with torch.device("meta"):
-        model = QwenMoE(cfg)
+        model = model_class(cfg)(cfg)
     assert expected_runtime(cfg) == {n: tuple(t.shape) for n, t in model.state_dict().items()}
