@@ -52,6 +52,15 @@ def _apply_cap(body: dict, api: str, cap: int | None) -> tuple[int | None, int |
         return requested, None
     for k in present or keys[-1:]:
         body[k] = cap
+    # fields bounded by the output limit follow it down (#23: `min_tokens` left above the cap
+    # turned 4 of 13 W4 turns into HTTP 400 "min_tokens exceeds max_tokens")
+    for k in ("min_tokens",):
+        if isinstance(body.get(k), int) and not isinstance(body[k], bool) and body[k] > cap:
+            body[k] = cap
+    think = body.get("thinking")
+    if isinstance(think, dict) and isinstance(think.get("budget_tokens"), int) \
+            and think["budget_tokens"] >= cap:  # Anthropic: budget_tokens < max_tokens
+        body["thinking"] = dict(think, budget_tokens=max(cap - 1, 1))
     return requested, cap
 
 
