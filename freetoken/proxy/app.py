@@ -132,9 +132,11 @@ async def _native(request: Request, ps: ProxyState, body: dict, api: str, kind: 
         messages = ti.messages
     except ChatInputError:
         messages = []  # the route answers the 400
+    parent = adapter.parent_key(HarnessRequest(  # #23: sub-agent lineage for the cache
+        api, request.url.path, {k.lower(): v for k, v in request.headers.items()}, body))
     turn = TurnEngine(eng, Turn(adapter, session, messages, rec, cap, system_text(body),
-                                adapter.head_breaks(body)), ps.sessions, ps.metrics.record,
-                      ps.heads)
+                                adapter.head_breaks(body), parent), ps.sessions,
+                      ps.metrics.record, ps.heads)
     names = ps.cfg.served_model_names or [eng.model_name]
     st = ServerState(turn, ps.tokenizer, None, names, False, ps.parser_family)  # type: ignore[arg-type]
     inner = inner_request(request, body, st)

@@ -103,6 +103,7 @@ class Scheduler:
             if r.rid == rid:
                 self._drop(r)
                 self.running.remove(r)
+                self._end_lineage(r)
                 r.aborted = True
                 log.info(kv("abort", rid=rid, computed=r.computed, generated=r.num_generated))
                 return True
@@ -123,6 +124,9 @@ class Scheduler:
                 return False
             self.cache.load_state(m, slot)
         r.node, r.tree_len, r.computed, r.state_slot = m.node, m.length, m.length, slot
+        if not r.in_lineage:  # once per request: a preempted one is re-admitted, not new
+            r.in_lineage = True
+            self.cache.begin(self.user(r), r.req.parent_key, m)
         r.row = m.kv_slots.clone()
         if r.num_generated == 0:
             r.cached_tokens, r.reuse_reason = m.length, m.reason
@@ -162,6 +166,12 @@ class Scheduler:
     def finish(self, r: Request) -> None:
         self.release(r)
         self.running.remove(r)
+        self._end_lineage(r)
+
+    def _end_lineage(self, r: Request) -> None:
+        if r.in_lineage:
+            r.in_lineage = False
+            self.cache.end(self.user(r))
 
     def _preempt_newest(self, keep: set[int]) -> bool:
         for r in reversed(self.running):
