@@ -2,6 +2,7 @@
 Responses-API traces, one-request traces, budget sweeps, per-scope results."""
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def test_cc_sub_agents_get_their_own_sessions_and_the_main_threads_parent(tok) -
     assert all(r.session.startswith(subs[0].parent) for r in mains)  # resolves to the main
     attribute_replies(reqs, tok.special_ids["<|im_end|>"])
     # every main turn but the last gets its reply from the next main turn, past the sub-agents
-    for a, b in zip(mains, mains[1:]):
+    for a, b in itertools.pairwise(mains):
         assert b.ids[: len(a.ids) + len(a.gen)] == a.ids + a.gen and a.gen[0] < 10**9
 
 
@@ -51,7 +52,7 @@ def test_responses_api_trace_loads_every_request(tok) -> None:
     reqs = load_trace(tok, TRACES / "codex" / "codex_responses.jsonl")
     assert len(reqs) == 7
     assert len({r.session for r in reqs}) == 1  # one thread (turn metadata / prompt cache key)
-    for a, b in zip(reqs, reqs[1:5]):  # turns append: each prompt extends the last
+    for a, b in itertools.pairwise(reqs[:5]):  # turns append: each prompt extends the last
         assert len(b.ids) > len(a.ids) and b.ids[: len(a.ids) - 8] == a.ids[: len(a.ids) - 8]
     text = tok.decode(reqs[1].ids)
     assert "exec_command" in text and "ls -la" in text and "<tool_response>" in text
