@@ -137,6 +137,9 @@ class HarnessAdapter:
     parent_headers: tuple[str, ...] = ()
     #: text opening a part of the system prompt that differs between sessions (see head_breaks)
     head_marks: tuple[str, ...] = ()
+    #: tools the harness's sub-agents are not offered: their prompts part from the parent's at
+    #: the first of them in the tools block (a `tool_def` anchor, predicted as a cut)
+    sub_agent_drops: tuple[str, ...] = ()
 
     def detect(self, req: HarnessRequest) -> bool:
         return False
@@ -191,11 +194,15 @@ class HarnessAdapter:
 
     def cut_points(self, anchors: Sequence[Anchor], messages: Sequence[dict[str, Any]]
                    ) -> list[int]:
-        """`head_end`, and the `<think>` of the generation prompt when the template pre-opens a
-        think block there (an empty one when thinking is off): the next request renders the
-        reply in place of that block, and templates that drop or reshape reasoning re-render
-        it differently, so that is where the prompt diverges."""
+        """`head_end`, the `tool_def` anchor of the first tool in `sub_agent_drops` (where a
+        sub-agent's prompt parts from its parent's), and the `<think>` of the generation prompt
+        when the template pre-opens a think block there (an empty one when thinking is off):
+        the next request renders the reply in place of that block, and templates that drop
+        or reshape reasoning re-render it differently, so that is where the prompt diverges."""
         out = [a.position for a in anchors_of(anchors, "head_end")]
+        drops = [a.position for a in anchors_of(anchors, "tool_def")
+                 if a.role in self.sub_agent_drops]
+        out += drops[:1]
         last_turn = next((i for i in range(len(anchors) - 1, -1, -1)
                           if anchors[i].kind == "turn_start"), None)
         if last_turn is not None and anchors[last_turn].role == "assistant":

@@ -34,7 +34,8 @@ log = get_logger("server")
 KEEPALIVE_S = 10.0
 ANCHOR_KINDS = {"head_end", "turn_start", "think_start", "think_end", "tool_call_start",
                 "tool_result_start", "tool_result_end",
-                "system_block"}  # the agent proxy's head breaks (freetoken/proxy/heads.py)
+                "system_block",  # the agent proxy's head breaks (freetoken/proxy/heads.py)
+                "tool_def"}  # a tool's line in the tools block (freetoken.chat.tokenizer)
 
 
 async def health(request: Request) -> Response:

@@ -15,6 +15,7 @@ from freetoken.chat import ChatTokenizer, qwen3_tokenizer_dir
 from freetoken.cli import main
 
 TRACES = Path(__file__).parents[1] / "data" / "harness_traces"
+RESPONSES = Path(__file__).parents[1] / "data" / "responses_traces"  # Codex, Responses API
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def test_cc_sub_agents_get_their_own_sessions_and_the_main_threads_parent(tok) -
 def test_responses_api_trace_loads_every_request(tok) -> None:
     """Bug caught: Codex's Responses bodies (`input`, no `messages`) loaded 0 requests and the
     bench printed a table of 0.0 ratios."""
-    reqs = load_trace(tok, TRACES / "codex" / "codex_responses.jsonl")
+    reqs = load_trace(tok, RESPONSES / "codex_responses.jsonl")
     assert len(reqs) == 7
     assert len({r.session for r in reqs}) == 1  # one thread (turn metadata / prompt cache key)
     for a, b in itertools.pairwise(reqs[:5]):  # turns append: each prompt extends the last
