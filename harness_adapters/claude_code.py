@@ -19,6 +19,8 @@ class ClaudeCode(HarnessAdapter):
     name = "claude_code"
     session_headers = ("x-claude-code-session-id",)
     head_marks = ("# Environment\n",)  # working directory, git state, model
+    # a resume may write the model without its 1M-context suffix (#23): unify both spellings
+    default_steps = (*HarnessAdapter.default_steps, "unify_model_suffix")
 
     def session_key(self, req: HarnessRequest) -> str:
         sid, agent = req.headers.get(self.session_headers[0]), req.headers.get(AGENT)
