@@ -12,8 +12,9 @@ Snapshot eviction (what survives when the device state pool is full):
   snapshot with another snapshot below it in the tree loses 2 levels (an appending session
   needs only its deepest).
 - Session lineage (`lineage.py`; requests carry a session key and, for sub-agents, the parent
-  key their harness sent, else the parent is inferred from prefix structure): the latest
-  snapshot of a session waiting on running sub-agents gains 3 levels (it will be back); a
+  key their harness sent, else the parent is inferred from prefix structure): a session's
+  latest snapshot (last attached or resumed from) gains 2 levels (it resumes there next), 3
+  while the session waits on running sub-agents (it will be back); a
   snapshot used only by finished sub-agents (declared ones, whose parent spoke again after they
   went idle) has level -2, below every other. Its `keep_until` is its
   last use (snapshot clock: one tick per snapshot taken and per resume) plus

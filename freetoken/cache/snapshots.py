@@ -9,7 +9,8 @@ by a spill may be the destination of a later copy in the same list.
 Value (the eviction rule; the cache package docstring states it for users):
 
     level(s)      = rank(class) + [s.hits >= 1] + 2 * [len(s.users) >= 2] - 2 * [covered plain]
-                    + BACK * [s is the latest of a session waiting on its sub-agents]
+                    + BACK (3) if s is the latest of a session waiting on its sub-agents,
+                      else LATEST (2) if s is the latest of any session
     level(s)      = FINISHED (-2)   when every user of s is a finished sub-agent
     keep_until(s) = s.last_access + level(s) * horizon
 

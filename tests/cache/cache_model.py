@@ -89,12 +89,14 @@ class RefModel:
         users = self.snaps[p]["users"]
         if users and all(u in self.lin and self.lin[u]["finished"] for u in users):
             return None
+        best = 0
         for u in users:
             v = self.lin.get(u)
-            if v is not None and v["latest"] == p and any(
-                    not w["finished"] for w in self.lin.values() if w["parent"] == u):
-                return 3
-        return 0
+            if v is not None and v["latest"] == p:
+                if any(not w["finished"] for w in self.lin.values() if w["parent"] == u):
+                    return 3
+                best = 2
+        return best
 
     def longest(self, ids: list[int]) -> int:
         i = 0
