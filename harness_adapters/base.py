@@ -22,7 +22,10 @@ then told apart from every other harness by four answers, which are the whole co
   as template messages (OpenAI shape: role, content, tool_calls, tool messages), in the order
   the template renders them. Positions returned are a subset of the anchors' positions.
 
-One more answer, with a default: `head_breaks(body) -> list[int]`, character offsets into the
+Two more answers, with defaults. `parent_key(req) -> str | None`: the session key (or its
+`name:id:` prefix) of the session that spawned this one, for sub-agents (the engine values a
+parent's latest snapshot while its sub-agents run, and a finished sub-agent's lowest).
+`head_breaks(body) -> list[int]`, character offsets into the
 leading system text (`system_text(body)`, as the template renders it) where *another session*
 of this harness may part from this one although the text before is the same: each Anthropic
 system block after the first, and the start of each of the adapter's `head_marks` (the section
@@ -130,8 +133,13 @@ class HarnessAdapter:
                                       "system_in_place")
     #: header carrying the harness's own session id, if it sends one
     session_headers: tuple[str, ...] = ()
+    #: header naming the parent session of a sub-agent, if the harness sends one
+    parent_headers: tuple[str, ...] = ()
     #: text opening a part of the system prompt that differs between sessions (see head_breaks)
     head_marks: tuple[str, ...] = ()
+    #: tools the harness's sub-agents are not offered: their prompts part from the parent's at
+    #: the first of them in the tools block (a `tool_def` anchor, predicted as a cut)
+    sub_agent_drops: tuple[str, ...] = ()
 
     def detect(self, req: HarnessRequest) -> bool:
         return False
@@ -151,6 +159,18 @@ class HarnessAdapter:
             if v:
                 return f"{self.name}:{str(v)[:128]}:{head_hash(req.body)}"
         return f"{self.name}:{head_hash(req.body)}"
+
+    def parent_key(self, req: HarnessRequest) -> str | None:
+        """The session key of the session that spawned this one (a sub-agent's parent), or a
+        prefix of it ending in ':' (`name:harness-session-id:`, which the engine resolves to
+        the latest top-level session with that id, `freetoken.cache.lineage`); None for a
+        top-level session or where the harness does not say. Default: the harness's parent
+        header, else Codex's turn metadata."""
+        for h in self.parent_headers:
+            v = req.headers.get(h)
+            if v:
+                return f"{self.name}:{str(v)[:128]}:"
+        return None
 
     def head_breaks(self, body: dict[str, Any]) -> list[int]:
         """Sorted offsets into `system_text(body)` (see the module docstring): where the text
@@ -174,11 +194,15 @@ class HarnessAdapter:
 
     def cut_points(self, anchors: Sequence[Anchor], messages: Sequence[dict[str, Any]]
                    ) -> list[int]:
-        """`head_end`, and the `<think>` of the generation prompt when the template pre-opens a
-        think block there (an empty one when thinking is off): the next request renders the
-        reply in place of that block, and templates that drop or reshape reasoning re-render
-        it differently, so that is where the prompt diverges."""
+        """`head_end`, the `tool_def` anchor of the first tool in `sub_agent_drops` (where a
+        sub-agent's prompt parts from its parent's), and the `<think>` of the generation prompt
+        when the template pre-opens a think block there (an empty one when thinking is off):
+        the next request renders the reply in place of that block, and templates that drop
+        or reshape reasoning re-render it differently, so that is where the prompt diverges."""
         out = [a.position for a in anchors_of(anchors, "head_end")]
+        drops = [a.position for a in anchors_of(anchors, "tool_def")
+                 if a.role in self.sub_agent_drops]
+        out += drops[:1]
         last_turn = next((i for i in range(len(anchors) - 1, -1, -1)
                           if anchors[i].kind == "turn_start"), None)
         if last_turn is not None and anchors[last_turn].role == "assistant":

@@ -15,7 +15,8 @@ Steps (changes the prompt? / what):
 - stable_tool_ids (no: ids are not rendered): give id-less tool calls a deterministic id.
 - system_in_place (only when folding): mid-conversation system messages stay in place; when the
   template forbids them there, they become a user turn in the same place.
-- unify_model_suffix (yes; off by default): `claude-...[1m]` -> `claude-...` in system text
+- unify_model_suffix (yes; on for Claude Code): `claude-...[1m]` -> `claude-...` and
+  `model named X (1M context)` -> `model named X` in system text (a resume may drop them)
   and tool descriptions.
 """
 from __future__ import annotations
@@ -29,7 +30,10 @@ from typing import Any
 from harness_adapters.base import digest
 
 BILLING_PREFIX = "x-anthropic-billing-header"
-_MODEL_SUFFIX = re.compile(r"(claude-[a-z0-9.\-]+)\[1m\]")
+# `claude-X[1m]` and the `(1M context)` after the model's name: Claude Code writes both when a
+# session runs with the 1M context window and may drop them on resume (#23)
+_MODEL_SUFFIX = re.compile(r"(claude-[a-z0-9.\-]+)\[1m\]"
+                           r"|(model named [^\n(]{1,80}?) \(\d+[KkMm] context\)")
 
 StepFn = Callable[[dict, str, dict], int]
 
@@ -148,7 +152,7 @@ def _unify_model_suffix(body: dict, api: str, ctx: dict) -> int:
 
     def sub(s: str) -> str:
         nonlocal n
-        out, k = _MODEL_SUFFIX.subn(r"\1", s)
+        out, k = _MODEL_SUFFIX.subn(lambda m: m.group(1) or m.group(2), s)
         n += k
         return out
 

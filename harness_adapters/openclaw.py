@@ -25,7 +25,8 @@ CONTEXT_TAG = "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>"
 
 class OpenClaw(HarnessAdapter):
     name = "openclaw"
-    head_marks = ("## Workspace\n", "<!-- openclaw:attempt:DYNAMIC -->")  # directory; date
+    # directory; date; sibling sub-agents part at their label (`## Session Context\n- Label:`)
+    head_marks = ("## Workspace\n", "<!-- openclaw:attempt:DYNAMIC -->", "## Session Context\n")
 
     def detect(self, req: HarnessRequest) -> bool:
         if system_text(req.body).startswith("<!-- openclaw:"):

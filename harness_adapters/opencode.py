@@ -21,6 +21,8 @@ PRUNED = "[Old tool result content cleared]"
 class OpenCode(HarnessAdapter):
     name = "opencode"
     session_headers = ("x-session-id", "x-session-affinity")
+    parent_headers = ("x-parent-session-id",)  # a sub-agent session names its parent's id
+    sub_agent_drops = ("task", "todowrite")  # sub-agents cannot spawn or keep the todo list
     head_marks = ("<env>",)  # working directory, date
 
     def detect(self, req: HarnessRequest) -> bool:

@@ -39,7 +39,11 @@ def run(args: argparse.Namespace) -> int:
     path = write_report(results, out)
     for name, s in summarize(results).items():
         rate, ratio = s["mean_decode_tps"], s["stability_vs_w1"]
-        print(f"{name}: mean decode {rate if rate is None else round(rate, 1)} tok/s, "
-              f"vs W1 {ratio if ratio is None else round(ratio, 3)}")
+        other = s["stability_vs_w1_other_sampling"]
+        vs = (f"vs W1 at the same sampling {round(ratio, 3)}" if ratio is not None else
+              f"vs W1 at another sampling ({', '.join(s['w1_sampling'])}) {round(other, 3)}, "
+              "not comparable" if other is not None else "vs W1 —")
+        print(f"{name}: mean decode {rate if rate is None else round(rate, 1)} tok/s at "
+              f"{'; '.join(s['sampling']) or '—'}, {vs}")
     print(f"report: {path}")
     return 0 if all(r.ok for r in results.values()) else 1

@@ -16,7 +16,7 @@ import httpx
 from tqdm import tqdm
 
 from freetoken.log import kv
-from workloads.client import TurnResult, force_output, send_turn
+from workloads.client import TurnResult, force_output, sampling_of, send_turn
 from workloads.convert import to_api
 from workloads.log import log
 from workloads.spec import Turn, Workload
@@ -41,6 +41,14 @@ class WorkloadResult:
     def mean_decode_tps(self) -> float | None:
         rates = [t.decode_tps for t in self.turns if t.decode_tps is not None]
         return statistics.fmean(rates) if rates else None
+
+    def rates_by_sampling(self) -> dict[str, float]:
+        """Mean decode tok/s of the turns of each sampling (`client.sampling_of`)."""
+        by: dict[str, list[float]] = {}
+        for t in self.turns:
+            if t.decode_tps is not None:
+                by.setdefault(t.sampling, []).append(t.decode_tps)
+        return {k: statistics.fmean(v) for k, v in by.items()}
 
     def to_json(self) -> dict[str, Any]:
         return {"workload": self.workload, "version": self.version, "api": self.api,
@@ -104,8 +112,8 @@ async def run_workload_async(workload: Workload, endpoint: str, api: str | None 
         done[turn.id].set()
 
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        res.turns = [TurnResult(t.id, t.session, t.group, t.output_tokens)
-                     for t in workload.turns]
+        res.turns = [TurnResult(t.id, t.session, t.group, t.output_tokens,
+                                sampling=sampling_of(t.body)) for t in workload.turns]
         await asyncio.gather(*(one(t, client, r) for t, r in zip(workload.turns, res.turns)))
     bar.close()
     res.wall_s = time.perf_counter() - t0
@@ -123,13 +131,24 @@ def run_workload(workload: Workload, endpoint: str, api: str | None = None, *,
                                           timeout_s=timeout_s, progress=progress))
 
 
-def summarize(results: dict[str, WorkloadResult]) -> dict[str, dict[str, float | None]]:
-    """Per workload: mean decode tok/s and its ratio to W1's (decode stability of W2–W4; 1.0
-    means agent context costs nothing in decode speed)."""
-    w1 = results["W1"].mean_decode_tps if "W1" in results else None
-    out: dict[str, dict[str, float | None]] = {}
+def summarize(results: dict[str, WorkloadResult]) -> dict[str, dict]:
+    """Per workload: mean decode tok/s, its sampling, W1's at the same sampling, and their
+    ratio (decode stability of W2–W4; 1.0 means agent context costs nothing in decode speed).
+    The ratio is only taken at equal sampling (`top_p` alone costs ~35% of decode speed on
+    the CPU): where W1 ran at no turn of the workload's sampling it is None, and both
+    samplings and rates are stated (`stability_vs_w1_other_sampling`, not comparable)."""
+    w1 = results["W1"].rates_by_sampling() if "W1" in results else {}
+    w1_mean = results["W1"].mean_decode_tps if "W1" in results else None
+    out: dict[str, dict] = {}
     for name, r in results.items():
-        rate = r.mean_decode_tps
-        out[name] = {"mean_decode_tps": rate,
-                     "stability_vs_w1": rate / w1 if rate is not None and w1 else None}
+        rate, mine = r.mean_decode_tps, r.rates_by_sampling()
+        same = {k: v / w1[k] for k, v in mine.items() if w1.get(k)}
+        ratio = statistics.fmean(same.values()) if same else None
+        out[name] = {"mean_decode_tps": rate, "sampling": sorted(mine),
+                     "w1_sampling": sorted(w1),
+                     "w1_same_sampling_tps": (statistics.fmean(w1[k] for k in same)
+                                              if same else None),
+                     "stability_vs_w1": ratio,
+                     "stability_vs_w1_other_sampling": (rate / w1_mean if ratio is None and
+                                                        rate is not None and w1_mean else None)}
     return out

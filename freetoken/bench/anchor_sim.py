@@ -1,12 +1,13 @@
 """Token-level replay of agent sessions through the hybrid radix cache, no model.
 
-Each request is `(session, ids, anchors)` as the server renders it. The replay plays the
-scheduler's cache calls for one request at a time (match, lock, working state, policy snapshots
-during prefill, the final state donated at the end), with the request's generated tokens taken
-from the next request of its session where that request extends the prompt (the harness sends
-the model's output back), else fresh tokens nothing else contains. It counts, per request,
-the tokens recomputed (`len - reused`) and the unavoidable minimum (`len - ` the longest prefix
-ever computed before, at least 1: the last token must be fed for logits).
+Each request is `(session, ids, anchors)` as the server renders it, with the parent key its
+harness sent (the cache's lineage: `begin` when it starts, `end` when it is done). The replay
+plays the scheduler's cache calls for one request at a time (match, lock, working state,
+policy snapshots during prefill, the final state donated at the end), the request's generated
+tokens being `gen` (`traces.attribute_replies`: what the next request of its session sent
+back). It counts, per request, the tokens recomputed (`len - reused`) and the unavoidable
+minimum (`len - ` the longest prefix ever computed before, at least 1: the last token must be
+fed for logits).
 
 Baselines imitate other engines' placement with LRU eviction at the same slot budgets:
 `upstream` (FreeToken 0.1.2: the deepest 64-aligned point of each 8192-token prefill chunk plus
@@ -42,6 +43,8 @@ class SimRequest:
     anchors: list[Anchor]
     gen: list[int] = field(default_factory=list)  # tokens generated and fed back
     cuts: list[int] | None = None  # predicted cut points (positions), None: no predictor
+    parent: str | None = None  # the parent key its harness sent (a sub-agent's), if any
+    trace: str = ""  # the recorded trace (or workload session) it comes from; "": session
 
 
 class UpstreamPolicy(CheckpointPolicy):
@@ -148,12 +151,14 @@ def replay(reqs: list[SimRequest], spec: str, device_slots: int, host_slots: int
         anchors = with_cuts(r) if spec == "semantic+cuts" else r.anchors
         m = cache.match(ids, r.session)
         cache.lock(m.node)
+        cache.begin(r.session, r.parent, m)
         path, n, _, k = seen.walk(ids[: len(ids) - 1])
         out.recomputed.append(len(ids) - m.length)
         out.unavoidable.append(len(ids) - (n + k))
         out.prompt.append(len(ids))
-        out.first.append(r.session not in per_seq and r.session not in started)
-        started.add(r.session)
+        unit = r.trace or r.session
+        out.first.append(unit not in started)
+        started.add(unit)
         row = torch.cat([m.kv_slots, cache.alloc_kv(len(ids) + len(r.gen) - m.length)])
         work = cache.alloc_state()
         assert work is not None
@@ -181,6 +186,7 @@ def replay(reqs: list[SimRequest], spec: str, device_slots: int, host_slots: int
             per_seq.setdefault(r.session, []).append(path[-1])
         else:
             cache.state_pool.free([work])  # type: ignore[union-attr]
+        cache.end(r.session)
         cache.take_ops()
         seen.insert(full, torch.zeros(len(full), dtype=torch.long))
         if isinstance(policy, LlamaCppPolicy):

@@ -1,11 +1,14 @@
 """`ft bench anchors`: snapshot placement policies compared on real and generated agent traffic.
 
-Sources: recorded harness traces (`--traces FILE|DIR ...`; several files are interleaved
-round-robin as concurrent sessions; each file is one session, its sub-agents share its head)
-and generated workloads (`--workloads W2,W3,W4`, each session of a workload its own session,
-all interleaved). Every request goes through the real renderer (the API mapping, the chat
-template, anchor detection) and `anchor_sim.replay`, per policy, at the same device and host
-slot budgets. Prints recomputed prefill tokens per turn beside the unavoidable minimum.
+Sources: recorded harness traces (`--traces FILE|DIR ...`, `bench/traces.py`: each file one
+trace, Chat, Anthropic and Responses bodies; its requests' sessions and sub-agents from the
+harness adapters, as the proxy sends them) and generated workloads (`--workloads W2,W3,W4`,
+each session of a workload its own stream). Every request goes through the real renderer (the
+API mapping, the chat template, anchor detection) and `anchor_sim.replay`, per policy, at each
+`--budget DEVICE+HOST` (repeatable: a sweep). Results (`anchor_report.py`) per budget: the
+streams interleaved round-robin as concurrent sessions, then each alone; per scope the
+unavoidable minimum, each policy's recompute, ratio and excess ratio against each imitated
+baseline. A trace that cannot be read faithfully is an error naming the record (exit 2).
 
 Like the native proxy, each request gets a `system_block` anchor at each of its harness
 adapter's head breaks (where another session may part from this one inside the system text:
@@ -22,13 +25,20 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from freetoken.bench.anchor_report import scope_result
 from freetoken.bench.anchor_sim import SimRequest, replay
-from freetoken.chat import ChatTokenizer, anthropic_to_template, openai_to_template
-from freetoken.chat.errors import ChatInputError
+from freetoken.bench.traces import (
+    Predictor,
+    TraceError,
+    _render,
+    attribute_replies,
+    interleave,
+    load_trace,
+)
+from freetoken.chat import ChatTokenizer
 
 # Qwen3.6-35B-A3B: 30 gated-DeltaNet layers x (fp32 ssm 32 heads x 128 x 128 = 2 MiB + bf16 conv
 # 8192 channels x 3 = 48 KiB)
@@ -37,7 +47,18 @@ POLICIES = ["semantic", "semantic+cuts", "interval:4096", "end_only", "upstream"
 DEFAULT_TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "harness_traces"
 
 
-Predictor = Callable[[Any, list, list], list[int]]
+def _default_traces() -> Path:
+    """`shared/harness_traces` in the nearest ancestor of the checkout that has one (a git
+    worktree sits one level deeper than the main checkout), else the copy in tests/data."""
+    here = Path(__file__).resolve()
+    for up in here.parents:
+        cand = up / "shared" / "harness_traces"
+        if cand.is_dir():
+            return cand
+    return here.parents[2] / "tests" / "data" / "harness_traces"
+
+
+DEFAULT_TRACES = _default_traces()
 
 
 def adapter_cuts(req: Any, anchors: list, messages: list) -> list[int]:
@@ -45,68 +66,6 @@ def adapter_cuts(req: Any, anchors: list, messages: list) -> list[int]:
     from harness_adapters import detect_adapter
 
     return list(detect_adapter(req).cut_points(anchors, messages))
-
-
-def _render(tok: ChatTokenizer, path: str, body: dict[str, Any], headers: dict[str, str],
-            session: str, predictor: Predictor | None, heads: Any = None) -> SimRequest:
-    """One request as the engine receives it. `heads` (a `proxy.heads.HeadBreaks`): add the
-    `system_block` anchors the native proxy adds at the claiming adapter's head breaks."""
-    api = "anthropic" if path.startswith("/v1/messages") else "openai"
-    ti = (anthropic_to_template if api == "anthropic" else openai_to_template)(body)
-    p = tok.apply(ti.messages, tools=ti.tools, enable_thinking=ti.enable_thinking)
-    cuts, anchors = None, p.anchors
-    if predictor is not None or heads is not None:
-        from harness_adapters import HarnessRequest, detect_adapter
-        from harness_adapters.base import system_text
-
-        req = HarnessRequest(api, path, {k.lower(): v for k, v in headers.items()}, body)
-        if predictor is not None:
-            cuts = predictor(req, p.anchors, ti.messages)
-        if heads is not None:
-            breaks = detect_adapter(req).head_breaks(body)
-            anchors = heads.anchors(anchors, system_text(body), breaks, p.input_ids)
-    return SimRequest(session, p.input_ids, anchors, cuts=cuts)
-
-
-def _fill_gen(reqs: list[SimRequest], im_end: int) -> None:
-    """Generated tokens: where the session's next request extends this prompt, the tokens up
-    to its `<|im_end|>` (what the model produced and the engine fed back); else 32 fresh ones."""
-    fresh = 10**9
-    last: dict[str, SimRequest] = {}
-    for r in reqs:
-        prev = last.get(r.session)
-        if prev is not None and not prev.gen:
-            n = len(prev.ids)
-            if r.ids[:n] == prev.ids and len(r.ids) > n:
-                tail = r.ids[n:]
-                prev.gen = tail[: tail.index(im_end)] if im_end in tail else tail
-        last[r.session] = r
-    for r in reqs:
-        if not r.gen:
-            r.gen = list(range(fresh, fresh + 32))
-            fresh += 32
-
-
-def load_trace(tok: ChatTokenizer, path: Path, session: str,
-               predictor: Predictor | None = None, heads: Any = None,
-               edit: Callable[[dict], dict] | None = None) -> list[SimRequest]:
-    """A recorded session's requests rendered (`_render`); `edit` rewrites each body first
-    (e.g. the same session started in another directory)."""
-    out = []
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
-        body = rec.get("body")
-        if "count_tokens" in rec.get("path", "") or not isinstance(body, dict) \
-                or "messages" not in body:
-            continue
-        if edit is not None:
-            body = edit(body)
-        try:
-            out.append(_render(tok, rec["path"], body, rec.get("headers", {}), session,
-                               predictor, heads))
-        except ChatInputError:
-            continue
-    return out
 
 
 def load_workload(tok: ChatTokenizer, name: str, scale: str,
@@ -121,14 +80,6 @@ def load_workload(tok: ChatTokenizer, name: str, scale: str,
         per.setdefault(t.session, []).append(
             _render(tok, path, t.body, t.headers, f"{name}/{t.session}", predictor, heads))
     return list(per.values())
-
-
-def interleave(streams: list[list[SimRequest]]) -> list[SimRequest]:
-    out, i = [], 0
-    while any(i < len(s) for s in streams):
-        out += [s[i] for s in streams if i < len(s)]
-        i += 1
-    return out
 
 
 def head_breaks(tok: ChatTokenizer) -> Any:
@@ -171,8 +122,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--workloads", default="", help="generated workloads, e.g. W2,W3,W4")
     p.add_argument("--scale", choices=("tiny", "full"), default="full")
     p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--state-slots", type=int, default=64, help="device snapshot slots")
-    p.add_argument("--host-slots", type=int, default=256, help="host-tier snapshot slots")
+    p.add_argument("--budget", action="append", default=None, metavar="DEVICE+HOST",
+                   help="snapshot slots on the device and in the host tier, e.g. 16+32; "
+                        "repeat to sweep (default: 64+256)")
+    p.add_argument("--state-slots", type=int, default=None,
+                   help="device snapshot slots (one budget with --host-slots; see --budget)")
+    p.add_argument("--host-slots", type=int, default=None, help="host-tier snapshot slots")
+    p.add_argument("--no-single", action="store_true",
+                   help="the interleaved replay only, not each trace alone")
     p.add_argument("--slot-bytes", type=int, default=QWEN36_SLOT_BYTES)
     p.add_argument("--cut-points", default=None, metavar="MODULE:FUNC",
                    help="predictor for semantic+cuts: (request, anchors, messages) -> positions "
@@ -184,40 +141,88 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def parse_budget(spec: str) -> tuple[int, int]:
+    """`16+32` -> (16, 32); `16` -> (16, 0)."""
+    dev, _, host = spec.partition("+")
+    try:
+        d, h = int(dev), int(host or 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--budget {spec!r}: want DEVICE+HOST, e.g. 16+32") \
+            from None
+    if d < 1 or h < 0:
+        raise argparse.ArgumentTypeError(f"--budget {spec!r}: device >= 1, host >= 0 slots")
+    return d, h
+
+
+def budgets(args: argparse.Namespace) -> list[tuple[int, int]]:
+    out = [parse_budget(b) for b in args.budget or []]
+    if args.state_slots is not None or args.host_slots is not None or not out:
+        out.append((args.state_slots or 64, 256 if args.host_slots is None
+                    else args.host_slots))
+    return list(dict.fromkeys(out))
+
+
+def trace_files(specs: list[str] | None) -> list[Path]:
+    paths = [Path(x) for x in (specs or [str(DEFAULT_TRACES)])]
+    files = []
+    for p in paths:
+        if p.is_dir():
+            files += sorted(p.glob("*/*.jsonl")) + sorted(p.glob("*.jsonl"))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise TraceError(f"{p}: no such trace file or directory")
+    return files
+
+
+def bench_scopes(streams: dict[str, list[SimRequest]], policies: list[str], device: int,
+                 host: int, slot_bytes: int, single: bool = True) -> dict[str, dict]:
+    """`interleaved` (every stream as concurrent sessions) and, with `single`, each alone."""
+    scopes = {"interleaved": interleave(list(streams.values()))}
+    if single and len(streams) > 1:
+        scopes.update(streams)
+    return {name: scope_result(run_bench(reqs, policies, device, host, slot_bytes))
+            for name, reqs in scopes.items()}
+
+
 def run(args: argparse.Namespace) -> int:
+    from freetoken.bench.anchor_report import print_scope
+
     tok = ChatTokenizer.from_dir(_tokenizer_dir())
     predictor = load_predictor(args.cut_points) if "semantic+cuts" in args.policies else None
     heads = head_breaks(tok) if args.head_breaks else None
-    streams: list[list[SimRequest]] = []
-    if args.traces is not None or not args.workloads:
-        paths = [Path(x) for x in (args.traces or [str(DEFAULT_TRACES)])]
-        files = [f for p in paths for f in (sorted(p.glob("*/*.jsonl")) + sorted(p.glob("*.jsonl"))
-                                             if p.is_dir() else [p])]
-        streams += [load_trace(tok, f, f.stem, predictor, heads) for f in files]
+    try:
+        plan = budgets(args)
+        streams: dict[str, list[SimRequest]] = {}
+        if args.traces is not None or not args.workloads:
+            for f in trace_files(args.traces):
+                name = f.stem if f.stem not in streams else f"{f.parent.name}/{f.stem}"
+                streams[name] = load_trace(tok, f, name, predictor, heads)
+    except (TraceError, argparse.ArgumentTypeError) as e:
+        print(f"ft bench anchors: {e}")
+        return 2
     for name in filter(None, args.workloads.split(",")):
-        streams += load_workload(tok, name.strip(), args.scale, predictor, heads)
-    reqs = interleave(streams)
-    _fill_gen(reqs, tok.special_ids["<|im_end|>"])
-    res = run_bench(reqs, args.policies.split(","), args.state_slots, args.host_slots,
-                    args.slot_bytes)
+        for i, s in enumerate(load_workload(tok, name.strip(), args.scale, predictor, heads)):
+            streams[f"{name.strip()}/{i}"] = s
+    im_end = tok.special_ids["<|im_end|>"]
+    for s in streams.values():  # each alone: replies within the stream, by session
+        attribute_replies(s, im_end)
+    policies = args.policies.split(",")
+    results = [{"device_slots": d, "host_slots": h,
+                "scopes": bench_scopes(streams, policies, d, h, args.slot_bytes,
+                                       not args.no_single)} for d, h in plan]
     if args.json:
-        print(json.dumps({"sessions": len(streams), "requests": len(reqs),
-                          "state_slots": args.state_slots, "host_slots": args.host_slots,
-                          "slot_bytes": args.slot_bytes, "policies": res}))
+        print(json.dumps({"traces": list(streams), "requests": sum(map(len, streams.values())),
+                          "slot_bytes": args.slot_bytes, "budgets": results}))
         return 0
-    print(f"{len(streams)} sessions, {len(reqs)} requests, {sum(len(r.ids) for r in reqs)} "
-          f"prompt tokens; budget {args.state_slots} device + {args.host_slots} host slots of "
-          f"{args.slot_bytes / 2**20:.1f} MiB")
-    print("per turn after each session's first; all: every request, first ones included")
-    print(f"{'policy':<15}{'recomp/turn':>12}{'floor/turn':>11}{'ratio':>8}{'excess/turn':>12}"
-          f"{'snap GiB':>10}"
-          f"{'evicted':>9}{'spilled':>9}{'restored':>9}{'all recomp':>11}{'all floor':>10}")
-    for name, r in res.items():
-        print(f"{name:<15}{r['recomputed_per_turn']:>12}{r['unavoidable_per_turn']:>11}"
-              f"{r['ratio']:>8}{r['avoidable_per_turn']:>12}"
-              f"{r['snapshot_bytes'] / 2**30:>10.1f}{r['evicted']:>9}"
-              f"{r['spilled']:>9}{r['restored']:>9}{r['recomputed_all']:>11}"
-              f"{r['unavoidable_all']:>10}")
+    n = sum(map(len, streams.values()))
+    print(f"{len(streams)} traces, {n} requests, "
+          f"{sum(len(r.ids) for s in streams.values() for r in s)} prompt tokens; "
+          f"slots of {args.slot_bytes / 2**20:.1f} MiB")
+    for res in results:
+        print(f"budget {res['device_slots']} device + {res['host_slots']} host slots")
+        for name, sc in res["scopes"].items():
+            print_scope(name, sc)
     return 0
 
 

@@ -10,7 +10,13 @@ Snapshot eviction (what survives when the device state pool is full):
   one session only is cleared when that session attaches a deeper snapshot below it: an
   appending session resumed from it only because it was its latest. Such a plain one-session
   snapshot with another snapshot below it in the tree loses 2 levels (an appending session
-  needs only its deepest). Its `keep_until` is its
+  needs only its deepest).
+- Session lineage (`lineage.py`; requests carry a session key and, for sub-agents, the parent
+  key their harness sent, else the parent is inferred from prefix structure): a session's
+  latest snapshot (last attached or resumed from) gains 2 levels (it resumes there next), 3
+  while the session waits on running sub-agents (it will be back); a
+  snapshot used only by finished sub-agents (declared ones, whose parent spoke again after they
+  went idle) has level -2, below every other. Its `keep_until` is its
   last use (snapshot clock: one tick per snapshot taken and per resume) plus
   `level * horizon` ticks (default horizon: twice the device + host slot count).
 - The device victim is the unpinned snapshot with the smallest `keep_until`. It moves to the

@@ -41,6 +41,7 @@ from typing import NamedTuple
 import torch
 
 from freetoken.cache.allocator import SlotAllocator
+from freetoken.cache.lineage import Lineage
 from freetoken.cache.node import TreeNode, as_ids
 from freetoken.cache.policy import END, CheckpointPolicy, class_rank, create_policy
 from freetoken.cache.radix import Committed, RadixCache
@@ -101,6 +102,8 @@ class HybridRadixCache:
         self.tiers = SnapshotTiers(state_pool if state_pool is not None else StatePool(0),
                                    host_pool, eviction, horizon, lambda n: n.depth,
                                    lambda n: n.parent)
+        self.lineage = Lineage()
+        self.tiers.lineage = self.lineage
         self._pins: dict[TreeNode, int] = {}
         self.counters = {"matches": 0, "reused_tokens": 0, "snapshot_hits": 0}
 
@@ -168,6 +171,7 @@ class HybridRadixCache:
                 snap.hits += 1
                 if user is not None:
                     snap.users.add(user)
+                    self.lineage.touch(user, node)
                 self.counters["snapshot_hits"] += 1
         if len(key) == 0:
             reason = "empty"
@@ -197,6 +201,23 @@ class HybridRadixCache:
     def copy_state(self, src: int, dst: int) -> None:
         """Queue a device copy `src -> dst` (a mid-prefill snapshot of a working state)."""
         self.tiers.ops.append(StateOp(COPY, src, dst))
+
+    def begin(self, session: str, parent: str | None = None,
+              m: HybridMatch | None = None) -> str | None:
+        """A request of `session` starts (`lineage.py`): `parent` the parent key its harness
+        sent, `m` its prompt's match (a new session without a parent key that resumed from
+        another session's snapshot is that session's sub-agent). Returns the parent session.
+        Call once per request, before its first `attach_snapshot`; `end` when it is done."""
+        users: set[str] = set()
+        if m is not None and m.state_len > 0:
+            snap = self._snaps.get(m.node)
+            users = set(snap.users) if snap is not None else set()
+        return self.lineage.begin(session, parent, users, m.node if m is not None else None
+                                  ).parent
+
+    def end(self, session: str) -> None:
+        """The request `begin` counted is done (finished, aborted or preempted)."""
+        self.lineage.end(session)
 
     # -- locks and KV -------------------------------------------------------------------------
 
@@ -286,6 +307,7 @@ class HybridRadixCache:
             old.last_access = self.tiers.tick()
             if user is not None:
                 old.users.add(user)
+                self.lineage.touch(user, node)
             log.debug(kv("snapshot_keep", pos=node.depth, slot=old.slot, tier=old.tier,
                          cls=old.cls))
             return False

@@ -114,7 +114,8 @@ class IntervalPolicy(CheckpointPolicy):
 class SemanticPolicy(CheckpointPolicy):
     """Default: snapshot at chat-template anchors where harnesses edit their context.
 
-    Anchors with `cut_point=True` (any kind) get class `cut_point`; other `head_end` and
+    Anchors with `cut_point=True` (any kind) get class `cut_point` (a `turn_start` cut one
+    token in, past the `<|im_start|>` every turn shares); other `head_end` and
     `system_block` anchors get class `head`, other `turn_start` anchors class `anchor`; other
     kinds are ignored. (`system_block`: a point inside the system prompt that the proxy marks
     where another session of the same harness may part from this one: a system block boundary,
@@ -150,7 +151,11 @@ class SemanticPolicy(CheckpointPolicy):
 
     def positions(self, prompt_len: int, anchors: Sequence[Anchor]) -> list[tuple[int, str]]:
         ok = [a for a in anchors if 1 <= a.position <= prompt_len - 1]
-        cuts = sorted({a.position for a in ok if a.cut_point}, reverse=True)
+        # a turn opens with `<|im_start|>` whatever its role: a cut there is taken one token
+        # in, which the next request shares whichever turn it puts in that place (OpenClaw's
+        # trailing context message makes way for the assistant's reply)
+        cuts = sorted({min(a.position + (a.kind == "turn_start"), prompt_len - 1)
+                       for a in ok if a.cut_point}, reverse=True)
         heads = sorted({a.position for a in ok if not a.cut_point and a.kind in HEAD_KINDS},
                        reverse=True)
         turns = sorted({a.position for a in ok if not a.cut_point and a.kind == "turn_start"},

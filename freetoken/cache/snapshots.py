@@ -9,7 +9,13 @@ by a spill may be the destination of a later copy in the same list.
 Value (the eviction rule; the cache package docstring states it for users):
 
     level(s)      = rank(class) + [s.hits >= 1] + 2 * [len(s.users) >= 2] - 2 * [covered plain]
+                    + BACK (3) if s is the latest of a session waiting on its sub-agents,
+                      else LATEST (2) if s is the latest of any session
+    level(s)      = FINISHED (-2)   when every user of s is a finished sub-agent
     keep_until(s) = s.last_access + level(s) * horizon
+
+(lineage terms: `lineage.py`; a parent waiting on sub-agents will resume from its latest
+snapshot, so it is kept like a hit cut point; a finished sub-agent's snapshots go first.)
 
 "covered plain": another snapshot (either tier) sits below it in the tree, its class is at most
 `anchor` and at most one session uses it: a session that keeps appending only needs its
@@ -28,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from freetoken.cache.lineage import FINISHED
 from freetoken.cache.policy import class_rank
 
 DEVICE, HOST = "device", "host"
@@ -56,22 +63,27 @@ class Snapshot:
     users: set[str] = field(default_factory=set)  # sessions that created or resumed from it
 
 
-def level(s: Snapshot, covered: bool = False) -> int:
-    """`covered`: another snapshot sits below this one in the tree."""
+def level(s: Snapshot, covered: bool = False, lineage: int | None = 0) -> int:
+    """`covered`: another snapshot sits below this one in the tree. `lineage`: the lineage
+    term (`Lineage.bonus`: `BACK` for a waiting parent's latest, None for a snapshot only
+    finished sub-agents used, which then has level `FINISHED`)."""
+    if lineage is None:
+        return FINISHED
     plain = covered and len(s.users) <= 1 and class_rank(s.cls) <= 1
-    return class_rank(s.cls) + (s.hits >= 1) + 2 * (len(s.users) >= 2) - 2 * plain
+    return class_rank(s.cls) + (s.hits >= 1) + 2 * (len(s.users) >= 2) - 2 * plain + lineage
 
 
-def keep_until(s: Snapshot, horizon: int, covered: bool = False) -> int:
-    return s.last_access + level(s, covered) * horizon
+def keep_until(s: Snapshot, horizon: int, covered: bool = False,
+               lineage: int | None = 0) -> int:
+    return s.last_access + level(s, covered, lineage) * horizon
 
 
 def victim_key(s: Snapshot, eviction: str, horizon: int,
-               covered: bool = False) -> tuple[int, int]:
+               covered: bool = False, lineage: int | None = 0) -> tuple[int, int]:
     """Sort key: the smallest is evicted first."""
     if eviction == "lru":
         return (s.last_access, 0)
-    return (keep_until(s, horizon, covered), s.last_access)
+    return (keep_until(s, horizon, covered, lineage), s.last_access)
 
 
 EVICTIONS = ("value", "lru")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 
+from freetoken.cache.lineage import Lineage
 from freetoken.cache.snapshots import (
     DEVICE,
     EVICTIONS,
@@ -32,7 +33,7 @@ class SnapshotTiers:
 
     def __init__(self, device: StatePool, host: StatePool | None, eviction: str,
                  horizon: int | None, depth: Callable[[Node], int],
-                 parent: Callable[[Node], Node | None]) -> None:
+                 parent: Callable[[Node], Node | None], lineage: Lineage | None = None) -> None:
         if eviction not in EVICTIONS:
             raise ValueError(f"unknown snapshot eviction {eviction!r}; known: {EVICTIONS}")
         self.device, self.host = device, host
@@ -40,6 +41,7 @@ class SnapshotTiers:
         total = device.num_slots + (host.num_slots if host is not None else 0)
         self.horizon = horizon if horizon is not None else max(2 * total, 1)
         self.depth, self.parent = depth, parent
+        self.lineage = lineage if lineage is not None else Lineage()
         self._covered: set[Node] = set()  # nodes with a snapshot below them (see _victims)
         self.snaps: dict[Node, Snapshot] = {}
         self.ops: list[StateOp] = []
@@ -59,8 +61,9 @@ class SnapshotTiers:
         return pool
 
     def _key(self, node: Node) -> tuple[int, int]:
-        return victim_key(self.snaps[node], self.eviction, self.horizon,
-                          node in self._covered)
+        s = self.snaps[node]
+        return victim_key(s, self.eviction, self.horizon, node in self._covered,
+                          self.lineage.bonus(node, s.users))
 
     def _victims(self, tier: str, pinned: dict) -> list[Node]:
         """Unpinned snapshots of `tier`, first victim first. Refreshes which snapshots have
@@ -80,12 +83,14 @@ class SnapshotTiers:
         if user is not None:
             s.users.add(user)
         self.snaps[node] = s
+        self.lineage.touch(user, node)
         self.gone.pop(node, None)
         self.counters["snapshots_taken"] += 1
         return s
 
     def drop(self, node: Node, why: str, counter: str = "snapshots_dropped") -> None:
         s = self.snaps.pop(node)
+        self.lineage.forget_node(node)
         self.pool(s.tier).free([s.slot])
         self.gone[node] = f"{why}:{s.tier}"
         self.counters[counter] += 1
@@ -125,7 +130,8 @@ class SnapshotTiers:
             s.slot, s.tier = hslot, HOST
             self.counters["snapshots_spilled"] += 1
             log.debug(kv("snapshot_spill", pos=self.depth(node), host_slot=hslot, cls=s.cls,
-                         keep_until=keep_until(s, self.horizon)))
+                         keep_until=keep_until(s, self.horizon, node in self._covered,
+                                               self.lineage.bonus(node, s.users))))
         return len(cands)
 
     def stats(self) -> dict[str, int]:

@@ -15,6 +15,7 @@ as they are.
 """
 from __future__ import annotations
 
+import bisect
 import importlib.util
 import json
 from collections.abc import Sequence
@@ -100,6 +101,33 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
         if reasoning is not None:
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
         out.append(m)
+    return out
+
+
+def tool_def_anchors(text: str, offsets: Sequence[tuple[int, int]],
+                     tools: Sequence[dict[str, Any]]) -> list[Anchor]:
+    """`tool_def` anchors (role: the tool's name) where each tool's line starts in the rendered
+    tools block, in render order: a sub-agent or another configuration of the same harness
+    often offers fewer tools, and its prompt parts from this one at the first it lacks. A
+    position counts only tokens that end before the newline opening the line (a token the
+    newline glues to the punctuation before it still depends on what follows)."""
+    names = []
+    for t in tools:
+        fn = t.get("function") if isinstance(t.get("function"), dict) else t
+        names.append(str(fn.get("name", "")) if isinstance(fn, dict) else "")
+    at = text.find("<tools>")
+    ends = [e for _, e in offsets]
+    out: list[Anchor] = []
+    for name in names:
+        key = '"name": ' + json.dumps(name, ensure_ascii=False)  # as the template's tojson
+        i = text.find(key, at) if at >= 0 and name else -1
+        line = text.rfind("\n", at, i) if i >= 0 else -1
+        if line < 0:
+            continue
+        at = i
+        p = bisect.bisect_right(ends, line)  # tokens ending at or before the newline's start
+        if p > 0:
+            out.append(Anchor(p, "tool_def", role=name))
     return out
 
 
@@ -208,9 +236,16 @@ class ChatTokenizer:
         messages, tools, escaped = self._escaper.escape(messages, tools)
         text = self.render(messages, tools, enable_thinking, add_generation_prompt,
                            keep_all_reasoning)
+        defs: list[Anchor] = []
         if escaped:
             ids, text = self._escaper.encode(text)
             log.debug(kv("plain_text_control_tokens", ids=len(ids)))
         else:
-            ids = self.encode(text)
-        return Prompt(ids, detect_anchors(ids, self.anchor_tokens), text)
+            enc = self._tok.encode(text, add_special_tokens=False)
+            ids = list(enc.ids)
+            if tools:
+                defs = tool_def_anchors(text, enc.offsets, tools)
+        anchors = detect_anchors(ids, self.anchor_tokens)
+        if defs:
+            anchors = sorted([*anchors, *defs], key=lambda a: a.position)  # stable on ties
+        return Prompt(ids, anchors, text)

@@ -52,6 +52,15 @@ def _apply_cap(body: dict, api: str, cap: int | None) -> tuple[int | None, int |
         return requested, None
     for k in present or keys[-1:]:
         body[k] = cap
+    # fields bounded by the output limit follow it down (#23: `min_tokens` left above the cap
+    # turned 4 of 13 W4 turns into HTTP 400 "min_tokens exceeds max_tokens")
+    for k in ("min_tokens",):
+        if isinstance(body.get(k), int) and not isinstance(body[k], bool) and body[k] > cap:
+            body[k] = cap
+    think = body.get("thinking")
+    if isinstance(think, dict) and isinstance(think.get("budget_tokens"), int) \
+            and think["budget_tokens"] >= cap:  # Anthropic: budget_tokens < max_tokens
+        body["thinking"] = dict(think, budget_tokens=max(cap - 1, 1))
     return requested, cap
 
 
@@ -123,9 +132,11 @@ async def _native(request: Request, ps: ProxyState, body: dict, api: str, kind: 
         messages = ti.messages
     except ChatInputError:
         messages = []  # the route answers the 400
+    parent = adapter.parent_key(HarnessRequest(  # #23: sub-agent lineage for the cache
+        api, request.url.path, {k.lower(): v for k, v in request.headers.items()}, body))
     turn = TurnEngine(eng, Turn(adapter, session, messages, rec, cap, system_text(body),
-                                adapter.head_breaks(body)), ps.sessions, ps.metrics.record,
-                      ps.heads)
+                                adapter.head_breaks(body), parent), ps.sessions,
+                      ps.metrics.record, ps.heads)
     names = ps.cfg.served_model_names or [eng.model_name]
     st = ServerState(turn, ps.tokenizer, None, names, False, ps.parser_family)  # type: ignore[arg-type]
     inner = inner_request(request, body, st)

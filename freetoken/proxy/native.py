@@ -79,6 +79,7 @@ class NativeEngine:
     def _body(req: GenerateRequest) -> dict:
         sp = req.sampling
         return {"input_ids": req.input_ids, "session_key": req.session_key,
+                "parent_key": req.parent_key,
                 "anchors": [{"position": a.position, "kind": a.kind, "role": a.role,
                              "cut_point": a.cut_point} for a in req.anchors],
                 "sampling": {"max_tokens": sp.max_tokens, "temperature": sp.temperature,
@@ -135,6 +136,7 @@ class Turn:
     cap: int | None  # the proxy's output cap when it is below what the client asked for
     system: str = ""  # the leading system text, as rendered
     breaks: list[int] = field(default_factory=list)  # adapter.head_breaks: offsets into system
+    parent: str | None = None  # adapter.parent_key: a sub-agent's parent session
 
 
 class TurnEngine:
@@ -179,7 +181,7 @@ class TurnEngine:
                        for a in req.anchors]
         if self.heads is not None and t.breaks:
             req.anchors = self.heads.anchors(req.anchors, t.system, t.breaks, req.input_ids)
-        req.session_key = t.session
+        req.session_key, req.parent_key = t.session, t.parent
         ep = self.sessions.observe_tokens(t.session, req.input_ids, req.anchors, sorted(cuts))
         rec = t.record
         rec.predicted_cuts = sorted(cuts)

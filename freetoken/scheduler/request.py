@@ -33,6 +33,7 @@ class Request:
     state_tier: str | None = None  # tier of the snapshot the prompt resumed from
     lost: str = ""  # a deeper snapshot within the KV match that went away (why:tier@pos)
     waiting_for: str | None = None  # a sibling whose shared prefill this request waits for
+    in_lineage: bool = False  # counted by the cache's lineage (begin called, end pending)
     num_generated: int = 0
     finished: bool = False
     aborted: bool = False

@@ -7,7 +7,8 @@ nothing (a failed allocation answers 409 and the previous cache keeps serving).
 /ft/v1/generate is what the agent proxy sends our engine: token ids already rendered, anchors
 with predicted cut points, a session key. Body:
 `{"input_ids": [int], "sampling": {SamplingParams fields}, "anchors": [{"position", "kind",
-"role", "cut_point"}], "session_key": str}`. The answer is an SSE stream of
+"role", "cut_point"}], "session_key": str, "parent_key": str}` (parent_key: a sub-agent's
+parent session, for snapshot eviction). The answer is an SSE stream of
 `{"token_ids", "finished", "finish_reason", "prompt_tokens", "cached_tokens", "matched_stop_id"}`
 events, the last with `finished: true`. `max_tokens` is clamped like everywhere else; absent
 `stop_token_ids` default to the tokenizer's end-of-turn ids.
@@ -33,7 +34,8 @@ log = get_logger("server")
 KEEPALIVE_S = 10.0
 ANCHOR_KINDS = {"head_end", "turn_start", "think_start", "think_end", "tool_call_start",
                 "tool_result_start", "tool_result_end",
-                "system_block"}  # the agent proxy's head breaks (freetoken/proxy/heads.py)
+                "system_block",  # the agent proxy's head breaks (freetoken/proxy/heads.py)
+                "tool_def"}  # a tool's line in the tools block (freetoken.chat.tokenizer)
 
 
 async def health(request: Request) -> Response:
@@ -113,8 +115,10 @@ def _native_plan(st: ServerState, body: dict, headers: Any) -> Plan:
     else:
         stop_ids = _ids(s["stop_token_ids"], "sampling.stop_token_ids", limit, allow_empty=True)
     key = opt_str(body, "session_key") or session_key_from(headers)
-    return plan(st.engine, ids, _anchors(body.get("anchors"), len(ids)), p, stop_ids, key,
-                new_id("ftgen-"), "input_ids")
+    pl = plan(st.engine, ids, _anchors(body.get("anchors"), len(ids)), p, stop_ids, key,
+              new_id("ftgen-"), "input_ids")
+    pl.req.parent_key = opt_str(body, "parent_key")  # a sub-agent's parent session (#23)
+    return pl
 
 
 async def generate(request: Request) -> Response:

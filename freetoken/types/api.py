@@ -83,6 +83,7 @@ class GenerateRequest:
     anchors: list[Anchor] = field(default_factory=list)
     session_key: str | None = None
     request_id: str = ""
+    parent_key: str | None = None  # a sub-agent's parent session (`freetoken.cache.lineage`)
 
 
 @dataclass

@@ -28,6 +28,10 @@ from freetoken.cache.node import TreeNode
 
 CLASSES = ["end", "anchor", "interval", "head", "cut_point"]
 USERS = [None, "s1", "s2", "s3"]
+# sessions of requests and the parent key each sends: sub-agents of s1 by its key, of the
+# latest "s*" by prefix, and sessions without one (their parent, if any, from structure)
+SESSIONS = [("s1", None), ("s2", None), ("s3", None), ("k1", "s1"), ("k2", "s"),
+            ("k3", None), ("k4", "s9")]
 
 
 @dataclass
@@ -37,6 +41,7 @@ class Req:
     tree_len: int
     node: TreeNode
     working: int | None = None  # state slot owned by the request
+    session: str | None = None  # begun in the cache's lineage (end pending)
 
 
 class Driver:
@@ -57,6 +62,7 @@ class Driver:
             self.ref.horizon = self.cache.tiers.horizon
             self.ref.host_slots = host_slots if self.host is not None else 0
         self.reqs: list[Req] = []
+        self.sessions = SESSIONS
 
     # -- reference helpers ----------------------------------------------------------------------
 
@@ -71,7 +77,8 @@ class Driver:
         removed = check_eviction(self.ref, real_kv, want, self.locked())
         for p in removed:
             del self.ref.kv[p], self.ref.kt[p]
-            self.ref.snaps.pop(p, None)  # KV eviction drops the node's snapshot
+            if p in self.ref.snaps:  # KV eviction drops the node's snapshot
+                self.ref.del_snap(p)
         return len(removed)
 
     def alloc_kv(self, n: int) -> torch.Tensor | None:
@@ -110,6 +117,7 @@ class Driver:
     def attach_ref(self, prefix: Prefix, slot: int, cls: str, user: str | None = None) -> bool:
         self.ref.sclock += 1
         old = self.ref.snaps.get(prefix)
+        self.ref.touch_latest(user, prefix)
         if old is None:
             mine = {user} if user else set()
             self.ref.snaps[prefix] = {"slot": slot, "cls": cls, "t": self.ref.sclock,
@@ -139,7 +147,8 @@ class Driver:
 
     # -- operations -----------------------------------------------------------------------------
 
-    def op_match(self, ids: list[int]) -> tuple[TreeNode, int, list[int]]:
+    def op_match(self, ids: list[int], user: str | None = None,
+                 as_user: bool = False) -> tuple[TreeNode, int, list[int]]:
         ref = self.ref
         if isinstance(self.cache, RadixCache):
             m = self.cache.match_prefix(ids)
@@ -148,7 +157,7 @@ class Driver:
             assert m.slots.tolist() == ref.slots(ids, n)
             ref.touch(ids, n)
             return m.node, n, m.slots.tolist()
-        user = self.rng.choice(USERS)
+        user = user if as_user else self.rng.choice(USERS)
         hm = self.cache.match(ids, user)
         cap = max(len(ids) - 1, 0)
         kv_len = ref.longest(ids[:cap])
@@ -166,6 +175,7 @@ class Driver:
             snap["hits"] += 1
             if user:
                 snap["users"].add(user)
+                ref.touch_latest(user, tuple(ids[:use]))
         else:
             assert (hm.state_len, hm.state_slot, hm.state_class, hm.state_tier) == (
                 0, -1, None, None)
@@ -178,13 +188,23 @@ class Driver:
         else:
             assert hm.reason == f"kv_miss_at={kv_len}"
         ref.touch(ids, use)
+        self.last_match = hm
         return hm.node, use, hm.kv_slots.tolist()
 
     def op_start(self) -> None:
         ids = self.gen_ids()
-        node, n, slots = self.op_match(ids)
+        lineage = self.pool is not None and self.rng.random() < 0.8
+        session, parent = self.rng.choice(self.sessions)
+        if lineage and session.startswith("k"):  # a sub-agent's own turn: a token of its own
+            ids = (ids + [2 + int(session[1])] + [self.rng.randrange(3)])[-24:]
+        node, n, slots = self.op_match(ids, session, as_user=lineage)
         self.cache.lock(node)
         r = Req(ids, slots, n, node)
+        if lineage:
+            assert isinstance(self.cache, HybridRadixCache)
+            self.cache.begin(session, parent, self.last_match)
+            self.ref.begin(session, parent, tuple(ids[:n]) if n else None)
+            r.session = session
         self.reqs.append(r)
         self.check()
         own = self.alloc_kv(len(ids) - n)
@@ -216,7 +236,8 @@ class Driver:
         self.commit(r, n)
         if slot is not None:
             assert isinstance(self.cache, HybridRadixCache)
-            cls, user = self.rng.choice(CLASSES), self.rng.choice(USERS)
+            cls = self.rng.choice(CLASSES)
+            user = r.session if r.session and self.rng.random() < 0.7 else self.rng.choice(USERS)
             taken = self.cache.attach_snapshot(r.node, slot, cls, user)
             assert taken == self.attach_ref(tuple(r.ids[:n]), slot, cls, user)
             if not taken:
@@ -233,6 +254,7 @@ class Driver:
                 self.pool.free([r.working])
         self.cache.unlock(r.node)
         self.reqs.remove(r)
+        _end(self, r)
 
     def op_release(self, r: Req) -> None:
         """Finish through `release` (commit + donate + unlock in one call)."""
@@ -243,6 +265,7 @@ class Driver:
         ref.touch(r.ids, len(r.ids))
         row = torch.tensor(r.row, dtype=torch.long)
         self.reqs.remove(r)
+        _end(self, r)
         if isinstance(self.cache, RadixCache):
             assert self.cache.release(r.ids, row, r.node, r.tree_len) == p
             return
@@ -259,6 +282,7 @@ class Driver:
             self.pool.free([r.working])
         self.cache.unlock(r.node)
         self.reqs.remove(r)
+        _end(self, r)
 
     def op_raw_insert(self) -> None:
         ids = self.gen_ids()
@@ -325,3 +349,17 @@ class Driver:
             assert isinstance(self.cache, HybridRadixCache)
             working = [r.working for r in self.reqs if r.working is not None]
             check_snapshots(self.cache, self.ref, self.pool, working, self.host)
+            real = {k: (s.parent, s.declared, s.inflight, s.finished,
+                        None if s.latest is None else node_prefix(s.latest))
+                    for k, s in self.cache.lineage.sessions.items()}
+            want = {k: (v["parent"], v["declared"], v["inflight"], v["finished"], v["latest"])
+                    for k, v in self.ref.lin.items()}
+            assert real == want, "lineage differs"
+
+
+def _end(d: Driver, r: Req) -> None:
+    if r.session is not None:
+        assert isinstance(d.cache, HybridRadixCache)
+        d.cache.end(r.session)
+        d.ref.end(r.session)
+        r.session = None

@@ -4,7 +4,8 @@ The model knows nothing about nodes or edges. It keeps every cached prefix (a to
 the KV slot of its last token, the logical time it was last touched, the snapshots by prefix
 (tier, class, time, resumes, users), and the prefixes each simulated request holds locked.
 Snapshot eviction is written here a second time from the rule in `freetoken.cache`'s
-docstring (value levels, host spill, host replacement). `check_*` functions compare the real
+docstring (value levels, session lineage, host spill, host replacement). `check_*`
+functions compare the real
 tree against it after every operation.
 """
 from __future__ import annotations
@@ -28,6 +29,74 @@ class RefModel:
     sclock: int = 0
     horizon: int = 1
     host_slots: int = 0
+    # session lineage, written from the rule in `freetoken.cache.lineage`'s docstring:
+    # key -> {parent, declared, inflight, started, waited, finished, latest (prefix)}
+    lin: dict[str, dict] = field(default_factory=dict)
+    lclock: int = 0
+
+    # -- lineage --------------------------------------------------------------------------------
+
+    def begin(self, key: str, parent: str | None, resumed: Prefix | None) -> None:
+        self.lclock += 1
+        new = key not in self.lin
+        s = self.lin.setdefault(key, {"parent": None, "declared": False, "inflight": 0,
+                                      "started": 0, "waited": True, "finished": False,
+                                      "latest": None})
+        p = None
+        if parent is not None:
+            if parent in self.lin:
+                p = parent
+            else:
+                tops = [k for k, v in self.lin.items()
+                        if v["parent"] is None and k.startswith(parent)]
+                p = max(tops, key=lambda k: self.lin[k]["started"]) if tops else None
+        declared = p is not None
+        if p is None and new and parent is None and resumed:
+            users = self.snaps[resumed]["users"] if resumed in self.snaps else set()
+            tops = [u for u in users if u != key and u in self.lin
+                    and self.lin[u]["parent"] is None and self.lin[u]["latest"] != resumed]
+            p = max(tops, key=lambda k: self.lin[k]["started"]) if tops else None
+        has_kids = any(v["parent"] == key for v in self.lin.values())
+        if p is not None and p != key and s["parent"] is None and not has_kids:
+            s["parent"], s["declared"] = p, declared
+        if s["parent"] is not None and (new or s["finished"] or s["inflight"] == 0):
+            s["waited"] = self.lin[s["parent"]]["inflight"] == 0
+        s["finished"] = False
+        for c in [k for k, v in self.lin.items() if v["parent"] == key]:
+            kid = self.lin[c]
+            if kid["declared"] and kid["inflight"] == 0 and kid["waited"] and not kid["finished"]:
+                kid["finished"] = True
+            elif kid["inflight"]:
+                kid["waited"] = False
+        s["inflight"] += 1
+        s["started"] = self.lclock
+
+    def end(self, key: str) -> None:
+        if key in self.lin and self.lin[key]["inflight"] > 0:
+            self.lin[key]["inflight"] -= 1
+
+    def touch_latest(self, user: str | None, p: Prefix) -> None:
+        if user is not None and user in self.lin:
+            self.lin[user]["latest"] = p
+
+    def del_snap(self, p: Prefix) -> None:
+        del self.snaps[p]
+        for v in self.lin.values():
+            if v["latest"] == p:
+                v["latest"] = None
+
+    def lineage_term(self, p: Prefix) -> int | None:
+        users = self.snaps[p]["users"]
+        if users and all(u in self.lin and self.lin[u]["finished"] for u in users):
+            return None
+        best = 0
+        for u in users:
+            v = self.lin.get(u)
+            if v is not None and v["latest"] == p:
+                if any(not w["finished"] for w in self.lin.values() if w["parent"] == u):
+                    return 3
+                best = 2
+        return best
 
     def longest(self, ids: list[int]) -> int:
         i = 0
@@ -51,6 +120,8 @@ class RefModel:
         covered = any(len(q) > len(p) and q[: len(p)] == p for q in self.snaps)
         plain = covered and len(v["users"]) <= 1 and CLASS_RANK[v["cls"]] <= 1
         level = CLASS_RANK[v["cls"]] + (v["hits"] >= 1) + 2 * (len(v["users"]) >= 2) - 2 * plain
+        term = self.lineage_term(p)
+        level = -2 if term is None else level + term
         return (v["t"] + level * self.horizon, v["t"])
 
     def victims(self, tier: str, pinned: set[Prefix]) -> list[Prefix]:
@@ -71,12 +142,12 @@ class RefModel:
                 hv = self.victims("host", pinned)
                 ok = bool(hv) and self.value_key(hv[0]) < self.value_key(p)
                 if ok:
-                    del self.snaps[hv[0]]
+                    self.del_snap(hv[0])
             out.append((p, v["slot"], "spill" if ok else "drop"))
             if ok:
                 v["tier"], v["slot"] = "host", None
             else:
-                del self.snaps[p]
+                self.del_snap(p)
         return out
 
 

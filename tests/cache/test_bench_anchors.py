@@ -75,10 +75,12 @@ def test_cli_json_on_a_recorded_trace(capsys) -> None:
                "semantic,end_only", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["requests"] == 6 and set(out["policies"]) == {"semantic", "end_only"}
-    sem, end = out["policies"]["semantic"], out["policies"]["end_only"]
-    assert sem["unavoidable"] == end["unavoidable"] > 0
-    assert sem["recomputed"] <= end["recomputed"]
+    assert out["requests"] == 6 and len(out["budgets"]) == 1
+    sc = out["budgets"][0]["scopes"]["interleaved"]
+    assert set(sc["policies"]) == {"semantic", "end_only"}
+    sem, end = sc["policies"]["semantic"], sc["policies"]["end_only"]
+    assert sc["minimum"] > 0 and sem["recomputed"] <= end["recomputed"]
+    assert sem["excess"] == sem["recomputed"] - sc["minimum"]
 
 
 def test_predicted_cut_points_let_an_edit_resume_there() -> None:

@@ -23,3 +23,16 @@ def test_random_ops_match_reference(mode: str, seed: int) -> None:
         assert d.pool.num_free == d.pool.num_slots
     if d.host is not None:
         assert d.host.num_free == d.host.num_slots
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_lineage_ops_match_reference(seed: int) -> None:
+    """One parent and two declared sub-agents: the lineage terms (a waiting parent's latest
+    snapshot, finished sub-agents' snapshots) decide evictions, checked after every op."""
+    d = Driver("tiered", seed, state_slots=6, host_slots=3)
+    d.sessions = [("s1", None), ("k1", "s1"), ("k2", "s1")]
+    for _ in range(250):
+        d.step()
+    for r in list(d.reqs):
+        d.op_release(r)
+    d.check()

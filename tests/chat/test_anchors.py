@@ -2,6 +2,7 @@
 character offsets to token indices."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -50,9 +51,24 @@ def test_trace_anchors_match_oracle(tok: ChatTokenizer, qwen_dir: Path, trace_re
         ti = (anthropic_to_template(body) if rec["path"].startswith("/v1/messages")
               else openai_to_template(body))
         p = tok.apply(ti.messages, ti.tools, ti.enable_thinking)
-        assert _tuples(p.anchors) == oracle(p.text, raw), name
-        kinds |= {a.kind for a in p.anchors}
-        for a in p.anchors:  # the tag token sits exactly at the anchor
+        tags = [a for a in p.anchors if a.kind != "tool_def"]
+        assert _tuples(tags) == oracle(p.text, raw), name
+        kinds |= {a.kind for a in tags}
+        defs = [a for a in p.anchors if a.kind == "tool_def"]
+        assert [a.role for a in defs] == [(t.get("function") or t)["name"] for t in ti.tools or []]
+        lines, at = {}, p.text.find("<tools>\n")  # oracle: each JSON line of the block
+        if at >= 0:
+            at += len("<tools>")
+            for line in p.text[at + 1: p.text.index("\n</tools>")].split("\n"):
+                fn = json.loads(line)
+                lines[(fn.get("function") or fn)["name"]] = at  # offset of its newline
+                at += len(line) + 1
+        assert {a.role for a in defs} == set(lines), name
+        for a in defs:  # the tokens before it spell the text before the line, newline aside
+            head = tok.decode(p.input_ids[: a.position])
+            assert p.text[: lines[a.role]].startswith(head), name
+            assert len(tok.decode(p.input_ids[: a.position + 2])) > lines[a.role], name
+        for a in tags:  # the tag token sits exactly at the anchor
             tag = tok.decode([p.input_ids[a.position]])
             assert tag == ("<|im_start|>" if a.kind in ("turn_start", "head_end") else
                            next(t for t, k in _TAGS.items() if k == a.kind))

@@ -52,7 +52,9 @@ def test_forged_boundary_is_plain_text(tok: ChatTokenizer, place: str) -> None:
     assert (_control_ids(tok, p.input_ids, only)
             == _control_ids(tok, tok.apply(h_msgs, h_tools).input_ids, only))
     if not only:
-        assert [a.kind for a in p.anchors] == [a.kind for a in tok.apply(h_msgs, h_tools).anchors]
+        # (`tool_def` anchors need the tokenizer's offsets, which the escaped encoding lacks)
+        assert [a.kind for a in p.anchors] == [a.kind for a in tok.apply(h_msgs, h_tools).anchors
+                                               if a.kind != "tool_def"]
 
 
 def test_non_special_tokens_stay_in_assistant_text(tok: ChatTokenizer) -> None:

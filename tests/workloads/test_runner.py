@@ -72,3 +72,33 @@ def test_cross_api_replay_and_delta_count_fallback(fake_server: FakeServer) -> N
 def test_unreachable_endpoint_records_errors() -> None:
     r = run_workload(build_workload("W1", "tiny"), "http://127.0.0.1:9", timeout_s=2)
     assert not r.ok and r.turns[0].error
+
+
+def test_decode_rates_compare_with_w1_only_at_the_same_sampling(tmp_path) -> None:
+    """Bug caught (#23): W1 alone sent top_p 0.95 (~35% of CPU decode speed), so W2-W4 came
+    out at 1.2-1.6x W1 for a reason unrelated to agent context."""
+    from workloads.client import TurnResult
+    from workloads.report import new_tokens
+    from workloads.runner import WorkloadResult, summarize
+
+    def res(name: str, rates: list[tuple[str, float]]) -> WorkloadResult:
+        r = WorkloadResult(name, "v", "openai", "x")
+        for i, (samp, tps) in enumerate(rates):
+            t = TurnResult(f"T{i}", "s", "main", 11, sampling=samp, first_token=0.0,
+                           last_token=10 / tps, output_tokens=11, prompt_tokens=100 + 50 * i,
+                           cached_tokens=90 if i else 0)
+            r.turns.append(t)
+        return r
+
+    a, b = "temperature=0.6 top_p=0.95 top_k=0", "temperature=1 top_p=1 top_k=0"
+    s = summarize({"W1": res("W1", [(a, 10.0)]), "W2": res("W2", [(b, 15.0), (b, 15.0)])})
+    assert s["W2"]["stability_vs_w1"] is None  # different sampling: no ratio...
+    assert s["W2"]["stability_vs_w1_other_sampling"] == 1.5  # ...both stated instead
+    assert s["W2"]["sampling"] == [b] and s["W2"]["w1_sampling"] == [a]
+    s = summarize({"W1": res("W1", [(a, 10.0), (b, 12.0)]), "W2": res("W2", [(b, 15.0)])})
+    assert s["W2"]["stability_vs_w1"] == 1.25 and s["W2"]["w1_same_sampling_tps"] == 12.0
+    # new tokens: what the session had not sent before (prompt - previous prompt - output)
+    r = res("W2", [(b, 15.0), (b, 15.0), (b, 15.0)])
+    assert new_tokens(r) == [100, 39, 39]
+    from workloads.report import write_report as wr
+    assert (wr({"W1": res("W1", [(a, 10.0)]), "W2": r}, tmp_path)).exists()
