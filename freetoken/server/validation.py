@@ -29,11 +29,18 @@ async def read_json(request: Request) -> dict[str, Any]:
     return parse_json(await request.body())
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(raw: bytes, constants: bool = True) -> dict[str, Any]:
+    """`constants`: read NaN / Infinity / -Infinity as numbers (what `json` does; the fields
+    that take numbers refuse them); False refuses them here (the proxy, which forwards)."""
     if not raw.strip():
         raise APIError.bad("request body is empty; expected a JSON object", code="invalid_json")
     try:
-        body = json.loads(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
+        body = json.loads(text) if constants else json.loads(text, parse_constant=_no_constant)
     except UnicodeDecodeError as e:
         raise APIError.bad(f"request body is not UTF-8: {e}", code="invalid_json") from None
     except (ValueError, RecursionError) as e:

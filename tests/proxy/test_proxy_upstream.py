@@ -167,11 +167,22 @@ def test_same_api_stream_passes_events_through_unchanged() -> None:
         frames = oa_stream("stop")
         _on(p, "/v1/chat/completions", lambda r: httpx.Response(200, headers=SSE,
                                                                   stream=Events(frames)))
-        raw = httpx.post(p.url + "/v1/chat/completions", json={
-            "model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}).text
+        body = {"model": "m", "stream": True, "stream_options": {"include_usage": True},
+                "messages": [{"role": "user", "content": "hi"}]}
+        raw = httpx.post(p.url + "/v1/chat/completions", json=body).text
         assert raw == "".join(frames)
         st = p.stats()["harnesses"]["generic"]
         assert st["prompt_tokens"] == 120 and st["cached_tokens"] == 100
+        # Was (issue 22): a client that did not ask for usage got the usage chunk the proxy
+        # asked for (`choices: []`: code reading chunk.choices[0] raised). It is taken out,
+        # and the metrics still have it.
+        del body["stream_options"]
+        _on(p, "/v1/chat/completions", lambda r: httpx.Response(200, headers=SSE,
+                                                                  stream=Events(frames)))
+        raw = httpx.post(p.url + "/v1/chat/completions", json=body).text
+        assert raw == "".join(f for f in frames if '"choices": []' not in f)
+        assert p.last_json()["stream_options"] == {"include_usage": True}
+        assert p.stats()["harnesses"]["generic"]["prompt_tokens"] == 240
     finally:
         p.server.stop()
 
@@ -205,7 +216,8 @@ def test_errors_come_back_in_the_clients_shape(to_openai) -> None:
     r = httpx.post(p.url + "/v1/messages", json=_cc_body(True), headers=CC_HEADERS)
     assert r.status_code == 400
     assert r.json()["type"] == "error" and "prompt too long" in r.json()["error"]["message"]
-    r = httpx.post(p.url + "/v1/messages", content=b"{nope", headers=CC_HEADERS)
+    r = httpx.post(p.url + "/v1/messages", content=b"{nope",
+                   headers={**CC_HEADERS, "content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     bad = _cc_body(False)
     bad["messages"][0] = {"role": "user", "content": [{"type": "image", "source": {}}]}
