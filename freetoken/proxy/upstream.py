@@ -96,8 +96,11 @@ class Upstream:
     def api_out(self, api_in: str) -> str:
         return api_in if self.api in ("both", api_in) else self.api
 
-    def headers(self, incoming: Any, api_out: str) -> dict[str, str]:
-        h = {k: v for k in _PASS_HEADERS if (v := incoming.get(k))}
+    def headers(self, incoming: Any, api_out: str) -> dict[str, Any]:
+        # as received: HTTP header values are bytes (starlette decodes them as latin-1), and a
+        # non-ASCII one must not fail the request when it is encoded again
+        h: dict[str, Any] = {k: v.encode("latin-1") for k in _PASS_HEADERS
+                             if (v := incoming.get(k))}
         h["content-type"] = "application/json"
         key = self.api_key
         if key is None and self.forward_client_key:
@@ -105,9 +108,9 @@ class Upstream:
             key = auth[7:].strip() if auth[:7].lower() == "bearer " else incoming.get("x-api-key")
         if key:
             if api_out == "anthropic":
-                h["x-api-key"] = key
+                h["x-api-key"] = key.encode("latin-1", "replace")
             else:
-                h["authorization"] = f"Bearer {key}"
+                h["authorization"] = f"Bearer {key}".encode("latin-1", "replace")
         if api_out == "anthropic":
             h.setdefault("anthropic-version", "2023-06-01")
         return h
@@ -117,7 +120,7 @@ class Upstream:
             return self.base_url + ("/v1/messages/count_tokens" if count_tokens else "/v1/messages")
         return self.base_url + "/v1/chat/completions"
 
-    async def open(self, url: str, body: dict, headers: dict[str, str],
+    async def open(self, url: str, body: dict, headers: dict[str, Any],
                    raw: bytes | None = None) -> httpx.Response:
         content = raw if raw is not None else jsonc.dumps(body)
         req = self.client.build_request("POST", _parsed(url), content=content, headers=headers)

@@ -12,7 +12,7 @@ What uvicorn gives and what it does not (0.54, h11 protocol):
   new connection first evicts the oldest connection that has not sent a request yet (a flood of
   half-open connections then only pushes out its own, not everyone else's connection); if there
   is none, the new one gets a 503 in a shape both SDK families parse and is closed. Past the
-  per-address cap the new connection gets that 503 at once.
+  per-address cap the same holds among that address's connections.
 - `h11_max_incomplete_event_size` caps the header size (uvicorn's default, 16 KiB, is kept).
 - Body read time, body size, and clients that stop reading a stream are handled in the ASGI
   layer (`guard.py`, `sse.py`), where the request is known. A send blocks only once the bytes
@@ -140,8 +140,10 @@ class GuardedH11Protocol(H11Protocol):
         lim = self.limits
         n = self.per_client.get(self._addr, 0)
         if n >= lim.max_connections_per_client:
-            self._refuse("max_connections_per_client", n, lim.max_connections_per_client)
-            return
+            if not self._evict_fresh(self._addr):
+                self._refuse("max_connections_per_client", n, lim.max_connections_per_client)
+                return
+            n = self.per_client.get(self._addr, 0)
         if len(self.connections) > lim.max_connections and not self._evict_fresh():
             self._refuse("max_connections", len(self.connections), lim.max_connections)
             return
@@ -163,17 +165,31 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.write(_REFUSAL)
         self.transport.close()
 
-    def _evict_fresh(self) -> bool:
-        """Close the oldest connection that has sent no request yet; False when none."""
-        while self.fresh:
-            victim, _ = self.fresh.popitem(last=False)
-            if victim is not self and not victim.transport.is_closing():
-                _log_limited("connection_evicted", reason="max_connections",
-                             client=victim._addr, open=len(self.connections))
-                victim.transport.close()
-                self.connections.discard(victim)  # its connection_lost comes later
-                return True
-        return False
+    def _evict_fresh(self, addr: str | None = None) -> bool:
+        """Close the oldest connection (from `addr`, when given) that has sent no request yet;
+        False when there is none. It stops counting at once (its connection_lost comes
+        later)."""
+        victim = next((p for p in self.fresh if p is not self
+                       and (addr is None or p._addr == addr)), None)
+        if victim is None:
+            return False
+        del self.fresh[victim]
+        _log_limited("connection_evicted", reason="max_connections" if addr is None else
+                     "max_connections_per_client", client=victim._addr,
+                     open=len(self.connections))
+        victim.transport.close()
+        self.connections.discard(victim)
+        victim._uncount()
+        return True
+
+    def _uncount(self) -> None:
+        if getattr(self, "_counted", False):
+            self._counted = False
+            left = self.per_client.get(self._addr, 1) - 1
+            if left > 0:
+                self.per_client[self._addr] = left
+            else:
+                self.per_client.pop(self._addr, None)
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is None:
@@ -214,13 +230,7 @@ class GuardedH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
         self.fresh.pop(self, None)
-        if getattr(self, "_counted", False):
-            self._counted = False
-            left = self.per_client.get(self._addr, 1) - 1
-            if left > 0:
-                self.per_client[self._addr] = left
-            else:
-                self.per_client.pop(self._addr, None)
+        self._uncount()
         super().connection_lost(exc)
 
 

@@ -49,6 +49,7 @@ class Served:
     def __init__(self, app: Any, lim: Any) -> None:
         from freetoken.server.limits import uvicorn_config
 
+        self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.limits = lim
@@ -204,6 +205,11 @@ def fault_app(mode: dict[str, str]) -> Any:
         if not body.get("stream"):
             if m == "not_sse":
                 return Response("<html>gateway</html>", 200, media_type="text/html")
+            if m == "hang_mid":
+                await asyncio.sleep(3600)
+            if m in ("truncated", "malformed"):
+                return Response('{"id": "c", "choices": [{"index"', 200,
+                                media_type="application/json")
             return JSONResponse({"id": "c", "object": "chat.completion", "created": 1,
                                  "model": "up", "choices": [{"index": 0, "message": {
                                      "role": "assistant", "content": "ok"},

@@ -163,7 +163,8 @@ def test_half_open_flood_evicts_its_own_oldest_not_new_clients(srv: LimitedServe
 
 
 def test_per_client_cap() -> None:
-    """Connections past `max_connections_per_client` from one address get the 503 at once."""
+    """Connections past `max_connections_per_client` from one address evict that address's
+    oldest connection without a request, else get the 503 at once."""
     from freetoken.server.limits import protocol_for
 
     cls = protocol_for(ServerLimits(max_connections_per_client=2))
@@ -198,6 +199,7 @@ def test_per_client_cap() -> None:
         protos = [cls(cfg, state, {}, _loop=loop) for _ in ts]
         for p, t in zip(protos, ts):
             p.connection_made(t)  # type: ignore[arg-type]
+            cls.fresh.pop(p, None)  # as if its request had begun: nothing to evict
         assert [t.closed for t in ts] == [False, False, True]
         assert ts[2].sent.startswith(b"HTTP/1.1 503")
         protos[0].connection_lost(None)
@@ -205,7 +207,11 @@ def test_per_client_cap() -> None:
         p4 = cls(cfg, state, {}, _loop=loop)
         p4.connection_made(t4)  # type: ignore[arg-type]
         assert not t4.closed  # a slot came free
-        for p in protos[1:2] + [p4]:
+        t5 = T()
+        p5 = cls(cfg, state, {}, _loop=loop)
+        p5.connection_made(t5)  # type: ignore[arg-type]
+        assert t4.closed and not t5.closed  # p4 had sent nothing: evicted for p5
+        for p in protos[1:2] + [p4, p5]:
             p.connection_lost(None)
         assert cls.per_client == {}
     finally:
