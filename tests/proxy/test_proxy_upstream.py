@@ -327,3 +327,38 @@ def test_unknown_routes_and_methods_answer_in_the_clients_shape(to_openai) -> No
     assert r.status_code == 404 and r.json()["type"] == "error"
     r = httpx.get(p.url + "/v1/chat/completions")
     assert r.status_code == 405 and "not allowed" in r.json()["error"]["message"]
+
+
+def test_the_proxys_own_key_is_required_and_never_forwarded() -> None:
+    """Was (issue 22): the proxy had no key of its own, and with --upstream-api-key it unlocked
+    a keyed server for any caller."""
+    p = start_proxy({"upstream_api": "openai", "api_key": "proxy-key",
+                     "upstream_api_key": "server-secret"})
+    try:
+        _on(p, "/v1/chat/completions", lambda r: httpx.Response(200, json={
+            "id": "c", "object": "chat.completion", "created": 1, "model": "up", "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "ok"},
+                 "finish_reason": "stop"}]}))
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+        assert httpx.post(p.url + "/v1/chat/completions", json=body).status_code == 401
+        r = httpx.post(p.url + "/v1/messages", json={**body, "max_tokens": 4},
+                       headers={"x-api-key": "wrong"})
+        assert r.status_code == 401 and r.json()["type"] == "error"
+        assert not p.seen  # refused at the door: nothing reached the upstream
+        r = httpx.post(p.url + "/v1/chat/completions", json=body,
+                       headers={"authorization": "Bearer proxy-key"})
+        assert r.status_code == 200
+        assert p.seen[-1].headers["authorization"] == "Bearer server-secret"
+        assert httpx.get(p.url + "/health").status_code == 200  # open
+        assert httpx.get(p.url + "/proxy/stats").status_code == 401
+    finally:
+        p.server.stop()
+    p = start_proxy({"upstream_api": "openai", "api_key": "proxy-key"})
+    try:
+        _on(p, "/v1/chat/completions", lambda r: httpx.Response(200, json={
+            "id": "c", "object": "chat.completion", "created": 1, "model": "up", "choices": []}))
+        httpx.post(p.url + "/v1/chat/completions", json=body,
+                   headers={"authorization": "Bearer proxy-key"})
+        assert "authorization" not in p.seen[-1].headers  # the proxy's key stays here
+    finally:
+        p.server.stop()
