@@ -85,19 +85,23 @@ class RecordingEngine:
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.prompts: list[list[int]] = []
+        self.prompts: list[list[int]] = []  # the last 64
+        self.count = 0  # requests seen in all
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    async def start(self, req: Any) -> Any:
+    def _keep(self, req: Any) -> None:
         self.prompts.append(list(req.input_ids))
         del self.prompts[:-64]
+        self.count += 1
+
+    async def start(self, req: Any) -> Any:
+        self._keep(req)
         return await self.inner.start(req)
 
     def generate(self, req: Any) -> Any:
-        self.prompts.append(list(req.input_ids))
-        del self.prompts[:-64]
+        self._keep(req)
         return self.inner.generate(req)
 
 
