@@ -105,10 +105,10 @@ async def forward(up: Upstream, request: Request, body: dict, api_in: str, rec: 
     rec.api_out = api_out
     out = translate_request(body, api_in, api_out)
     forced_usage = False
-    if api_out == "openai" and out.get("stream") and not (
-            out.get("stream_options") or {}).get("include_usage"):
+    so = out.get("stream_options") if isinstance(out.get("stream_options"), dict) else {}
+    if api_out == "openai" and out.get("stream") and not so.get("include_usage"):
         # asked for the metrics; StreamRelay takes it out again for a client that did not ask
-        out["stream_options"] = {**(out.get("stream_options") or {}), "include_usage": True}
+        out["stream_options"] = {**so, "include_usage": True}
         raw, forced_usage = None, True
     if api_in != api_out:
         raw = None
@@ -125,7 +125,8 @@ async def forward(up: Upstream, request: Request, body: dict, api_in: str, rec: 
                 raise error_from(resp.status_code, raw)
         elif done:
             raise unreachable(pending.exception())
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        so = body.get("stream_options") if api_in == "openai" else None  # not Anthropic's
+        include_usage = isinstance(so, dict) and so.get("include_usage") is True
         relay = StreamRelay(up, pending, api_in, api_out, model, rec,
                             cap, include_usage, on_done, strip_usage=forced_usage)
         return EventStreamResponse(relay.frames(), headers, rec.request_id)

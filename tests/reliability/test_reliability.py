@@ -119,3 +119,16 @@ def test_sessions_bounded(stack) -> None:
         up.stop()
     assert res["kept"] == 50 and res["evicted"] == 150, res
     assert res["stats_bytes"] < 60_000, res
+
+
+@pytest.mark.parametrize("name", FRONTS)
+def test_foreign_stream_options_on_messages(stack, name: str) -> None:
+    """Found by the full-size fuzz: `stream_options` is no Anthropic field, so validation lets
+    any value through on /v1/messages, and U read `.get` of a list (500)."""
+    import httpx
+
+    f = stack.fronts[name]
+    r = httpx.post(f.url + "/v1/messages", headers=f.auth, timeout=60, json={
+        "model": "m", "max_tokens": 2, "stream": True, "stream_options": [1],
+        "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and "message_stop" in r.text
