@@ -1,5 +1,13 @@
 """Sampling: greedy, temperature, top-k, top-p, per-request seeded generators, min_tokens.
 
+No sampling parameter that passes validation can make a draw fail: a temperature in
+(0, MIN_TEMPERATURE) is sampled at MIN_TEMPERATURE (the device sampler's clamp, so both samplers
+agree; 1e-300 or any subnormal used to divide the logits into inf and the draw raised), top-p
+always keeps the most likely token, and a distribution that still comes out non-finite or empty
+falls back to the argmax. Logits that are themselves non-finite (NaN, or no finite value: the
+model's computation of this row failed) raise `RowFailure`, which the engine answers by failing
+this request alone (`EngineCore._sample`): the other rows of the batch go on.
+
 Shapes: B rows (one per sequence), V vocab.
 """
 from __future__ import annotations
@@ -7,6 +15,12 @@ from __future__ import annotations
 import torch
 
 from freetoken.types.api import SamplingParams
+
+MIN_TEMPERATURE = 1e-5  # = the clamp of freetoken/engine/gpu_sampler.sample
+
+
+class RowFailure(RuntimeError):
+    """One row of a batch cannot be sampled; only its request fails."""
 
 
 class RequestSampler:
@@ -43,7 +57,7 @@ class RequestSampler:
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The sampling distribution [V] (unnormalised after top-p) of temperature > 0."""
         p = self.params
-        logits = logits / p.temperature  # [V]
+        logits = logits / max(p.temperature, MIN_TEMPERATURE)  # [V]
         if p.top_k and p.top_k < logits.shape[-1]:
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -57,9 +71,15 @@ class RequestSampler:
     def sample(self, logits: torch.Tensor, num_generated: int) -> int:
         """logits [V] fp32 -> next token id."""
         logits = self.mask(logits, num_generated)
+        if bool(torch.isnan(logits).any()) or not bool(torch.isfinite(logits).any()):
+            raise RowFailure("the model computed non-finite logits for this request")
         if self.params.temperature <= 0 or self.gen is None:
             return int(torch.argmax(logits))
-        return int(torch.multinomial(self.probs(logits).cpu(), 1, generator=self.gen))
+        probs = self.probs(logits).cpu()  # [V]
+        total = float(probs.sum())
+        if not (total > 0 and total < float("inf")) or bool(torch.isnan(probs).any()):
+            return int(torch.argmax(logits))  # see the module docstring
+        return int(torch.multinomial(probs, 1, generator=self.gen))
 
     def is_stop(self, token: int, num_generated: int) -> bool:
         return token in self.stop_ids and num_generated >= self.params.min_tokens

@@ -17,10 +17,10 @@ JSON-Schema tool parameters, unique tool names, every tool result answering an e
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from freetoken.chat import json_limits
 from freetoken.chat.errors import ChatInputError
 
 # Several text parts/blocks of one message are joined with a newline (what vLLM does); a single
@@ -161,14 +161,17 @@ def unique_tools(tools: list[dict[str, Any]], param: str, ck: Checks) -> None:
 
 
 def parse_arguments(value: Any, param: str) -> dict[str, Any]:
-    """Tool-call arguments as a dict: a JSON object text (OpenAI) or an object (Anthropic)."""
+    """Tool-call arguments as a dict: a JSON object text (OpenAI) or an object (Anthropic).
+    The text is held to the body's own limits (`json_limits`: depth, integer size, lone
+    surrogates)."""
     if isinstance(value, str):
         if not value.strip():
             return {}
         try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ChatInputError(f"'{param}' is not valid JSON: {e.msg}", param) from e
+            value = json_limits.loads(value)
+        except json_limits.JSONLimitError as e:
+            raise ChatInputError(f"'{param}' is {e}" if str(e).startswith("not ")
+                                 else f"'{param}' is not accepted: {e}", param) from None
     need(isinstance(value, dict), f"'{param}' must be a JSON object", param)
     return value
 

@@ -293,8 +293,13 @@ class EngineCore:
         function the decode runner replays, so seeds draw the same tokens either way); on the CPU
         each request's own sampler."""
         if self.device.type != "cuda":
-            return [it.req.sampler.sample(logits[i], it.req.num_generated)
-                    for i, it in enumerate(items)]
+            out: list = []
+            for i, it in enumerate(items):
+                try:
+                    out.append(it.req.sampler.sample(logits[i], it.req.num_generated))
+                except Exception as e:  # noqa: BLE001  (this row alone fails: see _on_token)
+                    out.append(e)
+            return out
         rows = [self._row_sampling(it) for it in items]
         return sample_rows(logits, rows, self.device)
 
@@ -319,6 +324,12 @@ class EngineCore:
 
     def _on_token(self, it: BatchItem, tok: int) -> None:
         r = it.req
+        if isinstance(tok, Exception):  # its row could not be sampled: it fails, the batch goes on
+            self.sched.abort(r.rid)
+            r.finished = True
+            log.warning(kv("row_failed", rid=r.rid, error=repr(tok)[:200]))
+            r.emit(tok)
+            return
         r.ids.append(tok)
         r.num_generated += 1
         first = r.t_first_token is None

@@ -1,7 +1,10 @@
 """The agent proxy's starlette app.
 
 Routes: `POST /v1/messages` (+ `/v1/messages/count_tokens`), `POST /v1/chat/completions`,
-`GET /v1/models`, `GET /proxy/stats`, `GET /health`. Each request: parse, pick the harness
+`GET /v1/models`, `GET /proxy/stats`, `GET /health`, behind the server's own front door
+(`freetoken.server.guard.Guard`: Host/Origin, content types, body limits, the proxy's API key;
+`limits.GuardedH11Protocol` under it for header timeouts and connection caps). Each request:
+validate (`validate.check_body`, the server's checks: the same 4xx), pick the harness
 adapter, run the normalisation pipeline, key the session, apply the output cap, then either
 (native) run the server's own route for that API over `TurnEngine` (render, anchors with
 predicted cut points, `/ft/v1/generate`, parse the output back into the client's events) or
@@ -24,14 +27,17 @@ from starlette.routing import Route
 
 from freetoken.chat import ChatInputError, anthropic_to_template, openai_to_template
 from freetoken.log import get_logger, kv
-from freetoken.proxy import info_routes, jsonc
+from freetoken.proxy import info_routes
 from freetoken.proxy.config import ProxyConfig
 from freetoken.proxy.forward import forward
 from freetoken.proxy.metrics import RequestRecord
 from freetoken.proxy.native import Turn, TurnEngine
 from freetoken.proxy.state import ProxyState, inner_request, template_rejects_mid_system
+from freetoken.proxy.validate import check_body
 from freetoken.server import anthropic_routes, openai_routes
 from freetoken.server.errors import APIError, answer_errors
+from freetoken.server.guard import Guard
+from freetoken.server.limits import ServerLimits
 from freetoken.server.sse import EventStreamResponse
 from freetoken.server.state import ServerState
 from harness_adapters import HarnessRequest, detect_adapter
@@ -68,11 +74,12 @@ async def _handle(request: Request, api: str, kind: str) -> Response:
     ps: ProxyState = request.app.state.proxy
     raw = await request.body()
     try:
-        body = jsonc.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise APIError.bad("request body is not valid JSON", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError.bad("request body must be a JSON object", code="invalid_json")
+        body = check_body(api, kind, raw)  # before any adapter: they only see valid bodies
+    except APIError as e:  # recorded under harness "invalid": no adapter saw it
+        ps.metrics.record(RequestRecord(uuid.uuid4().hex[:16], "invalid", "", api, api,
+                                        request.url.path, False, status=e.status,
+                                        error=e.message[:300]))
+        raise
     headers = {k.lower(): v for k, v in request.headers.items()}
     received = HarnessRequest(api, request.url.path, headers, body)
     adapter = detect_adapter(received, ps.cfg.force_harness)
@@ -156,8 +163,10 @@ def _endpoint(api: str, kind: str) -> Any:
 
 
 def create_proxy_app(cfg: ProxyConfig, tokenizer: Any = None, parser_family: str = "qwen3",
-                     client: httpx.AsyncClient | None = None) -> Starlette:
-    """The proxy app. Native mode needs `tokenizer` (a ChatTokenizer of the engine's model);
+                     client: httpx.AsyncClient | None = None,
+                     limits: ServerLimits | None = None) -> Guard:
+    """The proxy app behind its `Guard` (`limits`: `ServerLimits()` by default; the key is
+    `cfg.api_key`). Native mode needs `tokenizer` (a ChatTokenizer of the engine's model);
     API mode uses it only for count_tokens against an OpenAI-only upstream."""
     if cfg.native and tokenizer is None:
         raise ValueError("native mode needs the engine's tokenizer")
@@ -169,9 +178,10 @@ def create_proxy_app(cfg: ProxyConfig, tokenizer: Any = None, parser_family: str
         Route("/proxy/stats", info_routes.stats, methods=["GET"]),
         Route("/health", info_routes.health, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: info_routes.http_error})
+    app = Starlette(routes=routes, exception_handlers={HTTPException: info_routes.http_error,
+                                                       Exception: info_routes.unhandled})
     app.state.proxy = ProxyState(cfg, tokenizer, parser_family, client)
     log.info(kv("proxy_app", mode="native" if cfg.native else "upstream",
                 upstream=cfg.upstream or cfg.native_url, caps=cfg.caps,
-                fold_system=app.state.proxy.fold_system))
-    return app
+                fold_system=app.state.proxy.fold_system, auth=bool(cfg.api_key)))
+    return Guard(app, limits or ServerLimits(), cfg.api_key)

@@ -14,7 +14,9 @@ class ProxyConfig:
     `native_url` set (our engine, spoken to through /ft/v1/generate). `caps`: output cap per
     harness name, `"*"` for every harness without its own. `steps`: normalisation switches
     overriding the adapters' defaults. `fold_system`: 'auto' (fold mid-conversation system
-    messages only when the chat template rejects them), 'keep' or 'fold'."""
+    messages only when the chat template rejects them), 'keep' or 'fold'. `api_key`: the
+    proxy's own key (its clients must send it; distinct from `upstream_api_key`, what the proxy
+    sends on). The `*_timeout_s` fields bound each upstream request (see upstream.py)."""
 
     upstream: str | None = None
     upstream_api: str = "both"
@@ -29,6 +31,12 @@ class ProxyConfig:
     fold_system: str = "auto"
     served_model_names: list[str] = field(default_factory=list)
     connect_timeout_s: float = 10.0
+    first_byte_timeout_s: float = 300.0
+    idle_timeout_s: float = 120.0
+    total_timeout_s: float = 1800.0
+    api_key: str | None = None
+    max_sessions: int = 4096  # per-session metrics kept (LRU), see metrics.Metrics
+    session_idle_s: float = 6 * 3600.0  # a session without a request this long is forgotten
 
     def __post_init__(self) -> None:
         if (self.upstream is None) == (self.native_url is None):
@@ -46,6 +54,12 @@ class ProxyConfig:
             raise ValueError(f"unknown normalisation steps {sorted(unknown)}")
         if self.ping_s <= 0:
             raise ValueError("ping_s must be positive")
+        for name in ("connect_timeout_s", "first_byte_timeout_s", "idle_timeout_s",
+                     "total_timeout_s", "session_idle_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+        if self.max_sessions < 1:
+            raise ValueError("max_sessions must be at least 1")
 
     @property
     def native(self) -> bool:

@@ -8,13 +8,14 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import anyio
 import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from freetoken.log import get_logger, kv
 from freetoken.proxy.metrics import RequestRecord
-from freetoken.proxy.relay import StreamRelay
+from freetoken.proxy.relay import StreamRelay, upstream_timeout
 from freetoken.proxy.translate import (
     TranslationError,
     anthropic_to_openai_request,
@@ -63,6 +64,13 @@ async def unless_disconnected(receive: Callable[[], Awaitable[dict]], work: Awai
         watcher.cancel()
 
 
+def unreachable(e: BaseException | None) -> APIError:
+    """An upstream transport failure: 504 for a connect timeout, 502 otherwise."""
+    if isinstance(e, httpx.TimeoutException):
+        return APIError(504, f"upstream timed out: {e!r}", None, "upstream_timeout")
+    return APIError(502, f"upstream unreachable: {e!r}", None, "upstream_error")
+
+
 def translate_request(body: dict, api_in: str, api_out: str) -> dict:
     if api_in == api_out:
         return body
@@ -96,17 +104,19 @@ async def forward(up: Upstream, request: Request, body: dict, api_in: str, rec: 
     api_out = up.api_out(api_in)
     rec.api_out = api_out
     out = translate_request(body, api_in, api_out)
-    if api_out == "openai" and out.get("stream") and not (
-            out.get("stream_options") or {}).get("include_usage"):
-        out["stream_options"] = {**(out.get("stream_options") or {}), "include_usage": True}
-        raw = None
+    forced_usage = False
+    so = out.get("stream_options") if isinstance(out.get("stream_options"), dict) else {}
+    if api_out == "openai" and out.get("stream") and not so.get("include_usage"):
+        # asked for the metrics; StreamRelay takes it out again for a client that did not ask
+        out["stream_options"] = {**so, "include_usage": True}
+        raw, forced_usage = None, True
     if api_in != api_out:
         raw = None
     up_headers = up.headers(request.headers, api_out)
     url = up.url(api_out)
     if rec.stream:
         pending = asyncio.ensure_future(up.open(url, out, up_headers, raw))
-        done, _ = await asyncio.wait({pending}, timeout=up.ping_s)
+        done, _ = await asyncio.wait({pending}, timeout=min(up.ping_s, up.first_byte_s))
         if done and not pending.exception():
             resp: httpx.Response = pending.result()
             if resp.status_code >= 400:  # refused at once: pass the status on, in our shape
@@ -114,11 +124,11 @@ async def forward(up: Upstream, request: Request, body: dict, api_in: str, rec: 
                 await resp.aclose()
                 raise error_from(resp.status_code, raw)
         elif done:
-            raise APIError(502, f"upstream unreachable: {pending.exception()!r}", None,
-                           "upstream_error")
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            raise unreachable(pending.exception())
+        so = body.get("stream_options") if api_in == "openai" else None  # not Anthropic's
+        include_usage = isinstance(so, dict) and so.get("include_usage") is True
         relay = StreamRelay(up, pending, api_in, api_out, model, rec,
-                            cap, include_usage, on_done)
+                            cap, include_usage, on_done, strip_usage=forced_usage)
         return EventStreamResponse(relay.frames(), headers, rec.request_id)
 
     async def call() -> httpx.Response:
@@ -130,9 +140,12 @@ async def forward(up: Upstream, request: Request, body: dict, api_in: str, rec: 
         return r
 
     try:
-        finished, r = await unless_disconnected(request.receive, call())
+        with anyio.fail_after(up.total_s):
+            finished, r = await unless_disconnected(request.receive, call())
+    except TimeoutError:
+        raise upstream_timeout("did not answer", up.total_s) from None
     except httpx.HTTPError as e:
-        raise APIError(502, f"upstream unreachable: {e!r}", None, "upstream_error") from None
+        raise unreachable(e) from None
     if not finished:
         rec.disconnected = True
         return Response(status_code=499)

@@ -1,5 +1,11 @@
 """Per-request records (one JSONL line each) and their aggregate for `GET /proxy/stats`.
 
+State is bounded: per-harness buckets (a handful of adapters), the last `keep` records, and
+per-session buckets in an LRU of at most `max_sessions`, where a session without a request for
+`session_idle_s` is dropped (counted in `sessions_evicted`). `/proxy/stats` lists the most
+recently active sessions a page at a time (`?sessions=N&offset=K`, default 50 from 0) with the
+total, never all of them.
+
 A record holds what is needed to see the reuse a harness's edits allow: session, harness, the
 edit point against the session's previous request, prompt / cached / recomputed tokens, TTFT,
 decode tok/s, predicted vs actual cut, the normalisation steps that fired and the output cap.
@@ -10,6 +16,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -72,16 +79,27 @@ def _bucket() -> dict[str, Any]:
 class Metrics:
     """Collects finished records; appends each to `jsonl_path` when given."""
 
-    def __init__(self, jsonl_path: str | Path | None = None, keep: int = 1000) -> None:
+    def __init__(self, jsonl_path: str | Path | None = None, keep: int = 1000,
+                 max_sessions: int = 4096, session_idle_s: float = 6 * 3600.0) -> None:
         self._lock = threading.Lock()
         self._file: TextIO | None = None
         if jsonl_path:
             Path(jsonl_path).parent.mkdir(parents=True, exist_ok=True)
             self._file = open(jsonl_path, "a", encoding="utf-8")  # noqa: SIM115 - lives with us
         self.by_harness: dict[str, dict[str, Any]] = {}
-        self.by_session: dict[str, dict[str, Any]] = {}
+        self.by_session: OrderedDict[str, dict[str, Any]] = OrderedDict()  # oldest use first
         self.recent: list[dict[str, Any]] = []
         self.keep = keep
+        self.max_sessions, self.session_idle_s = max_sessions, session_idle_s
+        self.sessions_evicted = 0
+
+    def _expire(self, now: float) -> None:
+        """Drop sessions past the cap or idle too long (the LRU's front is the oldest)."""
+        s = self.by_session
+        while s and (len(s) > self.max_sessions
+                     or next(iter(s.values()))["last_seen"] < now - self.session_idle_s):
+            s.popitem(last=False)
+            self.sessions_evicted += 1
 
     def record(self, rec: RequestRecord) -> None:
         if getattr(rec, "_recorded", False):  # the engine path and the error path both finish
@@ -108,15 +126,21 @@ class Metrics:
                     b["normalised"][step] = b["normalised"].get(step, 0) + n
                 if table is self.by_session:
                     b["harness"] = rec.harness
+                    b["last_seen"] = time.time()
+                    self.by_session.move_to_end(key)
+            self._expire(time.time())
             self.recent.append(line)
             del self.recent[:-self.keep]
             if self._file is not None:
                 self._file.write(json.dumps(line, ensure_ascii=False) + "\n")
                 self._file.flush()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, sessions: int = 50, offset: int = 0) -> dict[str, Any]:
+        """Aggregates; `sessions` of the per-session buckets from `offset`, most recently
+        active first."""
         def view(b: dict[str, Any]) -> dict[str, Any]:
-            out = {k: v for k, v in b.items() if k not in ("ttft_ms_sum", "ttft_n")}
+            out = {k: v for k, v in b.items() if k not in ("ttft_ms_sum", "ttft_n",
+                                                              "last_seen")}
             out["cached_ratio"] = (round(b["cached_tokens"] / b["prompt_tokens"], 4)
                                    if b["prompt_tokens"] else None)
             out["ttft_ms_mean"] = round(b["ttft_ms_sum"] / b["ttft_n"], 2) if b["ttft_n"] else None
@@ -125,8 +149,16 @@ class Metrics:
             return out
 
         with self._lock:
+            self._expire(time.time())
+            page: dict[str, Any] = {}
+            for i, k in enumerate(reversed(self.by_session)):
+                if i >= offset + sessions:
+                    break
+                if i >= offset:
+                    page[k] = view(self.by_session[k])
             return {"harnesses": {k: view(v) for k, v in self.by_harness.items()},
-                    "sessions": {k: view(v) for k, v in self.by_session.items()},
+                    "sessions": page, "sessions_total": len(self.by_session),
+                    "sessions_offset": offset, "sessions_evicted": self.sessions_evicted,
                     "requests": sum(v["requests"] for v in self.by_harness.values())}
 
     def close(self) -> None:

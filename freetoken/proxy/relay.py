@@ -8,11 +8,25 @@ chunks in flight), and a client disconnect cancels the producer and closes the u
 response, which cancels the upstream request. A timer (no task per event) puts a keep-alive on
 the queue when it stayed empty for `ping_s`: an SSE comment before the first event, an
 Anthropic `ping` event after it.
+
+Upstream failures are visible, in the client's API shape, as an in-band `error` event (OpenAI
+clients then get `[DONE]`); the stream never ends as a clean end of turn after one:
+- no response headers and first body bytes within `first_byte_s`, nothing for `idle_s` between
+  two chunks (keep-alive comments count: a live upstream that is still thinking is not idle),
+  or more than `total_s` in all: 504 `upstream_timeout`;
+- an answer that is not an event stream, an event whose data is not JSON (or `[DONE]`), or a
+  body that ends before the reply did (no finish reason / `message_stop`, no `[DONE]`): 502
+  `upstream_protocol` / `upstream_truncated`.
+
+When the proxy asked an OpenAI upstream for usage the client did not ask for
+(`stream_options.include_usage`, for the metrics), the usage is taken out again: no `usage`
+field in the chunks and no `choices: []` usage chunk, as the OpenAI stream contract says.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -31,33 +45,53 @@ from freetoken.server.sse import sse, sse_comment
 log = get_logger("proxy")
 QUEUE = 4
 _TICK, _END = object(), object()
+# `"usage": null` as a key of the chunk object (a quote inside a JSON string is escaped, so
+# these cannot match string content)
+_NULL_USAGE = (re.compile(r',\s*"usage"\s*:\s*null'), re.compile(r'"usage"\s*:\s*null\s*,?'))
+
+
+def upstream_timeout(what: str, seconds: float) -> APIError:
+    return APIError(504, f"the upstream {what} within {seconds:g} s", None, "upstream_timeout")
+
+
+def _protocol(msg: str, code: str = "upstream_protocol") -> APIError:
+    return APIError(502, f"upstream: {msg}", None, code)
 
 
 class StreamRelay:
     def __init__(self, up: Upstream, pending: asyncio.Future, api_in: str, api_out: str,
                  model: str, rec: RequestRecord, cap: int | None, include_usage: bool,
-                 on_done: Callable[[RequestRecord], None]) -> None:
+                 on_done: Callable[[RequestRecord], None], strip_usage: bool = False) -> None:
         self.up, self.pending, self.api_in, self.api_out = up, pending, api_in, api_out
         self.rec, self.cap, self.on_done = rec, cap, on_done
+        self.strip_usage = strip_usage and api_in == api_out == "openai"
         self.tr: Any = None
         if api_in == "anthropic" and api_out == "openai":
             self.tr = OpenAIToAnthropic("msg_" + rec.request_id, model)
         elif api_in == "openai" and api_out == "anthropic":
             self.tr = AnthropicToOpenAI("chatcmpl-" + rec.request_id, model, include_usage)
         self.started = False
+        self.finished = False  # the upstream's reply reached its end (or its own error event)
 
     def _note(self, ev: SSEEvent) -> str | None:
-        """Metrics from an upstream event; returns a rewritten data payload when the cap fired."""
+        """Metrics from an upstream event, and whether the reply ended; returns a rewritten
+        data payload when the cap fired or usage is stripped."""
         rec, data = self.rec, ev.data
+        if data == "[DONE]" or ev.event in ("message_stop", "error"):
+            self.finished = True
+        elif not (data.startswith("{") and data.rstrip().endswith("}")):
+            raise _protocol(f"malformed event data {data[:200]!r}")
         if rec.ttft_ms is None and data != "[DONE]" and ev.event not in ("message_start", "ping"):
             rec.ttft_ms = round((time.time() - rec.t_start) * 1000, 2)
-        if '"usage"' not in data and not FINISH.search(data):
+        if '"usage"' not in data and not FINISH.search(data) and '"error"' not in data:
             if self.api_out == "openai" and data != "[DONE]":
                 rec.output_tokens += 1  # chunks, until the usage chunk gives the real count
             return None
         v = json_or_none(data)
         if not isinstance(v, dict):
-            return None
+            raise _protocol(f"malformed event data {data[:200]!r}")
+        if "error" in v or v.get("type") in ("error", "message_stop"):
+            self.finished = True
         changed = False
         if self.api_out == "anthropic":
             u = v.get("usage") or (v.get("message") or {}).get("usage")
@@ -69,6 +103,7 @@ class StreamRelay:
             d = v.get("delta") or {}
             if d.get("stop_reason"):
                 rec.finish = d["stop_reason"]
+                self.finished = True
                 if rec.finish == "max_tokens" and self.cap is not None:
                     d["stop_reason"], changed, rec.capped = "end_turn", True, True
         else:
@@ -78,14 +113,33 @@ class StreamRelay:
             for ch in v.get("choices") or []:
                 if ch.get("finish_reason"):
                     rec.finish = ch["finish_reason"]
+                    self.finished = True
                     if rec.finish == "length" and self.cap is not None:
                         ch["finish_reason"], changed, rec.capped = "stop", True, True
+            if self.strip_usage and "usage" in v:
+                if not v.get("choices"):
+                    return ""  # the usage chunk the client did not ask for: dropped
+                del v["usage"]
+                changed = True
         return json.dumps(v, ensure_ascii=False, separators=(",", ":")) if changed else None
+
+    def _strip_null_usage(self, data: str) -> str:
+        for pat in _NULL_USAGE:
+            data, n = pat.subn("", data, count=1)
+            if n:
+                break
+        return data
 
     def _convert(self, batch: list[SSEEvent]) -> str:
         out: list[str] = []
         for ev in batch:
+            if self.strip_usage and '"usage"' in ev.data:
+                stripped = self._strip_null_usage(ev.data)
+                if stripped != ev.data:
+                    ev = SSEEvent(ev.event, stripped, sse(stripped, ev.event))
             new = self._note(ev)
+            if new == "":
+                continue
             if self.tr is None:
                 out.append(ev.raw if new is None else sse(new, ev.event))
                 continue
@@ -95,17 +149,63 @@ class StreamRelay:
                     else self.tr.push(ev.event, parsed))
         return "".join(out)
 
+    async def _response(self, deadline: float) -> httpx.Response:
+        """The upstream's response head, within the first-byte and total timeouts."""
+        up = self.up
+        try:
+            with anyio.fail_after(max(0.0, min(up.first_byte_s, deadline - time.monotonic()))):
+                return await self.pending
+        except TimeoutError:
+            raise upstream_timeout("sent no response", up.first_byte_s) from None
+
+    async def _chunks(self, resp: httpx.Response, deadline: float) -> AsyncIterator[str]:
+        """The body's text chunks: the first within `first_byte_s` of the request, each next
+        within `idle_s` of the one before, all within `total_s`."""
+        up = self.up
+        it = resp.aiter_text().__aiter__()
+        first = True
+        while True:
+            if first:
+                budget = up.first_byte_s - (time.monotonic() - self.t0)
+                err = upstream_timeout("sent no event", up.first_byte_s)
+            else:
+                budget, err = up.idle_s, upstream_timeout("sent nothing more", up.idle_s)
+            left = deadline - time.monotonic()
+            if left < budget:
+                budget, err = left, upstream_timeout("did not finish its reply", up.total_s)
+            try:
+                with anyio.fail_after(max(0.0, budget)):
+                    chunk = await it.__anext__()
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise err from None
+            yield chunk
+            first = False
+
     async def _produce(self, q: asyncio.Queue) -> None:
         try:
-            resp: httpx.Response = await self.pending
+            deadline = self.t0 + self.up.total_s
+            resp = await self._response(deadline)
             if resp.status_code >= 400:
                 raise error_from(resp.status_code, await resp.aread())
-            async for batch in sse_batches(resp.aiter_text()):
+            ctype = resp.headers.get("content-type", "")
+            if "text/event-stream" not in ctype.lower():
+                head = (await resp.aread())[:200]
+                raise _protocol(f"a stream was asked for but the answer is {ctype or 'untyped'!r}"
+                                f", not an event stream: {head!r}")
+            async for batch in sse_batches(self._chunks(resp, deadline)):
                 frames = self._convert(batch)
                 if frames:
                     await q.put(frames)
+            complete = self.finished or (self.tr is not None and self.tr.complete)
+            if not complete:
+                raise _protocol("the stream ended before the reply did (no finish reason, no "
+                                "end event): the reply is incomplete", "upstream_truncated")
             if self.tr is not None:
-                await q.put("".join(self.tr.end()))
+                tail = "".join(self.tr.end())  # nothing when the upstream's end already went
+                if tail:
+                    await q.put(tail)
             await q.put(_END)
         except asyncio.CancelledError:
             raise
@@ -114,12 +214,15 @@ class StreamRelay:
 
     def _error_frame(self, e: APIError) -> str:
         self.rec.status, self.rec.error = e.status, e.message
-        return sse(error_body(self.api_in, e), "error" if self.api_in == "anthropic" else None)
+        if self.api_in == "anthropic":
+            return sse(error_body("anthropic", e), "error")
+        return sse(error_body("openai", e)) + "data: [DONE]\n\n"
 
     async def frames(self) -> AsyncIterator[str]:
         rec = self.rec
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue(QUEUE)
+        self.t0 = time.monotonic() - (time.time() - rec.t_start)
         producer = asyncio.ensure_future(self._produce(q))
 
         def tick() -> None:
@@ -139,6 +242,8 @@ class StreamRelay:
                 elif item is _END:
                     return
                 elif isinstance(item, APIError):
+                    log.info(kv("upstream_error", request=rec.request_id, status=item.status,
+                                code=item.code, error=item.message[:200]))
                     yield self._error_frame(item)
                     return
                 elif isinstance(item, Exception):

@@ -36,7 +36,8 @@ class ProxyState:
                  client: httpx.AsyncClient | None = None) -> None:
         self.cfg, self.tokenizer, self.parser_family = cfg, tokenizer, parser_family
         self._client = client
-        self.metrics = Metrics(cfg.metrics_path)
+        self.metrics = Metrics(cfg.metrics_path, max_sessions=cfg.max_sessions,
+                               session_idle_s=cfg.session_idle_s)
         self.sessions = SessionStore()
         self.heads = HeadBreaks(tokenizer) if tokenizer is not None else None
         self._native: NativeEngine | None = None
@@ -55,8 +56,11 @@ class ProxyState:
 
     def upstream(self) -> Upstream:
         assert self.cfg.upstream is not None
-        return Upstream(self.cfg.upstream, self.cfg.upstream_api, self.client,
-                        self.cfg.upstream_api_key, self.cfg.ping_s)
+        c = self.cfg
+        return Upstream(c.upstream, c.upstream_api, self.client, c.upstream_api_key, c.ping_s,
+                        forward_client_key=c.api_key is None,
+                        first_byte_s=c.first_byte_timeout_s, idle_s=c.idle_timeout_s,
+                        total_s=c.total_timeout_s)
 
     async def native(self) -> NativeEngine:
         if self._native is None:

@@ -8,6 +8,11 @@ tool) closes the open block, so a `thinking_delta` never lands in a text block. 
 call becomes exactly one `tool_use` block, whose start carries `input: {}`; its arguments are
 sent as one `input_json_delta` when the call is complete (calls may interleave upstream).
 
+Each translator ends its stream exactly once: `end()` after the end already went out (the
+upstream's own `[DONE]` / `message_stop`, then the relay's end of body) or after an upstream
+error event returns nothing, and `complete` says whether the upstream reached its end at all (a
+stream cut off before it is the relay's to report as an error, never as a clean end of turn).
+
 `AnthropicToOpenAI`: Anthropic events -> chunks (`role` first, `content`, `reasoning_content`,
 `tool_calls` with stable indices, one chunk with the finish reason, a usage chunk when the
 client asked for `stream_options.include_usage`, then `[DONE]`).
@@ -42,6 +47,12 @@ class OpenAIToAnthropic:
         self.finish: str | None = None
         self.usage: tuple[int, int, int] | None = None
         self.out_chunks = 0
+        self.done = False  # the end (or an error) went out: nothing more may follow
+
+    @property
+    def complete(self) -> bool:
+        """The upstream finished its reply (a finish reason, `[DONE]`, or an error event)."""
+        return self.done or self.finish is not None
 
     def _start(self) -> list[str]:
         if self.started:
@@ -90,12 +101,15 @@ class OpenAIToAnthropic:
 
     def push(self, data: Any) -> list[str]:
         """One decoded `data:` payload (a chunk dict, or '[DONE]')."""
+        if self.done:
+            return []
         if data == "[DONE]":
             return self.end()
         if not isinstance(data, dict):
             return []
         if "error" in data:
             err = data["error"] if isinstance(data["error"], dict) else {"message": data["error"]}
+            self.done = True
             return [sse({"type": "error", "error": {"type": "api_error",
                                                    "message": str(err.get("message"))}}, "error")]
         out = self._start()
@@ -134,7 +148,11 @@ class OpenAIToAnthropic:
         return out
 
     def end(self) -> list[str]:
-        """Close everything (also when the upstream ended without [DONE])."""
+        """Close everything, once (also when the upstream ended after its finish reason
+        without [DONE])."""
+        if self.done:
+            return []
+        self.done = True
         out = self._start() + self._close() + self._flush_tools()
         prompt, cached, output = self.usage or (0, 0, self.out_chunks)
         stop = STOP_TO_ANTHROPIC.get(self.finish or "stop", "end_turn")
@@ -142,7 +160,6 @@ class OpenAIToAnthropic:
                                                            "stop_sequence": None},
                         "usage": anthropic_usage(prompt, cached, output)}, "message_delta"))
         out.append(sse({"type": "message_stop"}, "message_stop"))
-        self.started = False
         return out
 
 
@@ -155,13 +172,19 @@ class AnthropicToOpenAI:
         self.prompt = self.cached = self.output = 0
         self.done = False
 
+    @property
+    def complete(self) -> bool:
+        """The upstream finished its reply (`message_delta` with a stop reason,
+        `message_stop`, or an error event)."""
+        return self.done or self.finish is not None
+
     def _chunk(self, delta: dict, finish: str | None = None) -> str:
         return sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                     "model": self.model, "choices": [{"index": 0, "delta": delta,
                                                       "finish_reason": finish}]})
 
     def push(self, event: str | None, data: Any) -> list[str]:
-        if not isinstance(data, dict):
+        if self.done or not isinstance(data, dict):
             return []
         kind = data.get("type") or event
         if kind == "message_start":
@@ -202,8 +225,9 @@ class AnthropicToOpenAI:
             return self.end()
         if kind == "error":
             err = data.get("error") or {}
+            self.done = True
             return [sse({"error": {"message": err.get("message"), "type": err.get("type"),
-                                   "param": None, "code": None}})]
+                                   "param": None, "code": None}}), "data: [DONE]\n\n"]
         return []
 
     def end(self) -> list[str]:

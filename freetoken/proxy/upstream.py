@@ -6,8 +6,15 @@ Streams are relayed by `relay.StreamRelay` (as they arrive, with backpressure, k
 upstream cancellation on client disconnect). If the upstream answers an error before `ping_s`,
 its status is passed on with the error in the client's API shape.
 
-Auth: the client's `Authorization` / `x-api-key` go to the configured upstream only, or are
-replaced by `--upstream-api-key`; they are never logged or recorded.
+Auth: with `--upstream-api-key` that key is sent; else, when the proxy has no key of its own,
+the client's `Authorization` / `x-api-key` go to the configured upstream (only there). A client
+key that unlocked the proxy itself (`--api-key`) is the proxy's, never forwarded. Keys are never
+logged or recorded.
+
+Timeouts (`ProxyConfig`, flags `--upstream-*-timeout`): connect `connect_s`; the response head
+and first body bytes of a stream within `first_byte_s`; between two chunks of a stream
+`idle_s`; a whole request (streamed or not) `total_s`. Each ends the request with 504
+`upstream_timeout` in the client's shape (in-band once a stream has started).
 """
 from __future__ import annotations
 
@@ -76,27 +83,34 @@ class Upstream:
     """`api`: 'openai', 'anthropic' or 'both' (what the upstream serves)."""
 
     def __init__(self, base_url: str, api: str, client: httpx.AsyncClient,
-                 api_key: str | None = None, ping_s: float = 5.0) -> None:
+                 api_key: str | None = None, ping_s: float = 5.0, *,
+                 forward_client_key: bool = True, first_byte_s: float = 300.0,
+                 idle_s: float = 120.0, total_s: float = 1800.0) -> None:
         if api not in ("openai", "anthropic", "both"):
             raise ValueError(f"upstream api must be openai, anthropic or both, not {api!r}")
         self.base_url, self.api, self.client = base_url.rstrip("/"), api, client
         self.api_key, self.ping_s = api_key, ping_s
+        self.forward_client_key = forward_client_key
+        self.first_byte_s, self.idle_s, self.total_s = first_byte_s, idle_s, total_s
 
     def api_out(self, api_in: str) -> str:
         return api_in if self.api in ("both", api_in) else self.api
 
-    def headers(self, incoming: Any, api_out: str) -> dict[str, str]:
-        h = {k: v for k in _PASS_HEADERS if (v := incoming.get(k))}
+    def headers(self, incoming: Any, api_out: str) -> dict[str, Any]:
+        # as received: HTTP header values are bytes (starlette decodes them as latin-1), and a
+        # non-ASCII one must not fail the request when it is encoded again
+        h: dict[str, Any] = {k: v.encode("latin-1") for k in _PASS_HEADERS
+                             if (v := incoming.get(k))}
         h["content-type"] = "application/json"
         key = self.api_key
-        if key is None:
+        if key is None and self.forward_client_key:
             auth = incoming.get("authorization") or ""
             key = auth[7:].strip() if auth[:7].lower() == "bearer " else incoming.get("x-api-key")
         if key:
             if api_out == "anthropic":
-                h["x-api-key"] = key
+                h["x-api-key"] = key.encode("latin-1", "replace")
             else:
-                h["authorization"] = f"Bearer {key}"
+                h["authorization"] = f"Bearer {key}".encode("latin-1", "replace")
         if api_out == "anthropic":
             h.setdefault("anthropic-version", "2023-06-01")
         return h
@@ -106,7 +120,7 @@ class Upstream:
             return self.base_url + ("/v1/messages/count_tokens" if count_tokens else "/v1/messages")
         return self.base_url + "/v1/chat/completions"
 
-    async def open(self, url: str, body: dict, headers: dict[str, str],
+    async def open(self, url: str, body: dict, headers: dict[str, Any],
                    raw: bytes | None = None) -> httpx.Response:
         content = raw if raw is not None else jsonc.dumps(body)
         req = self.client.build_request("POST", _parsed(url), content=content, headers=headers)

@@ -1,18 +1,14 @@
 """The app of `ft serve`: the `Guard` layer (host, origin, content type, body limits), routes,
 API-key auth, and error shapes.
 
-Every handler runs inside `_endpoint`, which checks the API key (`Authorization: Bearer K` or
-`x-api-key: K`; /health is open), turns `APIError` into the error shape of the path's API family,
-and turns any other exception into a logged 500 in that shape (a bug: validation is meant to
-refuse all bad input first). Unknown routes get 404 and wrong methods 405, in the same shapes.
-A failed authentication is logged (client, path, whether a key was offered; never the key) at
-most once per 10 s per client; past AUTH_FAILURES_PER_MIN failures a minute, that client's
-unauthenticated requests get 429 until the minute is over (a correct key still passes).
+The `Guard` in front checks the API key (`Authorization: Bearer K` or `x-api-key: K`; /health is
+open; see `auth.py`). Every handler runs inside `_endpoint`, which turns `APIError` into the
+error shape of the path's API family, and any other exception into a logged 500 in that shape (a
+bug: validation is meant to refuse all bad input first). Unknown routes get 404 and wrong methods
+405, in the same shapes.
 """
 from __future__ import annotations
 
-import hmac
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,60 +23,20 @@ from freetoken.log import get_logger, kv
 from freetoken.server import anthropic_routes, native_routes, openai_routes
 from freetoken.server.errors import APIError, answer_errors, error_response, request_family
 from freetoken.server.guard import Guard
-from freetoken.server.limits import RateLimiter, ServerLimits
+from freetoken.server.limits import ServerLimits
 from freetoken.server.state import ServerState
 from freetoken.types.api import EngineClient
 
 log = get_logger("server")
 Handler = Callable[[Request], Awaitable[Response]]
-AUTH_FAILURES_PER_MIN = 30
-
-
-class AuthFailures:
-    """Failed authentications per client address over the current minute."""
-
-    def __init__(self) -> None:
-        self.window = 0
-        self.counts: dict[str, int] = {}
-        self.log_limit = RateLimiter(10.0)
-
-    def record(self, client: str, path: str, offered: bool) -> bool:
-        """Count one failure; True when the client is past the limit."""
-        w = int(time.monotonic() // 60)
-        if w != self.window or len(self.counts) > 10000:
-            self.window, self.counts = w, {}
-        n = self.counts[client] = self.counts.get(client, 0) + 1
-        dropped = self.log_limit.hit(client)
-        if dropped is not None:
-            log.warning(kv("auth_failed", client=client, path=path, key_offered=offered,
-                           failures_this_minute=n, suppressed=dropped))
-        return n > AUTH_FAILURES_PER_MIN
-
-
-def _authorized(request: Request, key: str) -> bool:
-    auth = request.headers.get("authorization", "")
-    offered = [request.headers.get("x-api-key", "")]
-    if auth[:7].lower() == "bearer ":
-        offered.append(auth[7:].strip())
-    return any(o and hmac.compare_digest(o.encode(), key.encode()) for o in offered)
 
 
 def _endpoint(fn: Handler, open_route: bool = False) -> Handler:
+    """`open_route`: reachable without the API key (the `Guard` checks keys; kept here so the
+    route table says which routes are open)."""
+
     async def wrapped(request: Request) -> Response:
-        family = request_family(request)
-        st: ServerState = request.app.state.ft
-        if not open_route and st.api_key and not _authorized(request, st.api_key):
-            offered = bool(request.headers.get("authorization")
-                           or request.headers.get("x-api-key"))
-            client = request.client.host if request.client else "?"
-            if request.app.state.auth_failures.record(client, request.url.path, offered):
-                return error_response(family, APIError(
-                    429, "too many failed authentications from this address; retry in a "
-                    "minute", None, "too_many_auth_failures"), headers={"retry-after": "60"})
-            return error_response(family, APIError(
-                401, "invalid or missing API key (send 'Authorization: Bearer KEY' or "
-                "'x-api-key: KEY')", None, "invalid_api_key"))
-        return await answer_errors(request, family, lambda: fn(request), log)
+        return await answer_errors(request, request_family(request), lambda: fn(request), log)
 
     return wrapped
 
@@ -132,8 +88,9 @@ def create_app(engine: EngineClient, tokenizer: Any, *, api_key: str | None,
                                                        Exception: _unhandled})
     app.state.ft = ServerState(engine, tokenizer, api_key, names, strict_model, parser_family,
                                stall_timeout_s=limits.stall_timeout_s)
-    app.state.auth_failures = AuthFailures()
     log.info(kv("app", model=engine.model_name, names=",".join(names), strict=strict_model,
                 auth=bool(api_key), max_context=engine.max_context,
                 allowed_hosts=",".join(limits.allowed_hosts) or "local"))
-    return Guard(app, limits)
+    guard = Guard(app, limits, api_key)
+    app.state.auth_failures = guard.auth_failures
+    return guard

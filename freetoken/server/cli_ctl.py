@@ -8,7 +8,9 @@ import json
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("ctl", help="control a running server")
     p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None,
+                   help="the server's key (visible in `ps`: prefer --api-key-file or FT_API_KEY)")
+    p.add_argument("--api-key-file", default=None, help="read the key from this file")
     sub = p.add_subparsers(dest="ctl_command", required=True)
     e = sub.add_parser("experts", help="re-budget the GPU expert cache without a restart")
     g = e.add_mutually_exclusive_group(required=True)
@@ -21,7 +23,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _headers(args: argparse.Namespace) -> dict[str, str]:
-    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    import os
+
+    from freetoken.server.front_options import api_key_from
+
+    key = api_key_from(args, dict(os.environ), "ft ctl")
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def _experts(args: argparse.Namespace) -> int:

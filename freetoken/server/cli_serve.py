@@ -5,12 +5,11 @@ import argparse
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from freetoken.log import get_logger, kv
+from freetoken.server.front_options import api_key_from, limits_from
 
-if TYPE_CHECKING:
-    from freetoken.server.limits import ServerLimits
+__all__ = ["api_key_from", "limits_from", "parser_family_for", "register", "run_serve"]
 
 log = get_logger("server")
 
@@ -21,24 +20,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="checkpoint directory, or 'demo' for the built-in tiny demo model")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (visible in "
-                        "`ps`: prefer --api-key-file or the FT_API_KEY environment variable)")
-    p.add_argument("--api-key-file", default=None,
-                   help="read the API key from this file (first line)")
-    p.add_argument("--allowed-hosts", default="",
-                   help="comma-separated extra host names accepted in Host and Origin headers "
-                        "('*' accepts any); localhost names and the bound address always are")
-    p.add_argument("--header-timeout", type=float, default=10.0,
-                   help="seconds a request's headers may take to arrive")
-    p.add_argument("--body-timeout", type=float, default=60.0,
-                   help="seconds a request body may take to arrive")
-    p.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body")
-    p.add_argument("--max-connections", type=int, default=512,
-                   help="open connections past which new ones get 503 and are closed")
-    p.add_argument("--stall-timeout", type=float, default=30.0,
-                   help="seconds a streaming client may read nothing before its request is "
-                        "aborted and its slot freed")
+    from freetoken.server.front_options import add_front_door_args
+
+    add_front_door_args(p)  # the key, allowed hosts and limits: shared with ft agent-proxy
     p.add_argument("--served-model-name", action="append", default=None, dest="served_model_name",
                    help="name listed by /v1/models (repeatable; default: the model's name)")
     p.add_argument("--strict-model", action="store_true",
@@ -79,35 +63,6 @@ def parser_family_for(model_dir: Path) -> str:
         if name in FAMILIES:
             return name
     return "qwen3"
-
-
-def api_key_from(args: argparse.Namespace, environ: dict[str, str]) -> str | None:
-    """The key from --api-key, else --api-key-file, else FT_API_KEY; at most one may be given
-    (SystemExit otherwise, or for an unreadable or empty file)."""
-    given = [n for n, v in (("--api-key", args.api_key), ("--api-key-file", args.api_key_file),
-                            ("FT_API_KEY", environ.get("FT_API_KEY"))) if v]
-    if len(given) > 1:
-        raise SystemExit(f"ft serve: give the API key one way, not {' and '.join(given)}")
-    if args.api_key_file:
-        try:
-            lines = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()
-        except OSError as e:
-            raise SystemExit(f"ft serve: cannot read --api-key-file: {e}") from None
-        key = lines[0].strip() if lines else ""
-        if not key:
-            raise SystemExit(f"ft serve: --api-key-file {args.api_key_file} is empty")
-        return key
-    return args.api_key or environ.get("FT_API_KEY") or None
-
-
-def limits_from(args: argparse.Namespace) -> ServerLimits:
-    from freetoken.server.limits import ServerLimits  # uvicorn: not on every `ft` start
-
-    return ServerLimits(
-        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-        max_body_bytes=int(args.max_body_mb * 2**20), max_connections=args.max_connections,
-        stall_timeout_s=args.stall_timeout, bound_host=args.host,
-        allowed_hosts=[h.strip() for h in args.allowed_hosts.split(",") if h.strip()])
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -10,12 +10,20 @@ In order, before any route runs:
 3. POSTs to the JSON routes (`JSON_ROUTES`) must be `application/json` (or `+json`), charset
    UTF-8 if one is named (415 `unsupported_media_type`): `text/plain` and form posts are what
    a browser sends without a CORS preflight.
-4. A POST body is read here, whole, within `body_timeout_s` (408 `body_timeout`) and
+4. With an API key, every path but `open_paths` (`/health`) needs it (`auth.check_key`: 401,
+   429 past the failure limit), checked before any body is read.
+5. A POST body is read here, whole, within `body_timeout_s` (408 `body_timeout`) and
    `max_body_bytes` (413 `body_too_large`); a client that disconnects while sending it is logged
    as one info line and gets no answer. The route then reads the buffered body.
 
 Answers are in the path's API shape (`errors.family_of`); the connection is closed after a
-refused body, since its rest was never read.
+refused body. Before a 413 the rest of the body is read and dropped (at most DRAIN_BYTES within
+DRAIN_S): closing a socket with unread input resets the connection, and the client (a proxy in
+front of us among them) would see a reset instead of the 413. A client that sent
+`Expect: 100-continue` has sent nothing yet and gets the 413 at once.
+
+The same `Guard` (with `limits.GuardedH11Protocol` under it) fronts `ft serve`, `ft agent-proxy`
+and the proxy's in-process engine.
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from freetoken.log import get_logger, kv
+from freetoken.server.auth import AuthFailures, check_key
 from freetoken.server.errors import APIError, error_response, family_of
 from freetoken.server.limits import RateLimiter, ServerLimits
 
@@ -34,6 +43,8 @@ LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
 JSON_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/messages",
                "/v1/messages/count_tokens", "/ft/v1/generate", "/ft/v1/control/experts"}
 _WILDCARD = {"", "0.0.0.0", "::"}
+DRAIN_BYTES = 1 << 30
+DRAIN_S = 5.0
 
 
 def host_allowed(hostname: str | None, limits: ServerLimits) -> bool:
@@ -82,10 +93,19 @@ class _Disconnected(Exception):
 class Guard:
     """ASGI middleware applying the checks of the module docstring to every HTTP request."""
 
-    def __init__(self, app: ASGIApp, limits: ServerLimits) -> None:
+    def __init__(self, app: ASGIApp, limits: ServerLimits, api_key: str | None = None,
+                 open_paths: frozenset[str] = frozenset({"/health"})) -> None:
         self.app = app
         self.limits = limits
+        self.api_key = api_key
+        self.open_paths = open_paths
+        self.auth_failures = AuthFailures()
         self._refusals = RateLimiter(10.0)
+
+    @property
+    def state(self) -> object:
+        """The wrapped app's state (what tests and the CLI reach for)."""
+        return self.app.state  # type: ignore[attr-defined]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -95,6 +115,9 @@ class Guard:
                    for k, v in scope["headers"]}
         family = family_of(scope["path"], headers)
         err = self._check_headers(scope, headers)
+        if err is None and self.api_key and scope["path"] not in self.open_paths:
+            client = scope["client"][0] if scope.get("client") else "?"
+            err = check_key(headers, self.api_key, client, scope["path"], self.auth_failures)
         body = b""
         if err is None and scope["method"] == "POST":
             try:
@@ -108,8 +131,10 @@ class Guard:
             if dropped is not None:
                 log.info(kv("refuse", path=scope["path"], status=err.status, code=err.code,
                             client=_client(scope), suppressed=dropped))
-            close = {"connection": "close"} if scope["method"] == "POST" else None
-            await error_response(family, err, headers=close)(scope, receive, send)
+            extra = {"connection": "close"} if scope["method"] == "POST" else {}
+            if err.status == 429:
+                extra["retry-after"] = "60"
+            await error_response(family, err, headers=extra or None)(scope, receive, send)
             return
         if scope["method"] != "POST":
             await self.app(scope, receive, send)
@@ -140,6 +165,9 @@ class Guard:
                              "body_too_large")
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > cap:
+            if "100-continue" in headers.get("expect", "").lower() or int(declared) > DRAIN_BYTES:
+                return b"", too_large
+            await _drain(receive, self.limits.body_timeout_s)
             return b"", too_large
         chunks: list[bytes] = []
         size = 0
@@ -151,6 +179,8 @@ class Guard:
                 chunk = msg.get("body", b"")
                 size += len(chunk)
                 if size > cap:
+                    if msg.get("more_body", False):
+                        await _drain(receive, self.limits.body_timeout_s)
                     return b"", too_large
                 chunks.append(chunk)
                 if not msg.get("more_body", False):
@@ -158,6 +188,19 @@ class Guard:
         assert scope.cancelled_caught
         return b"", APIError(408, f"the request body did not arrive within "
                              f"{self.limits.body_timeout_s:g} s", None, "body_timeout")
+
+
+async def _drain(receive: Receive, timeout_s: float) -> None:
+    """Read and drop the rest of a refused body (see the module docstring)."""
+    size = 0
+    with anyio.move_on_after(min(DRAIN_S, timeout_s)):
+        while size < DRAIN_BYTES:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise _Disconnected
+            size += len(msg.get("body", b""))
+            if not msg.get("more_body", False):
+                return
 
 
 def replaying(body: bytes, receive: Receive) -> Receive:

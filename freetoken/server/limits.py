@@ -7,8 +7,12 @@ What uvicorn gives and what it does not (0.54, h11 protocol):
   within `header_timeout_s` of its first byte (of the connection, for the first request), else
   the connection is closed.
 - `limit_concurrency` answers 503 only once a *request* arrives; half-open connections that never
-  send one still hold a file descriptor each. `GuardedH11Protocol` closes a connection past
-  `max_connections` at once, with a 503 in a shape both SDK families parse.
+  send one still hold a file descriptor each. `GuardedH11Protocol` caps connections per client
+  address (`max_connections_per_client`) and in all (`max_connections`). Past the global cap a
+  new connection first evicts the oldest connection that has not sent a request yet (a flood of
+  half-open connections then only pushes out its own, not everyone else's connection); if there
+  is none, the new one gets a 503 in a shape both SDK families parse and is closed. Past the
+  per-address cap the same holds among that address's connections.
 - `h11_max_incomplete_event_size` caps the header size (uvicorn's default, 16 KiB, is kept).
 - Body read time, body size, and clients that stop reading a stream are handled in the ASGI
   layer (`guard.py`, `sse.py`), where the request is known. A send blocks only once the bytes
@@ -27,8 +31,9 @@ import json
 import logging
 import socket
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -47,6 +52,7 @@ class ServerLimits:
     body_timeout_s: float = 60.0
     max_body_bytes: int = 64 << 20
     max_connections: int = 512
+    max_connections_per_client: int = 256  # by client IP address (all local clients share one)
     stall_timeout_s: float = 30.0  # a stream whose client reads nothing for this long is aborted
     keep_alive_s: float = 75.0
     bound_host: str = "127.0.0.1"
@@ -113,22 +119,37 @@ _OVERLOADED = json.dumps({  # both shapes at once: OpenAI reads error.*, Anthrop
                                "message": "too many open connections; retry shortly"}}).encode()
 
 
+_REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+            b"retry-after: 1\r\nconnection: close\r\ncontent-length: "
+            + str(len(_OVERLOADED)).encode() + b"\r\n\r\n" + _OVERLOADED)
+
+
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a header timeout and a hard connection cap."""
+    """uvicorn's h11 protocol with a header timeout and connection caps (per client address and
+    in all). `per_client` and `fresh` (connections without a request yet, oldest first) are
+    per server: `protocol_for` gives each server its own class."""
 
     limits = ServerLimits()  # replaced per server by `protocol_for`
+    per_client: ClassVar[dict[str, int]] = {}
+    fresh: ClassVar[OrderedDict[GuardedH11Protocol, None]] = OrderedDict()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._header_timer: asyncio.TimerHandle | None = None
-        if len(self.connections) > self.limits.max_connections:
-            _log_limited("connection_refused", reason="max_connections",
-                         open=len(self.connections), limit=self.limits.max_connections)
-            transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json"
-                            b"\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: "
-                            + str(len(_OVERLOADED)).encode() + b"\r\n\r\n" + _OVERLOADED)
-            transport.close()
+        self._addr = self.client[0] if self.client else "?"
+        lim = self.limits
+        n = self.per_client.get(self._addr, 0)
+        if n >= lim.max_connections_per_client:
+            if not self._evict_fresh(self._addr):
+                self._refuse("max_connections_per_client", n, lim.max_connections_per_client)
+                return
+            n = self.per_client.get(self._addr, 0)
+        if len(self.connections) > lim.max_connections and not self._evict_fresh():
+            self._refuse("max_connections", len(self.connections), lim.max_connections)
             return
+        self.per_client[self._addr] = n + 1
+        self._counted = True
+        self.fresh[self] = None
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:
@@ -136,6 +157,39 @@ class GuardedH11Protocol(H11Protocol):
             except OSError:  # not a TCP socket (tests on pipes); nothing to bound
                 pass
         self._arm_header_timer()
+
+    def _refuse(self, reason: str, open_: int, limit: int) -> None:
+        self._counted = False
+        _log_limited("connection_refused", reason=reason, client=self._addr, open=open_,
+                     limit=limit)
+        self.transport.write(_REFUSAL)
+        self.transport.close()
+
+    def _evict_fresh(self, addr: str | None = None) -> bool:
+        """Close the oldest connection (from `addr`, when given) that has sent no request yet;
+        False when there is none. It stops counting at once (its connection_lost comes
+        later)."""
+        victim = next((p for p in self.fresh if p is not self
+                       and (addr is None or p._addr == addr)), None)
+        if victim is None:
+            return False
+        del self.fresh[victim]
+        _log_limited("connection_evicted", reason="max_connections" if addr is None else
+                     "max_connections_per_client", client=victim._addr,
+                     open=len(self.connections))
+        victim.transport.close()
+        self.connections.discard(victim)
+        victim._uncount()
+        return True
+
+    def _uncount(self) -> None:
+        if getattr(self, "_counted", False):
+            self._counted = False
+            left = self.per_client.get(self._addr, 1) - 1
+            if left > 0:
+                self.per_client[self._addr] = left
+            else:
+                self.per_client.pop(self._addr, None)
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is None:
@@ -166,6 +220,7 @@ class GuardedH11Protocol(H11Protocol):
         super().handle_events()
         if self.cycle is not before:  # a request's headers are complete
             self._disarm_header_timer()
+            self.fresh.pop(self, None)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -174,11 +229,14 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
+        self.fresh.pop(self, None)
+        self._uncount()
         super().connection_lost(exc)
 
 
 def protocol_for(limits: ServerLimits) -> type[GuardedH11Protocol]:
-    return type("GuardedH11", (GuardedH11Protocol,), {"limits": limits})
+    return type("GuardedH11", (GuardedH11Protocol,),
+                {"limits": limits, "per_client": {}, "fresh": OrderedDict()})
 
 
 def uvicorn_config(app: Any, host: str, port: int, limits: ServerLimits,

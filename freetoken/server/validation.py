@@ -12,20 +12,16 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
 
+from freetoken.chat.json_limits import MAX_DEPTH, SURROGATE_ESCAPE_B, has_lone_surrogate, too_deep
 from freetoken.server.errors import APIError
 
-MAX_DEPTH = 64
 MAX_STOPS = 16
 MAX_STOP_LEN = 1024
-# A `\uD800`-`\uDFFF` escape: the only way a lone surrogate gets into a decoded JSON string
-# (strict UTF-8 decoding refuses raw surrogates). Pairs match too; the full check sorts them out.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 async def read_json(request: Request) -> dict[str, Any]:
@@ -33,11 +29,18 @@ async def read_json(request: Request) -> dict[str, Any]:
     return parse_json(await request.body())
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(raw: bytes, constants: bool = True) -> dict[str, Any]:
+    """`constants`: read NaN / Infinity / -Infinity as numbers (what `json` does; the fields
+    that take numbers refuse them); False refuses them here (the proxy, which forwards)."""
     if not raw.strip():
         raise APIError.bad("request body is empty; expected a JSON object", code="invalid_json")
     try:
-        body = json.loads(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
+        body = json.loads(text) if constants else json.loads(text, parse_constant=_no_constant)
     except UnicodeDecodeError as e:
         raise APIError.bad(f"request body is not UTF-8: {e}", code="invalid_json") from None
     except (ValueError, RecursionError) as e:
@@ -45,27 +48,17 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise APIError.bad("request body must be a JSON object", code="invalid_json")
     check_depth(body)
-    if _SURROGATE_ESCAPE.search(raw):
-        try:
-            json.dumps(body, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise APIError.bad("request body contains a lone UTF-16 surrogate escape (e.g. "
-                               "'\\ud800' without its pair); strings must be valid Unicode",
-                               code="invalid_json") from None
+    if SURROGATE_ESCAPE_B.search(raw) and has_lone_surrogate(body):
+        raise APIError.bad("request body contains a lone UTF-16 surrogate escape (e.g. "
+                           "'\\ud800' without its pair); strings must be valid Unicode",
+                           code="invalid_json")
     return body
 
 
 def check_depth(value: Any, limit: int = MAX_DEPTH) -> None:
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        v, d = stack.pop()
-        if d > limit:
-            raise APIError.bad(f"request body is nested deeper than {limit} levels",
-                               code="invalid_json")
-        if isinstance(v, dict):
-            stack.extend((x, d + 1) for x in v.values())
-        elif isinstance(v, list):
-            stack.extend((x, d + 1) for x in v)
+    if too_deep(value, limit):
+        raise APIError.bad(f"request body is nested deeper than {limit} levels",
+                           code="invalid_json")
 
 
 def _type_name(v: Any) -> str:

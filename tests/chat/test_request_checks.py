@@ -142,3 +142,25 @@ def test_forcing_a_call_without_tools_is_refused() -> None:
         anthropic_request(body)
     assert e.value.param == "tool_choice"
     assert anthropic_to_template(body).tools is None
+
+
+
+@pytest.mark.parametrize("arguments", [
+    "[" * 5000 + "]" * 5000,  # was RecursionError -> 500
+    '{"a": ' + "9" * 5000 + "}",  # was ValueError (int digits limit) -> 500
+    '{"a": "\\ud800"}',  # was a lone surrogate reaching the tokenizer -> 500
+    '{"a": ' * 80 + "1" + "}" * 80,  # deeper than the body's own limit
+])
+def test_tool_call_arguments_held_to_the_body_limits(arguments: str) -> None:
+    """Issue 22: JSON inside tool-call `arguments` is parsed under the body's limits (depth,
+    integer size, lone surrogates) and refused as a ChatInputError naming the field."""
+    from freetoken.chat import ChatInputError, openai_request
+
+    body = {"model": "m", "messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}
+    with pytest.raises(ChatInputError) as e:
+        openai_request(body)
+    assert e.value.param == "messages[1].tool_calls[0].function.arguments"

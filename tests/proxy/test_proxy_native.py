@@ -165,7 +165,8 @@ def test_count_tokens_models_and_bad_input(stack) -> None:
     r = httpx.post(p.url + "/v1/chat/completions", json={"model": "m", "messages": [
         {"role": "user", "content": "x"}], "temperature": -1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
-    assert _stats(p.url)["harnesses"]["generic"]["errors"] == 2
+    # refused by validation before any adapter ran (issue 22): recorded as "invalid"
+    assert _stats(p.url)["harnesses"]["invalid"]["errors"] == 2
 
 
 def test_request_is_detected_from_the_original_and_session_from_the_normalised(stack) -> None:

@@ -92,3 +92,35 @@ def test_responses_and_usage_conventions() -> None:
     bare = openai_to_anthropic_response({"choices": [{"message": {"content": "x"}}]}, "m")
     assert set(bare["usage"]) == {"input_tokens", "cache_creation_input_tokens",
                                   "cache_read_input_tokens", "output_tokens"}
+
+
+def _names(frames: list[str]) -> list[str]:
+    return [f.split("\n", 1)[0][7:] for f in frames if f.startswith("event: ")]
+
+
+def test_translated_stream_is_emitted_exactly_once() -> None:
+    """Was (issue 28 item 7): every Anthropic stream translated from an OpenAI upstream was sent
+    twice: `[DONE]` ended it, then the relay's end of body called `end()` again, which had no
+    guard and started a second `message_start` ... `message_stop` (Claude Code then counted the
+    input tokens twice)."""
+    from freetoken.proxy.translate_stream import AnthropicToOpenAI, OpenAIToAnthropic
+
+    tr = OpenAIToAnthropic("msg_1", "m")
+    chunk = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}
+    fin = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+    frames = tr.push(chunk) + tr.push(fin) + tr.push("[DONE]") + tr.end() + tr.end()
+    names = _names(frames)
+    assert names.count("message_start") == 1 and names.count("message_stop") == 1
+    assert names[-1] == "message_stop" and tr.complete
+    # an upstream error ends it: no clean end of turn after the error event
+    tr = OpenAIToAnthropic("msg_2", "m")
+    frames = tr.push(chunk) + tr.push({"error": {"message": "boom"}}) + tr.push("[DONE]")
+    frames += tr.end()
+    assert _names(frames)[-1] == "error" and "message_delta" not in _names(frames)
+    # a stream cut off before its finish is not complete (the relay reports it as an error)
+    tr = OpenAIToAnthropic("msg_3", "m")
+    tr.push(chunk)
+    assert not tr.complete
+    back = AnthropicToOpenAI("c", "m", include_usage=False)
+    out = back.push("message_stop", {"type": "message_stop"}) + back.end()
+    assert out.count("data: [DONE]\n\n") == 1

@@ -167,11 +167,22 @@ def test_same_api_stream_passes_events_through_unchanged() -> None:
         frames = oa_stream("stop")
         _on(p, "/v1/chat/completions", lambda r: httpx.Response(200, headers=SSE,
                                                                   stream=Events(frames)))
-        raw = httpx.post(p.url + "/v1/chat/completions", json={
-            "model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}).text
+        body = {"model": "m", "stream": True, "stream_options": {"include_usage": True},
+                "messages": [{"role": "user", "content": "hi"}]}
+        raw = httpx.post(p.url + "/v1/chat/completions", json=body).text
         assert raw == "".join(frames)
         st = p.stats()["harnesses"]["generic"]
         assert st["prompt_tokens"] == 120 and st["cached_tokens"] == 100
+        # Was (issue 22): a client that did not ask for usage got the usage chunk the proxy
+        # asked for (`choices: []`: code reading chunk.choices[0] raised). It is taken out,
+        # and the metrics still have it.
+        del body["stream_options"]
+        _on(p, "/v1/chat/completions", lambda r: httpx.Response(200, headers=SSE,
+                                                                  stream=Events(frames)))
+        raw = httpx.post(p.url + "/v1/chat/completions", json=body).text
+        assert raw == "".join(f for f in frames if '"choices": []' not in f)
+        assert p.last_json()["stream_options"] == {"include_usage": True}
+        assert p.stats()["harnesses"]["generic"]["prompt_tokens"] == 240
     finally:
         p.server.stop()
 
@@ -205,7 +216,8 @@ def test_errors_come_back_in_the_clients_shape(to_openai) -> None:
     r = httpx.post(p.url + "/v1/messages", json=_cc_body(True), headers=CC_HEADERS)
     assert r.status_code == 400
     assert r.json()["type"] == "error" and "prompt too long" in r.json()["error"]["message"]
-    r = httpx.post(p.url + "/v1/messages", content=b"{nope", headers=CC_HEADERS)
+    r = httpx.post(p.url + "/v1/messages", content=b"{nope",
+                   headers={**CC_HEADERS, "content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     bad = _cc_body(False)
     bad["messages"][0] = {"role": "user", "content": [{"type": "image", "source": {}}]}
@@ -315,3 +327,38 @@ def test_unknown_routes_and_methods_answer_in_the_clients_shape(to_openai) -> No
     assert r.status_code == 404 and r.json()["type"] == "error"
     r = httpx.get(p.url + "/v1/chat/completions")
     assert r.status_code == 405 and "not allowed" in r.json()["error"]["message"]
+
+
+def test_the_proxys_own_key_is_required_and_never_forwarded() -> None:
+    """Was (issue 22): the proxy had no key of its own, and with --upstream-api-key it unlocked
+    a keyed server for any caller."""
+    p = start_proxy({"upstream_api": "openai", "api_key": "proxy-key",
+                     "upstream_api_key": "server-secret"})
+    try:
+        _on(p, "/v1/chat/completions", lambda r: httpx.Response(200, json={
+            "id": "c", "object": "chat.completion", "created": 1, "model": "up", "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "ok"},
+                 "finish_reason": "stop"}]}))
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+        assert httpx.post(p.url + "/v1/chat/completions", json=body).status_code == 401
+        r = httpx.post(p.url + "/v1/messages", json={**body, "max_tokens": 4},
+                       headers={"x-api-key": "wrong"})
+        assert r.status_code == 401 and r.json()["type"] == "error"
+        assert not p.seen  # refused at the door: nothing reached the upstream
+        r = httpx.post(p.url + "/v1/chat/completions", json=body,
+                       headers={"authorization": "Bearer proxy-key"})
+        assert r.status_code == 200
+        assert p.seen[-1].headers["authorization"] == "Bearer server-secret"
+        assert httpx.get(p.url + "/health").status_code == 200  # open
+        assert httpx.get(p.url + "/proxy/stats").status_code == 401
+    finally:
+        p.server.stop()
+    p = start_proxy({"upstream_api": "openai", "api_key": "proxy-key"})
+    try:
+        _on(p, "/v1/chat/completions", lambda r: httpx.Response(200, json={
+            "id": "c", "object": "chat.completion", "created": 1, "model": "up", "choices": []}))
+        httpx.post(p.url + "/v1/chat/completions", json=body,
+                   headers={"authorization": "Bearer proxy-key"})
+        assert "authorization" not in p.seen[-1].headers  # the proxy's key stays here
+    finally:
+        p.server.stop()

@@ -127,8 +127,11 @@ def test_mid_body_disconnect_is_one_info_line(srv: LimitedServer,
 
 
 def test_connection_cap_answers_503_and_recovers(srv: LimitedServer) -> None:
-    """Was: 20k half-open connections exhausted the descriptors and new requests hung."""
+    """Was: 20k half-open connections exhausted the descriptors and new requests hung. Every
+    held connection here is inside a request (a body under way), so none can be evicted."""
     held = [srv.connect() for _ in range(LIMITS.max_connections)]
+    for s in held:
+        s.sendall(head("/v1/chat/completions", len(BODY)) + BODY[:5])
     time.sleep(0.1)
     extra = srv.connect()
     closed, data = closed_within(extra, 2)
@@ -142,6 +145,77 @@ def test_connection_cap_answers_503_and_recovers(srv: LimitedServer) -> None:
     r = httpx.post(srv.url + "/v1/chat/completions", content=BODY,
                    headers={"content-type": "application/json"})
     assert r.status_code == 200
+
+
+def test_half_open_flood_evicts_its_own_oldest_not_new_clients(srv: LimitedServer) -> None:
+    """Was (issue 22): 512 half-open connections from one client gave every other client 503
+    until the header timeout. A new connection past the cap now evicts the oldest connection
+    that has sent no request, so a request still gets through."""
+    held = [srv.connect() for _ in range(LIMITS.max_connections)]
+    time.sleep(0.1)
+    r = httpx.post(srv.url + "/v1/chat/completions", content=BODY,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 200
+    closed, data = closed_within(held[0], 2)  # the oldest half-open one made room
+    assert closed and data == b""
+    for s in held:
+        s.close()
+
+
+def test_per_client_cap() -> None:
+    """Connections past `max_connections_per_client` from one address evict that address's
+    oldest connection without a request, else get the 503 at once."""
+    from freetoken.server.limits import protocol_for
+
+    cls = protocol_for(ServerLimits(max_connections_per_client=2))
+
+    class T:  # the transport surface the protocol uses
+        def __init__(self) -> None:
+            self.sent, self.closed = b"", False
+
+        def get_extra_info(self, name: str, default: object = None) -> object:
+            return ("10.0.0.7", 5000) if name == "peername" else default
+
+        def write(self, b: bytes) -> None:
+            self.sent += b
+
+        def close(self) -> None:
+            self.closed = True
+
+        def is_closing(self) -> bool:
+            return self.closed
+
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    try:
+        from uvicorn.config import Config
+        from uvicorn.server import ServerState
+
+        state = ServerState()
+        cfg = Config(app=lambda *a: None)
+        cfg.load()
+        ts = [T() for _ in range(3)]
+        protos = [cls(cfg, state, {}, _loop=loop) for _ in ts]
+        for p, t in zip(protos, ts):
+            p.connection_made(t)  # type: ignore[arg-type]
+            cls.fresh.pop(p, None)  # as if its request had begun: nothing to evict
+        assert [t.closed for t in ts] == [False, False, True]
+        assert ts[2].sent.startswith(b"HTTP/1.1 503")
+        protos[0].connection_lost(None)
+        t4 = T()
+        p4 = cls(cfg, state, {}, _loop=loop)
+        p4.connection_made(t4)  # type: ignore[arg-type]
+        assert not t4.closed  # a slot came free
+        t5 = T()
+        p5 = cls(cfg, state, {}, _loop=loop)
+        p5.connection_made(t5)  # type: ignore[arg-type]
+        assert t4.closed and not t5.closed  # p4 had sent nothing: evicted for p5
+        for p in protos[1:2] + [p4, p5]:
+            p.connection_lost(None)
+        assert cls.per_client == {}
+    finally:
+        loop.close()
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])

@@ -1,0 +1,134 @@
+"""The reliability suite at CI size (issue 22, item 7): every battery of `battery.py` against
+the three front doors S (`ft serve`), N (`ft agent-proxy` with its in-process engine) and U
+(`ft agent-proxy --upstream S`) over one tiny real engine, plus the upstream-fault battery
+against a scripted upstream. `scripts/reliability.py` runs the same at full size.
+
+What each would have caught (issue 22's measurements on main e194b5d): fuzz 68/1342 5xx on N
+and 145/2819 on U; 74/78 hostile browser requests answered by N/U; slowloris never closed and
+half-open floods hanging the proxy with 90 MB of log; a hung upstream holding the client forever
+and truncated streams reported as `end_turn`; per-session stats growing without bound."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.modules["fla"] = None  # type: ignore[assignment]
+sys.modules["causal_conv1d"] = None  # type: ignore[assignment]
+
+import pytest
+from battery import browser, flood, forgery, fuzz, sessions, slowloris, upstream_faults
+from fronts import FAULTS, build_tiny, start_fault_proxy, start_stack
+
+FRONTS = ["S", "N", "U"]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory):
+    s = start_stack(build_tiny(Path(tmp_path_factory.mktemp("rel")) / "tiny"))
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("name", FRONTS)
+def test_fuzz_no_5xx(stack, name: str) -> None:
+    res = fuzz(stack.fronts[name], 40, seed=FRONTS.index(name))
+    assert res.five_xx == 0 and res.bad_shape == 0, res.examples
+    assert res.statuses[200] >= 5  # the mutations reach generation too, not only refusals
+
+
+@pytest.mark.parametrize("name", FRONTS)
+def test_hostile_browser_requests_refused(stack, name: str) -> None:
+    res = browser(stack.fronts[name])
+    assert res["refused"] == res["sent"], res["answered"]
+
+
+@pytest.mark.parametrize("name", FRONTS)
+def test_slowloris_closed_by_the_header_timeout(stack, name: str) -> None:
+    res = slowloris(stack.fronts[name], 12)
+    assert res["closed"] == res["opened"], res
+
+
+@pytest.mark.parametrize("name", FRONTS)
+def test_half_open_flood_bounded(stack, name: str) -> None:
+    front = stack.fronts[name]
+    res = flood(front, front.limits.max_connections * 2)
+    assert res["request_ok"] and res["after_status"] == 200, res
+    assert res["log_lines"] < 20, res
+
+
+@pytest.mark.parametrize("name", FRONTS)
+def test_special_token_forgery_stays_text(stack, name: str) -> None:
+    assert all(forgery(stack.fronts[name], stack.engine).values())
+
+
+def test_upstream_faults_in_shape_within_the_timeout(stack) -> None:
+    front, mode, up = start_fault_proxy(stack.tok, first_byte_timeout_s=1.5,
+                                        idle_timeout_s=1.0, total_timeout_s=4.0)
+    try:
+        res = upstream_faults(front, mode, FAULTS[:-1], limit_s=6.0)
+    finally:
+        front.served.stop()
+        up.stop()
+    bad = [r for r in res if not r["ok"]]
+    assert not bad, bad
+
+
+def test_refused_upstream_and_count_tokens_in_shape(stack) -> None:
+    """Was: count_tokens turned a refused connection into a 500."""
+    import httpx
+    from fronts import KEY, Served, free_port, limits
+
+    from freetoken.proxy.app import create_proxy_app
+    from freetoken.proxy.config import ProxyConfig
+
+    cfg = ProxyConfig(upstream=f"http://127.0.0.1:{free_port()}", api_key=KEY, metrics_path=None)
+    p = Served(create_proxy_app(cfg, stack.tok, "qwen3"), limits())
+    try:
+        h = {"authorization": f"Bearer {KEY}"}
+        body = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "x"}]}
+        for path in ("/v1/messages", "/v1/messages/count_tokens", "/v1/chat/completions"):
+            r = httpx.post(p.url + path, json=body, headers=h, timeout=20)
+            assert r.status_code == 502, (path, r.text)
+            j = r.json()
+            assert (j["type"] == "error") if "messages" in path else ("error" in j)
+    finally:
+        p.stop()
+
+
+def test_413_from_the_upstream_stays_413(stack) -> None:
+    """Was: through U, serve's 413 became a 502 'upstream unreachable' (S reset the
+    connection with the body unread). U's cap is above S's here, so S refuses."""
+    import httpx
+
+    u, s = stack.fronts["U"], stack.fronts["S"]
+    big = "x" * (s.limits.max_body_bytes + 1000)
+    for path in ("/v1/chat/completions", "/v1/messages"):
+        r = httpx.post(u.url + path, headers=u.auth, timeout=30, json={
+            "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": big}]})
+        assert r.status_code == 413, r.text[:200]
+
+
+def test_sessions_bounded(stack) -> None:
+    front, mode, up = start_fault_proxy(stack.tok)
+    mode["now"] = "ok"
+    front.served.app.state.proxy.metrics.max_sessions = 50
+    try:
+        res = sessions(front, front.served.app, 200)
+    finally:
+        front.served.stop()
+        up.stop()
+    assert res["kept"] == 50 and res["evicted"] == 150, res
+    assert res["stats_bytes"] < 60_000, res
+
+
+@pytest.mark.parametrize("name", FRONTS)
+def test_foreign_stream_options_on_messages(stack, name: str) -> None:
+    """Found by the full-size fuzz: `stream_options` is no Anthropic field, so validation lets
+    any value through on /v1/messages, and U read `.get` of a list (500)."""
+    import httpx
+
+    f = stack.fronts[name]
+    r = httpx.post(f.url + "/v1/messages", headers=f.auth, timeout=60, json={
+        "model": "m", "max_tokens": 2, "stream": True, "stream_options": [1],
+        "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and "message_stop" in r.text
