@@ -57,6 +57,8 @@ def _apply_cap(body: dict, api: str, cap: int | None) -> tuple[int | None, int |
 
 async def _handle(request: Request, api: str, kind: str) -> Response:
     ps: ProxyState = request.app.state.proxy
+    if api == "anthropic":
+        await ps.probed()  # API mode: has the upstream /v1/messages? (else translate)
     raw = await request.body()
     try:
         body = jsonc.loads(raw)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import threading
 import time
@@ -38,13 +39,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--output-cap", action="append", default=None, metavar="N|HARNESS=N",
                    help="cap each reply at N tokens (repeatable, per harness); a reply stopped "
-                        "by the cap ends as a normal turn. Default with the demo model: 256")
+                        "by the cap ends as a normal turn. Default: 256 with the demo model, 8192 "
+                        "with --upstream, none with --model PATH")
     p.add_argument("--step", action="append", default=None, metavar="NAME=on|off",
                    help="switch a normalisation step (see docs/proxy.md)")
     p.add_argument("--harness", default=None, help="force one adapter instead of detecting")
     p.add_argument("--fold-system", default="auto", choices=("auto", "keep", "fold"))
     p.add_argument("--metrics", default=None, metavar="FILE",
-                   help="JSONL record per request (default ~/.cache/freetoken/proxy.jsonl)")
+                   help="JSONL record per request (default "
+                        "${XDG_CACHE_HOME:-~/.cache}/freetoken/proxy.jsonl)")
     p.add_argument("--ping-s", type=float, default=5.0, help="keep-alive interval of streams")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
@@ -92,14 +95,22 @@ def start_engine_server(args: argparse.Namespace) -> tuple[str, Any, str]:
 
 
 def build_config(args: argparse.Namespace, native_url: str | None) -> Any:
-    from freetoken.proxy.config import DEMO_OUTPUT_CAP, ProxyConfig, parse_caps
+    from freetoken.proxy.config import (
+        DEMO_OUTPUT_CAP,
+        UPSTREAM_OUTPUT_CAP,
+        ProxyConfig,
+        parse_caps,
+    )
     from harness_adapters.normalise import parse_step_switches
 
     caps = parse_caps(args.output_cap)
     demo = native_url is not None and args.native_url is None and (args.model or "demo") == "demo"
     if demo and "*" not in caps:
         caps["*"] = DEMO_OUTPUT_CAP
-    metrics = args.metrics or str(Path.home() / ".cache" / "freetoken" / "proxy.jsonl")
+    elif args.upstream is not None and "*" not in caps:
+        caps["*"] = UPSTREAM_OUTPUT_CAP
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    metrics = args.metrics or str(Path(cache) / "freetoken" / "proxy.jsonl")
     return ProxyConfig(upstream=args.upstream, upstream_api=args.upstream_api,
                        upstream_api_key=args.upstream_api_key, native_url=native_url,
                        tokenizer_dir=args.tokenizer, caps=caps,
@@ -114,7 +125,7 @@ def banner(url: str, cfg: Any) -> str:
              (f"  output caps: {cfg.caps or 'none'}   stats: {url}/proxy/stats   "
              f"records: {cfg.metrics_path}"),
              "Point a harness at it (prints the env/config; --write DIR writes it):"]
-    for h in ("claude", "opencode", "openclaw", "mini"):
+    for h in ("claude", "opencode", "openclaw", "mini", "codex"):
         lines.append(f"  ft launch {h} --proxy {url}")
     lines.append(f"  e.g.  eval \"$(ft launch claude --proxy {url})\" && claude")
     return "\n".join(lines)

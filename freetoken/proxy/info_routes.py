@@ -52,7 +52,9 @@ async def models(request: Request) -> Response:
 async def stats(request: Request) -> Response:
     ps: ProxyState = request.app.state.proxy
     cfg = ps.cfg
+    info = await ps.probed()
     return JSONResponse({**ps.metrics.stats(), "mode": "native" if cfg.native else "upstream",
+                         "upstream_limits": info.as_dict() if info else None,
                          "upstream": cfg.upstream or cfg.native_url, "caps": cfg.caps,
                          "steps": cfg.steps, "fold_system": ps.fold_system})
 
