@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from freetoken.chat import ChatInputError, anthropic_to_template, openai_to_template
 from freetoken.log import get_logger, kv
-from freetoken.proxy import info_routes, jsonc
+from freetoken.proxy import info_routes, jsonc, responses
 from freetoken.proxy.config import ProxyConfig
 from freetoken.proxy.forward import forward
 from freetoken.proxy.metrics import RequestRecord
@@ -159,6 +159,7 @@ def create_proxy_app(cfg: ProxyConfig, tokenizer: Any = None, parser_family: str
         Route("/v1/models", info_routes.models, methods=["GET"]),
         Route("/proxy/stats", info_routes.stats, methods=["GET"]),
         Route("/health", info_routes.health, methods=["GET"]),
+        *responses.routes(_handle),  # /v1/responses, translated to the chat handling above
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: info_routes.http_error})
     app.state.proxy = ProxyState(cfg, tokenizer, parser_family, client)
