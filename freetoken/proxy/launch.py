@@ -174,8 +174,7 @@ def codex(proxy: str, lim: Limits) -> LaunchPlan:
     toml = "\n".join([
         "# written by ft launch codex: Codex against ft agent-proxy (Responses API)",
         f'model = "{lim.model}"', 'model_provider = "ft"',
-        f"model_context_window = {lim.context}",
-        f"model_max_output_tokens = {lim.cap or lim.output or 4096}",
+        f"model_context_window = {lim.context}",  # (0.171 has no output-limit setting)
         "check_for_update_on_startup = false", "",
         "[model_providers.ft]", 'name = "FreeToken"', f'base_url = "{proxy}/v1"',
         f'env_key = "{CODEX_KEY_ENV}"', 'wire_api = "responses"', "",
