@@ -82,6 +82,8 @@ async def _handle(request: Request, api: str, kind: str) -> Response:
     out_headers: dict[str, str] = {}
     if kind == "generate":
         rec.max_tokens_requested, cap = _apply_cap(norm, api, ps.cfg.cap_for(adapter.name))
+        rec.max_tokens_sent = cap if cap is not None else rec.max_tokens_requested  # (native:
+        # the engine's own clamp, set again by TurnEngine)
         if cap is not None:
             out_headers[CAP_HEADER] = str(cap)
     else:

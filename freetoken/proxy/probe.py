@@ -112,3 +112,39 @@ async def probe(client: httpx.AsyncClient, base_url: str, headers: dict[str, str
         f"{k}={'yes' if v else 'no'}" for k, v in info.surfaces.items()), context=info.context,
         max_output=info.max_output, model=info.model))
     return info
+
+
+def cached_from_openai(chunk: dict) -> int | None:
+    """The cached prompt tokens an OpenAI-dialect upstream reports, in its own counters:
+    `usage.prompt_tokens_details.cached_tokens` (OpenAI, vLLM, SGLang, ft serve), else
+    llama.cpp's `timings.cache_n`; None when the upstream reports neither (unknown, not 0)."""
+    u = chunk.get("usage") if isinstance(chunk.get("usage"), dict) else {}
+    det = u.get("prompt_tokens_details")
+    if isinstance(det, dict) and isinstance(det.get("cached_tokens"), int):
+        return int(det["cached_tokens"])
+    t = chunk.get("timings")
+    if isinstance(t, dict) and isinstance(t.get("cache_n"), int):
+        return int(t["cache_n"])
+    return None
+
+
+def carries_token(api: str, event: str | None, data: str) -> bool:
+    """Whether an upstream SSE event carries generated output (for TTFT): an Anthropic
+    `content_block_delta`, or an OpenAI chunk with non-empty content, reasoning or tool calls
+    (the role-only first chunk and usage chunks come before or without any token)."""
+    if data == "[DONE]":
+        return False
+    if api == "anthropic":
+        return event == "content_block_delta"
+    import json
+
+    try:
+        v = json.loads(data)
+    except ValueError:
+        return False
+    for ch in v.get("choices") or [] if isinstance(v, dict) else []:
+        d = ch.get("delta") or {}
+        if d.get("content") or d.get("reasoning_content") or d.get("reasoning") or d.get(
+                "tool_calls"):
+            return True
+    return False

@@ -115,7 +115,9 @@ def _llama_like() -> Server:
         body = await request.json()
         if not body.get("messages"):
             return JSONResponse({"error": {"message": "messages required"}}, 400)
-        return JSONResponse({"id": "c1", "object": "chat.completion", "model": "q",
+        extra = ({"timings": {"cache_n": 7, "prompt_n": 2}}
+                 if "with-timings" in json.dumps(body["messages"]) else {})
+        return JSONResponse({**extra, "id": "c1", "object": "chat.completion", "model": "q",
                              "choices": [{"index": 0, "finish_reason": "stop", "message": {
                                  "role": "assistant", "content": "hello from upstream"}}],
                              "usage": {"prompt_tokens": 9, "completion_tokens": 3,
@@ -134,7 +136,7 @@ def _llama_like() -> Server:
 
 def test_proxy_probes_and_translates_for_a_missing_messages_surface(tmp_path) -> None:
     up = _llama_like()
-    proxy = Server(create_proxy_app(ProxyConfig(upstream=up.url,
+    proxy = Server(create_proxy_app(ProxyConfig(upstream=up.url, caps={"*": 8192},
                                                 metrics_path=str(tmp_path / "m.jsonl"))))
     try:
         r = httpx.post(proxy.url + "/v1/messages", json={
@@ -147,6 +149,16 @@ def test_proxy_probes_and_translates_for_a_missing_messages_surface(tmp_path) ->
         from freetoken.proxy.cli_launch import _ask_proxy
 
         assert _ask_proxy(proxy.url, "claude")[0] == 40960  # what ft launch tells Claude Code
+        # no cache counter upstream: reuse unknown, not 0; llama.cpp's timings.cache_n read
+        st = httpx.get(proxy.url + "/proxy/stats").json()["harnesses"]["generic"]
+        assert st["cached_unknown"] == 1 and st["cached_ratio"] is None
+        httpx.post(proxy.url + "/v1/chat/completions", json={
+            "model": "x", "max_tokens": 99999, "messages": [{"role": "user",
+                                                          "content": "with-timings"}]})
+        recs = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+        assert recs[0]["cached_tokens"] is None and recs[0]["max_tokens_sent"] == 50
+        assert recs[1]["cached_tokens"] == 7
+        assert recs[1]["max_tokens_requested"] == 99999 and recs[1]["max_tokens_sent"] == 8192
     finally:
         proxy.stop()
         up.stop()
@@ -160,3 +172,20 @@ def test_upstream_mode_has_a_default_cap_and_metrics_honour_xdg(monkeypatch, tmp
     assert cfg.metrics_path == str(tmp_path / "freetoken" / "proxy.jsonl")
     doc = (ROOT / "docs" / "proxy.md").read_text()
     assert "8192 with `--upstream`" in doc
+
+
+def test_ttft_counts_from_the_first_token_not_the_first_chunk() -> None:
+    """Regression: upstream TTFT read 14-104 ms for 7,000-token prompts: it was taken at the
+    OpenAI role-only first chunk (sent before prefill) or any first event."""
+    from freetoken.proxy.probe import carries_token
+
+    role = json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant",
+                                                           "content": ""}}]})
+    tok = json.dumps({"choices": [{"index": 0, "delta": {"content": "Hi"}}]})
+    call = json.dumps({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]}}]})
+    assert not carries_token("openai", None, role) and not carries_token("openai", None,
+                                                                        "[DONE]")
+    assert carries_token("openai", None, tok) and carries_token("openai", None, call)
+    assert not carries_token("anthropic", "message_start", "{}")
+    assert not carries_token("anthropic", "content_block_start", "{}")
+    assert carries_token("anthropic", "content_block_delta", "{}")
