@@ -149,7 +149,9 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
                    help="prefill token budget per step (default: 8192 when prefill streams "
                         "whole MoE layers, else 512)")
     g.add_argument("--max-output-tokens", type=int, default=None,
-                   help="clamp every request's max_tokens to N (reported in a response header)")
+                   help="cap every reply at N tokens (header x-ft-output-cap; a reply stopped "
+                        "there ends as a normal turn). `ft serve` default: 256 for the demo "
+                        "model, none otherwise; 0 = no cap")
     g.add_argument("--checkpoint-policy", default="semantic",
                    choices=["semantic", "interval", "end_only"])
     g.add_argument("--record-routing", default=None, metavar="FILE",

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from harness_adapters.base import HarnessAdapter, HarnessRequest
 from harness_adapters.claude_code import ClaudeCode
+from harness_adapters.codex import Codex
 from harness_adapters.generic import Generic
 from harness_adapters.openclaw import OpenClaw
 from harness_adapters.opencode import OpenCode
 from harness_adapters.swe_agent import SWEAgent
 
-ADAPTERS: tuple[HarnessAdapter, ...] = (ClaudeCode(), OpenCode(), OpenClaw(), SWEAgent(),
-                                        Generic())
+ADAPTERS: tuple[HarnessAdapter, ...] = (ClaudeCode(), Codex(), OpenCode(), OpenClaw(),
+                                        SWEAgent(), Generic())
 BY_NAME = {a.name: a for a in ADAPTERS}
 
 

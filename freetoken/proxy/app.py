@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from freetoken.chat import ChatInputError, anthropic_to_template, openai_to_template
 from freetoken.log import get_logger, kv
-from freetoken.proxy import info_routes
+from freetoken.proxy import info_routes, responses
 from freetoken.proxy.config import ProxyConfig
 from freetoken.proxy.forward import forward
 from freetoken.proxy.metrics import RequestRecord
@@ -72,6 +72,8 @@ def _apply_cap(body: dict, api: str, cap: int | None) -> tuple[int | None, int |
 
 async def _handle(request: Request, api: str, kind: str) -> Response:
     ps: ProxyState = request.app.state.proxy
+    if api == "anthropic":
+        await ps.probed()  # API mode: has the upstream /v1/messages? (else translate)
     raw = await request.body()
     try:
         body = check_body(api, kind, raw)  # before any adapter: they only see valid bodies
@@ -96,6 +98,8 @@ async def _handle(request: Request, api: str, kind: str) -> Response:
     out_headers: dict[str, str] = {}
     if kind == "generate":
         rec.max_tokens_requested, cap = _apply_cap(norm, api, ps.cfg.cap_for(adapter.name))
+        rec.max_tokens_sent = cap if cap is not None else rec.max_tokens_requested  # (native:
+        # the engine's own clamp, set again by TurnEngine)
         if cap is not None:
             out_headers[CAP_HEADER] = str(cap)
     else:
@@ -177,6 +181,7 @@ def create_proxy_app(cfg: ProxyConfig, tokenizer: Any = None, parser_family: str
         Route("/v1/models", info_routes.models, methods=["GET"]),
         Route("/proxy/stats", info_routes.stats, methods=["GET"]),
         Route("/health", info_routes.health, methods=["GET"]),
+        *responses.routes(_handle),  # /v1/responses, translated to the chat handling above
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: info_routes.http_error,
                                                        Exception: info_routes.unhandled})

@@ -57,13 +57,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_front_door_args(p, "proxy")  # the same front door as ft serve
     p.add_argument("--output-cap", action="append", default=None, metavar="N|HARNESS=N",
                    help="cap each reply at N tokens (repeatable, per harness); a reply stopped "
-                        "by the cap ends as a normal turn. Default with the demo model: 256")
+                        "by the cap ends as a normal turn. Default: 256 with the demo model, 8192 "
+                        "with --upstream, none with --model PATH")
     p.add_argument("--step", action="append", default=None, metavar="NAME=on|off",
                    help="switch a normalisation step (see docs/proxy.md)")
     p.add_argument("--harness", default=None, help="force one adapter instead of detecting")
     p.add_argument("--fold-system", default="auto", choices=("auto", "keep", "fold"))
     p.add_argument("--metrics", default=None, metavar="FILE",
-                   help="JSONL record per request (default ~/.cache/freetoken/proxy.jsonl)")
+                   help="JSONL record per request (default "
+                        "${XDG_CACHE_HOME:-~/.cache}/freetoken/proxy.jsonl)")
     p.add_argument("--ping-s", type=float, default=5.0, help="keep-alive interval of streams")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
@@ -137,7 +139,12 @@ def start_engine_server(args: argparse.Namespace, engine: Any = None, tok: Any =
 def build_config(args: argparse.Namespace, native_url: str | None,
                  engine_key: str | None = None) -> Any:
     """`engine_key`: the in-process engine's random key (else --upstream-api-key[-file])."""
-    from freetoken.proxy.config import DEMO_OUTPUT_CAP, ProxyConfig, parse_caps
+    from freetoken.proxy.config import (
+        DEMO_OUTPUT_CAP,
+        UPSTREAM_OUTPUT_CAP,
+        ProxyConfig,
+        parse_caps,
+    )
     from freetoken.server.front_options import api_key_from, other_key
     from harness_adapters.normalise import parse_step_switches
 
@@ -145,7 +152,10 @@ def build_config(args: argparse.Namespace, native_url: str | None,
     demo = native_url is not None and args.native_url is None and (args.model or "demo") == "demo"
     if demo and "*" not in caps:
         caps["*"] = DEMO_OUTPUT_CAP
-    metrics = args.metrics or str(Path.home() / ".cache" / "freetoken" / "proxy.jsonl")
+    elif args.upstream is not None and "*" not in caps:
+        caps["*"] = UPSTREAM_OUTPUT_CAP
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    metrics = args.metrics or str(Path(cache) / "freetoken" / "proxy.jsonl")
     prog = "ft agent-proxy"
     up_key = engine_key or other_key(args.upstream_api_key, args.upstream_api_key_file,
                                      "--upstream-api-key", prog)
@@ -168,7 +178,7 @@ def banner(url: str, cfg: Any) -> str:
              (f"  output caps: {cfg.caps or 'none'}   stats: {url}/proxy/stats   "
              f"records: {cfg.metrics_path}"),
              "Point a harness at it (prints the env/config; --write DIR writes it):"]
-    for h in ("claude", "opencode", "openclaw", "mini"):
+    for h in ("claude", "opencode", "openclaw", "mini", "codex"):
         lines.append(f"  ft launch {h} --proxy {url}")
     lines.append(f"  e.g.  eval \"$(ft launch claude --proxy {url})\" && claude")
     return "\n".join(lines)

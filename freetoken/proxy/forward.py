@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from freetoken.log import get_logger, kv
 from freetoken.proxy.metrics import RequestRecord
+from freetoken.proxy.probe import cached_from_openai
 from freetoken.proxy.relay import StreamRelay, upstream_timeout
 from freetoken.proxy.translate import (
     TranslationError,
@@ -162,8 +163,8 @@ async def forward(up: Upstream, request: Request, body: dict, api_in: str, rec: 
         rec.prompt_tokens, rec.cached_tokens, rec.output_tokens = usage_from_anthropic(
             data.get("usage"))
     else:
-        rec.prompt_tokens, rec.cached_tokens, rec.output_tokens = usage_from_openai(
-            data.get("usage"))
+        rec.prompt_tokens, _, rec.output_tokens = usage_from_openai(data.get("usage"))
+        rec.cached_tokens = cached_from_openai(data)  # None: the upstream does not say
     if log.isEnabledFor(logging.DEBUG):  # kv() formats eagerly: keep it off the hot path
         log.debug(kv("forwarded", request=rec.request_id, status=r.status_code, api_out=api_out))
     if api_in == api_out and not rec.capped:  # as received: no re-encoding

@@ -74,7 +74,9 @@ async def stats(request: Request) -> Response:
             return error_response("openai", APIError.bad(f"'{name}' must be a non-negative "
                                                          "integer", name))
         page.append(int(v))
+    info = await ps.probed()
     return JSONResponse({**ps.metrics.stats(*page), "mode": "native" if cfg.native else "upstream",
+                         "upstream_limits": info.as_dict() if info else None,
                          "upstream": cfg.upstream or cfg.native_url, "caps": cfg.caps,
                          "steps": cfg.steps, "fold_system": ps.fold_system})
 

@@ -71,6 +71,7 @@ class RequestRecord:
 
 def _bucket() -> dict[str, Any]:
     return {"requests": 0, "errors": 0, "prompt_tokens": 0, "cached_tokens": 0,
+            "cached_unknown": 0, "_known_prompt": 0,
             "recomputed_tokens": 0, "output_tokens": 0, "edits": 0, "appends": 0,
             "predicted_hits": 0, "predicted_misses": 0, "ttft_ms_sum": 0.0, "ttft_n": 0,
             "normalised": {}}
@@ -113,6 +114,10 @@ class Metrics:
                 b["errors"] += int(rec.status >= 400 or rec.error is not None)
                 b["prompt_tokens"] += rec.prompt_tokens or 0
                 b["cached_tokens"] += rec.cached_tokens or 0
+                if rec.prompt_tokens and rec.cached_tokens is None:
+                    b["cached_unknown"] += 1  # the upstream reports no cache counter
+                else:
+                    b["_known_prompt"] += rec.prompt_tokens or 0
                 b["recomputed_tokens"] += rec.recomputed_tokens or 0
                 b["output_tokens"] += rec.output_tokens
                 b["edits"] += int(rec.edit_kind == "edit")
@@ -140,9 +145,10 @@ class Metrics:
         active first."""
         def view(b: dict[str, Any]) -> dict[str, Any]:
             out = {k: v for k, v in b.items() if k not in ("ttft_ms_sum", "ttft_n",
-                                                              "last_seen")}
-            out["cached_ratio"] = (round(b["cached_tokens"] / b["prompt_tokens"], 4)
-                                   if b["prompt_tokens"] else None)
+                                                              "last_seen", "_known_prompt")}
+            # over the requests whose reuse is known; None when no request's is
+            out["cached_ratio"] = (round(b["cached_tokens"] / b["_known_prompt"], 4)
+                                   if b["_known_prompt"] else None)
             out["ttft_ms_mean"] = round(b["ttft_ms_sum"] / b["ttft_n"], 2) if b["ttft_n"] else None
             judged = b["predicted_hits"] + b["predicted_misses"]
             out["predicted_hit_rate"] = round(b["predicted_hits"] / judged, 4) if judged else None

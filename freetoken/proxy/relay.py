@@ -36,6 +36,7 @@ import httpx
 
 from freetoken.log import get_logger, kv
 from freetoken.proxy.metrics import RequestRecord
+from freetoken.proxy.probe import cached_from_openai, carries_token
 from freetoken.proxy.translate import usage_from_anthropic, usage_from_openai
 from freetoken.proxy.translate_stream import AnthropicToOpenAI, OpenAIToAnthropic, json_or_none
 from freetoken.proxy.upstream import FINISH, SSEEvent, Upstream, error_from, sse_batches
@@ -81,8 +82,8 @@ class StreamRelay:
             self.finished = True
         elif not (data.startswith("{") and data.rstrip().endswith("}")):
             raise _protocol(f"malformed event data {data[:200]!r}")
-        if rec.ttft_ms is None and data != "[DONE]" and ev.event not in ("message_start", "ping"):
-            rec.ttft_ms = round((time.time() - rec.t_start) * 1000, 2)
+        if rec.ttft_ms is None and carries_token(self.api_out, ev.event, data):
+            rec.ttft_ms = round((time.time() - rec.t_start) * 1000, 2)  # to the first token
         if '"usage"' not in data and not FINISH.search(data) and '"error"' not in data:
             if self.api_out == "openai" and data != "[DONE]":
                 rec.output_tokens += 1  # chunks, until the usage chunk gives the real count
@@ -108,8 +109,8 @@ class StreamRelay:
                     d["stop_reason"], changed, rec.capped = "end_turn", True, True
         else:
             if v.get("usage"):
-                rec.prompt_tokens, rec.cached_tokens, rec.output_tokens = usage_from_openai(
-                    v["usage"])
+                rec.prompt_tokens, _, rec.output_tokens = usage_from_openai(v["usage"])
+                rec.cached_tokens = cached_from_openai(v)  # None: the upstream does not say
             for ch in v.get("choices") or []:
                 if ch.get("finish_reason"):
                     rec.finish = ch["finish_reason"]

@@ -13,6 +13,7 @@ from freetoken.proxy.config import ProxyConfig
 from freetoken.proxy.heads import HeadBreaks
 from freetoken.proxy.metrics import Metrics
 from freetoken.proxy.native import NativeEngine
+from freetoken.proxy.probe import UpstreamInfo, probe
 from freetoken.proxy.sessions import SessionStore
 from freetoken.proxy.upstream import Upstream
 from freetoken.server.errors import APIError
@@ -42,6 +43,8 @@ class ProxyState:
         self.heads = HeadBreaks(tokenizer) if tokenizer is not None else None
         self._native: NativeEngine | None = None
         self._lock: asyncio.Lock | None = None
+        self.info: UpstreamInfo | None = None  # API mode: what the upstream serves (probe.py)
+        self._probe_lock: asyncio.Lock | None = None
         fold = cfg.fold_system
         self.fold_system = fold == "fold" or (fold == "auto" and tokenizer is not None
                                               and template_rejects_mid_system(tokenizer))
@@ -57,10 +60,29 @@ class ProxyState:
     def upstream(self) -> Upstream:
         assert self.cfg.upstream is not None
         c = self.cfg
-        return Upstream(c.upstream, c.upstream_api, self.client, c.upstream_api_key, c.ping_s,
+        api = c.upstream_api
+        if api == "both" and self.info is not None:  # translate to what it really serves
+            has = self.info.surfaces
+            if not has.get("anthropic", True):
+                api = "openai"
+            elif not has.get("openai", True):
+                api = "anthropic"
+        return Upstream(c.upstream, api, self.client, c.upstream_api_key, c.ping_s,
                         forward_client_key=c.api_key is None,
                         first_byte_s=c.first_byte_timeout_s, idle_s=c.idle_timeout_s,
                         total_s=c.total_timeout_s)
+
+    async def probed(self) -> UpstreamInfo | None:
+        """API mode: the upstream's surfaces and limits, asked once (first request)."""
+        if self.cfg.upstream is None or self.info is not None or self.cfg.upstream_api != "both":
+            return self.info
+        self._probe_lock = self._probe_lock or asyncio.Lock()
+        async with self._probe_lock:
+            if self.info is None:
+                key = self.cfg.upstream_api_key
+                self.info = await probe(self.client, self.cfg.upstream,
+                                        {"authorization": f"Bearer {key}"} if key else {})
+        return self.info
 
     async def native(self) -> NativeEngine:
         if self._native is None:

@@ -101,7 +101,13 @@ class Scheduler:
                 return True
         for r in self.running:
             if r.rid == rid:
-                self._drop(r)
+                if r.num_generated == 0 and r.computed > r.tree_len:
+                    # a cancelled prefill (a client that gave up, e.g. Claude Code after 300 s
+                    # without a byte, then re-sends it): keep its completed chunks, as a
+                    # preemption does, so the re-sent prompt resumes there
+                    self.release(r)
+                else:
+                    self._drop(r)
                 self.running.remove(r)
                 self._end_lineage(r)
                 r.aborted = True

@@ -7,7 +7,7 @@ Stream event order (what the real API sends and the SDKs check):
 `input_json_delta` for tool_use), `content_block_stop` → `message_delta` (stop_reason,
 stop_sequence, usage) → `message_stop`. `message_start` is sent when the engine has processed
 the prompt, so its usage carries the real `cache_read_input_tokens`; until then the stream
-carries SSE comments, after it a `ping` every PING_S seconds without output.
+carries SSE comments, after it a `ping` every KEEPALIVE_S seconds without output.
 
 Usage follows Anthropic's convention: `input_tokens` are the prompt tokens *not* read from
 cache, `cache_read_input_tokens` the reused ones (their sum is the prompt length).
@@ -40,6 +40,7 @@ from freetoken.server.generation import (
     session_key_from,
 )
 from freetoken.server.sse import (
+    KEEPALIVE_S,
     TICK,
     EventStreamResponse,
     run_unless_disconnected,
@@ -51,7 +52,6 @@ from freetoken.server.state import ServerState, chat_request
 from freetoken.server.validation import common_params, opt_bool, read_json
 
 log = get_logger("server")
-PING_S = 5.0
 
 
 def signature(thinking: str) -> str:
@@ -183,7 +183,7 @@ async def _stream(events: AsyncIterator[Any], base: dict) -> AsyncIterator[str]:
     b = _Blocks()
     started, saw_tools = False, False
     try:
-        async for ev in with_ticks(events, PING_S):
+        async for ev in with_ticks(events, KEEPALIVE_S):
             if ev is TICK:
                 yield sse({"type": "ping"}, "ping") if started else sse_comment()
             elif isinstance(ev, Started):

@@ -20,10 +20,11 @@ from starlette.routing import Route
 
 from freetoken.chat.output import FAMILIES
 from freetoken.log import get_logger, kv
-from freetoken.server import anthropic_routes, native_routes, openai_routes
+from freetoken.server import anthropic_routes, native_routes, openai_routes, responses_routes
 from freetoken.server.errors import APIError, answer_errors, error_response, request_family
 from freetoken.server.guard import Guard
 from freetoken.server.limits import ServerLimits
+from freetoken.server.responses_routes import ResponseStore
 from freetoken.server.state import ServerState
 from freetoken.types.api import EngineClient
 
@@ -57,6 +58,15 @@ async def _unhandled(request: Request, exc: Exception) -> Response:
                           APIError(500, f"internal error: {exc!r}", None, "internal_error"))
 
 
+async def _responses_create(request: Request) -> Response:
+    return await responses_routes.create_response(request, request.app.state.responses,
+                                                  openai_routes.chat_completions)
+
+
+async def _responses_get(request: Request) -> Response:
+    return await responses_routes.get_response(request, request.app.state.responses)
+
+
 def create_app(engine: EngineClient, tokenizer: Any, *, api_key: str | None,
                served_model_names: list[str], strict_model: bool = False,
                parser_family: str = "qwen3", limits: ServerLimits | None = None) -> Guard:
@@ -80,6 +90,8 @@ def create_app(engine: EngineClient, tokenizer: Any, *, api_key: str | None,
         Route("/v1/messages", _endpoint(anthropic_routes.messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", _endpoint(anthropic_routes.count_tokens),
               methods=["POST"]),
+        Route("/v1/responses", _endpoint(_responses_create), methods=["POST"]),
+        Route("/v1/responses/{response_id}", _endpoint(_responses_get), methods=["GET"]),
         Route("/ft/v1/generate", _endpoint(native_routes.generate), methods=["POST"]),
         Route("/ft/v1/control/experts", _endpoint(native_routes.control_experts),
               methods=["POST"]),
@@ -88,6 +100,7 @@ def create_app(engine: EngineClient, tokenizer: Any, *, api_key: str | None,
                                                        Exception: _unhandled})
     app.state.ft = ServerState(engine, tokenizer, api_key, names, strict_model, parser_family,
                                stall_timeout_s=limits.stall_timeout_s)
+    app.state.responses = ResponseStore()  # /v1/responses state (previous_response_id)
     log.info(kv("app", model=engine.model_name, names=",".join(names), strict=strict_model,
                 auth=bool(api_key), max_context=engine.max_context,
                 allowed_hosts=",".join(limits.allowed_hosts) or "local"))

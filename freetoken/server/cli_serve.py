@@ -71,11 +71,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from freetoken.chat import ChatTokenizer
     from freetoken.engine.async_engine import build_engine
     from freetoken.server.app import create_app
+    from freetoken.server.generation import default_output_cap
     from freetoken.server.limits import quiet_connection_logs, uvicorn_config
 
     api_key = api_key_from(args, dict(os.environ))
     limits = limits_from(args)
     engine = build_engine(args)
+    engine.max_output_tokens = default_output_cap(args.model, args.max_output_tokens)
     tokenizer = ChatTokenizer.from_dir(engine.model_dir)  # type: ignore[attr-defined]
     app = create_app(engine, tokenizer, api_key=api_key,
                      served_model_names=args.served_model_name or [engine.model_name],
@@ -84,6 +86,7 @@ def run_serve(args: argparse.Namespace) -> int:
                      limits=limits)
     log.info(kv("serve", host=args.host, port=args.port, model=engine.model_name,
                 max_context=engine.max_context, auth=bool(api_key),
+                max_output_tokens=engine.max_output_tokens,
                 max_connections=limits.max_connections))
     quiet_connection_logs()
     uvicorn.Server(uvicorn_config(app, args.host, args.port, limits)).run()

@@ -35,6 +35,8 @@ from freetoken.types.api import (
 log = get_logger("server")
 
 CLAMP_HEADER = "x-ft-max-tokens-clamped"
+OUTPUT_CAP_HEADER = "x-ft-output-cap"  # the server's own cap ended (or would end) the reply
+DEMO_OUTPUT_CAP = 256  # `ft serve --model demo`: the random-weight demo never ends on its own
 REQUESTED_HEADER = "x-ft-max-tokens-requested"
 SESSION_HEADERS = ("x-claude-code-session-id", "x-session-id", "x-session-affinity")
 
@@ -52,11 +54,24 @@ def session_key_from(headers: Any) -> str | None:
     return None
 
 
+def default_output_cap(model: str | None, given: int | None) -> int | None:
+    """`ft serve --max-output-tokens`: N as given (0 = no cap); unset, DEMO_OUTPUT_CAP for the
+    demo model and no cap for a real checkpoint (the context room bounds it)."""
+    if given is not None:
+        return given if given > 0 else None
+    return DEMO_OUTPUT_CAP if (model or "demo") == "demo" else None
+
+
 @dataclass
 class Plan:
+    """`output_cap`: the server's cap when it, not the client's limit, bounds the reply; a
+    reply stopped there is a normal end of turn (the client's own limit was not reached, and
+    Claude Code turns a `max_tokens` stop into an error)."""
+
     req: GenerateRequest
     prompt_len: int
     headers: dict[str, str] = field(default_factory=dict)
+    output_cap: int | None = None
 
 
 def plan(engine: EngineClient, input_ids: list[int], anchors: list[Anchor], p: CommonParams,
@@ -75,9 +90,12 @@ def plan(engine: EngineClient, input_ids: list[int], anchors: list[Anchor], p: C
             "which leaves no room to generate", prompt_param, "context_length_exceeded")
     headers: dict[str, str] = {}
     cap = getattr(engine, "max_output_tokens", None)  # `ft serve --max-output-tokens`
+    capped_by_server = bool(cap) and cap < room and (p.max_tokens is None or cap < p.max_tokens)
     if cap:
         room = min(room, cap)
     max_tokens = room if p.max_tokens is None else min(p.max_tokens, room)
+    if capped_by_server:
+        headers[OUTPUT_CAP_HEADER] = str(max_tokens)
     if p.max_tokens is not None and max_tokens < p.max_tokens:
         headers[CLAMP_HEADER] = str(max_tokens)
         headers[REQUESTED_HEADER] = str(p.max_tokens)
@@ -88,7 +106,7 @@ def plan(engine: EngineClient, input_ids: list[int], anchors: list[Anchor], p: C
         seed=p.seed, stop_token_ids=[] if p.ignore_eos else list(eos_ids),
         ignore_eos=p.ignore_eos, min_tokens=min(p.min_tokens, max_tokens))
     return Plan(GenerateRequest(list(input_ids), sampling, list(anchors), session_key,
-                                request_id), n, headers)
+                                request_id), n, headers, max_tokens if capped_by_server else None)
 
 
 async def admit(engine: EngineClient, pl: Plan) -> AsyncIterator[EngineEvent]:
@@ -173,6 +191,9 @@ async def drive(gen: AsyncIterator[EngineEvent], pl: Plan, parser: Parser, stops
                 if rest:
                     yield make_text(rest)
                 reason = "length" if ev.finish_reason == "length" else "stop"
+                if reason == "length" and pl.output_cap is not None:
+                    log.info(kv("output_cap", request=pl.req.request_id, cap=pl.output_cap))
+                    reason = "stop"  # the server's cap, not the client's limit: end of turn
                 yield Finished(reason, None, prompt_tokens, cached, out_tokens)
                 return
         raise APIError(500, "the engine stream ended without a finish event", None, "engine_error")

@@ -25,13 +25,19 @@ from starlette.responses import JSONResponse, Response
 from freetoken.log import get_logger, kv
 from freetoken.server.errors import APIError, error_body
 from freetoken.server.generation import Plan, admit, new_id, plan, session_key_from
-from freetoken.server.sse import TICK, EventStreamResponse, sse, sse_comment, with_ticks
+from freetoken.server.sse import (
+    KEEPALIVE_S,
+    TICK,
+    EventStreamResponse,
+    sse,
+    sse_comment,
+    with_ticks,
+)
 from freetoken.server.state import ServerState
 from freetoken.server.validation import CommonParams, common_params, opt_dict, opt_str, read_json
 from freetoken.types.api import Anchor, EngineEvent
 
 log = get_logger("server")
-KEEPALIVE_S = 10.0
 ANCHOR_KINDS = {"head_end", "turn_start", "think_start", "think_end", "tool_call_start",
                 "tool_result_start", "tool_result_end",
                 "system_block",  # the agent proxy's head breaks (freetoken/proxy/heads.py)

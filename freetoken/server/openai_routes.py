@@ -25,6 +25,7 @@ from freetoken.log import get_logger, kv
 from freetoken.server.errors import APIError, error_body
 from freetoken.server.generation import Finished, admit, drive, new_id, plan, session_key_from
 from freetoken.server.sse import (
+    KEEPALIVE_S,
     TICK,
     EventStreamResponse,
     run_unless_disconnected,
@@ -36,7 +37,6 @@ from freetoken.server.state import ServerState, chat_request
 from freetoken.server.validation import common_params, opt_bool, opt_dict, opt_int, read_json
 
 log = get_logger("server")
-KEEPALIVE_S = 10.0
 DONE = "data: [DONE]\n\n"
 
 

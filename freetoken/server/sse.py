@@ -28,6 +28,10 @@ log = get_logger("server")
 T = TypeVar("T")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Seconds without output after which a stream sends a keep-alive (an SSE comment before the
+# first event, Anthropic `ping` events after `message_start`), on every route: Claude Code's
+# stall watchdog fires after ~20 s without bytes. docs/server.md states it; a test checks.
+KEEPALIVE_S = 5.0
 
 
 def sse(data: Any, event: str | None = None) -> str:

@@ -38,6 +38,10 @@ _ISA_FLAGS: dict[str, list[str]] = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "scalar": [],
 }
+# Tokens per decode tile (simd.h's kNtMax per ISA): a call whose expert groups all have at most
+# this many tokens takes the decode path (per-thread row blocks, stealing, timing); larger
+# groups take the tiled path. tests/kernels_cpu checks this table against each build.
+DECODE_TILE_TOKENS = {"avx512bf16": 3, "avx512": 3, "avx2": 2, "scalar": 2}
 PREFETCH_HINTS = ("t0", "t1", "t2", "nta")  # order = the kernel's hint codes
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "expert_kernel.cpp", _DIR / "expert_tiles.cpp", _DIR / "decode_ops.cpp",
@@ -89,6 +93,11 @@ def detect_isa(flags: set[str] | None = None) -> str:
     return "scalar"
 
 
+def runnable_isas(flags: set[str] | None = None) -> list[str]:
+    """Every ISA build this CPU can run, best first (the detected one and all below it)."""
+    return list(ISAS[ISAS.index(detect_isa(flags)):])
+
+
 class CpuKernel:
     """A loaded build of the kernel for one ISA."""
 
@@ -112,6 +121,11 @@ class CpuKernel:
         self._sum = lib.ft_stream_sum
         self._sum.restype = ctypes.c_float
         self._sum.argtypes = [p, i64, ctypes.c_int, i64]
+
+    @property
+    def decode_tile_tokens(self) -> int:
+        """Most tokens per expert group that still take the decode path in this build."""
+        return DECODE_TILE_TOKENS[self.built_isa]
 
     @property
     def lib(self) -> ctypes.CDLL:

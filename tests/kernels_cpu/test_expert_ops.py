@@ -1,11 +1,13 @@
 """CPU expert kernel and torch fallback against the float64 per-token reference."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from kernels.cpu.expert_ops import cpu_experts, cpu_experts_ref, cpu_experts_torch
-from kernels.cpu.ext import ISAS, CpuKernel, build, detect_isa
+from kernels.cpu.ext import ISAS, CpuKernel, build, detect_isa, runnable_isas
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -34,9 +36,35 @@ def _tol(dtype: torch.dtype) -> float:
     return 1e-5 if dtype == torch.float32 else 1e-2
 
 
+def _forced_isa() -> str | None:
+    """FT_CPU_ISA=<isa> (docs/testing.md) runs the ISA-specific tests under that build only;
+    unset (or `auto`), they run under every build this CPU can run."""
+    want = os.environ.get("FT_CPU_ISA", "auto")
+    return None if want in ("auto", "torch") else want
+
+
+def _test_isas() -> list[str]:
+    forced = _forced_isa()
+    return [forced] if forced else runnable_isas()
+
+
+def _build_runnable(isa: str) -> CpuKernel:
+    if isa not in runnable_isas():
+        pytest.skip(f"FT_CPU_ISA={isa}: this CPU lacks its instructions "
+                    f"(it runs {', '.join(runnable_isas())})")
+    return build(isa)
+
+
 @pytest.fixture(scope="module")
 def kernel() -> CpuKernel:
-    return build(detect_isa())
+    """The build the engine would load here (FT_CPU_ISA or the detected best)."""
+    return _build_runnable(_forced_isa() or detect_isa())
+
+
+@pytest.fixture(scope="module", params=_test_isas())
+def isa_kernel(request: pytest.FixtureRequest) -> CpuKernel:
+    """Each build this CPU runs, for the paths whose shape depends on the ISA (decode tile)."""
+    return _build_runnable(request.param)
 
 
 def _check_against_ref(fn, seed: int, dtype: torch.dtype, t: int | None = None) -> None:
@@ -135,12 +163,7 @@ def test_detected_isa_is_one_this_cpu_can_run(monkeypatch: pytest.MonkeyPatch) -
     assert detect_isa({_CPUINFO_FLAG[f] for f in ext._ISA_FLAGS["avx512bf16"]}) == "scalar"
 
 
-def _runnable_isas() -> list[str]:
-    best = detect_isa()
-    return list(ISAS[ISAS.index(best):])
-
-
-@pytest.mark.parametrize("isa", _runnable_isas())
+@pytest.mark.parametrize("isa", runnable_isas())
 def test_every_code_path_this_cpu_runs(isa: str) -> None:
     """Each ISA build (separate code paths in one source) computes the same function."""
     kern = build(isa)
@@ -173,10 +196,11 @@ def test_every_code_path_this_cpu_runs(isa: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
 @pytest.mark.parametrize("t", [1, 3])
-def test_kernel_decode_blocks_any_thread_count(kernel: CpuKernel, dtype: torch.dtype,
+def test_kernel_decode_blocks_any_thread_count(isa_kernel: CpuKernel, dtype: torch.dtype,
                                                threads: int, t: int) -> None:
     """Decode-size groups (per-thread contiguous row blocks): every thread count, including
     more threads than row blocks, and row counts that are not a multiple of the tile."""
+    kernel = isa_kernel
     for seed in (30, 31, 32):
         def fn(x, ids, gu, dn, mask, out):
             kernel.run(x, ids, gu, dn, mask, out, num_threads=threads, allow_dpbf16=False)
@@ -193,11 +217,18 @@ def test_kernel_decode_blocks_any_thread_count(kernel: CpuKernel, dtype: torch.d
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [2, 5, 13])
 @pytest.mark.parametrize("t", [1, 2, 3])
-def test_decode_stealing_does_not_change_results(kernel: CpuKernel, dtype: torch.dtype,
+def test_decode_stealing_does_not_change_results(isa_kernel: CpuKernel, dtype: torch.dtype,
                                                  threads: int, t: int) -> None:
     """Threads that finish early steal the others' units; each output row is still one dot
     product, so results are bit-identical with stealing off, at any (over)subscription, and
-    match the float64 reference. The per-thread timing of the call is reported."""
+    match the float64 reference. The per-thread timing of the call is reported.
+    Regression: t=3 was run against whatever build the CPU had, and on AVX2 (decode tile of 2
+    tokens) it never took the decode path, so the suite failed on every AVX2-only machine."""
+    kernel = isa_kernel
+    if t > kernel.decode_tile_tokens:
+        pytest.skip(f"{t} tokens exceed the {kernel.built_isa} decode tile "
+                    f"({kernel.decode_tile_tokens}): the tiled path runs, which has no stealing "
+                    "(test_decode_tile_boundary checks the switch)")
     g = torch.Generator().manual_seed(40 + t)
     e, k, h, i = 11, 8, 200, 72  # several units per thread and expert, partial last units
     x = torch.randn(t, h, generator=g)
@@ -221,3 +252,22 @@ def test_decode_stealing_does_not_change_results(kernel: CpuKernel, dtype: torch
         kernel.set_steal(True)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     assert _rel(outs[0], cpu_experts_ref(x, ids, gu, dn)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_tile_boundary(isa_kernel: CpuKernel, dtype: torch.dtype) -> None:
+    """DECODE_TILE_TOKENS matches each build's kNtMax: groups of exactly that many tokens take
+    the decode path (per-thread timing recorded), one more token takes the tiled path (no
+    timing), and both compute the reference function."""
+    n = isa_kernel.decode_tile_tokens
+    for t, decode in ((n, True), (n + 1, False)):
+        g = torch.Generator().manual_seed(50 + t)
+        e, k, h, i = 6, 4, 64, 24
+        x = torch.randn(t, h, generator=g)
+        gu = (torch.randn(e, 2 * i, h, generator=g) / h**0.5).to(dtype)
+        dn = (torch.randn(e, h, i, generator=g) / i**0.5).to(dtype)
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])  # [T, K]
+        out = torch.full((t, k, h), float("nan"))
+        isa_kernel.run(x, ids, gu, dn, None, out, num_threads=2, allow_dpbf16=False)
+        assert len(isa_kernel.last_timing()) == (2 if decode else 0), (isa_kernel.built_isa, t)
+        assert _rel(out, cpu_experts_ref(x, ids, gu, dn)) < 1e-5

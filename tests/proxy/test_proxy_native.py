@@ -141,7 +141,7 @@ def test_pings_before_the_first_token(stack, monkeypatch) -> None:
     engine, proxy = stack
     engine.reset()
     engine.first_delay_s = 0.4
-    monkeypatch.setattr(anthropic_routes, "PING_S", 0.05)
+    monkeypatch.setattr(anthropic_routes, "KEEPALIVE_S", 0.05)
     p = proxy()
     r = httpx.post(p.url + "/v1/messages", json={"model": "m", "max_tokens": 5, "stream": True,
                                                  "messages": [{"role": "user", "content": "hi"}]})

@@ -18,21 +18,15 @@ from server_helpers import FakeEngine, Server
 from freetoken.chat import ChatTokenizer, qwen3_tokenizer_dir
 from freetoken.proxy.app import create_proxy_app
 from freetoken.proxy.config import ProxyConfig
-from freetoken.proxy.launch import Limits, plan_for
+from freetoken.proxy.launch import Limits, find_harness, harness_bin_dir, plan_for
 from freetoken.server import create_app
 
-PREFIX = Path(os.environ.get("FT_HARNESS_PREFIX",
-                             Path.home() / ".cache" / "freetoken" / "harnesses"))
-
-
-def _find(name: str, local: Path) -> str | None:
-    return shutil.which(name) or (str(local) if local.is_file() else None)
-
-
-CLAUDE = _find("claude", PREFIX / "npm" / "node_modules" / ".bin" / "claude")
-MINI = _find("mini", PREFIX / "mini-venv" / "bin" / "mini")
-OPENCODE = _find("opencode", PREFIX / "npm" / "node_modules" / ".bin" / "opencode")
-OPENCLAW = _find("openclaw", PREFIX / "npm" / "node_modules" / ".bin" / "openclaw")
+PREFIX = harness_bin_dir().parent  # scripts/install_harnesses.sh's PREFIX (FT_HARNESS_PREFIX)
+CLAUDE = find_harness("claude")
+MINI = find_harness("mini")
+OPENCODE = find_harness("opencode")
+OPENCLAW = find_harness("openclaw")
+CODEX = find_harness("codex")
 NODE24_BIN = PREFIX / "node24" / "node_modules" / ".bin"  # OpenClaw needs Node >= 24.16
 pytestmark = pytest.mark.slow
 
@@ -108,12 +102,14 @@ def test_mini_swe_agent_runs_to_submission(stack, tmp_path) -> None:
 
     engine.script = script
     before = len(_records(metrics))
-    plan = plan_for("mini", proxy.url, Limits(context=32768, output=256, model="fake"))
-    env = _env(plan.env, tmp_path)
+    # exactly what `ft launch mini --write DIR` writes and prints (issue 28: the printed
+    # command ignored mini.yaml, and `-c mini.yaml` alone crashed)
+    cfg = tmp_path / "cfg"
+    env = _env(_written_env("mini", proxy.url, cfg), tmp_path)
     traj = tmp_path / "traj.json"
-    p = subprocess.run([MINI, "-m", "openai/fake", "-t", "Print step numbers, then submit.",
-                        "-y", "--exit-immediately", "-o", str(traj)], check=False, cwd=tmp_path,
-                       env=env,
+    p = subprocess.run([MINI, "-c", "mini.yaml", "-c", str(cfg / "ft-model.yaml"), "-t",
+                        "Print step numbers, then submit.", "-y", "--exit-immediately", "-o",
+                        str(traj)], check=False, cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     info = json.loads(traj.read_text())["info"]
@@ -133,6 +129,8 @@ def _written_env(harness: str, proxy_url: str, cfg: Path) -> dict[str, str]:
     for line in (cfg / f"{harness}.env").read_text().splitlines():
         k, v = line.removeprefix("export ").split("=", 1)
         env[k] = json.loads(v)
+    if "PATH" in env:  # "PREFIX/bin:$PATH", expanded as the shell would
+        env["PATH"] = env["PATH"].replace("$PATH", os.environ.get("PATH", ""))
     return env
 
 
@@ -197,3 +195,40 @@ def test_openclaw_two_messages_one_session(stack, tmp_path) -> None:
     assert recs[1]["session"] == recs[0]["session"]
     assert recs[1]["edit_kind"] == "edit" and recs[1]["predicted_hit"] is True, recs[1]
     assert recs[1]["cached_tokens"] >= 0.9 * recs[0]["prompt_tokens"], recs
+
+
+@pytest.mark.skipif(CODEX is None, reason="Codex CLI not installed "
+                    "(scripts/install_harnesses.sh)")
+def test_codex_exec_tool_call_and_resume(stack, tmp_path) -> None:
+    # catches: /v1/responses missing (Codex 0.171 retries five times and exits), events Codex
+    # cannot parse, a function_call it cannot run, and a resumed turn that loses reuse
+    engine, proxy, metrics = stack
+    engine.reset()
+    n = [0]
+
+    def script(req) -> str:
+        n[0] += 1
+        if n[0] == 1:
+            return ('<think>\nlook\n</think>\n\nChecking.<tool_call>\n{"name": "exec_command", '
+                    '"arguments": {"cmd": "echo hi-from-tool"}}\n</tool_call>')
+        return "All done: hello from the fake engine."
+
+    engine.script = script
+    before = len(_records(metrics))
+    env = _env(_written_env("codex", proxy.url, tmp_path / "cfg"), tmp_path / "home")
+    (tmp_path / "home").mkdir()
+    work = tmp_path / "repo"
+    work.mkdir()
+    for args in (["say hi"], ["resume", "--last", "again"]):
+        p = subprocess.run([CODEX, "exec", "--skip-git-repo-check", *args], check=False,
+                           cwd=work, env=env, capture_output=True, text=True, timeout=180,
+                           stdin=subprocess.DEVNULL)
+        assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
+        assert "hello from the fake engine" in p.stdout, (p.stdout[-2000:], p.stderr[-2000:])
+    out = p.stdout + p.stderr
+    recs = [r for r in _records(metrics)[before:] if r["harness"] == "codex"]
+    assert len(recs) == 3 and all(r["status"] == 200 for r in recs), recs
+    assert "hi-from-tool" in engine.tok.decode(engine.requests[1].input_ids), out[-2000:]
+    assert [r["edit_kind"] for r in recs] == ["new", "append", "append"]
+    for prev, cur in itertools.pairwise(recs):
+        assert cur["cached_tokens"] >= 0.95 * prev["prompt_tokens"], (prev, cur)

@@ -323,7 +323,8 @@ def test_sibling_streams_are_served_concurrently(to_openai) -> None:
 
 def test_unknown_routes_and_methods_answer_in_the_clients_shape(to_openai) -> None:
     p = to_openai
-    r = httpx.post(p.url + "/v1/responses", json={}, headers={"anthropic-version": "2023-06-01"})
+    # (this used /v1/responses, a route since issue 28)
+    r = httpx.post(p.url + "/v1/embeddings", json={}, headers={"anthropic-version": "2023-06-01"})
     assert r.status_code == 404 and r.json()["type"] == "error"
     r = httpx.get(p.url + "/v1/chat/completions")
     assert r.status_code == 405 and "not allowed" in r.json()["error"]["message"]

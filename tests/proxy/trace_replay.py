@@ -22,7 +22,9 @@ from harness_adapters import HarnessRequest, detect_adapter
 from harness_adapters.base import system_text
 
 TRACES = Path(__file__).parents[1] / "data" / "harness_traces"
-FILES = sorted(TRACES.glob("*/*.jsonl"))
+# chat-shaped traces (Anthropic messages, OpenAI chat); Codex's Responses session is replayed by
+# tests/chat/test_responses_map.py and tests/e2e/test_codex_replay_engine.py
+FILES = sorted(f for f in TRACES.glob("*/*.jsonl") if f.parent.name != "codex")
 EXPECTED = {"claude_code": "claude_code", "opencode": "opencode", "openclaw": "openclaw",
             "mini_swe_agent": "swe_agent"}
 

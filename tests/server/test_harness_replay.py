@@ -51,6 +51,18 @@ def _check_openai_stream(text: str, tool: bool, usage: bool) -> None:
         assert chunks[-1]["usage"]["prompt_tokens"] > 0
 
 
+def _check_responses(text: str | None, r: httpx.Response, tool: bool) -> None:
+    if text is None:
+        final = r.json()
+    else:
+        evs = [d for _, d in parse_sse(text) if isinstance(d, dict)]
+        assert [e["sequence_number"] for e in evs] == list(range(len(evs)))
+        assert evs[0]["type"] == "response.created" and evs[-1]["type"] == "response.completed"
+        final = evs[-1]["response"]
+    kinds = [o["type"] for o in final["output"]]
+    assert kinds == (["reasoning", "function_call"] if tool else ["reasoning", "message"])
+
+
 @pytest.mark.parametrize("path", FILES, ids=[f"{p.parent.name}/{p.stem}" for p in FILES])
 def test_replay(server: Server, engine: FakeEngine, path: Path) -> None:
     engine.max_context = 262144  # the pruning traces grow past 100k tokens
@@ -72,6 +84,8 @@ def test_replay(server: Server, engine: FakeEngine, path: Path) -> None:
                         _check_anthropic_stream(r.text, tool)
                     else:
                         assert r.json()["type"] == "message"
+                elif rec["path"].startswith("/v1/responses"):
+                    _check_responses(r.text if body.get("stream") else None, r, tool)
                 elif body.get("stream"):
                     _check_openai_stream(
                         r.text, tool, bool((body.get("stream_options") or {}).get("include_usage"))
@@ -84,7 +98,7 @@ def test_replay(server: Server, engine: FakeEngine, path: Path) -> None:
                 req = engine.requests[-1]
                 hdrs = {k.lower(): v for k, v in rec["headers"].items()}
                 want = (hdrs.get("x-claude-code-session-id") or hdrs.get("x-session-id")
-                        or hdrs.get("x-session-affinity"))
+                        or hdrs.get("x-session-affinity") or body.get("prompt_cache_key"))
                 assert req.session_key == want, where
     finally:
         engine.max_context = 40960

@@ -71,7 +71,7 @@ def test_anthropic_event_order(server: Server, engine: FakeEngine) -> None:
 
 def test_anthropic_pings_on_silence(server: Server, engine: FakeEngine,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(anthropic_routes, "PING_S", 0.1)
+    monkeypatch.setattr(anthropic_routes, "KEEPALIVE_S", 0.1)
     engine.script = lambda req: "slow words come out here"
     engine.per_event, engine.delay_s, engine.first_delay_s = 2, 0.35, 0.35
     evs = anthropic_stream(server, {"model": "m", "max_tokens": 50, "stream": True,
