@@ -69,9 +69,11 @@ def test_semantic_anchor_snapshot_allows_reuse_after_edit(tiny_hf) -> None:
     head, tail = _prompt(V, 60, 5), _prompt(V, 40, 6)
     core = EngineCore(model, [], kv_tokens=1024, state_slots=16, chunk_tokens=32)
     _run(core, [_req("a", head + tail, 4, [Anchor(60, "turn_start", "user", cut_point=True)])])
-    edited = head + _prompt(V, 30, 7)  # the harness rewrote everything after the anchor
+    # the harness rewrote everything after the turn's opening token (a turn_start anchor is an
+    # `<|im_start|>`, which the next turn repeats: the cut is snapshotted one token in, #23)
+    edited = head + tail[:1] + _prompt(V, 30, 7)
     ev = _run(core, [_req("b", edited, 4)])["b"]
-    assert ev[0].cached_tokens == 60  # resumed from the snapshot at the anchor, not from 0
+    assert ev[0].cached_tokens == 61  # resumed from the snapshot at the anchor, not from 0
     want = generate(model, edited, SamplingParams(max_tokens=4, temperature=0.0,
                                                   ignore_eos=True), []).token_ids
     assert _tokens(ev) == want
