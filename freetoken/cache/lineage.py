@@ -19,7 +19,8 @@ of a snapshot's value (`snapshots.level`):
 
 Where no header names a parent, the parent comes from prefix structure: a new session whose
 first prompt resumes from a snapshot another (non-sub-agent) session made is that session's
-sub-agent (the most recently started one, when several share the snapshot). Such an inferred
+sub-agent (the most recently started one, when several share the snapshot), unless that
+snapshot is the other session's latest (then the new one continues it). Such an inferred
 sub-agent gives its parent the `BACK` bonus but is never marked finished: an unrelated session
 of the same harness shares the same head, and must not lose its snapshots when the other one
 speaks again.

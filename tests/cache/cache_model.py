@@ -5,8 +5,7 @@ the KV slot of its last token, the logical time it was last touched, the snapsho
 (tier, class, time, resumes, users), and the prefixes each simulated request holds locked.
 Snapshot eviction is written here a second time from the rule in `freetoken.cache`'s
 docstring (value levels, session lineage, host spill, host replacement). `check_*`
-functions compare the real
-tree against it after every operation.
+functions compare the real tree against it after every operation.
 """
 from __future__ import annotations
 

@@ -67,6 +67,11 @@ def test_claude_code_trace_gets_cut_points_sessions_and_growing_reuse(stack) -> 
         assert any(a.kind == "head_end" for a in cuts)
         assert r.sampling.max_tokens == 16
     main = [r for r in reqs if r.session_key == keys[0]]
+    # lineage (#23): sub-agents name the main thread's session id as their parent
+    assert all(r.parent_key is None for r in main)
+    subs = [r for r in reqs if r.session_key != keys[0]]
+    assert len(subs) == 4 and all(r.parent_key and keys[0].startswith(r.parent_key)
+                                  for r in subs)
     st = _stats(p.url)
     sess = st["sessions"][keys[0]]
     assert sess["requests"] == len(main) == 6 and sess["appends"] == 5
