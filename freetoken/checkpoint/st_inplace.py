@@ -61,18 +61,20 @@ class InPlace:
             if disk_gu in files:
                 layer_pieces = [(disk_gu, gu, 0), (disk_dn, dn, 0)]
             else:
-                p = f"{cfg.weight_prefix}layers.{layer}.mlp.experts."
+                p = f"{cfg.weight_prefix}layers.{layer}.{cfg.moe_module}.experts."
+                g, u, d = cfg.expert_names  # gate_proj / up_proj / down_proj (kimi: w1 / w3 / w2)
                 layer_pieces = []
                 for e in range(E):
-                    layer_pieces += [(f"{p}{e}.gate_proj.weight", gu, e * 2 * I * H * es),
-                                     (f"{p}{e}.up_proj.weight", gu, (e * 2 + 1) * I * H * es),
-                                     (f"{p}{e}.down_proj.weight", dn, e * H * I * es)]
+                    layer_pieces += [(f"{p}{e}.{g}.weight", gu, e * 2 * I * H * es),
+                                     (f"{p}{e}.{u}.weight", gu, (e * 2 + 1) * I * H * es),
+                                     (f"{p}{e}.{d}.weight", dn, e * H * I * es)]
             if all(d in ok for d, _, _ in layer_pieces):
                 experts += [TensorSpec(gu, (E, 2 * I, H), dtype), TensorSpec(dn, (E, H, I), dtype)]
                 pieces += layer_pieces
         fused_la = cfg.linear_fused_qkvz
+        per_expert = f".{cfg.moe_module}.experts."  # banks only, assembled above
         for name, shape in shapes.items():
-            if ".mlp.experts." in name or name not in ok:
+            if per_expert in name or name not in ok:
                 continue
             if fused_la and (name.endswith(("in_proj_qkvz.weight", "in_proj_ba.weight"))):
                 continue  # regrouped by split_fused: not a plain copy
