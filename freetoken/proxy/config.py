@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from harness_adapters.normalise import STEPS
 
-DEMO_OUTPUT_CAP = 256  # the demo model never ends a reply on its own
+DEMO_OUTPUT_CAP = 256  # demo-random never ends a reply on its own; the trained demo's safety net
 
 
 @dataclass
