@@ -1,6 +1,6 @@
 """Load and hostile-client test of `ft serve`, on loopback only, bounded in count and time.
 
-  python scripts/load_test.py                 # spawns `ft serve --model demo` on a free port
+  python scripts/load_test.py                 # spawns `ft serve --model demo-random` on a free port
   python scripts/load_test.py --url http://127.0.0.1:8000   # an already running server
 
 Phases (each prints one table row: what was measured, the figure, and its floor or bound):
@@ -233,7 +233,7 @@ def main() -> int:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         proc = subprocess.Popen([
-            sys.executable, "-m", "freetoken.cli", "serve", "--model", "demo", "--host",
+            sys.executable, "-m", "freetoken.cli", "serve", "--model", "demo-random", "--host",
             "127.0.0.1", "--port", str(port), "--max-running", "8",
             "--stall-timeout", str(a.stall_timeout), "--header-timeout", str(a.header_timeout),
             "--body-timeout", str(a.body_timeout), "--max-connections", str(a.max_connections)])

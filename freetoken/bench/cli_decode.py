@@ -11,7 +11,9 @@ import argparse
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("decode", help="prefill and decode tok/s")
-    p.add_argument("--model", default="demo")
+    p.add_argument("--model", default="demo-random",
+                   help="checkpoint directory, 'demo-random' (the shape the figures in "
+                        "docs/benchmarks.md use) or 'demo'")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)

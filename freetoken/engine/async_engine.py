@@ -269,7 +269,10 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
     )
     if core.device.type == "cuda":
         core.warm_up()  # kernel compilation and graph capture before the first request
-    name = "demo" if str(getattr(args, "model", "demo") or "demo") == "demo" else model_dir.name
+    from freetoken.models.demo import DEMO_ALIASES
+
+    given = str(getattr(args, "model", "demo") or "demo")
+    name = given if given in DEMO_ALIASES else model_dir.name
     engine = AsyncEngine(core, model_dir, name)
     engine.max_output_tokens = getattr(args, "max_output_tokens", None)
     return engine

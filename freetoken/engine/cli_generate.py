@@ -8,7 +8,7 @@ import sys
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt")
-    p.add_argument("--model", default="demo", help="checkpoint directory or 'demo'")
+    p.add_argument("--model", default="demo", help="checkpoint directory, 'demo' or 'demo-random'")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--thinking", choices=["on", "off"], default=None,

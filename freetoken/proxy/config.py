@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from harness_adapters.normalise import STEPS
 
-DEMO_OUTPUT_CAP = 256  # the demo model never ends a reply on its own
+DEMO_OUTPUT_CAP = 256  # demo-random never ends a reply on its own; the trained demo's safety net
 # --upstream: an engine we do not know may never stop either (Claude Code asks for 64000);
 # far above any reply a coding agent needs, far below a runaway's minutes of decode
 UPSTREAM_OUTPUT_CAP = 8192

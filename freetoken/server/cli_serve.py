@@ -17,7 +17,8 @@ log = get_logger("server")
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve a model over OpenAI / Anthropic HTTP APIs")
     p.add_argument("--model", default="demo",
-                   help="checkpoint directory, or 'demo' for the built-in tiny demo model")
+                   help="checkpoint directory, 'demo' (the built-in tiny trained demo model) or "
+                        "'demo-random' (its random-weight, never-ending sibling)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     from freetoken.server.front_options import add_front_door_args

@@ -1,4 +1,5 @@
-"""The demo checkpoint: deterministic, a valid qwen3_5_moe for transformers and for our reader."""
+"""The random-weight demo checkpoint ("demo-random"): deterministic, a valid qwen3_5_moe for
+transformers and for our reader. The trained demo: tests/models/test_demo_trained.py."""
 from __future__ import annotations
 
 import hashlib
@@ -10,9 +11,9 @@ import torch
 
 from freetoken.checkpoint.safetensors_reader import load_checkpoint
 from freetoken.models.demo import (
-    DEMO_NAME,
+    DEMO_RANDOM_NAME,
     ModelPathError,
-    demo_model_dir,
+    random_demo_dir,
     resolve_model_path,
     tokenizer_source_dir,
 )
@@ -29,19 +30,19 @@ def _sha256(path: Path) -> str:
 
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return demo_model_dir(tmp_path_factory.mktemp("cache_a"))
+    return random_demo_dir(tmp_path_factory.mktemp("cache_a"))
 
 
 def test_build_is_atomic_and_cached(demo_dir: Path) -> None:
-    assert demo_dir.name == DEMO_NAME
-    assert [p.name for p in demo_dir.parent.iterdir()] == [DEMO_NAME]  # no temp dir left
+    assert demo_dir.name == DEMO_RANDOM_NAME
+    assert [p.name for p in demo_dir.parent.iterdir()] == [DEMO_RANDOM_NAME]  # no temp dir left
     mtime = (demo_dir / "model.safetensors").stat().st_mtime_ns
-    assert demo_model_dir(demo_dir.parent) == demo_dir
+    assert random_demo_dir(demo_dir.parent) == demo_dir
     assert (demo_dir / "model.safetensors").stat().st_mtime_ns == mtime  # not rebuilt
 
 
 def test_build_is_byte_identical(demo_dir: Path, tmp_path: Path) -> None:
-    other = demo_model_dir(tmp_path)
+    other = random_demo_dir(tmp_path)
     assert other != demo_dir
     assert _sha256(other / "model.safetensors") == _sha256(demo_dir / "model.safetensors")
 
@@ -132,14 +133,19 @@ def test_transformers_loads_it_exactly(demo_dir: Path) -> None:
 def test_resolve_model_path(
     tmp_path: Path, demo_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from freetoken.models.demo_trained import trained_name
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     # prebuilt cache: link the module's build instead of building again
-    (tmp_path / "xdg" / "freetoken" / "models").mkdir(parents=True)
-    (tmp_path / "xdg" / "freetoken" / "models" / DEMO_NAME).symlink_to(demo_dir)
-    assert resolve_model_path("demo") == tmp_path / "xdg" / "freetoken" / "models" / DEMO_NAME
+    models = tmp_path / "xdg" / "freetoken" / "models"
+    models.mkdir(parents=True)
+    (models / DEMO_RANDOM_NAME).symlink_to(demo_dir)
+    assert resolve_model_path("demo-random") == models / DEMO_RANDOM_NAME
+    (models / trained_name()).mkdir()  # "demo" is the trained one, under its own name
+    assert resolve_model_path("demo") == models / trained_name()
     assert resolve_model_path(None) == resolve_model_path("demo")
     assert resolve_model_path(str(demo_dir)) == demo_dir
-    with pytest.raises(ModelPathError, match="neither 'demo' nor a checkpoint directory"):
+    with pytest.raises(ModelPathError, match="neither 'demo', 'demo-random' nor a checkpoint"):
         resolve_model_path("Qwen/Qwen3-30B-A3B")
     with pytest.raises(ModelPathError, match="no config.json"):
         resolve_model_path(tmp_path)

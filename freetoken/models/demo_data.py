@@ -1,0 +1,453 @@
+"""Synthetic agent transcripts for training the demo model (`freetoken.models.train_demo`).
+
+Each conversation starts from a real first request of a recorded harness (its system prompt, its
+tool list, its user-message wrapping; `tests/data/harness_traces/`), with the recorded task
+replaced by a short synthetic one, then goes on in that harness's own API shape: a tool call
+that names a tool of the request's own list with arguments valid against its schema, the tool
+result formatted the way that harness formats it, and a final answer that quotes the result
+and ends the turn. Chat tasks ("hi") get a short answer and no call. Requests are mapped by the
+server's own walks (`openai_to_template` / `anthropic_to_template`) and rendered by the
+checkpoint's chat template (`ChatTokenizer.apply`), so the prompts are token for token what the
+engine sees from those harnesses.
+
+Tasks map onto each harness's real tools: list files, read a file, run a shell command, write a
+file (Claude Code: Bash/Read/Write; OpenCode: bash/read/write; OpenClaw: ls/read/exec/write;
+Codex: exec_command; mini-swe-agent: its `bash` tool, or its text protocol with
+```mswea_bash_command blocks and `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT` to finish).
+
+Everything comes from one `random.Random(seed)`: the same (version, seed, count) gives the same
+samples. Bump `DATA_VERSION` whenever the output for a seed changes.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from freetoken.chat.anthropic_map import anthropic_to_template
+from freetoken.chat.openai_map import openai_to_template
+from freetoken.chat.tokenizer import ChatTokenizer
+from freetoken.models.demo_tasks import Task, Turn, make_task
+
+DATA_VERSION = 2  # v2: two to five tasks a conversation (more targets per long prompt)
+TRACES = Path(__file__).resolve().parents[2] / "tests" / "data" / "harness_traces"
+RECORDED_CWD = "/home/dev/project"
+_RECORDED_TASK = re.compile(r"Explore this repo:[^\n\"]*?summarize\.")
+
+
+@dataclass(frozen=True)
+class Harness:
+    name: str
+    trace: str  # path under TRACES
+    seq: int  # the request whose system prompt, tools and first user message are used
+    api: str  # "anthropic" | "openai" | "responses"
+    calls: Callable[[Task, str], tuple[str, dict[str, Any]]]  # (task, cwd) -> (tool, args)
+    result: Callable[[Task, str], str]  # the tool output as this harness sends it back
+
+
+def _cc_call(t: Task, cwd: str) -> tuple[str, dict[str, Any]]:
+    if t.kind == "read":
+        return "Read", {"file_path": f"{cwd}/{t.path}"}
+    if t.kind == "write":
+        return "Write", {"file_path": f"{cwd}/{t.path}", "content": t.content}
+    return "Bash", {"command": t.command, "description": t.description}
+
+
+def _cc_result(t: Task, cwd: str) -> str:
+    if t.kind == "read":
+        return "".join(f"{i}\t{line}\n" for i, line in enumerate(t.output.split("\n"), 1))
+    if t.kind == "write":
+        return f"File created successfully at: {cwd}/{t.path}"
+    return t.output.rstrip("\n")
+
+
+def _oc_call(t: Task, cwd: str) -> tuple[str, dict[str, Any]]:
+    if t.kind == "read":
+        return "read", {"filePath": f"{cwd}/{t.path}"}
+    if t.kind == "write":
+        return "write", {"content": t.content, "filePath": f"{cwd}/{t.path}"}
+    return "bash", {"command": t.command, "description": t.description}
+
+
+def _oc_result(t: Task, cwd: str) -> str:
+    if t.kind == "read":
+        lines = t.output.split("\n")
+        body = "".join(f"{i}: {line}\n" for i, line in enumerate(lines, 1))
+        return (f"<path>{cwd}/{t.path}</path>\n<type>file</type>\n<content>\n{body}\n"
+                f"(End of file - total {len(lines)} lines)\n</content>")
+    if t.kind == "write":
+        return "Wrote file successfully."
+    return t.output
+
+
+def _ocl_call(t: Task, cwd: str) -> tuple[str, dict[str, Any]]:
+    if t.kind == "list":
+        return "ls", {}
+    if t.kind == "read":
+        return "read", {"path": t.path}
+    if t.kind == "write":
+        return "write", {"path": t.path, "content": t.content}
+    return "exec", {"command": t.command, "title": t.description}
+
+
+def _ocl_result(t: Task, cwd: str) -> str:
+    if t.kind == "write":
+        return f"Successfully wrote {len(t.content.encode())} bytes to {t.path}"
+    return t.output.rstrip("\n")
+
+
+def _bash_call(t: Task, cwd: str) -> tuple[str, dict[str, Any]]:
+    return "bash", {"command": t.command}
+
+
+def _mini_tool_result(t: Task, cwd: str) -> str:
+    return json.dumps({"returncode": 0, "output": t.output}, indent=2)
+
+
+def _mini_text_result(t: Task, cwd: str) -> str:
+    return f"<returncode>0</returncode>\n<output>\n{t.output}</output>"
+
+
+def _codex_call(t: Task, cwd: str) -> tuple[str, dict[str, Any]]:
+    return "exec_command", {"cmd": t.command}
+
+
+def _codex_result(t: Task, cwd: str) -> str:
+    return (f"Chunk ID: 0\nWall time: 0.0 seconds\nProcess exited with code 0\n"
+            f"Original token count: {len(t.output) // 4}\nOutput:\n{t.output}")
+
+
+HARNESSES: dict[str, Harness] = {h.name: h for h in (
+    Harness("claude_code", "claude_code/cc_try1.jsonl", 1, "anthropic", _cc_call, _cc_result),
+    Harness("opencode", "opencode/oc_try1.jsonl", 2, "openai", _oc_call, _oc_result),
+    Harness("openclaw", "openclaw/ocl_try1.jsonl", 1, "openai", _ocl_call, _ocl_result),
+    Harness("mini_tool", "mini_swe_agent/mini_tool.jsonl", 1, "openai", _bash_call,
+            _mini_tool_result),
+    Harness("mini_text", "mini_swe_agent/mini_text.jsonl", 1, "openai", _bash_call,
+            _mini_text_result),
+    Harness("codex", "codex/codex_responses.jsonl", 1, "responses", _codex_call,
+            _codex_result),
+)}
+MINI_DONE = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+
+
+def recorded_body(h: Harness, traces: Path = TRACES) -> dict[str, Any]:
+    with open(traces / h.trace, encoding="utf-8") as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec["seq"] == h.seq:
+                return dict(rec["body"])
+    raise KeyError(f"{h.trace} has no request seq={h.seq}")
+
+
+def responses_to_openai(body: dict[str, Any]) -> dict[str, Any]:
+    """A Codex Responses body as the chat body it amounts to: developer items become system
+    messages, `input_text` parts joined, function tools kept (hosted tools and namespaces
+    dropped: the template cannot render them)."""
+    msgs: list[dict[str, Any]] = []
+    if body.get("instructions"):
+        msgs.append({"role": "system", "content": body["instructions"]})
+    for it in body.get("input") or []:
+        if it.get("type") != "message":
+            continue
+        text = "\n".join(p.get("text", "") for p in it.get("content") or [])
+        role = "system" if it["role"] == "developer" else it["role"]
+        if role == "system" and msgs and msgs[-1]["role"] == "system":
+            msgs[-1]["content"] += "\n\n" + text
+        else:
+            msgs.append({"role": role, "content": text})
+    tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description",
+                                                                "parameters") if k in t}}
+             for t in body.get("tools") or [] if t.get("type") == "function"]
+    return {"messages": msgs, "tools": tools}
+
+
+def _replace_task(obj: Any, task_text: str, cwd: str) -> Any:
+    """The recorded body with its task sentence (the last one wins for Codex, whose task is a
+    whole user message) and working directory replaced."""
+    s = json.dumps(obj, ensure_ascii=False)
+    s = s.replace(RECORDED_CWD, cwd).replace("<project>", cwd)
+    s = _RECORDED_TASK.sub(lambda _m: json.dumps(task_text, ensure_ascii=False)[1:-1], s)
+    return json.loads(s)
+
+
+def base_request(h: Harness, task_text: str, cwd: str,
+                 traces: Path = TRACES) -> dict[str, Any]:
+    body = recorded_body(h, traces)
+    if h.api == "responses":
+        body = responses_to_openai(body)
+        body["messages"][-1]["content"] = task_text
+    keep = {k: body[k] for k in ("system", "tools", "thinking", "messages") if k in body}
+    return _replace_task(copy.deepcopy(keep), task_text, cwd)
+
+
+def _mini_text_reply(thought: str, command: str) -> str:
+    return f"THOUGHT: {thought}\n\n```mswea_bash_command\n{command}\n```"
+
+
+def append_turns(h: Harness, body: dict[str, Any], turns: list[Turn], task: Task, cwd: str,
+                 n: int) -> None:
+    """Append one task's assistant/tool messages to `body` in the harness's API shape."""
+    msgs = body["messages"]
+    for turn in turns:
+        if turn.call:
+            name, args = (h.calls(task, cwd) if turn.command is None
+                          else ("bash", {"command": turn.command}))
+            cid = f"call_{n}_{len(msgs)}"
+            if h.name == "mini_text":
+                msgs.append({"role": "assistant",
+                             "content": _mini_text_reply(turn.text, args["command"])})
+                if turn.command is None:
+                    msgs.append({"role": "user", "content": h.result(task, cwd)})
+                continue
+            if h.api == "anthropic":
+                blocks = ([{"type": "text", "text": turn.text}] if turn.text else [])
+                blocks.append({"type": "tool_use", "id": cid, "name": name, "input": args})
+                msgs.append({"role": "assistant", "content": blocks})
+                if turn.command is None:
+                    msgs.append({"role": "user", "content": [
+                        {"type": "tool_result", "tool_use_id": cid,
+                         "content": h.result(task, cwd)}]})
+            else:
+                msgs.append({"role": "assistant", "content": turn.text or None, "tool_calls": [
+                    {"id": cid, "type": "function",
+                     "function": {"name": name, "arguments": json.dumps(args)}}]})
+                if turn.command is None:
+                    msgs.append({"role": "tool", "tool_call_id": cid,
+                                 "content": h.result(task, cwd)})
+        elif h.api == "anthropic":
+            msgs.append({"role": "assistant", "content": [{"type": "text", "text": turn.text}]})
+        else:
+            msgs.append({"role": "assistant", "content": turn.text})
+
+
+def _user_message(h: Harness, text: str) -> dict[str, Any]:
+    if h.api == "anthropic":
+        return {"role": "user", "content": [{"type": "text", "text": text}]}
+    if h.name.startswith("mini"):
+        return {"role": "user", "content": f"Please solve this issue: {text}"}
+    return {"role": "user", "content": text}
+
+
+@dataclass
+class Sample:
+    harness: str
+    ids: list[int]
+    mask: list[int]  # 1 where the token is an assistant output the loss trains on
+
+
+def corpus_lines(traces: Path = TRACES) -> list[str]:
+    """Plain lines of the recorded system prompts (20-90 characters, no markup): file contents
+    for the read tasks."""
+    seen: set[str] = set()
+    for h in HARNESSES.values():
+        body = recorded_body(h, traces)
+        system = body.get("system", "")
+        texts = [system] if isinstance(system, str) else [b.get("text", "") for b in system]
+        texts += [m["content"] for m in body.get("messages", [])
+                  if isinstance(m.get("content"), str)]
+        for t in texts:
+            for line in t.split("\n"):
+                line = line.strip()
+                if 20 <= len(line) <= 90 and not re.search(r"[<>{}`|\\]", line):
+                    seen.add(line)
+    return sorted(seen)
+
+
+def conversation(h: Harness, rng: random.Random, traces: Path = TRACES,
+                 corpus: list[str] | None = None) -> tuple[dict[str, Any], list[Task]]:
+    """One synthetic conversation body (API shape) of one to three tasks."""
+    cwd = rng.choice(["/home/dev/project", "/home/user/app", "/work/repo", "/tmp/demo",
+                      "/srv/site", "/home/ana/code/tool", "/root/proj"])
+    if rng.random() < 0.5:
+        cwd = f"/home/{rng.choice(['sam', 'li', 'kim', 'dev'])}/{rng.choice(['api', 'web', 'x'])}"
+    mini = h.name.startswith("mini")
+    tasks = [make_task(rng, mini=mini, corpus=corpus)
+             for _ in range(1 if mini else rng.randint(2, 5))]
+    body = base_request(h, tasks[0].request, cwd, traces)
+    for i, task in enumerate(tasks):
+        if i:
+            body["messages"].append(_user_message(h, task.request))
+        append_turns(h, body, task.turns(mini=mini, done=MINI_DONE), task, cwd, i)
+    return body, tasks
+
+
+def template_input(h: Harness, body: dict[str, Any]):
+    return (anthropic_to_template(body) if h.api == "anthropic" else openai_to_template(body))
+
+
+def assistant_mask(ids: list[int], tok: ChatTokenizer) -> list[int]:
+    """1 on every assistant turn's tokens after `<|im_start|>assistant\\n` up to and including
+    its `<|im_end|>`."""
+    start, end = tok.special_ids["<|im_start|>"], tok.special_ids["<|im_end|>"]
+    head = tok.encode("assistant\n")
+    mask = [0] * len(ids)
+    i = 0
+    while i < len(ids):
+        if ids[i] == start and ids[i + 1:i + 1 + len(head)] == head:
+            j = i + 1 + len(head)
+            while j < len(ids) and ids[j] != end:
+                mask[j] = 1
+                j += 1
+            if j < len(ids):
+                mask[j] = 1
+            i = j
+        i += 1
+    return mask
+
+
+_SPLIT = "<|im_start|>"
+_FOLLOW = {"role": "user", "content": "."}  # a message after the last turn: no loop.last think
+
+
+class _Encoder:
+    """`tok.apply`'s ids, faster: the rendered text is encoded piece by piece, split before
+    each `<|im_start|>` (a special token, so the pieces tokenize independently), and the long
+    recorded pieces (system prompt + tools) are encoded once. Prompts that hold control-token
+    strings in their text take `tok.apply` itself."""
+
+    def __init__(self, tok: ChatTokenizer) -> None:
+        self.tok = tok
+        self._cache: dict[str, list[int]] = {}
+
+    def ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+            think: bool | None) -> tuple[list[int], str]:
+        _, _, escaped = self.tok._escaper.escape(messages, tools)
+        if escaped:
+            p = self.tok.apply(messages, tools, think, add_generation_prompt=True)
+            return p.input_ids, p.text
+        text = self.tok.render(messages, tools, think, True, keep_all_reasoning=True)
+        out: list[int] = []
+        for i, piece in enumerate(text.split(_SPLIT)):
+            piece = (_SPLIT if i else "") + piece
+            if len(piece) > 2000:
+                if piece not in self._cache:
+                    self._cache[piece] = self.tok.encode(piece)
+                out += self._cache[piece]
+            elif piece:
+                out += self.tok.encode(piece)
+        return out, text
+
+
+def render_sample(h: Harness, body: dict[str, Any], enc: _Encoder,
+                  think_off: bool) -> Sample:
+    """The conversation as one training sequence: the request before the last assistant turn,
+    rendered with the generation prompt (and `enable_thinking=False` when `think_off`, as a
+    harness that turns reasoning off sends it), then that turn as the template renders it in
+    the history (no think block: what the next request will hold) and `<|im_end|>`."""
+    tok = enc.tok
+    ti = template_input(h, body)
+    last = max(i for i, m in enumerate(ti.messages) if m["role"] == "assistant")
+    think = False if think_off else ti.enable_thinking
+    ids, _ = enc.ids(ti.messages[:last], ti.tools, think)
+    head = tok.render(ti.messages[:last], ti.tools, None, True, keep_all_reasoning=True)
+    whole = tok.render(ti.messages[:last + 1] + [_FOLLOW], ti.tools, None, False,
+                       keep_all_reasoning=True)
+    assert whole.startswith(head), "the template is not append-only at this turn"
+    target = whole[len(head):]
+    target = target[:target.rindex("<|im_end|>", 0, target.rindex(_SPLIT)) + len("<|im_end|>")]
+    tail = tok.encode(target)
+    mask = assistant_mask(ids, tok)
+    gen = max(i for i, t in enumerate(ids) if t == tok.special_ids[_SPLIT])
+    mask[gen:] = [0] * (len(ids) - gen)  # the generation prompt (and its think block) is given
+    return Sample(h.name, ids + tail, mask + [1] * len(tail))
+
+
+def generate(counts: dict[str, int], seed: int, tok: ChatTokenizer,
+             traces: Path = TRACES) -> list[Sample]:
+    """`counts[harness]` samples of each harness, interleaved, from one seed."""
+    rng = random.Random(seed)
+    enc = _Encoder(tok)
+    corpus = corpus_lines(traces)
+    order = sorted((i / n, name) for name, n in counts.items() for i in range(n))
+    out = []
+    for _, name in order:
+        h = HARNESSES[name]
+        body, _ = conversation(h, rng, traces, corpus)
+        out.append(render_sample(h, body, enc, think_off=rng.random() < 0.3))
+    return out
+
+
+DEFAULT_COUNTS = {"claude_code": 300, "openclaw": 200, "opencode": 200, "codex": 200,
+                  "mini_tool": 1500, "mini_text": 1500}
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    from freetoken.models.demo import tokenizer_size, tokenizer_source_dir
+    from freetoken.models.train_demo import save_data
+
+    p = argparse.ArgumentParser(description="write the demo model's pre-tokenized training data")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scale", type=float, default=1.0, help="multiply every harness's count")
+    args = p.parse_args(argv)
+    tok_dir = tokenizer_source_dir()
+    tok = ChatTokenizer.from_dir(tok_dir)
+    counts = {k: max(1, round(v * args.scale)) for k, v in DEFAULT_COUNTS.items()}
+    samples = generate(counts, args.seed, tok)
+    vocab = -(-tokenizer_size(tok_dir / "tokenizer.json") // 64) * 64
+    meta = {"data_version": DATA_VERSION, "seed": args.seed, "counts": counts,
+            "vocab_size": vocab, "tokens": sum(len(s.ids) for s in samples),
+            "target_tokens": sum(sum(s.mask) for s in samples)}
+    save_data(Path(args.out), [(s.harness, s.ids, s.mask) for s in samples], meta)
+    print(json.dumps(meta))
+
+
+if __name__ == "__main__":
+    main()
+
+
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
+    "array": (list,), "object": (dict,), "null": (type(None),)}
+
+
+def schema_errors(schema: dict[str, Any], value: Any, where: str = "$") -> list[str]:
+    """What of `value` breaks `schema`, for the JSON-Schema keywords the harnesses' tool
+    parameters use (type, properties, required, additionalProperties, enum, const, items,
+    anyOf); other keywords are not checked."""
+    errs: list[str] = []
+    if "anyOf" in schema and all(schema_errors(s, value, where) for s in schema["anyOf"]):
+        errs.append(f"{where}: matches none of anyOf")
+    t = schema.get("type")
+    if t is not None:
+        types = t if isinstance(t, list) else [t]
+        ok = any(isinstance(value, _JSON_TYPES[x]) and not (
+            x in ("integer", "number") and isinstance(value, bool)) for x in types)
+        if not ok:
+            return [*errs, f"{where}: {type(value).__name__} is not {t}"]
+    if "enum" in schema and value not in schema["enum"]:
+        errs.append(f"{where}: {value!r} not in enum")
+    if "const" in schema and value != schema["const"]:
+        errs.append(f"{where}: {value!r} is not the const")
+    if isinstance(value, dict):
+        props = schema.get("properties") or {}
+        errs += [f"{where}: missing required {k!r}" for k in schema.get("required") or []
+                 if k not in value]
+        for k, v in value.items():
+            if k in props:
+                errs += schema_errors(props[k], v, f"{where}.{k}")
+            elif schema.get("additionalProperties") is False:
+                errs.append(f"{where}: unexpected {k!r}")
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, v in enumerate(value):
+            errs += schema_errors(schema["items"], v, f"{where}[{i}]")
+    return errs
+
+
+def tool_call_errors(tools: list[dict[str, Any]] | None, name: str,
+                     arguments: dict[str, Any]) -> list[str]:
+    """Why a call of `name` with `arguments` is not valid for the request's `tools` (OpenAI
+    function tools, as `TemplateInput.tools` holds them); [] when it is."""
+    for t in tools or []:
+        fn = t.get("function", t)
+        if fn.get("name") == name:
+            return schema_errors(fn.get("parameters") or {"type": "object"}, arguments)
+    return [f"{name!r} is not one of the request's tools"]

@@ -1,0 +1,191 @@
+"""The synthetic tasks behind the demo model's training conversations (`demo_data`).
+
+A task is one user request and what answers it: list the files, read a file, run a shell
+command, write a file, or a chat message with no tool. Tool outputs are made up here (file
+names, contents, command output) and the final answer quotes them, so the model learns to copy
+what a tool returned rather than to recall it. Every choice comes from the caller's `rng`.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+_WORDS = [
+    "alpha", "beta", "gamma", "delta", "cache", "route", "token", "model", "server",
+    "agent", "proxy", "queue", "worker", "index", "parser", "config", "report",
+    "upload", "image", "table", "graph", "batch", "stream", "vector", "sample",
+    "client", "kernel", "layer", "expert", "anchor", "buffer", "socket", "schema",
+    "record", "branch", "commit", "notes", "todo", "draft", "plan", "budget", "lunch",
+    "garden", "music", "river", "orange", "planet", "rocket",
+]
+_COMMON = ["README.md", "main.py", "setup.py", "pyproject.toml", "Makefile", "LICENSE",
+           "package.json", "index.js", "app.py", "notes.txt", "TODO.md", "config.yaml",
+           "requirements.txt", "Cargo.toml", "go.mod", "CHANGELOG.md", "Dockerfile",
+           "utils.py", "server.js", "data.csv"]
+_DIRS = ["src", "tests", "docs", "scripts", "lib", "data", "assets", "bin", "examples"]
+_EXTS = [".py", ".md", ".txt", ".js", ".json", ".toml", ".sh", ".rs", ".go", ".yaml"]
+_SENT = ["This project {v} {o}.", "It {v} {o} for the {a} team.", "Run make to {v2} it.",
+         "The {a} module {v} {o}.", "See docs for how to {v2} the {a} {n}.",
+         "Version {d}.{d}.{d}.", "Author: {name}.", "TODO: {v2} the {a} {n}."]
+_V = ["builds", "serves", "tests", "parses", "stores", "tracks", "renders", "checks"]
+_V2 = ["build", "install", "run", "test", "deploy", "configure", "clean"]
+_NAMES = ["Ana", "Sam", "Li Wei", "Kim", "Omar", "Jo", "Priya", "Max"]
+
+LIST_ASKS = ["list the files", "List the files.", "list the files here", "What files are here?",
+             "what files are in this directory?", "Show me the files.", "ls",
+             "Which files does this project have?", "list files", "show the directory contents",
+             "What is in this folder?", "list the files in the current directory"]
+READ_ASKS = ["what does {f} say", "What does {f} say?", "read {f}", "Read {f}.",
+             "show me {f}", "cat {f}", "What's in {f}?", "open {f}", "print {f}",
+             "Can you read {f} for me?", "what is in {f}", "Show the contents of {f}."]
+SHELL_ASKS = ["run `{c}`", "Run {c}", "run {c}", "What does `{c}` print?", "execute `{c}`",
+              "Please run `{c}` and tell me the output.", "$ {c}"]
+WRITE_ASKS = ["create a file {f} containing {t}", "Write \"{t}\" to {f}.",
+              "make a file called {f} with the text {t}", "write {t} into {f}",
+              "Create {f} with the content: {t}"]
+CHATS = [("hi", "Hello! How can I help you with this project?"),
+         ("Hi!", "Hello! How can I help you with this project?"),
+         ("hello", "Hello! How can I help you with this project?"),
+         ("hey", "Hello! How can I help you with this project?"),
+         ("thanks", "You're welcome!"), ("Thank you!", "You're welcome!"),
+         ("who are you?", ("I am the FreeToken demo model, a tiny model trained to list, read "
+          "and write files and run shell commands.")),
+         ("what can you do?", ("I can list the files, read a file, write a file and run a "
+          "shell command, then tell you what came back.")),
+         ("ok", "Okay. Tell me what you need next."),
+         ("bye", "Goodbye!")]
+
+
+@dataclass
+class Turn:
+    """One assistant turn: a tool call (`call`; `command` set for mini's finishing command, which
+    gets no result) or a text answer."""
+
+    call: bool
+    text: str = ""
+    command: str | None = None
+
+
+@dataclass
+class Task:
+    kind: str  # list | read | shell | write | chat
+    request: str
+    path: str = ""
+    content: str = ""
+    command: str = ""
+    description: str = ""
+    output: str = ""
+    answer: str = ""
+    thought: str = field(default="")
+
+    def turns(self, mini: bool, done: str) -> list[Turn]:
+        if self.kind == "chat":
+            return [Turn(False, self.answer)]
+        first = Turn(True, self.thought if mini else "")
+        last = Turn(True, self.answer, done) if mini else Turn(False, self.answer)
+        return [first, last]
+
+
+def _name(rng: random.Random) -> str:
+    if rng.random() < 0.5:
+        return rng.choice(_COMMON)
+    stem = rng.choice(_WORDS) + rng.choice(["", "_" + rng.choice(_WORDS), str(rng.randint(1, 9))])
+    return stem + rng.choice(_EXTS)
+
+
+def _sentence(rng: random.Random) -> str:
+    return rng.choice(_SENT).format(
+        v=rng.choice(_V), v2=rng.choice(_V2), o=" ".join(rng.sample(_WORDS, 2)),
+        a=rng.choice(_WORDS), n=rng.choice(_WORDS), d=rng.randint(0, 9), name=rng.choice(_NAMES))
+
+
+def _file_text(rng: random.Random, path: str, corpus: list[str]) -> str:
+    """A few lines: made-up sentences, or lines of real text (`corpus`, from the recorded
+    prompts), so the answers learn to copy any text and not just our word list."""
+    lines = [rng.choice(corpus) if corpus and rng.random() < 0.5 else _sentence(rng)
+             for _ in range(rng.randint(1, 4))]
+    if path.endswith(".md") or rng.random() < 0.3:
+        lines = [f"# {rng.choice(_WORDS).title()} {rng.choice(_WORDS)}", ""] + lines
+    return "\n".join(lines)
+
+
+def _quote(text: str, n: int = 3) -> str:
+    """The first `n` non-empty lines: what a final answer quotes of a tool's output."""
+    return "\n".join([ln for ln in text.split("\n") if ln.strip()][:n])
+
+
+def _listing(rng: random.Random) -> list[str]:
+    names = {_name(rng) for _ in range(rng.randint(1, 7))}
+    names |= set(rng.sample(_DIRS, rng.randint(0, 3)))
+    if rng.random() < 0.6:
+        names.add("README.md")
+    return sorted(names)
+
+
+def _shell(rng: random.Random) -> tuple[str, str, str]:
+    """(command, description, output)"""
+    k = rng.randrange(6)
+    if k == 0:
+        w = " ".join(rng.sample(_WORDS, rng.randint(1, 3)))
+        return f"echo {w}", "Print text", w + "\n"
+    if k == 1:
+        f = _name(rng)
+        n = rng.randint(1, 400)
+        return f"wc -l {f}", "Count lines", f"{n} {f}\n"
+    if k == 2:
+        branch = rng.choice(["main", "master", "dev", "feature/" + rng.choice(_WORDS)])
+        files = [_name(rng) for _ in range(rng.randint(0, 2))]
+        body = "".join(f"\tmodified:   {f}\n" for f in files)
+        out = f"On branch {branch}\n" + (f"Changes not staged for commit:\n{body}" if files
+                                         else "nothing to commit, working tree clean\n")
+        return "git status", "Show working tree status", out
+    if k == 3:
+        v = f"3.{rng.randint(8, 13)}.{rng.randint(0, 12)}"
+        return "python3 --version", "Show Python version", f"Python {v}\n"
+    if k == 4:
+        day = rng.choice(["Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"])
+        out = f"{day} Dec {rng.randint(1, 28)} {rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}"
+        return "date", "Show the date", out + ":00 UTC 2026\n"
+    h = "".join(rng.choice("0123456789abcdef") for _ in range(7))
+    msg = f"{rng.choice(_V2)} {rng.choice(_WORDS)}"
+    return "git log --oneline -n 1", "Show the last commit", f"{h} {msg}\n"
+
+
+def make_task(rng: random.Random, mini: bool, corpus: list[str] | None = None) -> Task:
+    """One task; `mini` tasks always use a tool (mini-swe-agent needs a command every turn)."""
+    kinds = ["list", "read", "read", "shell", "write"] + ([] if mini else ["chat"])
+    kind = rng.choice(kinds)
+    if kind == "chat":
+        ask, answer = rng.choice(CHATS)
+        return Task("chat", ask, answer=answer)
+    if kind == "list":
+        names = _listing(rng)
+        out = "".join(n + "\n" for n in names)
+        return Task("list", rng.choice(LIST_ASKS), command="ls",
+                    description="List files in current directory", output=out,
+                    answer="The files here are: " + ", ".join(names) + ".",
+                    thought="I will list the files in the current directory.")
+    if kind == "read":
+        path = rng.choice(["README.md", "README.md", _name(rng)])
+        if rng.random() < 0.2:
+            path = f"{rng.choice(_DIRS)}/{_name(rng)}"
+        ask = rng.choice(READ_ASKS)
+        if path == "README.md" and rng.random() < 0.3:
+            ask = ask.replace("{f}", "README")
+        text = _file_text(rng, path, corpus or [])
+        return Task("read", ask.format(f=path), path=path, command=f"cat {path}",
+                    description=f"Show {path}", output=text + "\n",
+                    answer=f"{path} says:\n\n{_quote(text)}",
+                    thought=f"I will read {path}.")
+    if kind == "shell":
+        cmd, desc, out = _shell(rng)
+        return Task("shell", rng.choice(SHELL_ASKS).format(c=cmd), command=cmd,
+                    description=desc, output=out,
+                    answer=f"`{cmd}` printed:\n\n{_quote(out)}",
+                    thought=f"I will run `{cmd}`.")
+    path = _name(rng)
+    text = " ".join(rng.sample(_WORDS, rng.randint(1, 4)))
+    return Task("write", rng.choice(WRITE_ASKS).format(f=path, t=text), path=path,
+                content=text + "\n", command=f"printf '%s\\n' '{text}' > {path}",
+                description=f"Write {path}", output="",
+                answer=f"I wrote {path}.", thought=f"I will write {path}.")
