@@ -88,9 +88,9 @@ def default_backend(cfg, dtype: torch.dtype, device: str, kv_reserve_tokens: int
 
 
 def moe_options(args: argparse.Namespace, backend: str | None = None):
-    from freetoken.experts.setup import MoEOptions
+    from freetoken.types.config import MoEConfig
 
-    return MoEOptions(
+    return MoEConfig(
         backend=backend or args.moe_backend or "fused",
         cache_size=args.moe_cache_size,
         cache_rate=args.moe_cache_rate,
@@ -109,7 +109,7 @@ def moe_options(args: argparse.Namespace, backend: str | None = None):
 
 def moe_from_args(args: argparse.Namespace, model_dir, dtype: torch.dtype | None,
                   device: str):
-    """`(MoEOptions, kv_reserve_bytes)` from the MoE flag group for the checkpoint in
+    """`(MoEConfig, kv_reserve_bytes)` from the MoE flag group for the checkpoint in
     `model_dir`: an unset `--moe-backend` resolves through `default_backend`, and the KV floor
     and the context's K/V are turned into bytes so the slot cache is sized to leave them free."""
     from freetoken.cache.tensors import KVPool

@@ -26,10 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from freetoken.experts import bandwidth as bw
-from freetoken.experts import profile as bwp
 from freetoken.experts.backends import cpu_branch
 from freetoken.experts.cpu_bridge import CpuBridge
+
+from freetoken.experts import bandwidth as bw
+from freetoken.experts import profile as bwp
 from freetoken.experts.store import ExpertStore
 from kernels.cpu.bridge_ops import sim_gpu
 from kernels.cpu.ext import cpu_model, load_kernel

@@ -136,7 +136,9 @@ def run_shape(args: argparse.Namespace) -> int:
         b.experts.gate_up_proj = b.experts.down_proj = None  # the store holds the only copy
     opts = moe_options(args)
     if opts.cache_size is None and opts.cache_rate is None and opts.cache_mem is None:
-        opts.cache_rate = 0.37
+        from dataclasses import replace
+
+        opts = replace(opts, cache_rate=0.37)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=g).tolist()
     traces = (args.route_trace or "random").split(",")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from dataclasses import replace
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -58,8 +59,6 @@ def measure_link(store, device, seconds: float = 0.5) -> float:
 
 
 def _row_opts(row: str, base):
-    from dataclasses import replace
-
     if row == "stream":
         return replace(base, prefill_stream="on", prefill_stream_tokens=2)
     if row == "stream/serial":
@@ -78,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from freetoken.bench.random_model import random_model
     from freetoken.cli_options import moe_options, resolve_device, resolve_dtype
     from freetoken.engine.generate import generate
-    from freetoken.experts.setup import find_profile
+    from freetoken.experts.runtime import find_profile
     from freetoken.experts.store import ExpertStore
     from freetoken.types.api import SamplingParams
     from freetoken.types.presets import preset_config
@@ -100,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         b.experts.gate_up_proj = b.experts.down_proj = None  # the store holds the only copy
     base = moe_options(args, "offload")
     if base.cache_size is None and base.cache_rate is None and base.cache_mem is None:
-        base.cache_rate = 0.37
+        base = replace(base, cache_rate=0.37)
     b_p = measure_link(store, device)
     prof = find_profile(model, store.dtype)
     pool = store.nbytes
@@ -121,32 +120,33 @@ def run(args: argparse.Namespace) -> int:
             if pool > 0.8 * torch.cuda.mem_get_info(device)[0]:
                 print("[bench] fused skipped: the pool does not fit on the GPU", flush=True)
                 continue
-            install_backend(model, store, "fused", base, device)
+            full = install_backend(model, store, "fused", base, device)
             rt = None
         else:
-            rt = install_backend(model, store, "offload", _row_opts(row, base), device)
+            full = rt = install_backend(model, store, "offload", _row_opts(row, base), device)
         # kernels compile on a process's first use of each shape class: not in the figures
         generate(model, prompt_of(512), SamplingParams(max_tokens=2, temperature=0.0,
-                                                       ignore_eos=True), [], prefill_chunk=512)
+                                                       ignore_eos=True), [], prefill_chunk=512,
+                 moe=full)
         if rt is not None:
-            rt.stats.sync()
+            rt.counters.sync()
         for T in sizes:
             prompt = prompt_of(T)
             sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
             best, moved = float("inf"), 0.0
             for _ in range(max(1, args.repeats)):
                 if rt is not None:
-                    s0 = rt.stats.stream_bytes + rt.stats.fetch_bytes
-                res = generate(model, prompt, sp, [], prefill_chunk=T)
+                    s0 = rt.counters.stream_bytes + rt.counters.fetch_bytes
+                res = generate(model, prompt, sp, [], prefill_chunk=T, moe=full)
                 if rt is not None:
-                    rt.stats.sync()
-                    moved = rt.stats.stream_bytes + rt.stats.fetch_bytes - s0
+                    rt.counters.sync()
+                    moved = rt.counters.stream_bytes + rt.counters.fetch_bytes - s0
                 best = min(best, res.prefill_seconds)
             results[(T, row)] = (best, moved)
             print(f"[bench] {row:16} {T:6d} tokens: {best:7.3f} s  {T / best:8.0f} tok/s  "
                   f"{moved / 1e9:6.2f} GB over the link", flush=True)
         if row.startswith("fused"):
-            drop_fused(model, device)
+            drop_fused(full, model, device)
         if scan is None:
             os.environ.pop("FT_GDN_SCAN", None)
         else:

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from freetoken.engine.core import EngineCore
-from freetoken.experts.setup import WORKSPACE_MARGIN_BYTES
 from freetoken.log import get_logger, kv
 from freetoken.types.api import EngineEvent, GenerateRequest
+from freetoken.types.config import WORKSPACE_MARGIN_BYTES
 
 log = get_logger("engine")
 _ids = itertools.count(1)
@@ -219,12 +219,12 @@ def default_kv_tokens(model, max_context: int, moe) -> int:
     return n
 
 
-def default_chunk_tokens(model) -> int:
+def default_chunk_tokens(moe) -> int:
     """Prefill tokens per step when `--chunk-tokens` is not given: 8192 when long chunks stream
-    whole MoE layers (a streamed chunk costs one pass of the layer's misses over the link
-    however many tokens it carries, so the chunk is made large: DESIGN §4), else 512."""
-    rt = getattr(model, "moe_runtime", None)
-    st = getattr(rt, "streamer", None)
+    whole MoE layers through the expert runtime `moe`'s streamer (a streamed chunk costs one
+    pass of the layer's misses over the link however many tokens it carries, so the chunk is
+    made large: DESIGN §4), else 512."""
+    st = moe.streamer if moe is not None else None
     if st is not None and st.wants(STREAM_CHUNK_TOKENS)[0]:
         return STREAM_CHUNK_TOKENS
     return 512
@@ -236,7 +236,7 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
     from freetoken.chat import ChatTokenizer
     from freetoken.cli_options import moe_from_args, resolve_device, resolve_dtype
     from freetoken.models.demo import resolve_model_path
-    from freetoken.models.loader import load_model
+    from freetoken.models.loader import load_with_experts
 
     model_dir = resolve_model_path(getattr(args, "model", None) or "demo")
     device = resolve_device(getattr(args, "device", None))
@@ -244,7 +244,8 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
     moe, reserve = None, 0
     if hasattr(args, "moe_backend"):
         moe, reserve = moe_from_args(args, model_dir, dtype, device)
-    model = load_model(model_dir, dtype=dtype, device=device, moe=moe, kv_reserve_bytes=reserve)
+    model, rt = load_with_experts(model_dir, moe, dtype=dtype, device=device,
+                                  kv_reserve_bytes=reserve)
     tok = ChatTokenizer.from_dir(model_dir)
     if getattr(args, "record_routing", None):
         from freetoken.experts.record import attach_recorder
@@ -257,11 +258,12 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
         kv_tokens=kv_tokens,
         state_slots=getattr(args, "state_slots", None) or 64,
         max_running=getattr(args, "max_running", None) or 4,
-        chunk_tokens=getattr(args, "chunk_tokens", None) or default_chunk_tokens(model),
+        chunk_tokens=getattr(args, "chunk_tokens", None) or default_chunk_tokens(rt),
         max_context=getattr(args, "max_context", None),
         policy=getattr(args, "checkpoint_policy", None) or "semantic",
         cuda_graph=getattr(args, "cuda_graph", True),
         state_host_mem=getattr(args, "state_host_mem", None),
+        moe=rt,
     )
     if core.device.type == "cuda":
         core.warm_up()  # kernel compilation and graph capture before the first request

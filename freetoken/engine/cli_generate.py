@@ -36,14 +36,15 @@ def run(args: argparse.Namespace) -> int:
     from freetoken.cli_options import moe_from_args
     from freetoken.engine.generate import generate
     from freetoken.models.demo import resolve_model_path
-    from freetoken.models.loader import load_model
+    from freetoken.models.loader import load_with_experts
     from freetoken.types.api import SamplingParams
 
     model_dir = resolve_model_path(args.model)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     moe, reserve = moe_from_args(args, model_dir, dtype, args.device)
-    model = load_model(model_dir, dtype=dtype, device=args.device, progress=not args.json,
-                       moe=moe, kv_reserve_bytes=reserve)
+    model, rt = load_with_experts(model_dir, moe, dtype=dtype, device=args.device,
+                                  progress=not args.json, kv_reserve_bytes=reserve)
+    assert rt is not None  # (a config always gives a runtime; `fused` has no slot cache)
     tok = ChatTokenizer.from_dir(model_dir)
     if args.chat:
         thinking = None if args.thinking is None else args.thinking == "on"
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         recorder = attach_recorder(model)
     detok = IncrementalDetokenizer(tok)
     on_token = None if args.json else (lambda t: print(detok.push([t]), end="", flush=True))
-    res = generate(model, ids, sampling, tok.eos_token_ids, on_token=on_token)
+    res = generate(model, ids, sampling, tok.eos_token_ids, on_token=on_token, moe=rt)
     if recorder is not None:
         recorder.save(args.record_routing)
     if args.json:
@@ -73,12 +74,11 @@ def run(args: argparse.Namespace) -> int:
                           "text": tok.decode(res.token_ids), "finish_reason": res.finish_reason,
                           "prefill_seconds": round(res.prefill_seconds, 4),
                           "decode_tokens_per_second": round(res.decode_tps, 2),
-                          "moe_backend": model.moe_runtime.backend,
-                          "moe_stats": model.moe_runtime.stats.as_dict()}))
+                          "moe_backend": rt.backend, "moe_stats": rt.counters.as_dict()}))
     else:
         print(detok.flush())
         pf = len(ids) / res.prefill_seconds if res.prefill_seconds > 0 else 0.0
         print(f"\n[{len(ids)} prompt tokens, {pf:.1f} tok/s prefill; {len(res.token_ids)} tokens, "
               f"{res.decode_tps:.1f} tok/s decode; finish={res.finish_reason}; "
-              f"moe={model.moe_runtime.backend}]", file=sys.stderr)
+              f"moe={rt.backend}]", file=sys.stderr)
     return 0

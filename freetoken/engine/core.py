@@ -16,6 +16,7 @@ already cover the stop token, so it is committed with it (the step's own token i
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -25,19 +26,18 @@ from freetoken.engine.cache_ops import CacheOps, HostStates, host_slots_for
 from freetoken.engine.gpu_sampler import RowSampling, sample_rows
 from freetoken.engine.graph_runner import DecodeRow, DecodeRunner, Pending
 from freetoken.engine.stats import EngineStats
+from freetoken.experts.bridge import BridgeError
+from freetoken.experts.runtime import MoERuntime, ResizeError
 from freetoken.log import get_logger, kv
 from freetoken.models.qwen import QwenMoE
 from freetoken.sampler import RequestSampler
 from freetoken.scheduler.request import Request
 from freetoken.scheduler.scheduler import BatchItem, Scheduler
 from freetoken.types.api import AdmissionError, EngineEvent, GenerateRequest, SamplingParams
-from freetoken.types.forward_batch import ForwardBatch
+from freetoken.types.forward_batch import EAGER, ForwardBatch, MoEStep
 
 log = get_logger("engine")
-
-
-class ResizeError(RuntimeError):
-    """A run-time re-budget could not allocate; the previous cache is still serving."""
+__all__ = ["EngineCore", "ResizeError"]  # ResizeError: what /ft/v1/control/experts answers 409 to
 
 
 @dataclass
@@ -58,13 +58,15 @@ class EngineCore:
                  state_slots: int = 64, max_running: int = 4, chunk_tokens: int = 512,
                  max_context: int | None = None, policy: str = "semantic",
                  decode_runner: bool | None = None, cuda_graph: bool = True,
-                 state_host_mem: int | None = None):
+                 state_host_mem: int | None = None, moe: MoERuntime | None = None):
         """`decode_runner`: run decode-only steps through the static-buffer runner (default: on
         CUDA only; the CPU's eager path is the same math); `cuda_graph`: replay them from CUDA
         graphs (off: the runner runs them eagerly, for comparison). `state_host_mem`: bytes of
-        the host tier for state snapshots (None: derived from free RAM, see `cache_ops`)."""
+        the host tier for state snapshots (None: derived from free RAM, see `cache_ops`).
+        `moe`: the model's expert runtime (None: every expert resident, nothing to manage)."""
         cfg = model.cfg
         self.model, self.cfg, self.eos_ids = model, cfg, list(eos_ids)
+        self.moe = moe
         w = model.model.embed_tokens.weight
         self.device, self.dtype = w.device, w.dtype
         # one scratch KV slot and one scratch state slot past what the allocators hand out:
@@ -84,12 +86,11 @@ class EngineCore:
             decode_runner = self.device.type == "cuda"
         self.runner = (DecodeRunner(model, self.caches, max_running, scratch_kv=kv_tokens,
                                     scratch_state=state_slots if state is not None else None,
-                                    use_graphs=cuda_graph)
+                                    use_graphs=cuda_graph, moe=moe)
                        if decode_runner else None)
         # a lone request must always fit in the KV pool, so the context never exceeds it
         self.max_context = min(max_context or cfg.max_position_embeddings, kv_tokens)
         self.stats = EngineStats()
-        self.guard = getattr(getattr(model, "moe_runtime", None), "guard", None)  # `auto` only
         self._inflight: _InFlight | None = None
         self._t_done = 0.0  # when the last step's tokens were read (overlapped steps' time)
         self.steps_ahead = 0  # decode steps launched before the previous one's tokens were read
@@ -102,8 +103,26 @@ class EngineCore:
         first use: tens of seconds on a fresh GPU process), then every decode graph captured,
         so the first user request does not pay for them. Leaves no request running and the
         step statistics empty; its few tokens stay in the prefix cache as any finished
-        request's would. Returns the seconds it took."""
+        request's would. Returns the seconds it took.
+
+        A CPU bridge whose worker fails here (or a capture that leaves it failed) is dropped
+        and the warm-up runs again without it: the server comes up on the eager CPU branch
+        rather than not at all (issue #20)."""
         t0 = time.perf_counter()
+        for attempt in range(2):
+            try:
+                graphs = self._warm_up_once()
+                break
+            except BridgeError:  # `step` dropped the bridge already
+                self.sched.abort("ft-warm-up")
+                if attempt:
+                    raise
+        self.stats = EngineStats()
+        dt = time.perf_counter() - t0
+        log.info(kv("warm_up", seconds=f"{dt:.1f}", graphs=graphs))
+        return dt
+
+    def _warm_up_once(self) -> int:
         n = min(16, self.max_context - 3)
         ids = [1 + i % (self.cfg.vocab_size - 1) for i in range(n)]
         self.add(GenerateRequest(ids, SamplingParams(max_tokens=2, temperature=0.0,
@@ -111,11 +130,27 @@ class EngineCore:
                  lambda ev: None)
         while self.has_work():
             self.step()
-        graphs = self.runner.capture_all() if self.runner is not None else 0
-        self.stats = EngineStats()
-        dt = time.perf_counter() - t0
-        log.info(kv("warm_up", seconds=f"{dt:.1f}", graphs=graphs))
-        return dt
+        if self.runner is None:
+            return 0
+        graphs = self.runner.capture_all()
+        br = self.runner.bridge
+        if br is not None and br.failed:  # a capture's warm-up run failed the worker
+            self._drop_bridge(BridgeError(f"the worker failed during capture: {br.failure!r}"))
+            graphs = self.runner.capture_all()
+        return graphs
+
+    def _drop_bridge(self, e: BridgeError) -> None:
+        """The CPU bridge failed: log it and serve on without it (the runner's steps run
+        eagerly where a layer needs the CPU). The step that failed is lost: its requests fail
+        (AsyncEngine), every other request goes on."""
+        log.error(kv("cpu_bridge_failed", error=repr(e)[:300],
+                     fallback="decode runner without the bridge (eager CPU branch)"))
+        self._inflight = None
+        if self.runner is not None:
+            self.runner.drop_bridge()
+
+    def _moe_step(self, kind: str, tokens: int) -> AbstractContextManager[MoEStep]:
+        return self.moe.step(kind, tokens) if self.moe is not None else nullcontext(EAGER)
 
     def check(self, req: GenerateRequest) -> None:
         req.sampling.validate()
@@ -147,6 +182,15 @@ class EngineCore:
         return self.sched.has_work() or self._inflight is not None
 
     def step(self) -> None:
+        """One engine step: schedule, run, postprocess. A failure of the CPU bridge drops the
+        bridge (`_drop_bridge`) and is raised for the step's requests."""
+        try:
+            self._step()
+        except BridgeError as e:
+            self._drop_bridge(e)
+            raise
+
+    def _step(self) -> None:
         if self._inflight is not None:
             cur = self._inflight
             self._inflight = self._launch_ahead(cur)
@@ -158,8 +202,6 @@ class EngineCore:
         if not items:
             return
         decode = all(i.n == 1 and i.wants_logits for i in items)  # every row one token
-        if self.guard is not None:  # `auto` times its choice over decode steps of any width
-            self.guard.on_step(decode)
         t0 = time.perf_counter()
         rows = None
         if self.runner is not None and decode:
@@ -170,13 +212,13 @@ class EngineCore:
             # left in flight: the next step() launches the step after it, then reads these ids
             self._inflight = _InFlight(items, plan.post_ops, self.runner.launch(rows), t0)
             return
-        if rows is not None:
-            toks = self.runner.step(rows)  # one host read: the sampled ids
-        else:
-            logits = self.model(self._batch(items), self.caches)  # [R, V]
-            toks = self._sample([it for it in items if it.wants_logits], logits)
-        if self.guard is not None:
-            self.guard.end_step()
+        # (`auto` times its choice over decode steps of any width)
+        with self._moe_step("decode" if decode else "prefill", sum(i.n for i in items)) as st:
+            if rows is not None:
+                toks = self.runner.step(rows)  # one host read: the sampled ids
+            else:
+                logits = self.model(self._batch(items, st), self.caches)  # [R, V]
+                toks = self._sample([it for it in items if it.wants_logits], logits)
         self._t_done = time.perf_counter()
         dt = self._t_done - t0
         self.cache_ops.run(plan.post_ops)
@@ -193,7 +235,7 @@ class EngineCore:
     def _may_overlap(self) -> bool:
         """Whether decode steps may be left in flight: always, except while `auto`'s guard
         times its phases (each step then runs alone)."""
-        return self.guard is None or self.guard.settled
+        return self.moe is None or self.moe.settled
 
     def _launch_ahead(self, cur: _InFlight) -> _InFlight | None:
         """Launch the decode step after `cur` (which is in flight) when it is certain: every
@@ -298,7 +340,7 @@ class EngineCore:
         rows = [self._row_sampling(it) for it in items]
         return sample_rows(logits, rows, self.device)
 
-    def _batch(self, items: list[BatchItem]) -> ForwardBatch:
+    def _batch(self, items: list[BatchItem], moe: MoEStep) -> ForwardBatch:
         ids, pos, rows = [], [], []
         for it in items:
             r = it.req
@@ -315,6 +357,7 @@ class EngineCore:
             kv_slots=[it.req.row[: it.req.computed + it.n].to(d) for it in items],
             state_slots=[it.req.state_slot for it in items] if self.caches.state else [],
             logits_rows=torch.tensor(rows, dtype=torch.long, device=d),
+            moe=moe,
         )
 
     def _on_token(self, it: BatchItem, tok: int) -> None:
@@ -344,42 +387,18 @@ class EngineCore:
 
     def resize_experts(self, slots: int | None = None, rate: float | None = None,
                        mem: int | None = None) -> dict:
-        """Re-budget the GPU expert cache without a restart. Runs between steps (the engine
-        thread's safe point). All or nothing: a failed allocation leaves the old cache serving
-        and raises `ResizeError`."""
-        rt = getattr(self.model, "moe_runtime", None)
-        if rt is None or rt.cache is None:
+        """Re-budget the GPU expert cache without a restart (`MoERuntime.resize`). Runs
+        between steps (the engine thread's safe point); a failed allocation leaves the old
+        cache serving and raises `ResizeError`."""
+        if self.moe is None:
             raise AdmissionError("this server runs without an expert slot cache "
                                  "(--moe-backend fused); nothing to re-budget", "slots")
-        pool = rt.store.num_layers * rt.store.num_experts
-        given = [v for v in (slots, rate, mem) if v is not None]
-        if len(given) != 1:
-            raise AdmissionError("give exactly one of slots, rate, mem", "slots")
-        if rate is not None:
-            n = round(rate * pool) if 0 < rate <= 1 else -1
-        elif mem is not None:
-            n = min(pool, mem // rt.store.expert_bytes) if mem > 0 else -1  # a budget: clamp
-        else:
-            n = slots if isinstance(slots, int) else -1
-        if not 1 <= n <= pool:
-            raise AdmissionError(f"the cache must hold between 1 and {pool} slots (got {n})",
-                                 "slots")
-        old = rt.cache.num_slots
-        try:
-            rt.cache.resize(n)
-        except (torch.OutOfMemoryError, RuntimeError) as e:
-            log.warning(kv("experts_resize_failed", old=old, asked=n, error=type(e).__name__))
-            raise ResizeError(f"could not allocate {n} slots ({e}); still serving with {old}")
-        log.info(kv("experts_resized", old=old, new=n, pool=pool))
-        return {"slots": n, "previous": old, "pool": pool, "rate": round(n / pool, 4),
-                "resident": rt.cache.table.resident_count(),
-                "slot_bytes": rt.store.expert_bytes}
+        return self.moe.resize(slots, rate, mem)
 
     def snapshot_stats(self) -> dict:
         out = self.stats.summary()
         out["cache"] = self.sched.stats()
-        rt = getattr(self.model, "moe_runtime", None)
-        if rt is not None and rt.cache is not None:
-            out["experts"] = {"backend": rt.backend, "slots": rt.cache.num_slots,
-                              **rt.stats.as_dict()}
+        experts = self.moe.stats() if self.moe is not None else None
+        if experts is not None:
+            out["experts"] = experts
         return out

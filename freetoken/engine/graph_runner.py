@@ -30,10 +30,9 @@ from torch import Tensor
 from freetoken.cache.tensors import Caches
 from freetoken.engine import gpu_sampler
 from freetoken.engine.attention_plans import FlashInferDecode, TritonDecode, choose_backend
-from freetoken.experts.cpu_bridge import attach_bridge
 from freetoken.layers.step_context import DecodeContext, PagedDecode, TorchPagedDecode
 from freetoken.log import get_logger, kv
-from freetoken.types.forward_batch import ForwardBatch
+from freetoken.types.forward_batch import ForwardBatch, MoEStep
 
 log = get_logger("graph")
 
@@ -108,19 +107,21 @@ class _Bucket:
 
 class DecodeRunner:
     def __init__(self, model, caches: Caches, max_batch: int, scratch_kv: int,
-                 scratch_state: int | None, use_graphs: bool = True, attention: str = "auto"):
-        self.model, self.caches = model, caches
+                 scratch_state: int | None, use_graphs: bool = True, attention: str = "auto",
+                 moe=None):
+        """`moe`: the model's expert runtime (experts/runtime.py), or None (every expert
+        resident): it says whether the steps can be captured and lends the CPU bridge."""
+        self.model, self.caches, self.moe = model, caches, moe
         cfg = model.cfg
         w = model.model.embed_tokens.weight
         self.device, self.dtype = w.device, w.dtype
         self.vocab = cfg.vocab_size
         self.scratch_kv, self.scratch_state = scratch_kv, scratch_state
-        self.bridge = attach_bridge(model, max_batch)
-        # every MoE layer must decode without host syncs: offload fills from the device, the
-        # CPU-branch backends (and `auto`, whichever rule its guard runs) hand off through the
-        # bridge
-        self.capturable = all(getattr(b.experts, "capturable", True) for b in model.moe_blocks())
+        self.bridge = moe.bridge_for(max_batch) if moe is not None else None
+        # every MoE layer must decode without host syncs (see MoERuntime.capturable)
+        self.capturable = moe.capturable(self.bridge) if moe is not None else True
         self._generation = self._cache_generation()
+        self._want_graphs = use_graphs
         self.use_graphs = use_graphs and self.device.type == "cuda" and self.capturable
         self.buckets = {b: _Bucket(b) for b in buckets_for(max_batch)}
         self.max_batch = max(self.buckets)
@@ -179,19 +180,27 @@ class DecodeRunner:
          self.h_indices, _) = self._views[k]
         self._np = self._nps[k]
 
-    def _cache_generation(self) -> tuple:
-        return tuple(getattr(getattr(b.experts, "cache", None), "generation", 0)
-                     for b in self.model.moe_blocks())
+    def _cache_generation(self) -> int:
+        return self.moe.generation if self.moe is not None else 0
 
-    def _run_forward(self, Bk: int, attn: PagedDecode, greedy: bool) -> None:
-        """`_forward` with the CPU bridge switched on for its duration."""
-        if self.bridge is not None:
-            self.bridge.active = True
-        try:
-            self._forward(Bk, attn, greedy)
-        finally:
-            if self.bridge is not None:
-                self.bridge.active = False
+    def drop_bridge(self) -> None:
+        """Serve on without the CPU bridge (its worker failed): steps in flight are dropped,
+        every graph goes (they hold the bridge's flags), and the steps run eagerly wherever a
+        layer needs the CPU (its backend then syncs with the host)."""
+        br, self.bridge = self.bridge, None
+        self._open.clear()
+        self._last = None
+        for b in self.buckets.values():
+            b.graphs.clear()
+            b.failed = False
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        if br is not None and self.moe is not None:
+            self.moe.drop_bridge(br)
+        self.capturable = self.moe.capturable(None) if self.moe is not None else True
+        self.use_graphs = (self._want_graphs and self.device.type == "cuda" and self.capturable
+                           and self.attention != "torch")
+        log.warning(kv("cpu_bridge_dropped", graphs=self.use_graphs, capturable=self.capturable))
 
     # -- host side -------------------------------------------------------------------------
 
@@ -284,11 +293,12 @@ class DecodeRunner:
         d = self.d_i64
         ids = self._flat.index_select(0, d[7, :Bk])  # staged ids, or the last step's (chain)
         state = d[3, :Bk] if self.caches.state is not None else None
-        ctx = DecodeContext(out_slots=d[2, :Bk], state_slots=state, attn=attn,
-                            row_mask=self.row_mask[:Bk])
+        ctx = DecodeContext(out_slots=d[2, :Bk], state_slots=state, attn=attn)
+        # the MoE layers run without host syncs where they can, the CPU share via the bridge
+        moe = MoEStep("captured", row_mask=self.row_mask[:Bk], bridge=self.bridge)
         batch = ForwardBatch(input_ids=ids, positions=d[1, :Bk], new_lens=[1] * Bk,
                              prefix_lens=[0] * Bk, kv_slots=[], state_slots=[],
-                             logits_rows=self.logits_rows[:Bk], ctx=ctx)
+                             logits_rows=self.logits_rows[:Bk], ctx=ctx, moe=moe)
         logits = self.model(batch, self.caches)  # [Bk, V] fp32
         rows = gpu_sampler.SamplingRows(self.d_f32[0, :Bk], d[6, :Bk], self.d_f32[1, :Bk],
                                         d[4, :Bk], d[5, :Bk], self.d_blk[:Bk],
@@ -305,7 +315,6 @@ class DecodeRunner:
         attn = self._attn(bk, None)
         if hasattr(attn, "prepare"):
             attn.prepare(ptr, total)
-        stats = getattr(getattr(self.model, "moe_runtime", None), "stats", None)
         try:
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
@@ -313,7 +322,7 @@ class DecodeRunner:
                 for _ in range(2):
                     if self.bridge is not None:
                         self.bridge.begin_step(Bk)
-                    self._run_forward(Bk, attn, greedy)
+                    self._forward(Bk, attn, greedy)
                     torch.cuda.synchronize()
                     if self.bridge is not None:
                         self.bridge.end_step()
@@ -321,7 +330,7 @@ class DecodeRunner:
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self._pool):
-                self._run_forward(Bk, attn, greedy)
+                self._forward(Bk, attn, greedy)
             torch.cuda.synchronize()
         except RuntimeError as e:  # a host sync or an uncapturable op somewhere in the step
             log.warning(kv("capture_failed", bucket=Bk, greedy=greedy, error=repr(e)[:200]))
@@ -329,9 +338,8 @@ class DecodeRunner:
             bk.failed = True
             return None
         finally:
-            if stats is not None and stats._dev is not None:
-                with torch.inference_mode():
-                    stats._dev.zero_()  # the warm-up's routing is not the workload's
+            if self.moe is not None:  # the warm-up's routing is not the workload's
+                self.moe.counters.discard_device()
         log.info(kv("captured", bucket=Bk, greedy=greedy, attention=self.attention))
         return g
 
@@ -396,13 +404,13 @@ class DecodeRunner:
         t1 = time.perf_counter()
         self.host_s += t1 - t0
         bridged = self.bridge is not None
-        if bridged:
-            self.bridge.begin_step(bk.size)
+        if bridged:  # (a replay's layers come within its GPU time; eager runs may compile)
+            self.bridge.begin_step(bk.size, replay=graph is not None)
         if graph is not None:
             graph.replay()
             self.replays += 1
         else:
-            self._run_forward(bk.size, attn, greedy)
+            self._forward(bk.size, attn, greedy)
         self.steps += 1
         n = len(rows)
         out = self.h_outs[self._turn]

@@ -41,7 +41,7 @@ def _triton_scan(q: torch.Tensor, chunk: int, k_dim: int, v_dim: int):
     pipeline stage)."""
     if not q.is_cuda or os.environ.get("FT_GDN_SCAN") != "triton":
         return None
-    from freetoken.layers.fast_ops import triton_module
+    from kernels.dispatch import triton_module
 
     mod = triton_module("gdn_chunk")
     if mod is None or not mod.supported(chunk, k_dim, v_dim):

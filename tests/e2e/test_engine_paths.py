@@ -133,7 +133,7 @@ def test_build_engine_from_serve_flags(tiny_chat_dir: Path, tmp_path: Path, monk
     engine = build_engine(args)
     try:
         core, model = engine.core, engine.core.model
-        rt = model.moe_runtime
+        rt = core.moe
         pool = rt.store.num_layers * rt.store.num_experts
         assert rt.backend == "offload" and rt.cache.num_slots == round(0.5 * pool)
         assert core.max_context == 2048 and core.sched.kv_alloc.num_slots == 2048  # RAM allows
@@ -155,7 +155,7 @@ def test_build_engine_from_serve_flags(tiny_chat_dir: Path, tmp_path: Path, monk
                                       "--kv-tokens", "1500"))
     try:  # an explicit pool bounds the context; no flag: fused, nothing recorded
         assert engine.core.sched.kv_alloc.num_slots == 1500 and engine.max_context == 1500
-        assert engine.core.model.moe_runtime.backend == "fused"
+        assert engine.core.moe is None or engine.core.moe.backend == "fused"
         assert all(b.route_hook is None for b in engine.core.model.moe_blocks())
     finally:
         engine.shutdown()

@@ -25,8 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from freetoken.engine.core import EngineCore
 from freetoken.engine.graph_runner import DecodeRow
-from freetoken.layers import fast_ops
-from freetoken.layers.moe import gathered_experts
+from freetoken.experts import ffn
+from freetoken.experts.ffn import gathered_experts
 from freetoken.models.loader import load_model
 
 # Blocking on CUDA: the op's output shape or value depends on device data.
@@ -66,7 +66,7 @@ class _Count(TorchDispatchMode):
 def _step_counts(tiny_hf, rows: int, monkeypatch) -> _Count:
     # the routed experts as on CUDA without triton: the gathered batched GEMV (sync-free); the
     # CPU's own expert path (the C++ kernel, boolean-mask merges) is not what graphs capture
-    monkeypatch.setattr(fast_ops, "fused_moe", lambda x, ids, gu, dn, y:
+    monkeypatch.setattr(ffn, "fused_moe", lambda x, ids, gu, dn, y:
                         gathered_experts(x, ids, gu, dn, y))
     model = load_model(tiny_hf("qwen3_5_moe"), dtype=torch.float32, progress=False)
     core = EngineCore(model, [2], kv_tokens=256, state_slots=8, max_running=4,
@@ -81,7 +81,7 @@ def _step_counts(tiny_hf, rows: int, monkeypatch) -> _Count:
     runner._upload(bk.size, total)
     attn = runner._attn(bk, dec)
     with _Count() as c:
-        runner._run_forward(bk.size, attn, greedy=True)
+        runner._forward(bk.size, attn, greedy=True)
     return c
 
 

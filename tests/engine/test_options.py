@@ -77,7 +77,7 @@ def test_kv_pool_tokens_reserve_is_a_floor() -> None:
     KV gets at least the floor and any memory the cache left beyond it, less the workspace
     margin. Bug it catches: the pool was sized to exactly the floor, wasting the rest of VRAM."""
     from freetoken.engine.async_engine import kv_pool_tokens
-    from freetoken.experts.setup import WORKSPACE_MARGIN_BYTES as M
+    from freetoken.types.config import WORKSPACE_MARGIN_BYTES as M
 
     per, ctx = 1000, 10**6
     assert kv_pool_tokens(ctx, per, "cuda", 8192 * per + M, 8192) == 8192

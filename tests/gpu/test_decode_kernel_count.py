@@ -36,7 +36,7 @@ def test_eager_decode_step_kernel_count(tiny_hf) -> None:
     attn = runner._attn(bk, rows)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        runner._run_forward(bk.size, attn, greedy=True)
+        runner._forward(bk.size, attn, greedy=True)
         torch.cuda.synchronize()
     kernels = collections.Counter(e.name for e in prof.events()
                                   if e.device_type == torch.autograd.DeviceType.CUDA)

@@ -1,8 +1,10 @@
-"""kernels/triton/fused_moe.py against a float64 reference, under TRITON_INTERPRET=1 on the CPU.
+"""kernels/triton/fused_moe.py against the float64 expert oracle, under TRITON_INTERPRET=1 on
+the CPU.
 
-The reference is written here in plain torch (not the kernel's code): for every (t, k) with
-ids >= 0, y = down[id] @ (silu(gate[id] @ x[t]) * (up[id] @ x[t])) in float64; other entries
-keep y's previous value, so y is poisoned first with NaN and must keep NaN exactly there.
+The oracle is `kernels.reference.expert_ffn_reference` (plain torch, not the kernel's code): for
+every (t, k) with ids >= 0, y = down[id] @ (silu(gate[id] @ x[t]) * (up[id] @ x[t])) in
+float64; other entries keep y's previous value, so y is poisoned first with NaN and must keep
+NaN exactly there.
 Shapes are tiny fp32 (the interpreter costs ~10 ms per program instance).
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ pytest.importorskip("triton")
 
 import torch.nn.functional as F
 
+from kernels.reference import expert_ffn_reference
 from kernels.triton.fused_moe import fused_moe, fused_moe_decode, moe_sum, shared_expert_decode
 from kernels.triton.moe_grouped import fused_moe_grouped, moe_align, moe_align_small, tile
 
@@ -30,19 +33,10 @@ GROUPED_SMALL = (tile(16, 16, 32, 2, 4, 2),
 
 
 def reference(x, ids, gate_up, down, y0):
-    """float64 per-entry loop; y0's values where ids < 0."""
-    T, K = ids.shape
-    i = gate_up.shape[1] // 2
-    out = y0.double().clone()
-    for t in range(T):
-        for k in range(K):
-            e = int(ids[t, k])
-            if e < 0:
-                continue
-            g = gate_up[e, :i].double() @ x[t].double()
-            u = gate_up[e, i:].double() @ x[t].double()
-            out[t, k] = down[e].double() @ (g * torch.sigmoid(g) * u)
-    return out
+    """The one expert oracle (kernels/reference.py, float64) on the entries with ids >= 0;
+    y0's values elsewhere (the kernels must leave them untouched)."""
+    want = expert_ffn_reference(x.cpu(), ids.cpu(), gate_up.cpu(), down.cpu())  # [T, K, H]
+    return torch.where((ids.cpu() >= 0)[..., None], want, y0.double().cpu())
 
 
 def make(T, K, seed, h=H, inter=I, s=S, neg=0.25, dtype=torch.float32):

@@ -103,18 +103,19 @@ def layer_scopes(model, mode: Ops):
 
 
 def cuda_path():
-    """Point every fast_ops switch at the Triton kernels for CPU tensors too (interpreted), and
-    cut the paged attention to 2 splits (the H200 default of ~64 costs seconds per interpreted
-    step; the launches are the same two). Returns an undo callable."""
+    """Point the kernels' one switch (kernels/dispatch.py) at the Triton kernels for CPU
+    tensors too (interpreted), and cut the paged attention to 2 splits (the H200 default of
+    ~64 costs seconds per interpreted step; the launches are the same two). Returns an undo
+    callable."""
     import kernels.triton.paged_attention as pa
-    from freetoken.layers import fast_ops
+    from kernels import dispatch
 
-    orig, splits = fast_ops.triton_for, pa.default_num_splits
-    fast_ops.triton_for = lambda x, name: fast_ops.triton_module(name)
+    orig, splits = dispatch.triton_for, pa.default_num_splits
+    dispatch.triton_for = lambda x, name: dispatch.triton_module(name)
     pa.default_num_splits = lambda *a, **k: 2
 
     def undo() -> None:
-        fast_ops.triton_for, pa.default_num_splits = orig, splits
+        dispatch.triton_for, pa.default_num_splits = orig, splits
 
     return undo
 
@@ -152,7 +153,7 @@ def count_step(model_dir, rows: int = 1, dtype: torch.dtype = torch.bfloat16
         attn = runner._attn(bk, dec)
         mode = Ops()
         with mode, count_triton(mode), layer_scopes(runner.model, mode):
-            runner._run_forward(bk.size, attn, greedy=True)
+            runner._forward(bk.size, attn, greedy=True)
     finally:
         undo()
     return mode.ops

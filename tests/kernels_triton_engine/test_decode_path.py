@@ -20,7 +20,8 @@ if torch.cuda.is_available():
                 allow_module_level=True)
 
 from freetoken.engine.graph_runner import DecodeRow
-from freetoken.layers.expert_backend import ExpertBackend
+from freetoken.experts.base import ExpertBackend
+from freetoken.types.forward_batch import MoEStep
 from tests.kernels_triton_engine.inventory import Ops, count_triton, cuda_path, decode_runner
 
 STEPS, ROWS = 2, 3
@@ -36,8 +37,8 @@ class _Delegate(ExpertBackend):
         super().__init__()
         self.inner = inner
 
-    def forward(self, layer, x, topk_ids):
-        return self.inner(layer, x, topk_ids)
+    def forward(self, x, topk_ids, step, shared=None):
+        return self.inner(x, topk_ids, step)  # (no shared: the block runs it)
 
 
 def _decode(model_dir, fast: bool):
@@ -87,7 +88,7 @@ def test_moe_block_cuda_path_equals_torch_path(tiny_hf, delegate):
     g = torch.Generator().manual_seed(5)
     H = model.cfg.hidden_size
     x, res = torch.randn(3, H, generator=g), torch.randn(3, H, generator=g)
-    mask = torch.tensor([True, False, True])
+    mask = MoEStep(row_mask=torch.tensor([True, False, True]))
     with torch.inference_mode():
         want = block(x, mask, residual=res)
         undo = cuda_path()
@@ -117,17 +118,19 @@ def test_slot_backend_runs_the_shared_expert_in_its_launches(tiny_hf, backend):
     equals its torch path and the `fused` block. Bugs caught: the shared expert run twice or
     not at all, CPU entries left as the slot kernel's zeros, a slot output written over the
     CPU's rows."""
-    from freetoken.experts.setup import MoEOptions, configure_experts
+    from freetoken.experts.runtime import MoERuntime
     from freetoken.models.loader import load_model
+    from freetoken.types.config import MoEConfig
 
     model = load_model(tiny_hf("qwen3_5_moe"), dtype=torch.float32, progress=False)
     g = torch.Generator().manual_seed(6)
     H = model.cfg.hidden_size
     x, res = torch.randn(2, H, generator=g), torch.randn(2, H, generator=g)
-    mask = torch.tensor([True, True])
+    mask = MoEStep(row_mask=torch.tensor([True, True]))
     with torch.inference_mode():
         want = model.moe_blocks()[0](x, mask, residual=res)  # fused, torch path
-        stats = configure_experts(model, MoEOptions(backend=backend, cache_size=3), "cpu").stats
+        stats = MoERuntime.build(model, MoEConfig(backend=backend, cache_size=3),
+                                 "cpu").counters
         block = model.moe_blocks()[0]
         undo = cuda_path()
         mode = Ops()

@@ -7,9 +7,9 @@ import torch
 
 from freetoken.engine.core import EngineCore
 from freetoken.engine.generate import generate
-from freetoken.experts.setup import MoEOptions
-from freetoken.models.loader import load_model
+from freetoken.models.loader import load_model, load_with_experts
 from freetoken.types.api import GenerateRequest, SamplingParams
+from freetoken.types.config import MoEConfig
 
 SLOTS = 2 * 8 + 3  # the tiny model has 8 experts per layer: two buffers and a few residents
 
@@ -17,28 +17,28 @@ SLOTS = 2 * 8 + 3  # the tiny model has 8 experts per layer: two buffers and a f
 def _models(tiny_hf, **opts):
     d = tiny_hf("qwen3_5_moe")
     fused = load_model(d, dtype=torch.float32, progress=False)
-    moe = MoEOptions(backend="offload", cache_size=SLOTS, prefill_stream="on",
-                     prefill_stream_tokens=8, **opts)
-    return fused, load_model(d, dtype=torch.float32, progress=False, moe=moe)
+    moe = MoEConfig(backend="offload", cache_size=SLOTS, prefill_stream="on",
+                    prefill_stream_tokens=8, **opts)
+    return fused, *load_with_experts(d, moe, dtype=torch.float32, progress=False)
 
 
 def test_streamed_prefill_logits_equal_fused(tiny_hf, caplog) -> None:
-    fused, m = _models(tiny_hf)
+    fused, m, rt = _models(tiny_hf)
     prompt = list(range(3, 60))
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     with caplog.at_level("INFO", logger="ft"):
-        got = generate(m, prompt, sp, [])
+        got = generate(m, prompt, sp, [], moe=rt)
     want = generate(fused, prompt, sp, [])
     assert got.token_ids == want.token_ids
-    rt = m.moe_runtime
-    assert rt.streamer.chunks >= 1 and rt.stats.streamed > 0
+    assert rt.streamer.chunks >= 1 and rt.counters.streamed > 0
     assert "prefill_path" in caplog.text and "path=stream" in caplog.text
     assert "path=experts" not in caplog.text or "reason=below_threshold" in caplog.text
 
 
-def _run_engine(model, schedule, resize=None) -> dict[str, list[int]]:
+def _run_engine(model, schedule, resize=None, moe=None) -> dict[str, list[int]]:
     """Request A decodes while B's long prompt is prefilled in chunks in the same steps."""
-    core = EngineCore(model, [], kv_tokens=512, state_slots=8, max_running=4, chunk_tokens=16)
+    core = EngineCore(model, [], kv_tokens=512, state_slots=8, max_running=4, chunk_tokens=16,
+                      moe=moe)
     out: dict[str, list[int]] = {"a": [], "b": []}
 
     def emit(rid):
@@ -58,12 +58,12 @@ def _run_engine(model, schedule, resize=None) -> dict[str, list[int]]:
 
 
 def test_mixed_batch_and_resize_equal_fused(tiny_hf) -> None:
-    fused, m = _models(tiny_hf, prefill_overlap=False)
+    fused, m, rt = _models(tiny_hf, prefill_overlap=False)
     want = _run_engine(fused, schedule=3)
-    got = _run_engine(m, schedule=3, resize=SLOTS + 5)
+    got = _run_engine(m, schedule=3, resize=SLOTS + 5, moe=rt)
     assert got == want and len(got["a"]) == len(got["b"]) == 20
-    assert m.moe_runtime.cache.num_slots == SLOTS + 5
-    assert m.moe_runtime.streamer.chunks >= 3  # B's 70 tokens in chunks of <= 16 (+ A's rows)
+    assert rt.cache.num_slots == SLOTS + 5
+    assert rt.streamer.chunks >= 3  # B's 70 tokens in chunks of <= 16 (+ A's rows)
 
 
 def test_warm_up_leaves_a_clean_engine_that_serves_the_same_tokens(tiny_hf) -> None:

@@ -30,7 +30,15 @@ flag the GPU is waiting on. Two ways to walk the layers:
 
 If the worker cannot answer (it died, or a layer took seconds), the wait kernel gives up after
 a bounded number of polls and sets an error flag that `end_step` raises as an error, so a
-broken host thread fails the step instead of hanging the GPU.
+broken host thread fails the step instead of hanging the GPU; the engine then drops the bridge
+and serves on without it (EngineCore).
+
+The worker's own wait for a layer's `go` flag is bounded only for graph replays (`begin_step(
+..., replay=True)`): their launch is one call and every layer's flag comes within the step's
+GPU time. An eager step (the runner's warm-up and capture runs, buckets that run without a
+graph) may compile kernels between two layers' sends — tens of seconds on a cold start — so
+the worker waits for those flags without a clock; any later step's flags release it too
+(`go[m] >= seq`), so a step that never sends cannot wedge it.
 
 Without CUDA (tests on the CPU) the same protocol runs with host writes for the flags and a
 host spin for the wait, so the worker and the bookkeeping are exercised everywhere.
@@ -39,7 +47,6 @@ Shapes: L MoE layers, B rows of the bucket, K top-k, H hidden.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import deque
@@ -53,8 +60,11 @@ from kernels.cpu.bridge_ops import NativeBridge, native_supported
 
 log = get_logger("experts")
 
-# the worker gives up waiting for a layer after this long (the GPU side has its own bound)
+# in a replayed step the worker gives up waiting for a layer after this long (the GPU side has
+# its own bound); eager steps are not timed (module docstring)
 WORKER_TIMEOUT_S = 10.0
+# the native loop's "no bound" (seconds: about 30 years)
+_UNBOUNDED_S = 1e9
 
 
 class BridgeError(RuntimeError):
@@ -89,9 +99,9 @@ class CpuBridge:
         # so end_step reads it without a device sync that would wait for a step launched ahead
         self.err = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
         self.compute = compute
-        self.active = False  # set by the decode runner around its forward
         self.seq = 0  # host mirror of seq_dev after begin_step
-        self._steps: deque[tuple[int, int]] = deque()  # (seq, rows) begun, not run yet
+        self._steps: deque[tuple[int, int, bool]] = deque()  # (seq, rows, replay) begun
+        self._closed = False
         self._start = threading.Event()
         self._failed: BaseException | None = None
         self.busy_s = self.wait_go_s = 0.0  # worker time computing / waiting for layers
@@ -139,14 +149,32 @@ class CpuBridge:
 
     # -- host side ----------------------------------------------------------------------------
 
-    def begin_step(self, rows: int) -> None:
-        """Before launching step seq+1 (a replay or an eager run through the runner). Steps may
-        be begun ahead of the worker (the runner launches step n+1 before step n's tokens are
-        read): the worker runs them in order."""
+    def begin_step(self, rows: int, replay: bool = False) -> None:
+        """Before launching step seq+1: a graph replay (`replay`), or an eager run through the
+        runner, whose layers the worker waits for without a clock (it may compile kernels).
+        Steps may be begun ahead of the worker (the runner launches step n+1 before step n's
+        tokens are read): the worker runs them in order."""
         if self._failed is not None:
             raise BridgeError(f"the CPU branch worker failed: {self._failed!r}")
+        if self._closed:
+            raise BridgeError("the CPU bridge was closed")
         self.seq += 1
-        self._steps.append((self.seq, rows))
+        self._steps.append((self.seq, rows, replay))
+        self._start.set()
+
+    @property
+    def failed(self) -> bool:
+        """Whether the worker has stopped on an error (every later step raises)."""
+        return self._failed is not None
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self._failed
+
+    def close(self) -> None:
+        """Stop the worker once it has run the steps begun so far (the engine dropped this
+        bridge); a closed bridge begins no step."""
+        self._closed = True
         self._start.set()
 
     def end_step(self) -> None:
@@ -161,19 +189,21 @@ class CpuBridge:
             self._start.wait()
             self._start.clear()
             while self._steps:
-                seq, T = self._steps.popleft()
-                if not self._run(seq, T):
+                seq, T, replay = self._steps.popleft()
+                if not self._run(seq, T, WORKER_TIMEOUT_S if replay else None):
                     return
+            if self._closed:
+                return
 
-    def _run(self, seq: int, T: int) -> bool:
+    def _run(self, seq: int, T: int, timeout_s: float | None) -> bool:
         """One step's layers; False (and the error kept for begin_step / end_step) on failure."""
         try:
             # fp32 banks: the Python path computes several rows with grouped F.linear, the
             # native loop with the C++ kernel — equal only for one row
             if self.native is not None and (T == 1 or not self._native_fp32):
-                self._native_step(seq, T)
+                self._native_step(seq, T, timeout_s)
             else:
-                self._python_step(seq, T)
+                self._python_step(seq, T, timeout_s)
             self.steps_done += 1
         except BaseException as e:  # noqa: BLE001 — reported by begin_step / end_step
             self._failed = e
@@ -181,9 +211,9 @@ class CpuBridge:
             return False
         return True
 
-    def _native_step(self, seq: int, T: int) -> None:
+    def _native_step(self, seq: int, T: int, timeout_s: float | None) -> None:
         assert self.native is not None
-        st = self.native.run_step(seq, T, WORKER_TIMEOUT_S)
+        st = self.native.run_step(seq, T, _UNBOUNDED_S if timeout_s is None else timeout_s)
         self.wait_go_s += st.wait_s
         self.busy_s += st.total_s - st.wait_s
         self.native_steps += 1
@@ -191,12 +221,12 @@ class CpuBridge:
             log.warning(kv("cpu_bridge_slow", seq=seq, layer=st.max_wait_layer,
                            waited_ms=f"{st.max_wait_s * 1e3:.1f}"))
 
-    def _python_step(self, seq: int, T: int) -> None:
+    def _python_step(self, seq: int, T: int, timeout_s: float | None) -> None:
         go, done = self._go_np, self._done_np
         for m in range(self.L):
             t0 = time.perf_counter()
             while go[m] < seq:
-                if time.perf_counter() - t0 > WORKER_TIMEOUT_S:
+                if timeout_s is not None and time.perf_counter() - t0 > timeout_s:
                     raise BridgeError(f"layer {m} of step {seq} never arrived")
                 time.sleep(0)
             t1 = time.perf_counter()
@@ -224,39 +254,5 @@ def _native(bridge: CpuBridge, banks: tuple[list[Tensor], list[Tensor]] | None,
     if kern is None:
         return None
     nth = threads if threads is not None else torch.get_num_threads()
-    nb = NativeBridge(kern, banks[0], banks[1], bridge.x, bridge.ids, bridge.mask,
-                      bridge.out, bridge.go, bridge.done, nth)
-    if os.environ.get("FT_BRIDGE_PIN") == "1":
-        # experiment knob (not measured yet): team thread t on the t-th allowed CPU after the
-        # first, which is left to the thread that launches the graphs (not pinned itself)
-        cpus = sorted(os.sched_getaffinity(0))
-        team = cpus[1:] or cpus
-        nb.set_cpus(team)
-        log.info(kv("cpu_bridge_pinned", cpus=f"{team[0]}-{team[-1]}", threads=nth))
-    return nb
-
-
-def attach_bridge(model, max_batch: int) -> CpuBridge | None:
-    """One CpuBridge for the MoE layers that can send work to the CPU in a decode step of up to
-    `max_batch` rows (hybrid, cpu, offload with fewer slots than a step can route), attached to
-    each of them; None when no layer needs one."""
-    from freetoken.experts.backends import SlotExperts, cpu_branch
-
-    blocks = model.moe_blocks()
-    k = model.cfg.top_k
-    layers = [b.experts for b in blocks
-              if isinstance(b.experts, SlotExperts) and b.experts.needs_bridge(max_batch * k)]
-    if not layers:
-        return None
-    store, threads = layers[0].store, layers[0].cpu_threads
-    w = model.model.embed_tokens.weight
-    banks = ([store.gate_up(m) for m in range(len(blocks))],
-             [store.down(m) for m in range(len(blocks))])
-    bridge = CpuBridge(len(blocks), max_batch, k, model.cfg.hidden_size, w.dtype, w.device,
-                       lambda m, x, ids, mask: cpu_branch(x, ids, mask, store, m, threads),
-                       banks=banks, threads=threads)
-    for e in layers:
-        e.bridge = bridge
-    log.info(kv("cpu_bridge", layers=len(layers), rows=max_batch, threads=threads,
-                loop="native" if bridge.native is not None else "python"))
-    return bridge
+    return NativeBridge(kern, banks[0], banks[1], bridge.x, bridge.ids, bridge.mask,
+                        bridge.out, bridge.go, bridge.done, nth)

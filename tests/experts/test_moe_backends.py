@@ -7,9 +7,9 @@ import torch
 
 from freetoken.cache.tensors import Caches, KVPool, StateTensors
 from freetoken.engine.generate import generate
-from freetoken.experts.setup import MoEOptions
-from freetoken.models.loader import load_model
+from freetoken.models.loader import load_model, load_with_experts
 from freetoken.types.api import SamplingParams
+from freetoken.types.config import MoEConfig
 from freetoken.types.forward_batch import ForwardBatch
 
 
@@ -32,11 +32,11 @@ def test_backend_bit_identical_to_fused(tiny_hf, kind: str, backend: str, slots:
     ids = torch.randint(0, fused.cfg.vocab_size, (64,),
                         generator=torch.Generator().manual_seed(7)).tolist()
     want = _logits(fused, ids)
-    m = load_model(d, dtype=torch.float32, progress=False,
-                   moe=MoEOptions(backend=backend, cache_size=slots))
+    m, rt = load_with_experts(d, MoEConfig(backend=backend, cache_size=slots),
+                              dtype=torch.float32, progress=False)
     got = _logits(m, ids)
     assert torch.equal(got, want)
-    st = m.moe_runtime.stats.as_dict()
+    st = rt.counters.as_dict()
     assert st["misses"] > 0
     if slots >= 9:  # with more than a step's worth of slots the global LRU keeps some experts warm
         assert st["hits"] > 0
@@ -44,33 +44,34 @@ def test_backend_bit_identical_to_fused(tiny_hf, kind: str, backend: str, slots:
         assert st["cpu_experts"] > 0
     if backend in ("offload", "hybrid"):
         assert st["fetched"] > 0
-    cache = m.moe_runtime.cache
+    cache = rt.cache
     owner = cache.table.slot_owner
     assert int((owner >= 0).sum()) <= slots
     for s, g in enumerate(owner.tolist()):  # every resident slot holds its expert's weights
         if g >= 0:
-            layer, e = divmod(g, m.moe_runtime.store.num_experts)
-            assert torch.equal(cache.gate_up_slots[s], m.moe_runtime.store.gate_up(layer)[e])
+            layer, e = divmod(g, rt.store.num_experts)
+            assert torch.equal(cache.gate_up_slots[s], rt.store.gate_up(layer)[e])
 
 
 def test_cpu_layers_and_greedy_generation(tiny_hf) -> None:
     d = tiny_hf("qwen3_5_moe")
     fused = load_model(d, dtype=torch.float32, progress=False)
-    m = load_model(d, dtype=torch.float32, progress=False,
-                   moe=MoEOptions(backend="offload", cache_size=4, cpu_layers=2))
+    m, rt = load_with_experts(d, MoEConfig(backend="offload", cache_size=4, cpu_layers=2),
+                              dtype=torch.float32, progress=False)
     ids = list(range(5, 25))
     sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    assert generate(m, ids, sp, []).token_ids == generate(fused, ids, sp, []).token_ids
-    owner = m.moe_runtime.cache.table.slot_owner
-    E = m.moe_runtime.store.num_experts
-    n_moe = m.moe_runtime.store.num_layers
+    assert generate(m, ids, sp, [], moe=rt).token_ids == generate(fused, ids, sp, []).token_ids
+    owner = rt.cache.table.slot_owner
+    E = rt.store.num_experts
+    n_moe = rt.store.num_layers
+    assert [b.name for b in rt.backends][-2:] == ["cpu", "cpu"]
     assert all(g < 0 or g // E < n_moe - 2 for g in owner.tolist())  # CPU layers never cached
 
 
 def test_auto_guard_falls_back_when_its_choice_is_slower(caplog) -> None:
     import time
 
-    from freetoken.experts.backends import AutoGuard
+    from freetoken.experts.auto import AutoGuard
 
     g = AutoGuard("hybrid", lambda m: max(1, m // 2), window=4)
     assert g.num_fetch(6) == 3
@@ -90,7 +91,7 @@ def test_auto_guard_falls_back_when_its_choice_is_slower(caplog) -> None:
 def test_auto_guard_keeps_a_faster_choice() -> None:
     import time
 
-    from freetoken.experts.backends import AutoGuard
+    from freetoken.experts.auto import AutoGuard
 
     g = AutoGuard("hybrid", lambda m: 2, window=3)
     for _ in range(3):
@@ -111,7 +112,7 @@ def test_auto_guard_does_not_count_idle_time_between_steps() -> None:
     charged to whichever phase was being timed and could force a wrong fallback to offload."""
     import time
 
-    from freetoken.experts.backends import AutoGuard
+    from freetoken.experts.auto import AutoGuard
 
     g = AutoGuard("hybrid", lambda m: 2, window=3)
     for _ in range(3):  # the choice: fast steps, long idle gaps between them
@@ -127,7 +128,7 @@ def test_auto_guard_does_not_count_idle_time_between_steps() -> None:
 
 def test_gathered_decode_path_matches_grouped() -> None:
     """The CUDA decode path (gathered bmm, no host sync) against the grouped path, on CPU."""
-    from freetoken.layers.moe import dispatch_experts, gathered_experts
+    from freetoken.experts.ffn import dispatch_experts, gathered_experts
 
     g = torch.Generator().manual_seed(0)
     E, H, I, T, K = 6, 32, 16, 3, 4
@@ -148,7 +149,7 @@ def test_cpu_branch_thread_count(tiny_hf, monkeypatch, dtype: torch.dtype) -> No
     """--moe-cpu-threads reaches the CPU kernel of every layer; the default is torch's thread
     count, capped at the cores less one when a GPU is driven from the main thread."""
     import kernels.cpu.expert_ops as ops
-    from freetoken.experts import setup
+    from freetoken.experts import runtime as setup
 
     seen: list[int | None] = []
     real = ops.cpu_experts
@@ -159,8 +160,8 @@ def test_cpu_branch_thread_count(tiny_hf, monkeypatch, dtype: torch.dtype) -> No
 
     monkeypatch.setattr(ops, "cpu_experts", spy)
     d = tiny_hf("qwen3_5_moe")
-    m = load_model(d, dtype=dtype, progress=False,
-                   moe=MoEOptions(backend="cpu", cache_size=2, cpu_threads=3))
+    m, _ = load_with_experts(d, MoEConfig(backend="cpu", cache_size=2, cpu_threads=3),
+                             dtype=dtype, progress=False)
     _logits(m, list(range(5, 50)))
     # the CPU branch passes its count; hits computed on this CPU-resident cache use torch's
     branch = [t for t in seen if t is not None]
@@ -175,14 +176,14 @@ def test_cpu_branch_thread_count(tiny_hf, monkeypatch, dtype: torch.dtype) -> No
     monkeypatch.setattr(setup.os, "sched_getaffinity", lambda pid: {0}, raising=False)
     assert setup.default_cpu_threads("cuda") == 1
     with pytest.raises(ValueError, match="moe-cpu-threads"):
-        MoEOptions(backend="cpu", cpu_threads=0)
+        MoEConfig(backend="cpu", cpu_threads=0)
 
 
 def test_profile_thread_mismatch_is_logged(tiny_hf, caplog) -> None:
     """B_H was measured with some thread count; a CPU branch run with another count gets a
     q* from the wrong B_H, and says so in one log line."""
     from freetoken.experts.cost_model import BandwidthProfile
-    from freetoken.experts.setup import configure_experts
+    from freetoken.experts.runtime import MoERuntime
 
     d = tiny_hf("qwen3_5_moe")
     prof = BandwidthProfile(key={}, b_h=80.0, b_p=50.0, cpu_threads=8)
@@ -190,6 +191,6 @@ def test_profile_thread_mismatch_is_logged(tiny_hf, caplog) -> None:
     for threads, warned in ((3, True), (8, False)):
         caplog.clear()
         m = load_model(d, dtype=torch.float32, progress=False)
-        configure_experts(m, MoEOptions(backend="hybrid", cache_size=4, cpu_threads=threads),
-                          "cpu", profile=prof)
+        MoERuntime.build(m, MoEConfig(backend="hybrid", cache_size=4, cpu_threads=threads),
+                         "cpu", profile=prof)
         assert ("bw_profile_threads_differ" in caplog.text) == warned
