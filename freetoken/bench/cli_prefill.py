@@ -153,22 +153,22 @@ def run(args: argparse.Namespace) -> int:
             os.environ["FT_GDN_SCAN"] = scan
     _table(results, sizes, rows, b_p * 1e9, pool)
     if args.ttft:
-        install_backend(model, store, "offload", base, device)
-        ttft(model, args.ttft, cfg.vocab_size)
+        rt = install_backend(model, store, "offload", base, device)
+        ttft(model, rt, args.ttft, cfg.vocab_size)
     return 0
 
 
-def ttft(model, tokens: int, vocab: int) -> float:
+def ttft(model, rt, tokens: int, vocab: int) -> float:
     """Seconds to the first token of a `tokens`-long prompt through the serving engine."""
     import torch
 
-    from freetoken.engine.async_engine import default_chunk_tokens
     from freetoken.engine.core import EngineCore
+    from freetoken.engine.sizing import default_chunk_tokens
     from freetoken.types.api import GenerateRequest, SamplingParams
 
-    chunk = default_chunk_tokens(model)
+    chunk = default_chunk_tokens(rt)
     core = EngineCore(model, [], kv_tokens=tokens + 64, state_slots=4, max_running=1,
-                      chunk_tokens=chunk)
+                      chunk_tokens=chunk, moe=rt)
     prompt = torch.randint(0, vocab, (tokens,),
                            generator=torch.Generator().manual_seed(1)).tolist()
     # warm-up: the first decode step of a process captures its graph and compiles kernels

@@ -23,13 +23,10 @@ from typing import Any, TypeVar
 from freetoken.engine.core import EngineCore
 from freetoken.log import get_logger, kv
 from freetoken.types.api import EngineEvent, GenerateRequest
-from freetoken.types.config import WORKSPACE_MARGIN_BYTES
 
 log = get_logger("engine")
 _ids = itertools.count(1)
 T = TypeVar("T")
-# prefill chunk when long chunks stream whole MoE layers (see default_chunk_tokens)
-STREAM_CHUNK_TOKENS = 8192
 
 
 class AsyncEngine:
@@ -179,62 +176,12 @@ class EventStream:
         self._abort()
 
 
-def kv_pool_tokens(max_context: int, bytes_per_token: int, device_type: str, free_bytes: int,
-                   reserve_tokens: int | None = None) -> int:
-    """KV pool size in tokens when `--kv-tokens` is not given: the whole context if memory allows,
-    never under 1024. `free_bytes` is what is free now, after the weights (and the slot cache).
-
-    CPU: a quarter of the available RAM. CUDA, all experts on the device: 90% of the free memory.
-    CUDA with a slot cache (`reserve_tokens` given): `--kv-reserve-tokens` is a floor (DESIGN §4):
-    the slot cache was sized to leave it plus the workspace margin free, and KV also takes any
-    memory the cache left beyond that (a small `--moe-cache-size`), keeping the same margin."""
-    if device_type == "cuda":
-        if reserve_tokens is not None:
-            budget = max(reserve_tokens * bytes_per_token, free_bytes - WORKSPACE_MARGIN_BYTES)
-        else:
-            budget = int(free_bytes * 0.9)
-    else:
-        budget = free_bytes // 4
-    return max(1024, min(max_context, budget // max(1, bytes_per_token)))
-
-
-def default_kv_tokens(model, max_context: int, moe) -> int:
-    """`kv_pool_tokens` for a loaded model on its device; logs the decision."""
-    import os
-
-    import torch
-
-    from freetoken.cache.tensors import KVPool
-
-    w = model.model.embed_tokens.weight
-    per_tok = max(1, KVPool.bytes_per_token(model.cfg, w.dtype))
-    if w.device.type == "cuda":
-        free = int(torch.cuda.mem_get_info(w.device)[0])
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    reserve = moe.kv_reserve_tokens if moe is not None and moe.backend != "fused" else None
-    n = kv_pool_tokens(max_context, per_tok, w.device.type, free, reserve)
-    log.info(kv("kv_pool_size", tokens=n, max_context=max_context, bytes_per_token=per_tok,
-                mb=n * per_tok // 2**20, floor_tokens=reserve))
-    return n
-
-
-def default_chunk_tokens(moe) -> int:
-    """Prefill tokens per step when `--chunk-tokens` is not given: 8192 when long chunks stream
-    whole MoE layers through the expert runtime `moe`'s streamer (a streamed chunk costs one
-    pass of the layer's misses over the link however many tokens it carries, so the chunk is
-    made large: DESIGN §4), else 512."""
-    st = moe.streamer if moe is not None else None
-    if st is not None and st.wants(STREAM_CHUNK_TOKENS)[0]:
-        return STREAM_CHUNK_TOKENS
-    return 512
-
-
 def build_engine(args: argparse.Namespace) -> AsyncEngine:
     """From `ft serve` arguments: model path/demo, dtype, device, pool sizes."""
 
     from freetoken.chat import ChatTokenizer
     from freetoken.cli_options import moe_from_args, resolve_device, resolve_dtype
+    from freetoken.engine.sizing import default_chunk_tokens, default_kv_tokens
     from freetoken.models.demo import resolve_model_path
     from freetoken.models.loader import load_with_experts
 

@@ -7,9 +7,8 @@ Decode overlap: a decode-only step through the runner is launched and left in fl
 `step()` launches the step after it — the same requests, each fed the token the step in flight
 samples, read on the device (`DecodeRunner.launch(chain=...)`) — before it reads the first
 step's tokens and post-processes them, so the host's scheduling, staging and token handling
-run while the GPU computes. It does so only when that next step is certain up to stop tokens:
-no waiting request that could be admitted now, every running request decoding, a KV slot free
-for each without preempting; a request that ends by length is left out. A request that stops
+run while the GPU computes. It does so only when the scheduler plans that next step
+(scheduler/overlap.py: certain up to stop tokens, its KV allocated). A request that stops
 on a token while the step after it is in flight keeps that step's work: its KV and state
 already cover the stop token, so it is committed with it (the step's own token is dropped).
 """
@@ -23,17 +22,21 @@ import torch
 
 from freetoken.cache.tensors import Caches, KVPool, StateTensors
 from freetoken.engine.cache_ops import CacheOps, HostStates, host_slots_for
-from freetoken.engine.gpu_sampler import RowSampling, sample_rows
-from freetoken.engine.graph_runner import DecodeRow, DecodeRunner, Pending
+from freetoken.engine.gpu_sampler import sample_rows
+from freetoken.engine.graph_runner import DecodeRunner, Pending
 from freetoken.engine.stats import EngineStats
+from freetoken.engine.step_inputs import decode_row, forward_batch, row_sampling
+from freetoken.engine.warm_up import warm_up
 from freetoken.experts.bridge import BridgeError
 from freetoken.experts.runtime import MoERuntime, ResizeError
 from freetoken.log import get_logger, kv
 from freetoken.models.qwen import QwenMoE
 from freetoken.sampler import RequestSampler
+from freetoken.scheduler.finish import accept_token, token_event
+from freetoken.scheduler.overlap import schedule_ahead
 from freetoken.scheduler.request import Request
 from freetoken.scheduler.scheduler import BatchItem, Scheduler
-from freetoken.types.api import AdmissionError, EngineEvent, GenerateRequest, SamplingParams
+from freetoken.types.api import AdmissionError, GenerateRequest
 from freetoken.types.forward_batch import EAGER, ForwardBatch, MoEStep
 
 log = get_logger("engine")
@@ -99,47 +102,10 @@ class EngineCore:
                     kv_mb=KVPool.bytes_per_token(cfg, self.dtype) * kv_tokens // 2**20))
 
     def warm_up(self) -> float:
-        """Before serving: one tiny request through prefill and decode (kernels compile on
-        first use: tens of seconds on a fresh GPU process), then every decode graph captured,
-        so the first user request does not pay for them. Leaves no request running and the
-        step statistics empty; its few tokens stay in the prefix cache as any finished
-        request's would. Returns the seconds it took.
+        """Before serving: kernels compiled and graphs captured (engine/warm_up.py)."""
+        return warm_up(self)
 
-        A CPU bridge whose worker fails here (or a capture that leaves it failed) is dropped
-        and the warm-up runs again without it: the server comes up on the eager CPU branch
-        rather than not at all (issue #20)."""
-        t0 = time.perf_counter()
-        for attempt in range(2):
-            try:
-                graphs = self._warm_up_once()
-                break
-            except BridgeError:  # `step` dropped the bridge already
-                self.sched.abort("ft-warm-up")
-                if attempt:
-                    raise
-        self.stats = EngineStats()
-        dt = time.perf_counter() - t0
-        log.info(kv("warm_up", seconds=f"{dt:.1f}", graphs=graphs))
-        return dt
-
-    def _warm_up_once(self) -> int:
-        n = min(16, self.max_context - 3)
-        ids = [1 + i % (self.cfg.vocab_size - 1) for i in range(n)]
-        self.add(GenerateRequest(ids, SamplingParams(max_tokens=2, temperature=0.0,
-                                                     ignore_eos=True), request_id="ft-warm-up"),
-                 lambda ev: None)
-        while self.has_work():
-            self.step()
-        if self.runner is None:
-            return 0
-        graphs = self.runner.capture_all()
-        br = self.runner.bridge
-        if br is not None and br.failed:  # a capture's warm-up run failed the worker
-            self._drop_bridge(BridgeError(f"the worker failed during capture: {br.failure!r}"))
-            graphs = self.runner.capture_all()
-        return graphs
-
-    def _drop_bridge(self, e: BridgeError) -> None:
+    def drop_bridge(self, e: BridgeError) -> None:
         """The CPU bridge failed: log it and serve on without it (the runner's steps run
         eagerly where a layer needs the CPU). The step that failed is lost: its requests fail
         (AsyncEngine), every other request goes on."""
@@ -183,11 +149,11 @@ class EngineCore:
 
     def step(self) -> None:
         """One engine step: schedule, run, postprocess. A failure of the CPU bridge drops the
-        bridge (`_drop_bridge`) and is raised for the step's requests."""
+        bridge (`drop_bridge`) and is raised for the step's requests."""
         try:
             self._step()
         except BridgeError as e:
-            self._drop_bridge(e)
+            self.drop_bridge(e)
             raise
 
     def _step(self) -> None:
@@ -205,7 +171,7 @@ class EngineCore:
         t0 = time.perf_counter()
         rows = None
         if self.runner is not None and decode:
-            rows = [self._decode_row(it) for it in items]
+            rows = [decode_row(it) for it in items]
             if not self.runner.fits(rows):
                 rows = None
         if rows is not None and self._may_overlap():
@@ -238,48 +204,21 @@ class EngineCore:
         return self.moe is None or self.moe.settled
 
     def _launch_ahead(self, cur: _InFlight) -> _InFlight | None:
-        """Launch the decode step after `cur` (which is in flight) when it is certain: every
-        running request is a row of `cur` and goes on decoding, no waiting request could be
-        admitted now (the batch is full), and the KV pool has a slot for each without
-        preempting. Rows chain on `cur`'s sampled ids. None (nothing launched) otherwise."""
-        sched = self.sched
-        admissible = sched.waiting and len(sched.running) < sched.max_running
-        if cur.tokens is not None or admissible or not self._may_overlap():
-            return None  # (a full batch keeps overlapping while others wait their turn)
-        running = {id(r) for r in sched.running}
-        rows_of = {id(it.req): i for i, it in enumerate(cur.items)}
-        if not running or any(k not in rows_of for k in running):
+        """Launch the step after `cur` (in flight) when the scheduler plans one
+        (scheduler/overlap.py); its rows chain on `cur`'s sampled ids. None otherwise."""
+        if cur.tokens is not None or not self._may_overlap():
             return None
-        ahead = []  # (request, its row in cur): those that surely decode once more
-        for it in cur.items:
-            r = it.req
-            if id(r) not in running or it.n != 1:
-                continue
-            if (r.num_generated + 1 >= r.req.sampling.max_tokens
-                    or len(r.ids) + 1 >= self.max_context):
-                continue  # cur's token ends it by length
-            ahead.append((r, rows_of[id(r)]))
-        if not ahead:
-            return None
-        slots = sched.cache.alloc_kv(len(ahead))
-        if slots is None:
+        plan = schedule_ahead(self.sched, cur.items, self.max_context)
+        if plan is None:
             return None
         t0 = time.perf_counter()
-        items, rows = [], []
-        for i, (r, _) in enumerate(ahead):
-            r.row = torch.cat([r.row, slots[i:i + 1]])
-            pos = r.computed + 1  # cur feeds position r.computed
-            item = BatchItem(r, 1, True, pos, None, r.row[:pos + 1])
-            items.append(item)
-            rows.append(self._decode_row(item, ahead=True))
+        rows = [decode_row(it, ahead=True) for it in plan.items]
         if not self.runner.fits(rows):
-            for r, _ in ahead:  # give the slots back: the next step is scheduled as usual
-                sched.kv_alloc.free(r.row[-1:])
-                r.row = r.row[:-1]
+            plan.rollback(self.sched)
             return None
-        pending = self.runner.launch(rows, chain=[j for _, j in ahead])
+        pending = self.runner.launch(rows, chain=plan.chain)
         self.steps_ahead += 1
-        return _InFlight(items, sched.cache.take_ops(), pending, t0)
+        return _InFlight(plan.items, self.sched.cache.take_ops(), pending, t0)
 
     def _complete(self, cur: _InFlight) -> None:
         """Read a launched decode step's tokens and post-process it (as `step` does after a
@@ -309,27 +248,6 @@ class EngineCore:
             ahead.tokens = self.runner.collect(ahead.pending)
         r.computed += 1
 
-    @staticmethod
-    def _row_sampling(it: BatchItem, n: int | None = None) -> RowSampling:
-        """Sampling of `it`'s row; `n`: the generated-token index it samples (default: the
-        request's count now)."""
-        r = it.req
-        p, s = r.req.sampling, r.sampler
-        n = r.num_generated if n is None else n
-        return RowSampling(p.temperature, p.top_k, p.top_p, s.seed, n, tuple(s.blocked_ids(n)))
-
-    def _decode_row(self, it: BatchItem, ahead: bool = False) -> DecodeRow:
-        """`it`'s runner row: it feeds position r.computed (the token there), or with `ahead`
-        the position after it, whose token the runner takes on the device from the step in
-        flight (`token` unused) and whose sample is the request's next but one."""
-        r = it.req
-        pos = r.computed + ahead
-        return DecodeRow(**vars(self._row_sampling(it, r.num_generated + ahead)),
-                         token=0 if ahead else r.ids[pos], position=pos,
-                         out_slot=int(r.row[pos]),
-                         state_slot=r.state_slot if r.state_slot is not None else -1,
-                         kv_slots=r.row[: pos + 1])
-
     def _sample(self, items: list[BatchItem], logits: torch.Tensor) -> list[int]:
         """Next token of every row: on CUDA one batched call of the device sampler (the same
         function the decode runner replays, so seeds draw the same tokens either way); on the CPU
@@ -337,42 +255,17 @@ class EngineCore:
         if self.device.type != "cuda":
             return [it.req.sampler.sample(logits[i], it.req.num_generated)
                     for i, it in enumerate(items)]
-        rows = [self._row_sampling(it) for it in items]
+        rows = [row_sampling(it) for it in items]
         return sample_rows(logits, rows, self.device)
 
     def _batch(self, items: list[BatchItem], moe: MoEStep) -> ForwardBatch:
-        ids, pos, rows = [], [], []
-        for it in items:
-            r = it.req
-            ids.extend(r.ids[r.computed:r.computed + it.n])
-            pos.extend(range(r.computed, r.computed + it.n))
-            if it.wants_logits:
-                rows.append(len(ids) - 1)
-        d = self.device
-        return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=d),
-            positions=torch.tensor(pos, dtype=torch.long, device=d),
-            new_lens=[it.n for it in items],
-            prefix_lens=[it.req.computed for it in items],
-            kv_slots=[it.req.row[: it.req.computed + it.n].to(d) for it in items],
-            state_slots=[it.req.state_slot for it in items] if self.caches.state else [],
-            logits_rows=torch.tensor(rows, dtype=torch.long, device=d),
-            moe=moe,
-        )
+        return forward_batch(items, moe, self.device, self.caches.state is not None)
 
     def _on_token(self, it: BatchItem, tok: int) -> None:
         r = it.req
-        r.ids.append(tok)
-        r.num_generated += 1
-        first = r.t_first_token is None
+        reason, first = accept_token(r, tok, self.max_context)  # scheduler/finish.py's rules
         if first:
-            r.t_first_token = time.perf_counter()
             self.stats.on_first_token(r.t_first_token - r.t_arrival, r.prompt_len, r.cached_tokens)
-        reason = None
-        if r.sampler.is_stop(tok, r.num_generated):
-            reason = "stop"
-        elif r.num_generated >= r.req.sampling.max_tokens or len(r.ids) >= self.max_context:
-            reason = "length"
         if reason:
             self._settle_ahead(r)
             self.sched.finish(r)
@@ -381,9 +274,7 @@ class EngineCore:
                         kv_match=r.kv_match, resume_tier=r.state_tier,
                         reuse=r.reuse_reason if r.kv_match > r.cached_tokens else None,
                         lost=r.lost or None, generated=r.num_generated, reason=reason))
-        r.emit(EngineEvent([tok], finished=reason is not None, finish_reason=reason,
-                           prompt_tokens=r.prompt_len, cached_tokens=r.cached_tokens,
-                           matched_stop_id=tok if reason == "stop" else None))
+        r.emit(token_event(r, tok, reason))
 
     def resize_experts(self, slots: int | None = None, rate: float | None = None,
                        mem: int | None = None) -> dict:

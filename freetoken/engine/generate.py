@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.cache.tensors import Caches, KVPool, StateTensors
+from freetoken.engine.decode_staging import DecodeRow
 from freetoken.engine.gpu_sampler import RowSampling, sample_rows
-from freetoken.engine.graph_runner import DecodeRow, DecodeRunner
+from freetoken.engine.graph_runner import DecodeRunner
 from freetoken.experts.runtime import MoERuntime
 from freetoken.models.qwen import QwenMoE
 from freetoken.sampler import RequestSampler

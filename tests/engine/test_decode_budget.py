@@ -24,7 +24,7 @@ if not torch.cuda.is_available():  # before any kernel module is imported (inter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from freetoken.engine.core import EngineCore
-from freetoken.engine.graph_runner import DecodeRow
+from freetoken.engine.decode_staging import DecodeRow
 from freetoken.experts import ffn
 from freetoken.experts.ffn import gathered_experts
 from freetoken.models.loader import load_model

@@ -76,7 +76,7 @@ def test_kv_pool_tokens_reserve_is_a_floor() -> None:
     """`--kv-reserve-tokens` is a floor (DESIGN §4), not a ceiling: with a slot cache on the GPU,
     KV gets at least the floor and any memory the cache left beyond it, less the workspace
     margin. Bug it catches: the pool was sized to exactly the floor, wasting the rest of VRAM."""
-    from freetoken.engine.async_engine import kv_pool_tokens
+    from freetoken.engine.sizing import kv_pool_tokens
     from freetoken.types.config import WORKSPACE_MARGIN_BYTES as M
 
     per, ctx = 1000, 10**6
@@ -97,7 +97,7 @@ def test_kv_reserved_for_the_context_before_the_slot_cache(tiny_hf) -> None:
 
     from freetoken.cache.tensors import KVPool
     from freetoken.cli_options import add_moe_args, moe_from_args
-    from freetoken.engine.async_engine import kv_pool_tokens
+    from freetoken.engine.sizing import kv_pool_tokens
     from freetoken.types.model_config import load_config
 
     d = tiny_hf("qwen3_5_moe")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from freetoken.engine.core import EngineCore
-from freetoken.engine.graph_runner import DecodeRow
+from freetoken.engine.decode_staging import DecodeRow
 from freetoken.models.loader import load_model
 
 COUNTED = 65  # CUDA_STEP_TOTAL of tests/engine/test_decode_budget.py (4 layers, batch 1)

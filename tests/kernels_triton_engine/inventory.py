@@ -125,7 +125,7 @@ def decode_runner(model_dir, rows: int, dtype: torch.dtype = torch.bfloat16):
     step; returns (runner, rows, bucket)."""
     from freetoken.engine.attention_plans import TritonDecode  # noqa: F401
     from freetoken.engine.core import EngineCore
-    from freetoken.engine.graph_runner import DecodeRow
+    from freetoken.engine.decode_staging import DecodeRow
     from freetoken.models.loader import load_model
 
     model = load_model(model_dir, dtype=dtype, progress=False)

@@ -19,7 +19,7 @@ if torch.cuda.is_available():
     pytest.skip("interprets the CUDA path on CPU tensors; tests/gpu covers the GPU",
                 allow_module_level=True)
 
-from freetoken.engine.graph_runner import DecodeRow
+from freetoken.engine.decode_staging import DecodeRow
 from freetoken.experts.base import ExpertBackend
 from freetoken.types.forward_batch import MoEStep
 from tests.kernels_triton_engine.inventory import Ops, count_triton, cuda_path, decode_runner
