@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from freetoken.log import get_logger
+from kernels.logs import get_logger
 
 log = get_logger("experts")
 

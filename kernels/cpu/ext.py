@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from freetoken.log import get_logger, kv
 from kernels.cpu.omp import openmp_runtimes, torch_openmp_ldflags
+from kernels.logs import get_logger, kv
 
 log = get_logger("experts")
 
