@@ -38,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--route-trace", default=None,
                    help="replay decode routing from a trace (.npy [steps, L, N, K] or 'shared'); "
                         "a comma list (random,shared) measures each routing in this process")
-    from freetoken.cli_options import add_moe_args
+    from freetoken.cli.options import add_moe_args
 
     add_moe_args(p)
     p.set_defaults(func=run)
@@ -119,7 +119,7 @@ def run_shape(args: argparse.Namespace) -> int:
 
     from freetoken.bench.moe import TraceRouter, install_trace
     from freetoken.bench.random_model import random_model
-    from freetoken.cli_options import moe_options, resolve_device, resolve_dtype
+    from freetoken.cli.options import moe_options, resolve_device, resolve_dtype
     from freetoken.experts.store import ExpertStore
     from freetoken.types.presets import preset_config
 

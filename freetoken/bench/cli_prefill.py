@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(`ft serve`'s EngineCore, default chunking), streaming on")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None)
-    from freetoken.cli_options import add_moe_args
+    from freetoken.cli.options import add_moe_args
 
     add_moe_args(p)
     p.set_defaults(func=run)
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
     from freetoken.bench.moe import drop_fused, install_backend
     from freetoken.bench.random_model import random_model
-    from freetoken.cli_options import moe_options, resolve_device, resolve_dtype
+    from freetoken.cli.options import moe_options, resolve_device, resolve_dtype
     from freetoken.engine.generate import generate
     from freetoken.experts.runtime import find_profile
     from freetoken.experts.store import ExpertStore

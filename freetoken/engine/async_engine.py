@@ -180,7 +180,7 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
     """From `ft serve` arguments: model path/demo, dtype, device, pool sizes."""
 
     from freetoken.chat import ChatTokenizer
-    from freetoken.cli_options import moe_from_args, resolve_device, resolve_dtype
+    from freetoken.cli.options import moe_from_args, resolve_device, resolve_dtype
     from freetoken.engine.sizing import default_chunk_tokens, default_kv_tokens
     from freetoken.models.demo import resolve_model_path
     from freetoken.models.loader import load_with_experts

@@ -2,7 +2,7 @@
 
 `MoEConfig` is the expert runtime's (experts/runtime.py): which backend, how large the GPU
 expert cache is, the CPU branch and the prefill streamer. The flag group that fills it is
-`add_moe_args` in freetoken/cli_options.py.
+`add_moe_args` in freetoken/cli/options.py.
 """
 from __future__ import annotations
 

@@ -14,13 +14,13 @@ import torch
 
 from freetoken.chat import ChatTokenizer
 from freetoken.cli import main as ft_main
+from freetoken.cli.serve import register as register_serve
 from freetoken.engine.async_engine import AsyncEngine, build_engine
 from freetoken.engine.core import EngineCore
 from freetoken.engine.generate import generate
 from freetoken.experts.record import load_trace
 from freetoken.models.loader import load_model
 from freetoken.server import create_app
-from freetoken.server.cli_serve import register as register_serve
 from freetoken.types.api import AdmissionError, GenerateRequest, SamplingParams
 from tests.server.server_helpers import Server
 

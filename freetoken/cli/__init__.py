@@ -15,11 +15,11 @@ import sys
 # `ft` at once; a module whose *third-party* dependency is missing (a GPU image without
 # starlette) is reported only when its command is used, so the other commands keep working.
 _COMMANDS = [
-    "freetoken.engine.cli_generate",
-    "freetoken.server.cli_serve",
-    "freetoken.server.cli_ctl",
-    "freetoken.proxy.cli_proxy",
-    "freetoken.proxy.cli_launch",
+    "freetoken.cli.generate",
+    "freetoken.cli.serve",
+    "freetoken.cli.ctl",
+    "freetoken.cli.proxy",
+    "freetoken.cli.launch",
 ]
 _BENCH_COMMANDS = [
     "freetoken.bench.cli_decode",

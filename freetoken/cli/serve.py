@@ -55,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="KV pool size in tokens (default: what memory allows)")
     # The engine's own flag groups (MoE backend and expert cache, state slots, chunking,
     # checkpoint policy), shared with `ft agent-proxy --model`; `build_engine` reads them.
-    from freetoken.cli_options import add_cache_args, add_moe_args
+    from freetoken.cli.options import add_cache_args, add_moe_args
 
     add_moe_args(p)
     add_cache_args(p)

@@ -6,7 +6,7 @@ import argparse
 import pytest
 import torch
 
-from freetoken.cli_options import (
+from freetoken.cli.options import (
     _size,
     add_cache_args,
     add_moe_args,
@@ -96,7 +96,7 @@ def test_kv_reserved_for_the_context_before_the_slot_cache(tiny_hf) -> None:
     import argparse
 
     from freetoken.cache.tensors import KVPool
-    from freetoken.cli_options import add_moe_args, moe_from_args
+    from freetoken.cli.options import add_moe_args, moe_from_args
     from freetoken.engine.sizing import kv_pool_tokens
     from freetoken.types.model_config import load_config
 

@@ -51,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-running", type=int, default=4)
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--kv-tokens", type=int, default=None)
-    from freetoken.cli_options import add_cache_args, add_moe_args
+    from freetoken.cli.options import add_cache_args, add_moe_args
 
     add_moe_args(p)
     add_cache_args(p)
@@ -70,9 +70,9 @@ def start_engine_server(args: argparse.Namespace) -> tuple[str, Any, str]:
     import uvicorn
 
     from freetoken.chat import ChatTokenizer
+    from freetoken.cli.serve import parser_family_for
     from freetoken.engine.async_engine import build_engine
     from freetoken.server.app import create_app
-    from freetoken.server.cli_serve import parser_family_for
 
     engine = build_engine(args)
     tok = ChatTokenizer.from_dir(engine.model_dir)  # type: ignore[attr-defined]
@@ -124,8 +124,8 @@ def run_proxy(args: argparse.Namespace) -> int:
     import uvicorn
 
     from freetoken.chat import ChatTokenizer, qwen3_tokenizer_dir
+    from freetoken.cli.serve import parser_family_for
     from freetoken.proxy.app import create_proxy_app
-    from freetoken.server.cli_serve import parser_family_for
 
     tok, family = None, "qwen3"
     native_url = args.native_url

@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--record-routing", default=None, metavar="FILE",
                    help="write the per-step, per-layer routed expert ids to FILE")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    from freetoken.cli_options import add_moe_args
+    from freetoken.cli.options import add_moe_args
 
     add_moe_args(p)  # the expert backend and cache flags of `ft serve`, to compare backends
     p.set_defaults(func=run)
@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from freetoken.chat import ChatTokenizer, IncrementalDetokenizer
-    from freetoken.cli_options import moe_from_args
+    from freetoken.cli.options import moe_from_args
     from freetoken.engine.generate import generate
     from freetoken.models.demo import resolve_model_path
     from freetoken.models.loader import load_with_experts
