@@ -55,7 +55,7 @@ def main() -> int:
         import numpy as np
 
         from freetoken.bench.moe import TraceRouter, install_trace
-        from freetoken.experts.record import SHARED_TRACE_DIR
+        from freetoken.bench.routing_trace import SHARED_TRACE_DIR
 
         path = (str(SHARED_TRACE_DIR / "decode_routing.npy") if a.route_trace == "shared"
                 else a.route_trace)

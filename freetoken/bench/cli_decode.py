@@ -157,7 +157,7 @@ def run_shape(args: argparse.Namespace) -> int:
         if trace != "random":
             path = trace
             if path == "shared":  # a copy of ../shared/routing_traces travels with the repo
-                from freetoken.experts.record import SHARED_TRACE_DIR
+                from freetoken.bench.routing_trace import SHARED_TRACE_DIR
 
                 path = str(SHARED_TRACE_DIR / "decode_routing.npy")
             install_trace(model, TraceRouter(np.load(path), cfg.num_experts, cfg.top_k, device))

@@ -70,8 +70,8 @@ def start_engine_server(args: argparse.Namespace) -> tuple[str, Any, str]:
     import uvicorn
 
     from freetoken.chat import ChatTokenizer
+    from freetoken.cli.build import build_engine
     from freetoken.cli.serve import parser_family_for
-    from freetoken.engine.async_engine import build_engine
     from freetoken.server.app import create_app
 
     engine = build_engine(args)

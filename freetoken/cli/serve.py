@@ -112,7 +112,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from freetoken.chat import ChatTokenizer
-    from freetoken.engine.async_engine import build_engine
+    from freetoken.cli.build import build_engine
     from freetoken.server.app import create_app
     from freetoken.server.limits import quiet_connection_logs, uvicorn_config
 

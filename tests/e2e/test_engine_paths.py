@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 import torch
 
+from freetoken.bench.routing_trace import load_trace
 from freetoken.chat import ChatTokenizer
 from freetoken.cli import main as ft_main
+from freetoken.cli.build import build_engine
 from freetoken.cli.serve import register as register_serve
-from freetoken.engine.async_engine import AsyncEngine, build_engine
+from freetoken.engine.async_engine import AsyncEngine
 from freetoken.engine.core import EngineCore
 from freetoken.engine.generate import generate
-from freetoken.experts.record import load_trace
 from freetoken.models.loader import load_model
 from freetoken.server import create_app
 from freetoken.types.api import AdmissionError, GenerateRequest, SamplingParams
