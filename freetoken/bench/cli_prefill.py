@@ -9,15 +9,12 @@ Per prompt size (one chunk = the whole prompt), rows:
                   its floor is `pool_bytes / B_P`, the design's figure
   experts         the per-expert path (streaming off): misses fetched through the decode cache
   fused           every expert resident on the GPU: the compute-only bound
-  fused/scan-triton  fused with the gated-DeltaNet chunk scan in the Triton kernel
-                  (FT_GDN_SCAN=triton) instead of the torch loop
 Floors: bytes the row must move over the link / B_P, B_P measured now (one large pinned copy
 and the per-expert fill rate of `ft bench bw`), or taken from the cached profile.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from dataclasses import replace
 
@@ -113,10 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
     results: dict[tuple[int, str], tuple[float, float]] = {}
     for row in rows:
-        scan = os.environ.get("FT_GDN_SCAN")
-        if row == "fused/scan-triton":  # fused with the scan kernel instead of the torch loop
-            os.environ["FT_GDN_SCAN"] = "triton"
-        if row.startswith("fused"):
+        if row == "fused":
             if pool > 0.8 * torch.cuda.mem_get_info(device)[0]:
                 print("[bench] fused skipped: the pool does not fit on the GPU", flush=True)
                 continue
@@ -145,12 +139,8 @@ def run(args: argparse.Namespace) -> int:
             results[(T, row)] = (best, moved)
             print(f"[bench] {row:16} {T:6d} tokens: {best:7.3f} s  {T / best:8.0f} tok/s  "
                   f"{moved / 1e9:6.2f} GB over the link", flush=True)
-        if row.startswith("fused"):
+        if row == "fused":
             drop_fused(full, model, device)
-        if scan is None:
-            os.environ.pop("FT_GDN_SCAN", None)
-        else:
-            os.environ["FT_GDN_SCAN"] = scan
     _table(results, sizes, rows, b_p * 1e9, pool)
     if args.ttft:
         rt = install_backend(model, store, "offload", base, device)

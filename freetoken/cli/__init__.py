@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
+
+from freetoken.envs import FT_LOG_LEVEL
 
 # Subcommand modules. A module listed here that does not exist is a packaging error and fails
 # `ft` at once; a module whose *third-party* dependency is missing (a GPU image without
@@ -59,7 +60,7 @@ def _unavailable(sub: argparse._SubParsersAction, command: str, missing: str) ->
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ft", description="FreeToken: MoE inference for one machine")
-    p.add_argument("--log-level", default=os.environ.get("FT_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-level", default=FT_LOG_LEVEL.get())
     sub = p.add_subparsers(dest="command", required=True)
     _register_all(_COMMANDS, sub)
     bench = sub.add_parser("bench", help="benchmarks (decode, bw, routing, workload, ...)")

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from freetoken.envs import FT_API_KEY
 from freetoken.log import get_logger, kv
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ def api_key_from(args: argparse.Namespace, environ: dict[str, str]) -> str | Non
     """The key from --api-key, else --api-key-file, else FT_API_KEY; at most one may be given
     (SystemExit otherwise, or for an unreadable or empty file)."""
     given = [n for n, v in (("--api-key", args.api_key), ("--api-key-file", args.api_key_file),
-                            ("FT_API_KEY", environ.get("FT_API_KEY"))) if v]
+                            (FT_API_KEY.name, FT_API_KEY.get(environ))) if v]
     if len(given) > 1:
         raise SystemExit(f"ft serve: give the API key one way, not {' and '.join(given)}")
     if args.api_key_file:
@@ -95,7 +96,7 @@ def api_key_from(args: argparse.Namespace, environ: dict[str, str]) -> str | Non
         if not key:
             raise SystemExit(f"ft serve: --api-key-file {args.api_key_file} is empty")
         return key
-    return args.api_key or environ.get("FT_API_KEY") or None
+    return args.api_key or FT_API_KEY.get(environ) or None
 
 
 def limits_from(args: argparse.Namespace) -> ServerLimits:

@@ -58,13 +58,10 @@ def test_chunk_attention_on_cuda_matches_the_masked_reference(prefix: int) -> No
     assert (got.double() - want).abs().max() < 2e-3
 
 
-@pytest.mark.parametrize("scan", ["torch", "triton"])
-def test_chunked_gated_delta_on_cuda_matches_the_cpu_loop(scan, monkeypatch) -> None:
-    """Prefill's gated-delta chunk scan on CUDA (Qwen3.6 head dims), with the torch loop (the
-    default) and the opt-in Triton kernel, equals the CPU's torch loop."""
+def test_chunked_gated_delta_on_cuda_matches_the_cpu_loop() -> None:
+    """Prefill's gated-delta chunk scan on CUDA (Qwen3.6 head dims) equals the CPU's."""
     from freetoken.layers.gated_delta import chunk_gated_delta
 
-    monkeypatch.setenv("FT_GDN_SCAN", scan)
     g = torch.Generator().manual_seed(0)
     n, h, dk, dv = 300, 4, 128, 128
     q = torch.nn.functional.normalize(torch.randn(n, h, dk, generator=g), dim=-1)
