@@ -10,7 +10,7 @@ the CUDA step's kernel count; it is a regression budget, not the GPU figure (tha
 `scripts/profile_decode.py --sort device`).
 
 `test_cuda_path_kernels_per_layer` counts the CUDA path itself: the same step with every
-fast_ops switch on our Triton kernels, interpreted on the CPU (tests/kernels_triton_engine/
+fast_ops switch on our Triton kernels, interpreted on the CPU (tests/kernels/triton/engine/
 inventory.py), one launch per kernel-launching op or Triton kernel, per decoder layer."""
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def test_cuda_path_kernels_per_layer(tiny_hf) -> None:
     if torch.cuda.is_available():
         pytest.skip("counts the CUDA path through the interpreter, on a CPU-only machine")
     pytest.importorskip("triton")
-    from tests.kernels_triton_engine.inventory import count_step, per_layer
+    from tests.kernels.triton.engine.inventory import count_step, per_layer
 
     for rows in (1, 3):  # 3: a padded bucket of 4 (strided views must not be copied there)
         ops = count_step(tiny_hf("qwen3_5_moe", torch.bfloat16), rows=rows)

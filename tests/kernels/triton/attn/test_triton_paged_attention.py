@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from kernels.triton.paged_attention import paged_decode_attention, paged_prefill_attention
-from tests.kernels_triton_attn.helpers import DEVICE, rel_err
+from tests.kernels.triton.attn.helpers import DEVICE, rel_err
 
 
 def _pool_and_csr(lengths: list[int], hk: int, d: int, gen: torch.Generator,

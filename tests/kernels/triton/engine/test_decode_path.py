@@ -22,7 +22,7 @@ if torch.cuda.is_available():
 from freetoken.engine.decode_staging import DecodeRow
 from freetoken.experts.base import ExpertBackend
 from freetoken.types.forward_batch import MoEStep
-from tests.kernels_triton_engine.inventory import Ops, count_triton, cuda_path, decode_runner
+from tests.kernels.triton.engine.inventory import Ops, count_triton, cuda_path, decode_runner
 
 STEPS, ROWS = 2, 3
 

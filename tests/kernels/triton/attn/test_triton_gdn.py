@@ -17,7 +17,7 @@ from freetoken.layers.linear_attention import GatedDeltaNet, _l2norm
 from freetoken.types.forward_batch import ForwardBatch
 from kernels.triton.gdn import causal_conv1d_update_pool, gdn_gates, gdn_recurrent_pool
 from kernels.triton.norm import gated_rmsnorm
-from tests.kernels_triton_attn.helpers import DEVICE, linear_attention_config, rel_err
+from tests.kernels.triton.attn.helpers import DEVICE, linear_attention_config, rel_err
 
 HK, HV, D = 2, 4, 16
 

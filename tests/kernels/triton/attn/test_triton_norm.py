@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 from freetoken.layers.norm import GatedRMSNorm, RMSNorm
 from kernels.triton.norm import gated_rmsnorm, rmsnorm
-from tests.kernels_triton_attn.helpers import DEVICE, rel_err
+from tests.kernels.triton.attn.helpers import DEVICE, rel_err
 
 EPS = 1e-6
 

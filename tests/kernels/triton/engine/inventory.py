@@ -6,7 +6,7 @@ launches work counts 1 (views, `empty` and other metadata ops count 0), each Tri
 cuBLAS may add a split-K reduce to a GEMM, and flashinfer replaces the two Triton attention
 launches on the H200; neither shows here.
 
-    PYTHONPATH=$PWD TRITON_INTERPRET=1 python -m tests.kernels_triton_engine.inventory
+    PYTHONPATH=$PWD TRITON_INTERPRET=1 python -m tests.kernels.triton.engine.inventory
 
 TRITON_INTERPRET must be set before the kernel modules are imported.
 """

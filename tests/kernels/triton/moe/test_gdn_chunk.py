@@ -43,23 +43,3 @@ def test_chunk_scan_matches_float64_loop(H, N, C, K, V) -> None:
 
 def test_supported_shapes() -> None:
     assert supported(64, 128, 128) and not supported(64, 96, 128) and not supported(8, 16, 16)
-
-
-def test_chunk_gated_delta_through_the_kernel_equals_the_torch_loop(monkeypatch) -> None:
-    """The whole prefill function with the scan routed to the kernel (as on CUDA) against its
-    own torch loop: catches argument order and layout mistakes in the wiring."""
-    import freetoken.layers.gated_delta as gd
-    from kernels.triton import gdn_chunk
-
-    g = torch.Generator().manual_seed(1)
-    n, h, dk, dv = 70, 2, 16, 32
-    q = torch.nn.functional.normalize(torch.randn(n, h, dk, generator=g), dim=-1)
-    k = torch.nn.functional.normalize(torch.randn(n, h, dk, generator=g), dim=-1)
-    v = torch.randn(n, h, dv, generator=g)
-    gate, beta = -torch.rand(n, h, generator=g) * 0.5, torch.rand(n, h, generator=g)
-    s0 = torch.randn(h, dk, dv, generator=g) * 0.1
-    want_o, want_s = gd.chunk_gated_delta(q, k, v, gate, beta, s0, chunk=16)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    monkeypatch.setattr(gd, "_triton_scan", lambda *a: gdn_chunk.chunk_scan)
-    o, s = gd.chunk_gated_delta(*(t.to(dev) for t in (q, k, v, gate, beta, s0)), chunk=16)
-    assert (o.cpu() - want_o).abs().max() < 1e-4 and (s.cpu() - want_s).abs().max() < 1e-4
