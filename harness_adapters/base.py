@@ -37,13 +37,12 @@ An adapter is stateless; one instance serves every request.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from freetoken.types.api import Anchor
+from harness_adapters.normalise import digest
 
 BILLING = "x-anthropic-billing-header"  # Claude Code's per-session system block
 
@@ -61,14 +60,6 @@ class HarnessRequest:
     @property
     def user_agent(self) -> str:
         return str(self.headers.get("user-agent", ""))
-
-
-def digest(*parts: Any) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(json.dumps(p, sort_keys=True, ensure_ascii=False, default=str).encode())
-        h.update(b"\x00")
-    return h.hexdigest()[:16]
 
 
 def text_of(content: Any) -> str:

@@ -21,13 +21,21 @@ Steps (changes the prompt? / what):
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from harness_adapters.base import digest
+
+def digest(*parts: Any) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(json.dumps(p, sort_keys=True, ensure_ascii=False, default=str).encode())
+        h.update(b"\x00")
+    return h.hexdigest()[:16]
+
 
 BILLING_PREFIX = "x-anthropic-billing-header"
 # `claude-X[1m]` and the `(1M context)` after the model's name: Claude Code writes both when a

@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from freetoken.bench.moe import drop_fused, install_backend
 from freetoken.bench.random_model import random_model
 from freetoken.engine.generate import generate
-from freetoken.experts.setup import MoEOptions
 from freetoken.experts.store import ExpertStore
 from freetoken.types.api import SamplingParams
+from freetoken.types.config import MoEConfig
 from freetoken.types.presets import preset_config
 
 
@@ -55,7 +55,7 @@ def main() -> int:
         import numpy as np
 
         from freetoken.bench.moe import TraceRouter, install_trace
-        from freetoken.experts.record import SHARED_TRACE_DIR
+        from freetoken.bench.routing_trace import SHARED_TRACE_DIR
 
         path = (str(SHARED_TRACE_DIR / "decode_routing.npy") if a.route_trace == "shared"
                 else a.route_trace)
@@ -65,21 +65,21 @@ def main() -> int:
         prompt = torch.randint(0, cfg.vocab_size, (a.prefill_tokens,), generator=g).tolist()
         a.tokens = 1
     for be in a.backends.split(","):
-        install_backend(model, store, be, MoEOptions(cache_rate=0.37), device)
+        rt = install_backend(model, store, be, MoEConfig(cache_rate=0.37), device)
         sp = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
         chunk = max(2048, len(prompt))
-        generate(model, prompt, sp, [], prefill_chunk=chunk)  # warm-up
+        generate(model, prompt, sp, [], prefill_chunk=chunk, moe=rt)  # warm-up
         t0 = time.perf_counter()
-        res = generate(model, prompt, sp, [], prefill_chunk=chunk)
+        res = generate(model, prompt, sp, [], prefill_chunk=chunk, moe=rt)
         wall = time.perf_counter() - t0
         acts = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             acts.append(torch.profiler.ProfilerActivity.CUDA)
         graphs = a.sort == "cpu"
         generate(model, prompt, sp, [], cuda_graph=graphs,
-                 prefill_chunk=chunk)  # warm the eager runner too
+                 prefill_chunk=chunk, moe=rt)  # warm the eager runner too
         with torch.profiler.profile(activities=acts) as prof:
-            generate(model, prompt, sp, [], cuda_graph=graphs, prefill_chunk=chunk)
+            generate(model, prompt, sp, [], cuda_graph=graphs, prefill_chunk=chunk, moe=rt)
             if device.type == "cuda":
                 torch.cuda.synchronize()
         print(f"\n=== {be}: {res.decode_tps:.1f} decode tok/s ({a.layers} layers; "
@@ -94,7 +94,7 @@ def main() -> int:
                   f"per token (prefill included, {a.tokens} tokens)")
         print(avg.table(sort_by=sort, row_limit=a.rows, max_name_column_width=60))
         if be == "fused":
-            drop_fused(model, device)
+            drop_fused(rt, model, device)
     return 0
 
 

@@ -42,7 +42,7 @@ def _pct(v: float | None, ceil: float | None) -> str:
 def run(args: argparse.Namespace) -> int:
     shape, dtype = bwp.SHAPES[args.shape], _DTYPES[args.dtype]
     if args.threads is None:
-        from freetoken.experts.setup import default_cpu_threads
+        from freetoken.experts.runtime import default_cpu_threads
 
         args.threads = default_cpu_threads("cuda" if torch.cuda.is_available() else "cpu")
     prof = bw.measure_profile(args.shape, shape, dtype, args.seconds, args.pool_gb, args.threads,

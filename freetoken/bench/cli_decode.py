@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "router on the benchmark's own tokens), 'shared' (the trained router's "
                         "recorded routing) or a trace file (.npy [steps, L, N, K]); a comma list "
                         "(random,shared) measures each routing in this process")
-    from freetoken.cli_options import add_moe_args
+    from freetoken.cli.options import add_moe_args
 
     add_moe_args(p)
     p.set_defaults(func=run)
@@ -124,8 +124,8 @@ def run_shape(args: argparse.Namespace) -> int:
 
     from freetoken.bench.moe import TraceRouter, install_trace, uniform_trace
     from freetoken.bench.random_model import random_model
-    from freetoken.cli_options import moe_options, resolve_device, resolve_dtype
-    from freetoken.experts.setup import find_profile
+    from freetoken.cli.options import moe_options, resolve_device, resolve_dtype
+    from freetoken.experts.runtime import find_profile
     from freetoken.experts.store import ExpertStore
     from freetoken.types.presets import preset_config
 
@@ -142,7 +142,9 @@ def run_shape(args: argparse.Namespace) -> int:
         b.experts.gate_up_proj = b.experts.down_proj = None  # the store holds the only copy
     opts = moe_options(args)
     if opts.cache_size is None and opts.cache_rate is None and opts.cache_mem is None:
-        opts.cache_rate = 0.37
+        from dataclasses import replace
+
+        opts = replace(opts, cache_rate=0.37)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=g).tolist()
     traces = (args.route_trace or "random").split(",")
@@ -167,7 +169,7 @@ def run_shape(args: argparse.Namespace) -> int:
         elif trace != "model":
             path = trace
             if path == "shared":  # a copy of ../shared/routing_traces travels with the repo
-                from freetoken.experts.record import SHARED_TRACE_DIR
+                from freetoken.bench.routing_trace import SHARED_TRACE_DIR
 
                 path = str(SHARED_TRACE_DIR / "decode_routing.npy")
             install_trace(model, TraceRouter(np.load(path), cfg.num_experts, cfg.top_k, device,

@@ -9,16 +9,14 @@ Per prompt size (one chunk = the whole prompt), rows:
                   its floor is `pool_bytes / B_P`, the design's figure
   experts         the per-expert path (streaming off): misses fetched through the decode cache
   fused           every expert resident on the GPU: the compute-only bound
-  fused/scan-triton  fused with the gated-DeltaNet chunk scan in the Triton kernel
-                  (FT_GDN_SCAN=triton) instead of the torch loop
 Floors: bytes the row must move over the link / B_P, B_P measured now (one large pinned copy
 and the per-expert fill rate of `ft bench bw`), or taken from the cached profile.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import time
+from dataclasses import replace
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(`ft serve`'s EngineCore, default chunking), streaming on")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None)
-    from freetoken.cli_options import add_moe_args
+    from freetoken.cli.options import add_moe_args
 
     add_moe_args(p)
     p.set_defaults(func=run)
@@ -58,8 +56,6 @@ def measure_link(store, device, seconds: float = 0.5) -> float:
 
 
 def _row_opts(row: str, base):
-    from dataclasses import replace
-
     if row == "stream":
         return replace(base, prefill_stream="on", prefill_stream_tokens=2)
     if row == "stream/serial":
@@ -76,9 +72,9 @@ def run(args: argparse.Namespace) -> int:
 
     from freetoken.bench.moe import drop_fused, install_backend
     from freetoken.bench.random_model import random_model
-    from freetoken.cli_options import moe_options, resolve_device, resolve_dtype
+    from freetoken.cli.options import moe_options, resolve_device, resolve_dtype
     from freetoken.engine.generate import generate
-    from freetoken.experts.setup import find_profile
+    from freetoken.experts.runtime import find_profile
     from freetoken.experts.store import ExpertStore
     from freetoken.types.api import SamplingParams
     from freetoken.types.presets import preset_config
@@ -100,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         b.experts.gate_up_proj = b.experts.down_proj = None  # the store holds the only copy
     base = moe_options(args, "offload")
     if base.cache_size is None and base.cache_rate is None and base.cache_mem is None:
-        base.cache_rate = 0.37
+        base = replace(base, cache_rate=0.37)
     b_p = measure_link(store, device)
     prof = find_profile(model, store.dtype)
     pool = store.nbytes
@@ -114,61 +110,55 @@ def run(args: argparse.Namespace) -> int:
 
     results: dict[tuple[int, str], tuple[float, float]] = {}
     for row in rows:
-        scan = os.environ.get("FT_GDN_SCAN")
-        if row == "fused/scan-triton":  # fused with the scan kernel instead of the torch loop
-            os.environ["FT_GDN_SCAN"] = "triton"
-        if row.startswith("fused"):
+        if row == "fused":
             if pool > 0.8 * torch.cuda.mem_get_info(device)[0]:
                 print("[bench] fused skipped: the pool does not fit on the GPU", flush=True)
                 continue
-            install_backend(model, store, "fused", base, device)
+            full = install_backend(model, store, "fused", base, device)
             rt = None
         else:
-            rt = install_backend(model, store, "offload", _row_opts(row, base), device)
+            full = rt = install_backend(model, store, "offload", _row_opts(row, base), device)
         # kernels compile on a process's first use of each shape class: not in the figures
         generate(model, prompt_of(512), SamplingParams(max_tokens=2, temperature=0.0,
-                                                       ignore_eos=True), [], prefill_chunk=512)
+                                                       ignore_eos=True), [], prefill_chunk=512,
+                 moe=full)
         if rt is not None:
-            rt.stats.sync()
+            rt.counters.sync()
         for T in sizes:
             prompt = prompt_of(T)
             sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
             best, moved = float("inf"), 0.0
             for _ in range(max(1, args.repeats)):
                 if rt is not None:
-                    s0 = rt.stats.stream_bytes + rt.stats.fetch_bytes
-                res = generate(model, prompt, sp, [], prefill_chunk=T)
+                    s0 = rt.counters.stream_bytes + rt.counters.fetch_bytes
+                res = generate(model, prompt, sp, [], prefill_chunk=T, moe=full)
                 if rt is not None:
-                    rt.stats.sync()
-                    moved = rt.stats.stream_bytes + rt.stats.fetch_bytes - s0
+                    rt.counters.sync()
+                    moved = rt.counters.stream_bytes + rt.counters.fetch_bytes - s0
                 best = min(best, res.prefill_seconds)
             results[(T, row)] = (best, moved)
             print(f"[bench] {row:16} {T:6d} tokens: {best:7.3f} s  {T / best:8.0f} tok/s  "
                   f"{moved / 1e9:6.2f} GB over the link", flush=True)
-        if row.startswith("fused"):
-            drop_fused(model, device)
-        if scan is None:
-            os.environ.pop("FT_GDN_SCAN", None)
-        else:
-            os.environ["FT_GDN_SCAN"] = scan
+        if row == "fused":
+            drop_fused(full, model, device)
     _table(results, sizes, rows, b_p * 1e9, pool)
     if args.ttft:
-        install_backend(model, store, "offload", base, device)
-        ttft(model, args.ttft, cfg.vocab_size)
+        rt = install_backend(model, store, "offload", base, device)
+        ttft(model, rt, args.ttft, cfg.vocab_size)
     return 0
 
 
-def ttft(model, tokens: int, vocab: int) -> float:
+def ttft(model, rt, tokens: int, vocab: int) -> float:
     """Seconds to the first token of a `tokens`-long prompt through the serving engine."""
     import torch
 
-    from freetoken.engine.async_engine import default_chunk_tokens
     from freetoken.engine.core import EngineCore
+    from freetoken.engine.sizing import default_chunk_tokens
     from freetoken.types.api import GenerateRequest, SamplingParams
 
-    chunk = default_chunk_tokens(model)
+    chunk = default_chunk_tokens(rt)
     core = EngineCore(model, [], kv_tokens=tokens + 64, state_slots=4, max_running=1,
-                      chunk_tokens=chunk)
+                      chunk_tokens=chunk, moe=rt)
     prompt = torch.randint(0, vocab, (tokens,),
                            generator=torch.Generator().manual_seed(1)).tolist()
     # warm-up: the first decode step of a process captures its graph and compiles kernels

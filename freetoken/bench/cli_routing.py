@@ -12,7 +12,7 @@ import time
 
 from freetoken.bench.replay import POLICIES, replay
 from freetoken.bench.routing import SYNTH_LOCALITY_QWEN36, calibrate_locality, synthetic_routing
-from freetoken.experts.record import RoutingTrace, load_trace
+from freetoken.bench.routing_trace import RoutingTrace, load_trace
 from freetoken.log import get_logger, kv
 
 log = get_logger("experts")

@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from freetoken.engine.generate import generate
-from freetoken.engine.route_trace import TraceRouter, install_trace, uniform_trace  # noqa: F401
-from freetoken.experts.registry import create_backend
-from freetoken.experts.setup import MoEOptions, MoERuntime, configure_experts, find_profile
+from freetoken.bench.route_trace import TraceRouter, install_trace, uniform_trace  # noqa: F401
+from freetoken.engine.generate import generate, private_runner
+from freetoken.experts.runtime import MoERuntime, find_profile
 from freetoken.experts.store import ExpertStore
-from freetoken.layers.moe import FusedExperts
 from freetoken.models.qwen import QwenMoE
 from freetoken.types.api import SamplingParams
+from freetoken.types.config import MoEConfig
 
 
 @dataclass
@@ -35,33 +34,42 @@ class RunResult:
     note: str = ""  # where a decode step's time went (graph runner timers)
 
 
-def install_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEOptions,
-                    device: torch.device) -> MoERuntime | None:
-    """Give every MoE block of `model` the experts of `backend` over `store`: `fused` copies
-    every bank to the device (undo with drop_fused); the others configure the slot cache."""
-    if backend == "fused":
-        model.forward_hooks = []  # a previous backend's prefill streamer
-        for m, b in enumerate(model.moe_blocks()):
-            b.experts = create_backend("fused", m, banks=(store.gate_up(m).to(device),
-                                                          store.down(m).to(device)))
+def install_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEConfig,
+                    device: torch.device) -> MoERuntime:
+    """A new expert runtime of `backend` over `store`, installed on every MoE block of
+    `model`: `fused` copies every bank to the device (undo with drop_fused); the others build
+    the slot cache. Its `cache` is None for `fused`."""
+    return MoERuntime.build(model, replace(opts, backend=backend), device, store=store)
+
+
+def replay_ms(runner, n: int, iters: int = 50) -> float | None:
+    """Device time of one replay of bucket n's greedy graph (inputs as last staged), or None
+    when it has not been captured: the step's floor with no host work at all. The replays
+    write the last staged rows' K/V and state again: for benchmarks, after their run."""
+    bk = runner.bucket(n)
+    g = bk.graphs.get(True) if bk else None
+    if g is None or runner.bridge is not None:  # a bridged step needs its host worker's turn
         return None
-    rt = configure_experts(model, MoEOptions(**{**opts.__dict__, "backend": backend}), device,
-                           store=store)
-    model.moe_runtime = rt  # what the engine reads (expert stats, the streamer's chunking)
-    return rt
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g.replay()
+    a.record()
+    for _ in range(iters):
+        g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / iters
 
 
-def drop_fused(model: QwenMoE, device: torch.device) -> None:
+def drop_fused(rt: MoERuntime, model: QwenMoE, device: torch.device) -> None:
     """Release the device copies `install_backend(..., "fused", ...)` made."""
-    for b in model.moe_blocks():
-        b.experts = FusedExperts(1, 1, 1)
+    rt.uninstall(model)
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
 def decode_batch(model: QwenMoE, prompts: list[list[int]], n_tokens: int,
-                 cuda_graph: bool, on_start: Callable[[], None] | None = None
-                 ) -> tuple[float, int]:
+                 cuda_graph: bool, moe: MoERuntime | None = None,
+                 on_start: Callable[[], None] | None = None) -> tuple[float, int]:
     """B requests decoding together through the engine: (decode tok/s summed over the rows,
     decode steps timed). Timing starts once every request has its first token, when
     `on_start` is called (the caller's counters then cover the decode steps alone)."""
@@ -71,7 +79,7 @@ def decode_batch(model: QwenMoE, prompts: list[list[int]], n_tokens: int,
     B, n = len(prompts), max(len(p) for p in prompts)
     core = EngineCore(model, [], kv_tokens=B * (n + n_tokens) + 64, state_slots=B + 4,
                       max_running=B, chunk_tokens=max(512, n), decode_runner=True,
-                      cuda_graph=cuda_graph)
+                      cuda_graph=cuda_graph, moe=moe)
     got = [0] * B
 
     def on(i: int):
@@ -96,40 +104,41 @@ def decode_batch(model: QwenMoE, prompts: list[list[int]], n_tokens: int,
     return (sum(got) - start) / dt if dt > 0 else 0.0, steps
 
 
-def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEOptions,
+def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEConfig,
                 device: torch.device, prompt: list[int], n_tokens: int, cuda_graph: bool = True,
                 batch: int = 1, engine: bool = False) -> RunResult:
     """One backend's decode rate: batch 1 through `generate` unless `engine` (then, as every
     larger batch, through EngineCore as `ft serve` runs it)."""
-    rt = install_backend(model, store, backend, opts, device)
+    full = install_backend(model, store, backend, opts, device)
+    rt = full if full.cache is not None else None  # (`fused`: no counters to read)
     note = ""
     sp = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
     generate(model, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), [],
-             cuda_graph=cuda_graph)
+             cuda_graph=cuda_graph, moe=full)
     # the counters cover the decode steps alone: taken when the first token is out (a
     # prefill's misses, and the hits of re-prefilling the warm-up's prompt, are not decode's)
     s0: dict = {}
 
     def start() -> None:
         if rt is not None and not s0:
-            rt.stats.sync()
-            s0.update({k: v for k, v in rt.stats.__dict__.items() if isinstance(v, int)})
+            rt.counters.sync()
+            s0.update({k: v for k, v in rt.counters.__dict__.items() if isinstance(v, int)})
 
     if batch > 1 or engine:
         # B prompts of the same length, each a rotation of the first (no shared prefix)
         prompts = [prompt[i % len(prompt):] + prompt[:i % len(prompt)] for i in range(batch)]
-        tok_s, steps = decode_batch(model, prompts, n_tokens, cuda_graph, on_start=start)
+        tok_s, steps = decode_batch(model, prompts, n_tokens, cuda_graph, moe=full,
+                                    on_start=start)
         res = None
     else:
-        priv = getattr(model, "_ft_private", None)
-        runner = next(iter(priv.runners.values()), None) if priv else None
+        runner = private_runner(model)
         h0 = (runner.host_s, runner.wait_s, runner.steps) if runner else None
         res = generate(model, prompt, sp, [], on_token=lambda _t: start(),
-                       cuda_graph=cuda_graph)
+                       cuda_graph=cuda_graph, moe=full)
         tok_s, steps = res.decode_tps, max(1, len(res.token_ids) - 1)
         if runner is not None and h0 is not None and runner.steps > h0[2]:
             k = runner.steps - h0[2]
-            rep = runner.replay_ms(1) if cuda_graph else None
+            rep = replay_ms(runner, 1) if cuda_graph else None
             note = (f"host {1e3 * (runner.host_s - h0[0]) / k:.3f} ms/step, launch+wait "
                     f"{1e3 * (runner.wait_s - h0[1]) / k:.3f} ms/step"
                     + (f", graph replay alone {rep:.3f} ms" if rep else ""))
@@ -138,11 +147,11 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEOptio
                 note += (f"; CPU branch {1e3 * br.busy_s / br.steps_done:.3f} ms/step computing,"
                          f" {1e3 * br.wait_go_s / br.steps_done:.3f} ms/step waiting for layers")
     if rt:
-        rt.stats.sync()
+        rt.counters.sync()
     hit = fb = cb = 0.0
     floor = None
     if rt is not None:
-        d = {k: rt.stats.__dict__[k] - s0[k] for k in s0}
+        d = {k: rt.counters.__dict__[k] - s0[k] for k in s0}
         routed = d["hits"] + d["misses"]
         hit = d["hits"] / routed if routed else 0.0
         # per decode step of the timed window (each step after the first token)
@@ -159,5 +168,5 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEOptio
         note += (("; " if note else "") + f"auto: {guard.phase}, running {guard.choice}"
                  + (f" (timed {timed})" if timed else ""))
     if backend == "fused":
-        drop_fused(model, device)
+        drop_fused(full, model, device)
     return RunResult(backend, tok_s, hit, fb, cb, floor, note)

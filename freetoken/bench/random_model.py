@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
+from freetoken.experts.fused import FusedExperts
 from freetoken.experts.random_fill import random_fill_
-from freetoken.layers.moe import FusedExperts
 from freetoken.models.qwen import QwenMoE
 from freetoken.types.model_config import ModelConfig
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from freetoken.experts.record import RoutingTrace
+from freetoken.bench.routing_trace import RoutingTrace
 from freetoken.experts.residency import ResidencyTable
 
 POLICIES = ("lru", "prefill_hot", "static_layers")

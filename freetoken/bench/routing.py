@@ -1,6 +1,6 @@
 """Synthetic routing traces with tunable locality, and the locality calibration.
 
-The trace format and the recorder live in `freetoken.experts.record` (serving records traces);
+The trace format and the recorder live in `freetoken.bench.routing_trace` (serving records traces);
 this module only makes synthetic ones in the same in-memory form, `RoutingTrace`.
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from freetoken.bench.replay import lru_miss_rate
-from freetoken.experts.record import RoutingTrace
+from freetoken.bench.routing_trace import RoutingTrace
 
 # Synthetic routing: per-layer popularity ~ 1/(rank+1)**ZIPF_EXPONENT, and each expert of the
 # previous step is kept with probability `locality`. SYNTH_LOCALITY_QWEN36 is the locality at which

@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from freetoken.checkpoint.ftw import verify_ftw
     from freetoken.checkpoint.ftw_write import convert
     from freetoken.checkpoint.safetensors_reader import CheckpointError
-    from freetoken.cli_options import resolve_dtype
+    from freetoken.cli.options import resolve_dtype
 
     progress = not args.no_progress
     target = args.dst or args.src

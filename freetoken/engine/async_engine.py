@@ -9,7 +9,6 @@ iteration, as one async generator.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import queue
@@ -21,15 +20,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from freetoken.engine.core import EngineCore
-from freetoken.experts.setup import WORKSPACE_MARGIN_BYTES
 from freetoken.log import get_logger, kv
 from freetoken.types.api import EngineEvent, GenerateRequest
 
 log = get_logger("engine")
 _ids = itertools.count(1)
 T = TypeVar("T")
-# prefill chunk when long chunks stream whole MoE layers (see default_chunk_tokens)
-STREAM_CHUNK_TOKENS = 8192
 
 
 class AsyncEngine:
@@ -177,102 +173,3 @@ class EventStream:
 
     def __del__(self) -> None:  # a stream dropped before its consumer started (a raced close)
         self._abort()
-
-
-def kv_pool_tokens(max_context: int, bytes_per_token: int, device_type: str, free_bytes: int,
-                   reserve_tokens: int | None = None) -> int:
-    """KV pool size in tokens when `--kv-tokens` is not given: the whole context if memory allows,
-    never under 1024. `free_bytes` is what is free now, after the weights (and the slot cache).
-
-    CPU: a quarter of the available RAM. CUDA, all experts on the device: 90% of the free memory.
-    CUDA with a slot cache (`reserve_tokens` given): `--kv-reserve-tokens` is a floor (DESIGN §4):
-    the slot cache was sized to leave it plus the workspace margin free, and KV also takes any
-    memory the cache left beyond that (a small `--moe-cache-size`), keeping the same margin."""
-    if device_type == "cuda":
-        if reserve_tokens is not None:
-            budget = max(reserve_tokens * bytes_per_token, free_bytes - WORKSPACE_MARGIN_BYTES)
-        else:
-            budget = int(free_bytes * 0.9)
-    else:
-        budget = free_bytes // 4
-    return max(1024, min(max_context, budget // max(1, bytes_per_token)))
-
-
-def default_kv_tokens(model, max_context: int, moe) -> int:
-    """`kv_pool_tokens` for a loaded model on its device; logs the decision."""
-    import os
-
-    import torch
-
-    from freetoken.cache.tensors import KVPool
-
-    w = model.model.embed_tokens.weight
-    per_tok = max(1, KVPool.bytes_per_token(model.cfg, w.dtype))
-    if w.device.type == "cuda":
-        free = int(torch.cuda.mem_get_info(w.device)[0])
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    reserve = moe.kv_reserve_tokens if moe is not None and moe.backend != "fused" else None
-    n = kv_pool_tokens(max_context, per_tok, w.device.type, free, reserve)
-    log.info(kv("kv_pool_size", tokens=n, max_context=max_context, bytes_per_token=per_tok,
-                mb=n * per_tok // 2**20, floor_tokens=reserve))
-    return n
-
-
-def default_chunk_tokens(model) -> int:
-    """Prefill tokens per step when `--chunk-tokens` is not given: 8192 when long chunks stream
-    whole MoE layers (a streamed chunk costs one pass of the layer's misses over the link
-    however many tokens it carries, so the chunk is made large: DESIGN §4), else 512."""
-    rt = getattr(model, "moe_runtime", None)
-    st = getattr(rt, "streamer", None)
-    if st is not None and st.wants(STREAM_CHUNK_TOKENS)[0]:
-        return STREAM_CHUNK_TOKENS
-    return 512
-
-
-def build_engine(args: argparse.Namespace) -> AsyncEngine:
-    """From `ft serve` arguments: model path/demo, dtype, device, pool sizes."""
-
-    from freetoken.chat import ChatTokenizer
-    from freetoken.cli_options import moe_from_args, resolve_device, resolve_dtype
-    from freetoken.models.demo import resolve_model_path
-    from freetoken.models.loader import load_model
-
-    model_dir = resolve_model_path(getattr(args, "model", None) or "demo")
-    device = resolve_device(getattr(args, "device", None))
-    dtype = resolve_dtype(getattr(args, "dtype", None))
-    moe, reserve = None, 0
-    if hasattr(args, "moe_backend"):
-        moe, reserve = moe_from_args(args, model_dir, dtype, device)
-    model = load_model(model_dir, dtype=dtype, device=device, moe=moe, kv_reserve_bytes=reserve)
-    tok = ChatTokenizer.from_dir(model_dir)
-    if getattr(args, "record_routing", None):
-        from freetoken.experts.record import attach_recorder
-
-        attach_recorder(model, args.record_routing)
-    if getattr(args, "route_trace", None):  # `ft bench serve --route-trace`: replayed routing
-        from freetoken.engine.route_trace import install_serve_trace
-
-        install_serve_trace(model, args.route_trace, getattr(args, "max_running", None) or 4)
-    max_context = getattr(args, "max_context", None) or model.cfg.max_position_embeddings
-    kv_tokens = getattr(args, "kv_tokens", None) or default_kv_tokens(model, max_context, moe)
-    core = EngineCore(
-        model, tok.eos_token_ids,
-        kv_tokens=kv_tokens,
-        state_slots=getattr(args, "state_slots", None) or 64,
-        max_running=getattr(args, "max_running", None) or 4,
-        chunk_tokens=getattr(args, "chunk_tokens", None) or default_chunk_tokens(model),
-        max_context=getattr(args, "max_context", None),
-        policy=getattr(args, "checkpoint_policy", None) or "semantic",
-        cuda_graph=getattr(args, "cuda_graph", True),
-        state_host_mem=getattr(args, "state_host_mem", None),
-    )
-    if core.device.type == "cuda":
-        core.warm_up()  # kernel compilation and graph capture before the first request
-    from freetoken.models.demo import DEMO_ALIASES
-
-    given = str(getattr(args, "model", "demo") or "demo")
-    name = given if given in DEMO_ALIASES else model_dir.name
-    engine = AsyncEngine(core, model_dir, name)
-    engine.max_output_tokens = getattr(args, "max_output_tokens", None)
-    return engine

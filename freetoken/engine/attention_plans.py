@@ -93,3 +93,15 @@ def choose_backend(requested: str = "auto", dtype: torch.dtype = torch.bfloat16,
     except (ImportError, RuntimeError):
         return "torch"
     return "triton"
+
+
+def bucket_plan(kind: str, size: int, indptr: Tensor, indices: Tensor, cfg, dtype: torch.dtype,
+                workspace: Tensor | None) -> tuple[PagedDecode, Tensor | None]:
+    """The `kind` ("flashinfer" | "triton") plan of a decode runner's bucket of `size` rows
+    over its device indptr/indices, and the FlashInfer workspace (made on first use)."""
+    if kind == "flashinfer":
+        if workspace is None:
+            workspace = torch.empty(128 << 20, dtype=torch.uint8, device=indptr.device)
+        return FlashInferDecode(size, indptr, indices, cfg.num_heads, cfg.num_kv_heads,
+                                cfg.head_dim, dtype, cfg.head_dim ** -0.5, workspace), workspace
+    return TritonDecode(size, indptr, indices), workspace

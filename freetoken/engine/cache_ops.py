@@ -11,8 +11,6 @@ runs, which is what the tests exercise.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from freetoken.cache import StateOp
@@ -58,11 +56,7 @@ def host_slots_for(budget_bytes: int | None, slot_bytes: int, device_slots: int)
     if slot_bytes <= 0:
         return 0
     if budget_bytes is None:
-        env = os.environ.get("FT_STATE_HOST_MEM")
-        if env is not None:
-            budget_bytes = int(env)
-        else:
-            return min(mem_available() // 4 // slot_bytes, 16 * device_slots)
+        return min(mem_available() // 4 // slot_bytes, 16 * device_slots)
     return max(budget_bytes, 0) // slot_bytes
 
 

@@ -7,37 +7,40 @@ Decode overlap: a decode-only step through the runner is launched and left in fl
 `step()` launches the step after it — the same requests, each fed the token the step in flight
 samples, read on the device (`DecodeRunner.launch(chain=...)`) — before it reads the first
 step's tokens and post-processes them, so the host's scheduling, staging and token handling
-run while the GPU computes. It does so only when that next step is certain up to stop tokens:
-no waiting request that could be admitted now, every running request decoding, a KV slot free
-for each without preempting; a request that ends by length is left out. A request that stops
+run while the GPU computes. It does so only when the scheduler plans that next step
+(scheduler/overlap.py: certain up to stop tokens, its KV allocated). A request that stops
 on a token while the step after it is in flight keeps that step's work: its KV and state
 already cover the stop token, so it is committed with it (the step's own token is dropped).
 """
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from freetoken.cache.tensors import Caches, KVPool, StateTensors
 from freetoken.engine.cache_ops import CacheOps, HostStates, host_slots_for
-from freetoken.engine.gpu_sampler import RowSampling, sample_rows
-from freetoken.engine.graph_runner import DecodeRow, DecodeRunner, Pending
+from freetoken.engine.gpu_sampler import sample_rows
+from freetoken.engine.graph_runner import DecodeRunner, Pending
 from freetoken.engine.stats import EngineStats
+from freetoken.engine.step_inputs import decode_row, forward_batch, row_sampling
+from freetoken.engine.warm_up import warm_up
+from freetoken.experts.bridge import BridgeError
+from freetoken.experts.runtime import MoERuntime, ResizeError
 from freetoken.log import get_logger, kv
 from freetoken.models.qwen import QwenMoE
 from freetoken.sampler import RequestSampler
+from freetoken.scheduler.finish import accept_token, token_event
+from freetoken.scheduler.overlap import schedule_ahead
 from freetoken.scheduler.request import Request
 from freetoken.scheduler.scheduler import BatchItem, Scheduler
-from freetoken.types.api import AdmissionError, EngineEvent, GenerateRequest, SamplingParams
-from freetoken.types.forward_batch import ForwardBatch
+from freetoken.types.api import AdmissionError, GenerateRequest
+from freetoken.types.forward_batch import EAGER, ForwardBatch, MoEStep
 
 log = get_logger("engine")
-
-
-class ResizeError(RuntimeError):
-    """A run-time re-budget could not allocate; the previous cache is still serving."""
+__all__ = ["EngineCore", "ResizeError"]  # ResizeError: what /ft/v1/control/experts answers 409 to
 
 
 @dataclass
@@ -58,13 +61,15 @@ class EngineCore:
                  state_slots: int = 64, max_running: int = 4, chunk_tokens: int = 512,
                  max_context: int | None = None, policy: str = "semantic",
                  decode_runner: bool | None = None, cuda_graph: bool = True,
-                 state_host_mem: int | None = None):
+                 state_host_mem: int | None = None, moe: MoERuntime | None = None):
         """`decode_runner`: run decode-only steps through the static-buffer runner (default: on
         CUDA only; the CPU's eager path is the same math); `cuda_graph`: replay them from CUDA
         graphs (off: the runner runs them eagerly, for comparison). `state_host_mem`: bytes of
-        the host tier for state snapshots (None: derived from free RAM, see `cache_ops`)."""
+        the host tier for state snapshots (None: derived from free RAM, see `cache_ops`).
+        `moe`: the model's expert runtime (None: every expert resident, nothing to manage)."""
         cfg = model.cfg
         self.model, self.cfg, self.eos_ids = model, cfg, list(eos_ids)
+        self.moe = moe
         w = model.model.embed_tokens.weight
         self.device, self.dtype = w.device, w.dtype
         # one scratch KV slot and one scratch state slot past what the allocators hand out:
@@ -84,12 +89,11 @@ class EngineCore:
             decode_runner = self.device.type == "cuda"
         self.runner = (DecodeRunner(model, self.caches, max_running, scratch_kv=kv_tokens,
                                     scratch_state=state_slots if state is not None else None,
-                                    use_graphs=cuda_graph)
+                                    use_graphs=cuda_graph, moe=moe)
                        if decode_runner else None)
         # a lone request must always fit in the KV pool, so the context never exceeds it
         self.max_context = min(max_context or cfg.max_position_embeddings, kv_tokens)
         self.stats = EngineStats()
-        self.guard = getattr(getattr(model, "moe_runtime", None), "guard", None)  # `auto` only
         self._inflight: _InFlight | None = None
         self._t_done = 0.0  # when the last step's tokens were read (overlapped steps' time)
         self.steps_ahead = 0  # decode steps launched before the previous one's tokens were read
@@ -98,24 +102,21 @@ class EngineCore:
                     kv_mb=KVPool.bytes_per_token(cfg, self.dtype) * kv_tokens // 2**20))
 
     def warm_up(self) -> float:
-        """Before serving: one tiny request through prefill and decode (kernels compile on
-        first use: tens of seconds on a fresh GPU process), then every decode graph captured,
-        so the first user request does not pay for them. Leaves no request running and the
-        step statistics empty; its few tokens stay in the prefix cache as any finished
-        request's would. Returns the seconds it took."""
-        t0 = time.perf_counter()
-        n = min(16, self.max_context - 3)
-        ids = [1 + i % (self.cfg.vocab_size - 1) for i in range(n)]
-        self.add(GenerateRequest(ids, SamplingParams(max_tokens=2, temperature=0.0,
-                                                     ignore_eos=True), request_id="ft-warm-up"),
-                 lambda ev: None)
-        while self.has_work():
-            self.step()
-        graphs = self.runner.capture_all() if self.runner is not None else 0
-        self.stats = EngineStats()
-        dt = time.perf_counter() - t0
-        log.info(kv("warm_up", seconds=f"{dt:.1f}", graphs=graphs))
-        return dt
+        """Before serving: kernels compiled and graphs captured (engine/warm_up.py)."""
+        return warm_up(self)
+
+    def drop_bridge(self, e: BridgeError) -> None:
+        """The CPU bridge failed: log it and serve on without it (the runner's steps run
+        eagerly where a layer needs the CPU). The step that failed is lost: its requests fail
+        (AsyncEngine), every other request goes on."""
+        log.error(kv("cpu_bridge_failed", error=repr(e)[:300],
+                     fallback="decode runner without the bridge (eager CPU branch)"))
+        self._inflight = None
+        if self.runner is not None:
+            self.runner.drop_bridge()
+
+    def _moe_step(self, kind: str, tokens: int) -> AbstractContextManager[MoEStep]:
+        return self.moe.step(kind, tokens) if self.moe is not None else nullcontext(EAGER)
 
     def check(self, req: GenerateRequest) -> None:
         req.sampling.validate()
@@ -147,6 +148,15 @@ class EngineCore:
         return self.sched.has_work() or self._inflight is not None
 
     def step(self) -> None:
+        """One engine step: schedule, run, postprocess. A failure of the CPU bridge drops the
+        bridge (`drop_bridge`) and is raised for the step's requests."""
+        try:
+            self._step()
+        except BridgeError as e:
+            self.drop_bridge(e)
+            raise
+
+    def _step(self) -> None:
         if self._inflight is not None:
             cur = self._inflight
             self._inflight = self._launch_ahead(cur)
@@ -158,25 +168,23 @@ class EngineCore:
         if not items:
             return
         decode = all(i.n == 1 and i.wants_logits for i in items)  # every row one token
-        if self.guard is not None:  # `auto` times its choice over decode steps of any width
-            self.guard.on_step(decode)
         t0 = time.perf_counter()
         rows = None
         if self.runner is not None and decode:
-            rows = [self._decode_row(it) for it in items]
+            rows = [decode_row(it) for it in items]
             if not self.runner.fits(rows):
                 rows = None
         if rows is not None and self._may_overlap():
             # left in flight: the next step() launches the step after it, then reads these ids
             self._inflight = _InFlight(items, plan.post_ops, self.runner.launch(rows), t0)
             return
-        if rows is not None:
-            toks = self.runner.step(rows)  # one host read: the sampled ids
-        else:
-            logits = self.model(self._batch(items), self.caches)  # [R, V]
-            toks = self._sample([it for it in items if it.wants_logits], logits)
-        if self.guard is not None:
-            self.guard.end_step()
+        # (`auto` times its choice over decode steps of any width)
+        with self._moe_step("decode" if decode else "prefill", sum(i.n for i in items)) as st:
+            if rows is not None:
+                toks = self.runner.step(rows)  # one host read: the sampled ids
+            else:
+                logits = self.model(self._batch(items, st), self.caches)  # [R, V]
+                toks = self._sample([it for it in items if it.wants_logits], logits)
         self._t_done = time.perf_counter()
         dt = self._t_done - t0
         self.cache_ops.run(plan.post_ops)
@@ -193,51 +201,24 @@ class EngineCore:
     def _may_overlap(self) -> bool:
         """Whether decode steps may be left in flight: always, except while `auto`'s guard
         times its phases (each step then runs alone)."""
-        return self.guard is None or self.guard.settled
+        return self.moe is None or self.moe.settled
 
     def _launch_ahead(self, cur: _InFlight) -> _InFlight | None:
-        """Launch the decode step after `cur` (which is in flight) when it is certain: every
-        running request is a row of `cur` and goes on decoding, no waiting request could be
-        admitted now (the batch is full), and the KV pool has a slot for each without
-        preempting. Rows chain on `cur`'s sampled ids. None (nothing launched) otherwise."""
-        sched = self.sched
-        admissible = sched.waiting and len(sched.running) < sched.max_running
-        if cur.tokens is not None or admissible or not self._may_overlap():
-            return None  # (a full batch keeps overlapping while others wait their turn)
-        running = {id(r) for r in sched.running}
-        rows_of = {id(it.req): i for i, it in enumerate(cur.items)}
-        if not running or any(k not in rows_of for k in running):
+        """Launch the step after `cur` (in flight) when the scheduler plans one
+        (scheduler/overlap.py); its rows chain on `cur`'s sampled ids. None otherwise."""
+        if cur.tokens is not None or not self._may_overlap():
             return None
-        ahead = []  # (request, its row in cur): those that surely decode once more
-        for it in cur.items:
-            r = it.req
-            if id(r) not in running or it.n != 1:
-                continue
-            if (r.num_generated + 1 >= r.req.sampling.max_tokens
-                    or len(r.ids) + 1 >= self.max_context):
-                continue  # cur's token ends it by length
-            ahead.append((r, rows_of[id(r)]))
-        if not ahead:
-            return None
-        slots = sched.cache.alloc_kv(len(ahead))
-        if slots is None:
+        plan = schedule_ahead(self.sched, cur.items, self.max_context)
+        if plan is None:
             return None
         t0 = time.perf_counter()
-        items, rows = [], []
-        for i, (r, _) in enumerate(ahead):
-            r.row = torch.cat([r.row, slots[i:i + 1]])
-            pos = r.computed + 1  # cur feeds position r.computed
-            item = BatchItem(r, 1, True, pos, None, r.row[:pos + 1])
-            items.append(item)
-            rows.append(self._decode_row(item, ahead=True))
+        rows = [decode_row(it, ahead=True) for it in plan.items]
         if not self.runner.fits(rows):
-            for r, _ in ahead:  # give the slots back: the next step is scheduled as usual
-                sched.kv_alloc.free(r.row[-1:])
-                r.row = r.row[:-1]
+            plan.rollback(self.sched)
             return None
-        pending = self.runner.launch(rows, chain=[j for _, j in ahead])
+        pending = self.runner.launch(rows, chain=plan.chain)
         self.steps_ahead += 1
-        return _InFlight(items, sched.cache.take_ops(), pending, t0)
+        return _InFlight(plan.items, self.sched.cache.take_ops(), pending, t0)
 
     def _complete(self, cur: _InFlight) -> None:
         """Read a launched decode step's tokens and post-process it (as `step` does after a
@@ -267,27 +248,6 @@ class EngineCore:
             ahead.tokens = self.runner.collect(ahead.pending)
         r.computed += 1
 
-    @staticmethod
-    def _row_sampling(it: BatchItem, n: int | None = None) -> RowSampling:
-        """Sampling of `it`'s row; `n`: the generated-token index it samples (default: the
-        request's count now)."""
-        r = it.req
-        p, s = r.req.sampling, r.sampler
-        n = r.num_generated if n is None else n
-        return RowSampling(p.temperature, p.top_k, p.top_p, s.seed, n, tuple(s.blocked_ids(n)))
-
-    def _decode_row(self, it: BatchItem, ahead: bool = False) -> DecodeRow:
-        """`it`'s runner row: it feeds position r.computed (the token there), or with `ahead`
-        the position after it, whose token the runner takes on the device from the step in
-        flight (`token` unused) and whose sample is the request's next but one."""
-        r = it.req
-        pos = r.computed + ahead
-        return DecodeRow(**vars(self._row_sampling(it, r.num_generated + ahead)),
-                         token=0 if ahead else r.ids[pos], position=pos,
-                         out_slot=int(r.row[pos]),
-                         state_slot=r.state_slot if r.state_slot is not None else -1,
-                         kv_slots=r.row[: pos + 1])
-
     def _sample(self, items: list[BatchItem], logits: torch.Tensor) -> list[int]:
         """Next token of every row: on CUDA one batched call of the device sampler (the same
         function the decode runner replays, so seeds draw the same tokens either way); on the CPU
@@ -300,27 +260,11 @@ class EngineCore:
                 except Exception as e:  # noqa: BLE001  (this row alone fails: see _on_token)
                     out.append(e)
             return out
-        rows = [self._row_sampling(it) for it in items]
+        rows = [row_sampling(it) for it in items]
         return sample_rows(logits, rows, self.device)
 
-    def _batch(self, items: list[BatchItem]) -> ForwardBatch:
-        ids, pos, rows = [], [], []
-        for it in items:
-            r = it.req
-            ids.extend(r.ids[r.computed:r.computed + it.n])
-            pos.extend(range(r.computed, r.computed + it.n))
-            if it.wants_logits:
-                rows.append(len(ids) - 1)
-        d = self.device
-        return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=d),
-            positions=torch.tensor(pos, dtype=torch.long, device=d),
-            new_lens=[it.n for it in items],
-            prefix_lens=[it.req.computed for it in items],
-            kv_slots=[it.req.row[: it.req.computed + it.n].to(d) for it in items],
-            state_slots=[it.req.state_slot for it in items] if self.caches.state else [],
-            logits_rows=torch.tensor(rows, dtype=torch.long, device=d),
-        )
+    def _batch(self, items: list[BatchItem], moe: MoEStep) -> ForwardBatch:
+        return forward_batch(items, moe, self.device, self.caches.state is not None)
 
     def _on_token(self, it: BatchItem, tok: int) -> None:
         r = it.req
@@ -330,17 +274,9 @@ class EngineCore:
             log.warning(kv("row_failed", rid=r.rid, error=repr(tok)[:200]))
             r.emit(tok)
             return
-        r.ids.append(tok)
-        r.num_generated += 1
-        first = r.t_first_token is None
+        reason, first = accept_token(r, tok, self.max_context)  # scheduler/finish.py's rules
         if first:
-            r.t_first_token = time.perf_counter()
             self.stats.on_first_token(r.t_first_token - r.t_arrival, r.prompt_len, r.cached_tokens)
-        reason = None
-        if r.sampler.is_stop(tok, r.num_generated):
-            reason = "stop"
-        elif r.num_generated >= r.req.sampling.max_tokens or len(r.ids) >= self.max_context:
-            reason = "length"
         if reason:
             self._settle_ahead(r)
             self.sched.finish(r)
@@ -349,48 +285,22 @@ class EngineCore:
                         kv_match=r.kv_match, resume_tier=r.state_tier,
                         reuse=r.reuse_reason if r.kv_match > r.cached_tokens else None,
                         lost=r.lost or None, generated=r.num_generated, reason=reason))
-        r.emit(EngineEvent([tok], finished=reason is not None, finish_reason=reason,
-                           prompt_tokens=r.prompt_len, cached_tokens=r.cached_tokens,
-                           matched_stop_id=tok if reason == "stop" else None))
+        r.emit(token_event(r, tok, reason))
 
     def resize_experts(self, slots: int | None = None, rate: float | None = None,
                        mem: int | None = None) -> dict:
-        """Re-budget the GPU expert cache without a restart. Runs between steps (the engine
-        thread's safe point). All or nothing: a failed allocation leaves the old cache serving
-        and raises `ResizeError`."""
-        rt = getattr(self.model, "moe_runtime", None)
-        if rt is None or rt.cache is None:
+        """Re-budget the GPU expert cache without a restart (`MoERuntime.resize`). Runs
+        between steps (the engine thread's safe point); a failed allocation leaves the old
+        cache serving and raises `ResizeError`."""
+        if self.moe is None:
             raise AdmissionError("this server runs without an expert slot cache "
                                  "(--moe-backend fused); nothing to re-budget", "slots")
-        pool = rt.store.num_layers * rt.store.num_experts
-        given = [v for v in (slots, rate, mem) if v is not None]
-        if len(given) != 1:
-            raise AdmissionError("give exactly one of slots, rate, mem", "slots")
-        if rate is not None:
-            n = round(rate * pool) if 0 < rate <= 1 else -1
-        elif mem is not None:
-            n = min(pool, mem // rt.store.expert_bytes) if mem > 0 else -1  # a budget: clamp
-        else:
-            n = slots if isinstance(slots, int) else -1
-        if not 1 <= n <= pool:
-            raise AdmissionError(f"the cache must hold between 1 and {pool} slots (got {n})",
-                                 "slots")
-        old = rt.cache.num_slots
-        try:
-            rt.cache.resize(n)
-        except (torch.OutOfMemoryError, RuntimeError) as e:
-            log.warning(kv("experts_resize_failed", old=old, asked=n, error=type(e).__name__))
-            raise ResizeError(f"could not allocate {n} slots ({e}); still serving with {old}")
-        log.info(kv("experts_resized", old=old, new=n, pool=pool))
-        return {"slots": n, "previous": old, "pool": pool, "rate": round(n / pool, 4),
-                "resident": rt.cache.table.resident_count(),
-                "slot_bytes": rt.store.expert_bytes}
+        return self.moe.resize(slots, rate, mem)
 
     def snapshot_stats(self) -> dict:
         out = self.stats.summary()
         out["cache"] = self.sched.stats()
-        rt = getattr(self.model, "moe_runtime", None)
-        if rt is not None and rt.cache is not None:
-            out["experts"] = {"backend": rt.backend, "slots": rt.cache.num_slots,
-                              **rt.stats.as_dict()}
+        experts = self.moe.stats() if self.moe is not None else None
+        if experts is not None:
+            out["experts"] = experts
         return out

@@ -3,18 +3,22 @@ oracle the batched engine is tested against (same model, no sharing, no scheduli
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from freetoken.cache.tensors import Caches, KVPool, StateTensors
+from freetoken.engine.decode_staging import DecodeRow
 from freetoken.engine.gpu_sampler import RowSampling, sample_rows
-from freetoken.engine.graph_runner import DecodeRow, DecodeRunner
+from freetoken.engine.graph_runner import DecodeRunner
+from freetoken.experts.runtime import MoERuntime
 from freetoken.models.qwen import QwenMoE
 from freetoken.sampler import RequestSampler
 from freetoken.types.api import SamplingParams
-from freetoken.types.forward_batch import ForwardBatch
+from freetoken.types.forward_batch import EAGER, ForwardBatch, MoEStep
 
 
 @dataclass
@@ -37,8 +41,8 @@ def _sync(device: torch.device) -> None:
 
 class _Private:
     """The private caches of `generate` (one sequence: slots 0..total-1, state slot 0, plus one
-    scratch slot of each for the decode runner) and the runner over them, kept on the model so
-    repeated calls reuse the captured graphs."""
+    scratch slot of each for the decode runner) and the runner over them, kept per model (in
+    `_PRIVATE`, for as long as the model lives) so repeated calls reuse the captured graphs."""
 
     def __init__(self, model: QwenMoE, total: int, device: torch.device, dtype: torch.dtype):
         cfg = model.cfg
@@ -47,32 +51,46 @@ class _Private:
         self.caches = Caches(KVPool(cfg, total + 1, dtype, device), state)
         self.runners: dict[tuple, DecodeRunner] = {}
 
-    def runner(self, model: QwenMoE, use_graphs: bool) -> DecodeRunner:
-        # a backend swap (benchmarks) replaces the experts modules: capture anew for it
+    def runner(self, model: QwenMoE, use_graphs: bool, moe: MoERuntime | None
+               ) -> DecodeRunner:
+        # a backend swap (benchmarks) installs new experts: capture anew for them
         key = (use_graphs, tuple(id(b.experts) for b in model.moe_blocks()))
         if key not in self.runners:
+            for r in self.runners.values():
+                if r.bridge is not None and r.moe is not None:
+                    r.moe.drop_bridge(r.bridge)
             self.runners.clear()
             self.runners[key] = DecodeRunner(model, self.caches, 1, scratch_kv=self.total,
                                              scratch_state=1 if self.caches.state else None,
-                                             use_graphs=use_graphs)
+                                             use_graphs=use_graphs, moe=moe)
         return self.runners[key]
 
 
+_PRIVATE: weakref.WeakKeyDictionary[QwenMoE, _Private] = weakref.WeakKeyDictionary()
+
+
 def _private(model: QwenMoE, total: int, device: torch.device, dtype: torch.dtype) -> _Private:
-    p = getattr(model, "_ft_private", None)
+    p = _PRIVATE.get(model)
     if p is None or p.total < total:
         p = _Private(model, max(total, 1024), device, dtype)
-        model._ft_private = p  # type: ignore[attr-defined]
+        _PRIVATE[model] = p
     if p.caches.state is not None:
         p.caches.state.reset(0)
     return p
 
 
+def private_runner(model: QwenMoE) -> DecodeRunner | None:
+    """The decode runner `generate` last used for `model` (benchmarks read its timers)."""
+    p = _PRIVATE.get(model)
+    return next(iter(p.runners.values()), None) if p is not None else None
+
+
 def generate(model: QwenMoE, prompt: list[int], sampling: SamplingParams, eos_ids: list[int],
              on_token: Callable[[int], None] | None = None, prefill_chunk: int = 2048,
-             cuda_graph: bool = True) -> GenerationResult:
+             cuda_graph: bool = True, moe: MoERuntime | None = None) -> GenerationResult:
     """Greedy or sampled generation of one prompt. On CUDA the decode steps run through the
-    decode runner (CUDA graphs unless `cuda_graph` is False) and sample on the device."""
+    decode runner (CUDA graphs unless `cuda_graph` is False) and sample on the device. `moe`:
+    the model's expert runtime (None: every expert resident)."""
     cfg = model.cfg
     device = model.model.embed_tokens.weight.device
     dtype = model.model.embed_tokens.weight.dtype
@@ -82,17 +100,19 @@ def generate(model: QwenMoE, prompt: list[int], sampling: SamplingParams, eos_id
     slots = torch.arange(priv.total, device=device)
     state = 0 if cfg.has_linear_attention else None
     sampler = RequestSampler(sampling, eos_ids, device)
-    runner = priv.runner(model, cuda_graph) if device.type == "cuda" else None
+    runner = priv.runner(model, cuda_graph, moe) if device.type == "cuda" else None
     host_slots = torch.arange(priv.total)
-    guard = getattr(getattr(model, "moe_runtime", None), "guard", None)  # `auto` only
+
+    def moe_step(kind: str, tokens: int) -> AbstractContextManager[MoEStep]:
+        return moe.step(kind, tokens) if moe is not None else nullcontext(EAGER)
+
     t0 = time.perf_counter()
     logits = None
     for s in range(0, len(prompt), prefill_chunk):
-        if guard is not None:
-            guard.on_step(decode=False)
         chunk = prompt[s:s + prefill_chunk]
         batch = ForwardBatch.single(chunk, s, slots[: s + len(chunk)], state, device)
-        logits = model(batch, caches)
+        with moe_step("prefill", len(chunk)) as batch.moe:
+            logits = model(batch, caches)
     assert logits is not None, "empty prompt"
     _sync(device)
     t1 = time.perf_counter()
@@ -128,7 +148,8 @@ def generate(model: QwenMoE, prompt: list[int], sampling: SamplingParams, eos_id
         if len(out) >= sampling.max_tokens:
             break
         n = len(out)
-        if runner is not None and (guard is None or guard.settled):
+        settled = moe is None or moe.settled
+        if runner is not None and settled:
             if pending is None:
                 pending = runner.launch([row(n, tok)])
             ahead = (runner.launch([row(n + 1, 0)], chain=[0])
@@ -136,17 +157,15 @@ def generate(model: QwenMoE, prompt: list[int], sampling: SamplingParams, eos_id
             tok = runner.collect(pending)[0]
             pending = ahead
             continue
-        if guard is not None:
-            guard.on_step(decode=True)
-        if runner is not None:
-            tok = runner.step([row(n, tok)])[0]
-        else:
-            pos = len(prompt) + n - 1
-            logits = model(ForwardBatch.single([tok], pos, slots[: pos + 1], state, device),
-                           caches)
-            tok = sampler.sample(logits[0], n)
-        if guard is not None:
-            guard.end_step()
+        with moe_step("decode", 1) as st:
+            if runner is not None:
+                tok = runner.step([row(n, tok)])[0]
+            else:
+                pos = len(prompt) + n - 1
+                batch = ForwardBatch.single([tok], pos, slots[: pos + 1], state, device)
+                batch.moe = st
+                logits = model(batch, caches)
+                tok = sampler.sample(logits[0], n)
     if runner is not None:
         runner.drain()
     _sync(device)

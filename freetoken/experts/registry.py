@@ -1,45 +1,51 @@
-"""Expert backends by name: `create_backend(name, layer, **parts)` builds the `ExpertBackend`
-(freetoken/layers/expert_backend.py) of one MoE layer. A new backend is one entry here.
+"""Expert backends by name: `create_backend(name, layer, runtime)` builds the complete
+`ExpertBackend` (experts/base.py) of MoE layer `layer` from the parts the runtime owns
+(experts/runtime.py: the slot cache, the host store, the counters, the CPU threads, the
+streamer, `hybrid`'s fetch rule, `auto`'s guard). One class per strategy; a new backend is one
+entry here.
 
-- `fused`: the layer's banks resident on the compute device (`banks=(gate_up, down)`).
-- `offload`, `cpu`, `hybrid`, `auto`: views of the shared slot cache (`cache`, `store`,
-  `stats`) that differ in how many of a step's misses they fetch (`num_fetch`, `fixed_fetch`;
-  see SlotExperts).
+- `fused`: the layer's banks resident on the compute device (`runtime.fused_banks(layer)`).
+- `offload`: every miss fetched (experts/offload.py).
+- `cpu`, `hybrid`: misses split with the CPU branch by a fetch rule (experts/split.py).
+- `auto`: the profile's choice under a guard that times it against offload (experts/auto.py).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from freetoken.experts.backends import SlotExperts
-from freetoken.layers.expert_backend import ExpertBackend
-from freetoken.layers.moe import FusedExperts
-
-
-def _fused(layer: int, *, banks: tuple[torch.Tensor, torch.Tensor], **_: Any) -> ExpertBackend:
-    fe = FusedExperts(1, 1, 1)
-    gate_up, down = banks
-    fe.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)
-    fe.down_proj = torch.nn.Parameter(down, requires_grad=False)
-    return fe
+from freetoken.experts.auto import AutoExperts
+from freetoken.experts.base import ExpertBackend
+from freetoken.experts.fused import FusedExperts
+from freetoken.experts.offload import OffloadExperts
+from freetoken.experts.split import CpuSplitExperts, FixedRule
 
 
-def _slot(name: str) -> Callable[..., ExpertBackend]:
-    def make(layer: int, *, cache, store, stats, num_fetch: Callable[[int], int],
-             fixed_fetch: int | None = None, cpu_threads: int | None = None, guard=None,
-             **_: Any) -> ExpertBackend:
-        e = SlotExperts(layer, cache, store, stats, num_fetch, name, fixed_fetch, cpu_threads)
-        e.guard = guard
-        return e
-
-    return make
+def _fused(layer: int, rt: Any) -> ExpertBackend:
+    return FusedExperts.from_banks(*rt.fused_banks(layer))
 
 
-_REGISTRY: dict[str, Callable[..., ExpertBackend]] = {
-    "fused": _fused,
-    **{n: _slot(n) for n in ("offload", "cpu", "hybrid", "auto")},
+def _offload(layer: int, rt: Any) -> ExpertBackend:
+    return OffloadExperts(layer, rt.cache, rt.store, rt.counters, rt.cpu_threads, rt.streamer)
+
+
+def _cpu(layer: int, rt: Any) -> ExpertBackend:
+    return CpuSplitExperts("cpu", layer, rt.cache, rt.store, rt.counters, FixedRule(0),
+                           rt.cpu_threads, rt.streamer)
+
+
+def _hybrid(layer: int, rt: Any) -> ExpertBackend:
+    return CpuSplitExperts("hybrid", layer, rt.cache, rt.store, rt.counters, rt.q_rule,
+                           rt.cpu_threads, rt.streamer)
+
+
+def _auto(layer: int, rt: Any) -> ExpertBackend:
+    return AutoExperts(layer, rt.cache, rt.store, rt.counters, rt.guard, rt.cpu_threads,
+                       rt.streamer)
+
+
+_REGISTRY: dict[str, Callable[[int, Any], ExpertBackend]] = {
+    "fused": _fused, "offload": _offload, "cpu": _cpu, "hybrid": _hybrid, "auto": _auto,
 }
 
 
@@ -47,11 +53,11 @@ def backend_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def create_backend(name: str, layer: int, **parts: Any) -> ExpertBackend:
-    """The `name` backend of MoE layer `layer` from its parts (see the module docstring)."""
+def create_backend(name: str, layer: int, runtime: Any = None) -> ExpertBackend:
+    """The `name` backend of MoE layer `layer`, complete, from `runtime`'s parts."""
     try:
         factory = _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown expert backend {name!r}; known: "
                          f"{', '.join(_REGISTRY)}") from None
-    return factory(layer, **parts)
+    return factory(layer, runtime)

@@ -40,10 +40,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from freetoken.experts.ffn import dispatch_experts, fused_moe
 from freetoken.experts.slot_cache import SlotCache
 from freetoken.experts.store import ExpertStore
-from freetoken.layers import fast_ops
-from freetoken.layers.moe import dispatch_experts
 from freetoken.log import get_logger, kv
 
 log = get_logger("experts")
@@ -126,7 +125,7 @@ class LayerStreamer:
         self.threshold, self.mode = threshold, mode
         self.overlap, self.hits_in_place, self.seed = overlap, hits_in_place, seed
         self.E, self.L = store.num_experts, store.num_layers
-        self.active = False
+        self.streaming = False  # between a begin_forward that streams and its end_forward
         self.chunks = 0
         self._cuda = cache.device.type == "cuda"
         self._copy = torch.cuda.Stream(cache.device) if self._cuda else None
@@ -159,20 +158,21 @@ class LayerStreamer:
 
     # -- the chunk ---------------------------------------------------------------------------
 
-    def begin_forward(self, tokens: int) -> None:
-        """Called by the model before a forward of `tokens` tokens: decide, and when streaming,
-        lend the buffers and start the first fills."""
-        self.active = False
+    def begin_forward(self, tokens: int) -> bool:
+        """Called by the runtime's `step` before a forward of `tokens` tokens: decide, and when
+        streaming, lend the buffers and start the first fills. Returns whether it streams
+        (the step's MoE layers then run `forward`, mode `streamed`)."""
+        self.streaming = False
         if tokens <= 1:  # decode steps: nothing to decide or log
-            return
+            return False
         go, why = self.wants(tokens)
         quiet = why in ("below_threshold", "off", "not_cuda")  # every short step: debug only
         (log.debug if quiet else log.info)(kv(
             "prefill_path", tokens=tokens, path="stream" if go else "experts", reason=why,
             threshold=self.threshold))
         if not go:
-            return
-        self.active, self.chunks = True, self.chunks + 1
+            return False
+        self.streaming, self.chunks = True, self.chunks + 1
         self._t0, self._tokens = time.perf_counter(), tokens
         self.nbuf = self.buffers()
         dev, E, L = self.cache.device, self.E, self.L
@@ -201,6 +201,7 @@ class LayerStreamer:
             self._copy.wait_stream(torch.cuda.current_stream())
         for m in range(min(self.nbuf, L)):
             self._fill(m)
+        return True
 
     def _evict_region(self, first: int) -> None:
         """Empty slots [first, S): the buffers."""
@@ -265,7 +266,7 @@ class LayerStreamer:
         T, K = topk_ids.shape
         y = torch.zeros(T, K, x.shape[-1], dtype=x.dtype, device=x.device)  # [T, K, H]
         c = self.cache
-        if fast_ops.fused_moe(x, slot_ids, c.gate_up_slots, c.down_slots, y) is None:
+        if fused_moe(x, slot_ids, c.gate_up_slots, c.down_slots, y) is None:
             dispatch_experts(x, slot_ids, c.gate_up_slots, c.down_slots, y, mask=valid)
         counts = torch.bincount(torch.where(valid, topk_ids, E).reshape(-1),
                                 minlength=E + 1)[:E]  # [E], padding counted apart: no sync
@@ -337,9 +338,9 @@ class LayerStreamer:
 
     def end_forward(self) -> None:
         """After the last layer: release the buffers (their slots are empty) and log."""
-        if not self.active:
+        if not self.streaming:
             return
-        self.active = False
+        self.streaming = False
         self.cache.table.clock += 1
         if self._cuda:
             torch.cuda.current_stream().wait_stream(self._copy)

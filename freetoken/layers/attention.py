@@ -16,6 +16,7 @@ from freetoken.layers.rotary import apply_rotary
 from freetoken.layers.step_context import attend
 from freetoken.types.forward_batch import ForwardBatch
 from freetoken.types.model_config import ModelConfig
+from kernels import dispatch
 from kernels.cpu.attention_ops import cpu_decode_attention
 
 
@@ -82,7 +83,7 @@ class Attention(nn.Module):
     def _norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                    ) -> torch.Tensor:
         # per-head norm then partial rotary; one launch on CUDA
-        mod = fast_ops.triton_for(x, "norm")
+        mod = dispatch.triton_for(x, "norm")
         if mod is not None:
             return mod.rmsnorm_rope(x, norm.weight, norm.eps, norm.zero_centered, cos, sin)
         return apply_rotary(norm(x), cos, sin)
@@ -91,7 +92,7 @@ class Attention(nn.Module):
                   k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> None:
         """k_pool[slots] = rope(k_norm(k)), v_pool[slots] = v: k, v [T, Hk, D]. One launch on
         CUDA when the pools hold the dtype the prologue returns (no second rounding)."""
-        mod = fast_ops.triton_for(k, "norm")
+        mod = dispatch.triton_for(k, "norm")
         n = self.k_norm
         if (mod is not None and mod.rope_dtype(k, n.weight, n.zero_centered, cos)
                 == k_pool.dtype == v_pool.dtype):

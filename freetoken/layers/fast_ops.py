@@ -1,6 +1,7 @@
-"""Decode-step operations with one entry point each: our Triton kernels on CUDA when they are
-importable, plain torch otherwise. The torch versions are the reference the kernels are tested
-against and are themselves free of host syncs (index_select / index_copy_ by device slot
+"""Layer-level decode-step operations with one entry point each: our Triton kernels on CUDA when
+they are importable (the switch: kernels/dispatch.py), plain torch otherwise. The expert FFN's
+own paths are in freetoken/experts/ffn.py. The torch versions are the reference the kernels are
+tested against and are themselves free of host syncs (index_select / index_copy_ by device slot
 tensors), so a decode step stays capturable either way; the kernels remove the state gathers
 and scatters and the launch count.
 
@@ -9,34 +10,12 @@ S pool slots.
 """
 from __future__ import annotations
 
-import functools
-import importlib
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from freetoken.layers.gated_delta import recurrent_gated_delta
-from freetoken.log import get_logger, kv
-
-log = get_logger("kernels")
-
-
-@functools.cache
-def triton_module(name: str):
-    """kernels.triton.<name>, or None when triton or the module is missing (logged once)."""
-    try:
-        return importlib.import_module(f"kernels.triton.{name}")
-    except (ImportError, RuntimeError) as e:  # no triton, or triton finding no driver
-        log.info(kv("triton_unavailable", module=name, error=type(e).__name__))
-        return None
-
-
-def triton_for(x: Tensor, name: str):
-    """The Triton module `name` when x lives on CUDA and triton is there, else None (the caller
-    takes its torch path). The one switch between the two paths: tests point it at the
-    interpreter to run the CUDA path on the CPU."""
-    return triton_module(name) if x.is_cuda else None
+from kernels import dispatch
 
 
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -47,7 +26,7 @@ def conv_update(x: Tensor, conv_pool: Tensor, weight: Tensor, slots: Tensor) -> 
     """One causal depthwise-conv step per row, state in place: window = [conv_pool[slot] | x],
     out = silu(Σ window·w), conv_pool[slot] = window[..., 1:].
     x [B, C]; conv_pool [S, C, Kc-1]; weight [C, Kc]; slots [B] -> out [B, C] in x's dtype."""
-    mod = triton_for(x, "gdn")
+    mod = dispatch.triton_for(x, "gdn")
     if mod is not None:
         return mod.causal_conv1d_update_pool(x, conv_pool, weight, slots)
     window = torch.cat([conv_pool.index_select(0, slots),
@@ -63,7 +42,7 @@ def gdn_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_
     ssm_pool [S, Hv, dk, dv] fp32; slots [B] -> o [B, Hv, dv] fp32. `gates` = (A_log,
     dt_bias) [Hv]: g, beta are the raw projections a, b and `gdn_gates` is applied here (in the
     same launch on CUDA)."""
-    mod = triton_for(q, "gdn")
+    mod = dispatch.triton_for(q, "gdn")
     if mod is not None:
         return mod.gdn_recurrent_pool(q, k, v, g, beta, ssm_pool, slots, raw_gates=gates)
     if gates is not None:
@@ -76,34 +55,11 @@ def gdn_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_
     return o
 
 
-def fused_moe(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor) -> Tensor | None:
-    """The Triton fused MoE (unweighted [T, K, H] into y, ids < 0 left untouched) on CUDA, or
-    None when it is unavailable (the caller keeps its torch path)."""
-    mod = triton_for(x, "fused_moe")
-    if mod is None:
-        return None
-    return mod.fused_moe(x, ids, gate_up, down, y)
-
-
-# a shared expert runs in the decode GEMV kernels up to this many tokens (each token re-reads
-# its weights, from L2 past the first); cuBLAS's GEMM above
-SHARED_DECODE_MAX_T = 16
-
-
-def shared_expert(x: Tensor, gate_up: Tensor, down: Tensor) -> Tensor | None:
-    """A shared expert (dense SwiGLU, gate_up [2I, H] rows [gate | up], down [H, I]) on
-    decode-sized x [T, H] in two Triton launches on CUDA, or None (the caller runs the MLP)."""
-    mod = triton_for(x, "fused_moe")
-    if mod is None or x.shape[0] > SHARED_DECODE_MAX_T:
-        return None
-    return mod.shared_expert_decode(x, gate_up, down)
-
-
 def router(x: Tensor, weight: Tensor, top_k: int, renormalize: bool,
            row_mask: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
     """Fused softmax → top-k → renormalise (ids -1 outside `row_mask`) on CUDA, or None (the
     caller's torch path)."""
-    mod = triton_for(x, "router")
+    mod = dispatch.triton_for(x, "router")
     if mod is None:
         return None
     return mod.fused_router(x, weight, top_k, renormalize, row_mask)
@@ -112,7 +68,7 @@ def router(x: Tensor, weight: Tensor, top_k: int, renormalize: bool,
 def gdn_gates(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
     """g = -exp(A_log)·softplus(a + dt_bias) fp32, beta = sigmoid(b) in b's dtype: a, b
     [T, Hv] -> [T, Hv] each."""
-    mod = triton_for(a, "gdn")
+    mod = dispatch.triton_for(a, "gdn")
     if mod is not None:
         return mod.gdn_gates(a, b, a_log, dt_bias)
     return -a_log.float().exp() * F.softplus(a.float() + dt_bias), torch.sigmoid(b)
@@ -120,7 +76,7 @@ def gdn_gates(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Ten
 
 def sigmoid_gate_mul(o: Tensor, gate: Tensor) -> Tensor:
     """o * sigmoid(gate) flattened to [T, Hh*D]: o, gate [T, Hh, D] (gate a strided view)."""
-    mod = triton_for(o, "decode_fusions")
+    mod = dispatch.triton_for(o, "decode_fusions")
     if mod is not None:
         return mod.sigmoid_gate_mul(o, gate)
     T = o.shape[0]
@@ -133,7 +89,7 @@ def moe_combine(y: Tensor, w: Tensor, residual: Tensor, shared: Tensor | None = 
     """out = residual + Σ_k w·y (+ sigmoid(gate_x @ gate_weightᵀ)·shared): y [T, K, H],
     w [T, K], residual, shared, gate_x [T, H], gate_weight [1, H] (the shared expert gate's
     Linear). With `next_norm` (an RMSNorm) returns (out, next_norm(out)), one launch on CUDA."""
-    mod = triton_for(y, "decode_fusions")
+    mod = dispatch.triton_for(y, "decode_fusions")
     if mod is not None:
         norm = (None if next_norm is None
                 else (next_norm.weight, next_norm.eps, next_norm.zero_centered))

@@ -8,8 +8,6 @@ V = dv, C chunk size, N chunks.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -31,22 +29,6 @@ def recurrent_gated_delta(
     s = s + k[..., :, None] * delta[..., None, :]  # [B, H, K, V]
     o = torch.einsum("bhkv,bhk->bhv", s, q)  # [B, H, V]
     return o, s
-
-
-def _triton_scan(q: torch.Tensor, chunk: int, k_dim: int, v_dim: int):
-    """The chunk scan kernel, on CUDA for tile-friendly shapes when `FT_GDN_SCAN=triton`, else
-    None (the torch loop). The loop is the default: on the H200 (2026-11-30, `ft bench prefill
-    --rows fused,fused/scan-triton`) an 8k chunk of the 20-layer shape took 0.274 s with it
-    and 0.774 s with the kernel (40.6 ms per layer in the scan: fp32 `ieee` dots, one
-    pipeline stage)."""
-    if not q.is_cuda or os.environ.get("FT_GDN_SCAN") != "triton":
-        return None
-    from freetoken.layers.fast_ops import triton_module
-
-    mod = triton_module("gdn_chunk")
-    if mod is None or not mod.supported(chunk, k_dim, v_dim):
-        return None
-    return mod.chunk_scan
 
 
 def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -81,16 +63,14 @@ def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     q_dec = q * gc.exp()[..., None]  # [H, N, C, K]
     k_dec = k * (gc[..., -1:] - gc).exp()[..., None]  # [H, N, C, K]
     chunk_decay = gc[..., -1].exp()  # [H, N]
-    scan = _triton_scan(q, chunk, q.shape[-1], v.shape[-1])
-    res = scan(u, w, q_dec, k_dec, intra, chunk_decay, state) if scan is not None else None
-    if res is not None:  # the loop below in one kernel (kernels/triton/gdn_chunk.py)
-        out, s = res
-    else:
-        s = state.float()  # [H, K, V]
-        out = torch.empty_like(u)  # [H, N, C, V]
-        for i in range(q.shape[1]):
-            v_new = u[:, i] - w[:, i] @ s  # [H, C, V]
-            out[:, i] = q_dec[:, i] @ s + intra[:, i] @ v_new
-            s = s * chunk_decay[:, i, None, None] + k_dec[:, i].transpose(-1, -2) @ v_new
+    # the scan over chunks as a torch loop: the one-kernel scan (kernels/triton/gdn_chunk.py,
+    # exact) took 0.774 s for an 8k chunk of the 20-layer shape against the loop's 0.274 s on
+    # the H200 (2026-11-30), so it is not wired in (docs/architecture.md, "Not built yet")
+    s = state.float()  # [H, K, V]
+    out = torch.empty_like(u)  # [H, N, C, V]
+    for i in range(q.shape[1]):
+        v_new = u[:, i] - w[:, i] @ s  # [H, C, V]
+        out[:, i] = q_dec[:, i] @ s + intra[:, i] @ v_new
+        s = s * chunk_decay[:, i, None, None] + k_dec[:, i].transpose(-1, -2) @ v_new
     o = out.reshape(out.shape[0], -1, out.shape[-1])[:, :n].transpose(0, 1)  # [n, H, V]
     return o, s

@@ -8,9 +8,9 @@ from torch import nn
 
 def _triton_norm(x: torch.Tensor):
     """The Triton norm kernels (one launch instead of ~8) for CUDA tensors, else None."""
-    from freetoken.layers import fast_ops
+    from kernels import dispatch
 
-    return fast_ops.triton_for(x, "norm")
+    return dispatch.triton_for(x, "norm")
 
 
 def add_rmsnorm(norm: RMSNorm, h: torch.Tensor, residual: torch.Tensor

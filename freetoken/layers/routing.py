@@ -57,7 +57,7 @@ class GroupLimitedRouter(KeepFp32):
 
 class GroupLimitedMoE(MoEBlock):
     """DeepSeek-V3's MoE layer: `GroupLimitedRouter`, routed experts behind an `ExpertBackend`
-    (installed by `freetoken.experts.setup.configure_experts` like any `MoEBlock`'s), and
+    (installed by `freetoken.experts.runtime.MoERuntime` like any `MoEBlock`'s), and
     `shared_experts`, a dense MLP of n_shared_experts·I added without a gate."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int):

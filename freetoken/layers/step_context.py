@@ -9,8 +9,10 @@ before each replay:
   there with `index_copy_`);
 - `state_slots [B]` int64: each row's recurrent-state slot (gated DeltaNet layers read and write
   their conv and SSM state there in place);
-- `attn`: a `PagedDecode` planned for this step (which pool slots each row attends over);
-- `row_mask [B]` bool: the real rows; a bucket's padding rows route no expert.
+- `attn`: a `PagedDecode` planned for this step (which pool slots each row attends over).
+
+The real rows of a bucket (its padding rows route no expert) travel in the batch's `MoEStep`
+(freetoken/types/forward_batch.py), with how the MoE layers run the step.
 
 Shapes: B rows, Hq query heads, Hk KV heads, D head dim, S pool slots, L keys of one row.
 """
@@ -93,5 +95,3 @@ class DecodeContext:
     out_slots: Tensor  # [B] int64
     state_slots: Tensor | None  # [B] int64 (hybrid models), else None
     attn: PagedDecode
-    # [B] bool: real rows; padding rows of a graph bucket route no expert (ids masked to -1)
-    row_mask: Tensor | None = None

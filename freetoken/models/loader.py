@@ -3,15 +3,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from freetoken.experts.runtime import MoERuntime
 from freetoken.log import get_logger, kv
-
-if TYPE_CHECKING:
-    from freetoken.experts.setup import MoEOptions
 from freetoken.models.qwen import QwenMoE
+from freetoken.types.config import MoEConfig
 from freetoken.types.model_config import ModelConfig, load_config
 
 log = get_logger("model")
@@ -31,13 +29,19 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: torc
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype | None = None,
-               device: torch.device | str = "cpu", progress: bool = True,
-               moe: MoEOptions | None = None, kv_reserve_bytes: int = 0) -> QwenMoE:
-    """Load a checkpoint. With `moe` (a non-fused backend) the routed experts go to the host
-    expert store and the slot cache; only the rest of the model moves to `device`.
-    The expert runtime is attached as `model.moe_runtime`."""
+               device: torch.device | str = "cpu", progress: bool = True) -> QwenMoE:
+    """Load a checkpoint with every expert resident on `device` (the `fused` layout)."""
+    return load_with_experts(model_dir, None, dtype, device, progress)[0]
+
+
+def load_with_experts(model_dir: str | Path, moe: MoEConfig | None,
+                      dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+                      progress: bool = True, kv_reserve_bytes: int = 0
+                      ) -> tuple[QwenMoE, MoERuntime | None]:
+    """Load a checkpoint and build its expert runtime from `moe` (None: none, every expert
+    resident). With a non-fused backend the routed experts go to the host expert store and
+    the slot cache; only the rest of the model moves to `device`."""
     from freetoken.checkpoint.reader import read_weights
-    from freetoken.experts.setup import MoEOptions, configure_experts
 
     t0 = time.perf_counter()
     cfg = load_config(model_dir)
@@ -48,9 +52,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None,
                            progress=progress)
     model = build_model(cfg, tensors, "cpu", dtype)
     del tensors
-    model.moe_runtime = configure_experts(model, moe or MoEOptions(), device, kv_reserve_bytes)
+    rt = MoERuntime.build(model, moe, device, kv_reserve_bytes) if moe is not None else None
     model = model.to(device).fuse_projections()
-    if torch.device(device).type == "cpu" or model.moe_runtime.backend in ("cpu", "hybrid", "auto"):
+    if torch.device(device).type == "cpu" or (rt is not None
+                                              and rt.backend in ("cpu", "hybrid", "auto")):
         # the C++ CPU kernels (decode linears, attention, experts) are built on first use, about
         # 10 s once per machine: now, rather than inside the first request
         from kernels.cpu.ext import load_kernel
@@ -60,4 +65,4 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None,
     log.info(kv("loaded", model=Path(model_dir).name, family=cfg.model_type, params=n,
                 dtype=str(dtype).replace("torch.", ""), device=device,
                 seconds=f"{time.perf_counter() - t0:.1f}"))
-    return model
+    return model, rt

@@ -51,8 +51,7 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, cos, sin, batch, caches.kv)
         h, x = add_rmsnorm(self.post_attention_layernorm, h, x)  # x += h; h = norm(x)
         if self.is_moe:  # the block adds the residual itself (one fused pass on CUDA)
-            mask = batch.ctx.row_mask if batch.ctx is not None else None
-            return self.mlp(h, mask, residual=x, next_norm=next_norm)
+            return self.mlp(h, batch.moe, residual=x, next_norm=next_norm)
         x = x + self.mlp(h)
         return x if next_norm is None else (x, next_norm(x))
 
@@ -90,6 +89,7 @@ class QwenMoE(nn.Module):
         return self
 
     def moe_blocks(self) -> list[MoEBlock]:
+        """The MoE blocks in layer order (the expert runtime's `MoEHost` protocol)."""
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoEBlock)]
 
     @torch.inference_mode()
@@ -97,19 +97,11 @@ class QwenMoE(nn.Module):
         """Runs the packed batch, writes its K/V and recurrent state, returns logits [R, V] fp32."""
         x = self.model.embed_tokens(batch.input_ids)  # [T, H]
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)  # [T, rotary_dim]
-        # objects told where a forward begins and ends (the prefill layer streamer)
-        hooks = getattr(self, "forward_hooks", ())
-        for hk in hooks:
-            hk.begin_forward(x.shape[0])
-        try:
-            layers = self.model.layers
-            h = None  # the next layer's normalised input, from the previous layer's last launch
-            for i, layer in enumerate(layers):
-                nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
-                out = layer(x, cos, sin, batch, caches, h=h, next_norm=nxt)
-                x, h = out if nxt is not None else (out, None)
-        finally:
-            for hk in hooks:
-                hk.end_forward()
+        layers = self.model.layers
+        h = None  # the next layer's normalised input, from the previous layer's last launch
+        for i, layer in enumerate(layers):
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
+            out = layer(x, cos, sin, batch, caches, h=h, next_norm=nxt)
+            x, h = out if nxt is not None else (out, None)
         h = self.model.norm(x[batch.logits_rows])  # [R, H]
         return small_linear(h, self.output_embedding()).float()  # [R, V]

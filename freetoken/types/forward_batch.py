@@ -13,6 +13,35 @@ from typing import Any
 
 import torch
 
+MOE_MODES = ("eager", "captured", "streamed")
+
+
+@dataclass(frozen=True)
+class MoEStep:
+    """How the MoE layers of one forward step run (set by the expert runtime's `step(...)` for
+    the engine's steps and by the decode runner for its own; read by every expert backend).
+
+    - `mode`: `eager` (any step run by plain launches; a backend may sync with the host),
+      `captured` (a decode step through the runner's static buffers, replayed from a CUDA
+      graph or run eagerly through them: a backend issues no host sync where it can, and
+      hands its CPU share to `bridge`), `streamed` (a long prefill chunk: every MoE layer
+      through the runtime's layer streamer).
+    - `row_mask [B]` bool: the real rows of a runner bucket; padding rows route no expert.
+    - `bridge`: the runner's CPU bridge (experts/bridge.py) for `captured` steps, or None.
+      Typed loosely: this bottom-layer module imports no expert module.
+    """
+
+    mode: str = "eager"
+    row_mask: torch.Tensor | None = None
+    bridge: Any = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MOE_MODES:
+            raise ValueError(f"MoEStep.mode must be one of {', '.join(MOE_MODES)}")
+
+
+EAGER = MoEStep()
+
 
 @dataclass
 class ForwardBatch:
@@ -27,6 +56,8 @@ class ForwardBatch:
     # host lists above (a freetoken.layers.step_context.DecodeContext); None for every other
     # batch. Typed loosely: this bottom-layer module imports no layer.
     ctx: Any = None
+    # how the MoE layers run this step (see MoEStep); None: eager
+    moe: MoEStep | None = None
     _dev: dict = field(default_factory=dict, repr=False)  # per-step index tensors, built once
 
     def decode_index(self, device: torch.device) -> tuple[list[int], torch.Tensor, torch.Tensor]:

@@ -1,6 +1,6 @@
 """ctypes face of the bridge's step loop (kernels/cpu/bridge_kernel.cpp): the CPU expert branch
 of a whole decode step in one native call, driven by flags the GPU stores into mapped pinned
-memory (the protocol is freetoken/experts/cpu_bridge.py's).
+memory (the protocol is freetoken/experts/bridge.py's).
 
 Shapes: L MoE layers, B rows of the bucket, K top-k, H hidden, E experts, I intermediate.
   x [L, B, H] fp32|bf16, ids [L, B, K] int64, mask [L, B, K] bool, out [L, B, K, H] as x,

@@ -11,8 +11,8 @@ The outputs are *unweighted*: the caller merges `sum_k w[t, k] * y[t, k]` itself
 sums computed on the GPU and on the CPU combine exactly. Entries whose `compute_mask` is False
 are not written (their `out` rows keep whatever they held; a fresh `out` starts at zero).
 
-Three implementations compute the same function:
-  cpu_experts_ref    float64 per-token loop; the oracle for tests.
+Two implementations compute the same function, tested against the one expert oracle
+(kernels/reference.py, float64):
   cpu_experts_torch  grouped F.linear in the weights' dtype (torch's own bf16 path).
   cpu_experts        the C++ kernel (kernels/cpu/expert_kernel.cpp) when it builds and the
                      dtypes are supported, else cpu_experts_torch.
@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from freetoken.log import get_logger
-from kernels.reference import expert_ffn_reference
+from kernels.logs import get_logger
 
 log = get_logger("experts")
 
@@ -57,19 +56,6 @@ def _prepare_out(out: Tensor | None, t: int, k: int, h: int) -> Tensor:
     if tuple(out.shape) != (t, k, h) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous float32 [{t},{k},{h}] tensor")
     return out
-
-
-def cpu_experts_ref(
-    x: Tensor,
-    topk_ids: Tensor,
-    gate_up: Tensor,
-    down: Tensor,
-    compute_mask: Tensor | None = None,
-) -> Tensor:
-    """The shared float64 reference (kernels/reference.py) after this module's shape checks.
-    Returns float64 [T, K, H]; unmasked entries are zero."""
-    _check_shapes(x, topk_ids, gate_up, down, compute_mask)
-    return expert_ffn_reference(x, topk_ids, gate_up, down, compute_mask)
 
 
 def _groups(topk_ids: Tensor, compute_mask: Tensor | None) -> list[tuple[int, Tensor]]:

@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from freetoken.log import get_logger, kv
+from freetoken.envs import FT_CPU_ISA
 from kernels.cpu.omp import openmp_runtimes, torch_openmp_ldflags
+from kernels.logs import get_logger, kv
 
 log = get_logger("experts")
 
@@ -275,7 +276,7 @@ def build(isa: str, verbose: bool = False) -> CpuKernel:
 def load_kernel(isa: str | None = None) -> CpuKernel | None:
     """The kernel for `isa` (default: FT_CPU_ISA or this CPU's best), or None if unavailable.
     Builds at most once per ISA and process; a failure is logged once and remembered."""
-    want = isa or os.environ.get("FT_CPU_ISA", "auto")
+    want = isa or FT_CPU_ISA.get()
     if want == "torch":
         return None
     if want == "auto":

@@ -38,6 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.triton.decode_fusions import moe_sum  # noqa: F401  (re-exported)
+from kernels.triton.moe_common import _block, check_args, interpreting  # noqa: F401
 
 # Above this many (token, k) entries the grouped path reads fewer weight bytes (repeated
 # experts share a read) and its sort is affordable. To be re-measured on the H200:
@@ -71,10 +72,6 @@ def _config_from_env() -> None:
     except (ValueError, AttributeError, TypeError) as exc:
         raise ValueError(f"FT_MOE_DECODE_CONFIG={raw!r} is not a decode tile config: {exc}"
                          ) from exc
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 _config_from_env()
@@ -176,38 +173,6 @@ def _decode_down_kernel(
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=h < H)
 
 
-def check_args(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor
-               ) -> tuple[int, int, int, int]:
-    """Validate shapes, dtypes and layouts; returns (T, K, H, I)."""
-    if x.dim() != 2 or ids.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3 or y.dim() != 3:
-        raise ValueError("expected x [T,H], ids [T,K], gate_up [S,2I,H], down [S,H,I], y [T,K,H]")
-    T, H = x.shape
-    K = ids.shape[1]
-    S, two_i, h2 = gate_up.shape
-    I = two_i // 2
-    if (ids.shape[0] != T or h2 != H or two_i != 2 * I or tuple(down.shape) != (S, H, I)
-            or tuple(y.shape) != (T, K, H)):
-        raise ValueError(
-            f"shape mismatch: x={tuple(x.shape)} ids={tuple(ids.shape)} "
-            f"gate_up={tuple(gate_up.shape)} down={tuple(down.shape)} y={tuple(y.shape)}")
-    if ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"ids must be int32 or int64, got {ids.dtype}")
-    if gate_up.dtype != x.dtype or down.dtype != x.dtype:
-        raise ValueError(f"dtype mismatch: x {x.dtype}, gate_up {gate_up.dtype}, down {down.dtype}")
-    # the banks are never copied, so their rows must already be contiguous along the reduction
-    if x.stride(1) != 1 or gate_up.stride(2) != 1 or down.stride(2) != 1:
-        raise ValueError("x, gate_up and down need a contiguous last dimension")
-    devs = {x.device, ids.device, gate_up.device, down.device, y.device}
-    if len(devs) != 1:
-        raise ValueError(f"tensors on different devices: {sorted(map(str, devs))}")
-    return T, K, H, I
-
-
-def _block(want: int, dim: int, least: int = 1) -> int:
-    """The configured block, shrunk to the problem (tiny test shapes) but never below `least`."""
-    return max(least, min(want, triton.next_power_of_2(dim)))
-
-
 def fused_moe_decode(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor,
                      config: dict | None = None, *, zero_missing: bool = False,
                      shared: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
@@ -305,7 +270,7 @@ def fused_moe(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor, 
         decode = ids.numel() <= DECODE_MAX_ENTRIES
     if decode:
         return fused_moe_decode(x, ids, gate_up, down, y, zero_missing=zero_missing)
-    from kernels.triton.moe_grouped import fused_moe_grouped  # imports this module
+    from kernels.triton.moe_grouped import fused_moe_grouped  # (lazy: only large batches)
 
     if zero_missing:
         y.zero_()  # the grouped kernels write only entries with ids >= 0

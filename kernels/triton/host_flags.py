@@ -1,6 +1,6 @@
 """Flags in pinned host memory that a captured CUDA graph raises and waits on, so a decode step
 can hand work to a host thread and take its result back without the host touching the stream
-(the CPU expert branch of the hybrid backend, freetoken/experts/cpu_bridge.py).
+(the CPU expert branch of the hybrid backend, freetoken/experts/bridge.py).
 
 Pinned host memory is mapped into the device's address space (UVA), so a kernel can store to
 and load from it directly. `raise_flag` stores the step's sequence number into `flags[i]`;

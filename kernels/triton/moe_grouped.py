@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton.fused_moe import _block, check_args, interpreting
+from kernels.triton.moe_common import _block, check_args, interpreting
 
 
 def tile(bm: int, bn: int, bk: int, group_m: int, warps: int, stages: int) -> dict:

@@ -64,14 +64,14 @@ def test_first_start_measures_a_profile_for_the_models_own_shape(
     next start measures again), a measurement for the preset's shape instead of the model's."""
     import logging
 
-    from freetoken.experts.setup import find_profile, measure_profile_now
+    from freetoken.experts.runtime import find_profile, measure_profile_now
     from freetoken.types.presets import preset_config
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("FT_CPU_ISA", "torch")  # no kernel build in a fresh cache dir
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr("freetoken.experts.setup.AUTO_BW_SECONDS", 0.01)
-    monkeypatch.setattr("freetoken.experts.setup.AUTO_BW_POOL_GB", 0.02)
+    monkeypatch.setattr("freetoken.experts.runtime.AUTO_BW_SECONDS", 0.01)
+    monkeypatch.setattr("freetoken.experts.runtime.AUTO_BW_POOL_GB", 0.02)
     import dataclasses
 
     # no preset has these expert dimensions
@@ -103,7 +103,7 @@ def test_a_failed_start_measurement_falls_back_with_a_warning(
     import logging
 
     from freetoken.experts import bandwidth
-    from freetoken.experts.setup import find_profile, measure_profile_now
+    from freetoken.experts.runtime import find_profile, measure_profile_now
     from freetoken.types.presets import preset_config
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from freetoken.bench.cli_prefill import _row_opts, _table
-from freetoken.experts.setup import MoEOptions
+from freetoken.types.config import MoEConfig
 
 
 def test_rows_map_to_streamer_options() -> None:
-    base = MoEOptions(backend="offload", cache_rate=0.37)
+    base = MoEConfig(backend="offload", cache_rate=0.37)
     s = _row_opts("stream", base)
     assert (s.prefill_stream, s.prefill_overlap, s.prefill_hit_d2d) == ("on", True, True)
     assert _row_opts("stream/serial", base).prefill_overlap is False

@@ -10,9 +10,9 @@ import torch
 
 from freetoken.bench import moe as bench_moe
 from freetoken.bench.moe import TraceRouter, install_trace, uniform_trace
-from freetoken.experts.setup import MoEOptions
 from freetoken.experts.store import ExpertStore
 from freetoken.models.loader import load_model
+from freetoken.types.config import MoEConfig
 from tests.models.conftest import tiny_hf  # noqa: F401  (shared session fixture)
 
 
@@ -51,7 +51,7 @@ def test_uniform_routing_hits_at_the_cache_rate(tiny_hf) -> None:  # noqa: F811
     slots = pool // 2
     install_trace(model, TraceRouter(uniform_trace(400, len(blocks), 1, cfg.num_experts,
                                                    cfg.top_k), cfg.num_experts, cfg.top_k))
-    r = bench_moe.run_backend(model, store, "offload", MoEOptions(cache_size=slots),
+    r = bench_moe.run_backend(model, store, "offload", MoEConfig(cache_size=slots),
                               torch.device("cpu"), list(range(3, 35)), 300, cuda_graph=False)
     # a global LRU under uniform routing hits at about its share of the pool
     assert abs(r.hit_rate - slots / pool) < 0.1, r.hit_rate
@@ -64,7 +64,7 @@ def test_bytes_per_step_count_decode_steps_only(tiny_hf) -> None:  # noqa: F811
     model, blocks, store = _setup(tiny_hf)
     cfg = model.cfg
     prompt = list(range(3, 3 + 96))
-    r = bench_moe.run_backend(model, store, "offload", MoEOptions(cache_size=2 * cfg.top_k),
+    r = bench_moe.run_backend(model, store, "offload", MoEConfig(cache_size=2 * cfg.top_k),
                               torch.device("cpu"), prompt, 4, cuda_graph=False)
     bound = len(blocks) * cfg.top_k * store.expert_bytes
     assert 0 < r.fetch_bytes_tok <= bound, (r.fetch_bytes_tok, bound)

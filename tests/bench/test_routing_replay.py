@@ -20,7 +20,12 @@ from freetoken.bench.routing import (
     synthetic_routing,
     synthetic_trace,
 )
-from freetoken.experts.record import SHARED_TRACE_DIR, RoutingRecorder, RoutingTrace, load_trace
+from freetoken.bench.routing_trace import (
+    SHARED_TRACE_DIR,
+    RoutingRecorder,
+    RoutingTrace,
+    load_trace,
+)
 from freetoken.experts.residency import ResidencyTable
 from tests.experts.lru_model import LruModel
 

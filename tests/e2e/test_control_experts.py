@@ -14,26 +14,27 @@ from freetoken.chat import ChatTokenizer
 from freetoken.engine.async_engine import AsyncEngine
 from freetoken.engine.core import EngineCore
 from freetoken.engine.generate import generate
-from freetoken.experts.setup import MoEOptions
-from freetoken.models.loader import load_model
+from freetoken.models.loader import load_model, load_with_experts
 from freetoken.server import create_app
 from freetoken.types.api import SamplingParams
+from freetoken.types.config import MoEConfig
 
 IDS = list(range(1000, 1040))
 
 
 @pytest.fixture(scope="module")
 def offload(tiny_chat_dir):
-    model = load_model(tiny_chat_dir, dtype=torch.float32, progress=False,
-                       moe=MoEOptions(backend="offload", cache_size=6))
+    model, rt = load_with_experts(tiny_chat_dir, MoEConfig(backend="offload", cache_size=6),
+                                  dtype=torch.float32, progress=False)
     tok = ChatTokenizer.from_dir(tiny_chat_dir)
-    engine = AsyncEngine(EngineCore(model, tok.eos_token_ids, kv_tokens=4096, max_context=4096),
+    engine = AsyncEngine(EngineCore(model, tok.eos_token_ids, kv_tokens=4096, max_context=4096,
+                                    moe=rt),
                          tiny_chat_dir, "tiny-offload")
     server = Server(create_app(engine, tok, api_key=None, served_model_names=["t"]))
     fused = load_model(tiny_chat_dir, dtype=torch.float32, progress=False)
     want = generate(fused, IDS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
                     []).token_ids
-    yield server, model, want
+    yield server, rt, want
     server.stop()
     engine.shutdown()
 
@@ -54,7 +55,7 @@ def _resize(url: str, **body: object) -> httpx.Response:
 
 
 def test_resize_keeps_results(offload) -> None:
-    server, model, want = offload
+    server, rt, want = offload
     assert _tokens(server.url) == want
     for body, n in (
         ({"slots": 3}, 3),
@@ -64,7 +65,7 @@ def test_resize_keeps_results(offload) -> None:
     ):
         r = _resize(server.url, **body)
         assert r.status_code == 200, r.text
-        assert r.json()["slots"] == n and model.moe_runtime.cache.num_slots == n
+        assert r.json()["slots"] == n and rt.cache.num_slots == n
         assert _tokens(server.url) == want
     assert httpx.get(server.url + "/v1/stats").json()["experts"]["slots"] == 6
 
@@ -73,16 +74,16 @@ def test_resize_keeps_results(offload) -> None:
                                   {"slots": "3"}, {"slots": 2.5}, {"slots": True}, {},
                                   {"slots": 3, "rate": 0.5}])
 def test_bad_sizes_are_refused(offload, body: dict) -> None:
-    server, model, _ = offload
-    before = model.moe_runtime.cache.num_slots
+    server, rt, _ = offload
+    before = rt.cache.num_slots
     r = _resize(server.url, **body)
     assert r.status_code == 400 and "message" in r.json()["error"]
-    assert model.moe_runtime.cache.num_slots == before
+    assert rt.cache.num_slots == before
 
 
 def test_failed_allocation_keeps_serving(offload, monkeypatch) -> None:
-    server, model, want = offload
-    cache = model.moe_runtime.cache
+    server, rt, want = offload
+    cache = rt.cache
     before = (cache.num_slots, cache.table.slot_owner.clone(), cache.gate_up_slots.clone())
 
     def oom(n: int) -> torch.Tensor:

@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from freetoken.cli.proxy import free_port
 from freetoken.models.demo import demo_model_dir
-from freetoken.proxy.cli_proxy import free_port
 from freetoken.proxy.launch import Limits, plan_for
 
 PREFIX = Path(os.environ.get("FT_HARNESS_PREFIX",

@@ -12,15 +12,16 @@ import numpy as np
 import pytest
 import torch
 
+from freetoken.bench.routing_trace import load_trace
 from freetoken.chat import ChatTokenizer
 from freetoken.cli import main as ft_main
-from freetoken.engine.async_engine import AsyncEngine, build_engine
+from freetoken.cli.build import build_engine
+from freetoken.cli.serve import register as register_serve
+from freetoken.engine.async_engine import AsyncEngine
 from freetoken.engine.core import EngineCore
 from freetoken.engine.generate import generate
-from freetoken.experts.record import load_trace
 from freetoken.models.loader import load_model
 from freetoken.server import create_app
-from freetoken.server.cli_serve import register as register_serve
 from freetoken.types.api import AdmissionError, GenerateRequest, SamplingParams
 from tests.server.server_helpers import Server
 
@@ -133,7 +134,7 @@ def test_build_engine_from_serve_flags(tiny_chat_dir: Path, tmp_path: Path, monk
     engine = build_engine(args)
     try:
         core, model = engine.core, engine.core.model
-        rt = model.moe_runtime
+        rt = core.moe
         pool = rt.store.num_layers * rt.store.num_experts
         assert rt.backend == "offload" and rt.cache.num_slots == round(0.5 * pool)
         assert core.max_context == 2048 and core.sched.kv_alloc.num_slots == 2048  # RAM allows
@@ -155,7 +156,7 @@ def test_build_engine_from_serve_flags(tiny_chat_dir: Path, tmp_path: Path, monk
                                       "--kv-tokens", "1500"))
     try:  # an explicit pool bounds the context; no flag: fused, nothing recorded
         assert engine.core.sched.kv_alloc.num_slots == 1500 and engine.max_context == 1500
-        assert engine.core.model.moe_runtime.backend == "fused"
+        assert engine.core.moe is None or engine.core.moe.backend == "fused"
         assert all(b.route_hook is None for b in engine.core.model.moe_blocks())
     finally:
         engine.shutdown()

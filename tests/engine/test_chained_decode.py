@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from freetoken.engine.core import EngineCore
-from freetoken.engine.graph_runner import DecodeRow
+from freetoken.engine.decode_staging import DecodeRow
 from freetoken.models.loader import load_model
 from freetoken.types.forward_batch import ForwardBatch
 

@@ -10,7 +10,7 @@ the CUDA step's kernel count; it is a regression budget, not the GPU figure (tha
 `scripts/profile_decode.py --sort device`).
 
 `test_cuda_path_kernels_per_layer` counts the CUDA path itself: the same step with every
-fast_ops switch on our Triton kernels, interpreted on the CPU (tests/kernels_triton_engine/
+fast_ops switch on our Triton kernels, interpreted on the CPU (tests/kernels/triton/engine/
 inventory.py), one launch per kernel-launching op or Triton kernel, per decoder layer."""
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ if not torch.cuda.is_available():  # before any kernel module is imported (inter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from freetoken.engine.core import EngineCore
-from freetoken.engine.graph_runner import DecodeRow
-from freetoken.layers import fast_ops
-from freetoken.layers.moe import gathered_experts
+from freetoken.engine.decode_staging import DecodeRow
+from freetoken.experts import ffn
+from freetoken.experts.ffn import gathered_experts
 from freetoken.models.loader import load_model
 
 # Blocking on CUDA: the op's output shape or value depends on device data.
@@ -66,7 +66,7 @@ class _Count(TorchDispatchMode):
 def _step_counts(tiny_hf, rows: int, monkeypatch) -> _Count:
     # the routed experts as on CUDA without triton: the gathered batched GEMV (sync-free); the
     # CPU's own expert path (the C++ kernel, boolean-mask merges) is not what graphs capture
-    monkeypatch.setattr(fast_ops, "fused_moe", lambda x, ids, gu, dn, y:
+    monkeypatch.setattr(ffn, "fused_moe", lambda x, ids, gu, dn, y:
                         gathered_experts(x, ids, gu, dn, y))
     model = load_model(tiny_hf("qwen3_5_moe"), dtype=torch.float32, progress=False)
     core = EngineCore(model, [2], kv_tokens=256, state_slots=8, max_running=4,
@@ -81,7 +81,7 @@ def _step_counts(tiny_hf, rows: int, monkeypatch) -> _Count:
     runner._upload(bk.size, total)
     attn = runner._attn(bk, dec)
     with _Count() as c:
-        runner._run_forward(bk.size, attn, greedy=True)
+        runner._forward(bk.size, attn, greedy=True)
     return c
 
 
@@ -99,7 +99,7 @@ def test_cuda_path_kernels_per_layer(tiny_hf) -> None:
     if torch.cuda.is_available():
         pytest.skip("counts the CUDA path through the interpreter, on a CPU-only machine")
     pytest.importorskip("triton")
-    from tests.kernels_triton_engine.inventory import count_step, per_layer
+    from tests.kernels.triton.engine.inventory import count_step, per_layer
 
     for rows in (1, 3):  # 3: a padded bucket of 4 (strided views must not be copied there)
         ops = count_step(tiny_hf("qwen3_5_moe", torch.bfloat16), rows=rows)

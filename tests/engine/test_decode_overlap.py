@@ -110,16 +110,17 @@ def test_resize_with_a_step_in_flight(tiny_hf) -> None:
     for the step in flight, then still chains on its ids (kept in the device buffer), and the
     engine reads the first step's ids afterwards. Tokens stay the eager engine's. Bug caught:
     ids lost or read from the wrong pinned buffer across that drain."""
-    from freetoken.experts.setup import MoEOptions
+    from freetoken.models.loader import load_with_experts
+    from freetoken.types.config import MoEConfig
 
     d = tiny_hf("qwen3_5_moe")
-    model = load_model(d, dtype=torch.float32, progress=False,
-                       moe=MoEOptions(backend="offload", cache_size=6))
+    model, rt = load_with_experts(d, MoEConfig(backend="offload", cache_size=6),
+                                  dtype=torch.float32, progress=False)
     V = model.cfg.vocab_size
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     reqs = [GenerateRequest(_prompt(V, 20, 7 + i), sp, request_id=f"r{i}") for i in range(2)]
-    want = {k: _toks(v) for k, v in _run(_core(model, False), reqs).items()}
-    core = _core(model, True)
+    want = {k: _toks(v) for k, v in _run(_core(model, False, moe=rt), reqs).items()}
+    core = _core(model, True, moe=rt)
     got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
     for r in reqs:
         core.add(r, lambda e, rid=r.request_id: got[rid].extend(e.token_ids))
@@ -130,7 +131,7 @@ def test_resize_with_a_step_in_flight(tiny_hf) -> None:
             core.resize_experts(slots=9)
             resized = True
     assert resized and got == want
-    assert model.moe_runtime.cache.num_slots == 9
+    assert rt.cache.num_slots == 9
     _clean(core)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from freetoken.engine.core import EngineCore
-from freetoken.engine.graph_runner import buckets_for
+from freetoken.engine.decode_staging import buckets_for
 from freetoken.models.loader import load_model
 from freetoken.types.api import GenerateRequest, SamplingParams
 
@@ -65,18 +65,20 @@ def test_runner_slot_backends_equal_eager(tiny_hf, backend: str) -> None:
     """The slot-cache backends through the runner: q* and the miss count on the device, the CPU
     share handed to the bridge's worker thread (hybrid, cpu), fills, merge — the eager engine's
     tokens exactly (fp32: every backend is bit-identical to fused)."""
-    from freetoken.experts.setup import MoEOptions
+    from freetoken.models.loader import load_with_experts
+    from freetoken.types.config import MoEConfig
 
-    model = load_model(tiny_hf("qwen3_5_moe"), dtype=torch.float32, progress=False,
-                       moe=MoEOptions(backend=backend, cache_size=5))
+    model, rt = load_with_experts(tiny_hf("qwen3_5_moe"),
+                                  MoEConfig(backend=backend, cache_size=5),
+                                  dtype=torch.float32, progress=False)
     V = model.cfg.vocab_size
     prompts = [_prompt(V, 20 + 6 * i, 40 + i) for i in range(3)]
     reqs = [GenerateRequest(p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
                             request_id=f"s{i}") for i, p in enumerate(prompts)]
     eager = _run(EngineCore(model, [2], kv_tokens=512, state_slots=8, max_running=4,
-                            chunk_tokens=32, decode_runner=False), reqs)
+                            chunk_tokens=32, decode_runner=False, moe=rt), reqs)
     core = EngineCore(model, [2], kv_tokens=512, state_slots=8, max_running=4,
-                      chunk_tokens=32, decode_runner=True)
+                      chunk_tokens=32, decode_runner=True, moe=rt)
     assert _run(core, reqs) == eager
     runner = core.runner
     assert runner is not None and runner.steps > 5
@@ -84,7 +86,7 @@ def test_runner_slot_backends_equal_eager(tiny_hf, backend: str) -> None:
     # hold, and the decision sends the overflow to the CPU even under offload
     if backend != "offload":
         assert runner.bridge is not None and runner.bridge.seq == runner.steps
-        assert model.moe_runtime.stats.as_dict()["cpu_experts"] > 0
+        assert rt.counters.as_dict()["cpu_experts"] > 0
 
 
 def test_runner_runs_auto_through_the_bridge(tiny_hf, monkeypatch) -> None:
@@ -96,7 +98,8 @@ def test_runner_runs_auto_through_the_bridge(tiny_hf, monkeypatch) -> None:
     on the previous phase's rule, the overlap never resumed."""
     from freetoken.engine.generate import generate
     from freetoken.experts.cost_model import BandwidthProfile
-    from freetoken.experts.setup import MoEOptions
+    from freetoken.models.loader import load_with_experts
+    from freetoken.types.config import MoEConfig
 
     d = tiny_hf("qwen3_5_moe")
     fused = load_model(d, dtype=torch.float32, progress=False)
@@ -106,20 +109,20 @@ def test_runner_runs_auto_through_the_bridge(tiny_hf, monkeypatch) -> None:
     want = {f"a{i}": generate(fused, p, sp, []).token_ids for i, p in enumerate(prompts)}
     prof = BandwidthProfile(key={}, b_h=60.0, b_p=50.0, b_p_overlap=45.0, b_h_overlap=50.0,
                             expert_bytes=2**20)
-    monkeypatch.setattr("freetoken.experts.setup.find_profile", lambda model, dtype: prof)
-    model = load_model(d, dtype=torch.float32, progress=False,
-                       moe=MoEOptions(backend="auto", cache_size=5))
-    guard = model.moe_runtime.guard
+    monkeypatch.setattr("freetoken.experts.runtime.find_profile", lambda model, dtype: prof)
+    model, rt = load_with_experts(d, MoEConfig(backend="auto", cache_size=5),
+                                  dtype=torch.float32, progress=False)
+    guard = rt.guard
     assert guard is not None and guard.choice == "hybrid"
     guard.window = 3
     core = EngineCore(model, [2], kv_tokens=512, state_slots=8, max_running=4,
-                      chunk_tokens=32, decode_runner=True)
+                      chunk_tokens=32, decode_runner=True, moe=rt)
     runner = core.runner
     assert runner is not None and runner.capturable and runner.bridge is not None
     for b in model.moe_blocks():  # the tables a first step makes (their listeners first)
         b.experts._device_num_fetch()
     layer = model.moe_blocks()[0].experts
-    hybrid_rule = layer._fetch_rule()
+    hybrid_rule = layer.rule.table(E)
     assert layer._fetch_table.tolist() == hybrid_rule != [-1] * (E + 1)
     seen: list[tuple[str, list[int]]] = []  # after the layers' own listeners
     guard.listeners.append(lambda: seen.append((guard.phase, layer._fetch_table.tolist())))

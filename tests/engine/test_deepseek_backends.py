@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from freetoken.cache.tensors import Caches, KVPool, StateTensors
-from freetoken.experts.setup import MoEOptions
-from freetoken.models.loader import load_model
+from freetoken.models.loader import load_model, load_with_experts
+from freetoken.types.config import MoEConfig
 from freetoken.types.forward_batch import ForwardBatch
 
 
@@ -33,12 +33,12 @@ def test_backend_bit_identical_to_fused(tiny_hf, kind: str, backend: str, slots:
     ids = torch.randint(0, fused.cfg.vocab_size, (56,),
                         generator=torch.Generator().manual_seed(7)).tolist()
     want = _logits(fused, ids)
-    m = load_model(d, dtype=torch.float32, progress=False,
-                   moe=MoEOptions(backend=backend, cache_size=slots))
-    assert m.moe_runtime.store.num_layers == len(fused.cfg.moe_layers) >= 2
+    m, rt = load_with_experts(d, MoEConfig(backend=backend, cache_size=slots),
+                              dtype=torch.float32, progress=False)
+    assert rt.store.num_layers == len(fused.cfg.moe_layers) >= 2
     got = _logits(m, ids)
     assert torch.equal(got, want)
-    st = m.moe_runtime.stats.as_dict()
+    st = rt.counters.as_dict()
     assert st["misses"] > 0
     if backend in ("cpu", "hybrid"):
         assert st["cpu_experts"] > 0

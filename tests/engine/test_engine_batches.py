@@ -8,9 +8,9 @@ import torch
 
 from freetoken.engine.core import EngineCore
 from freetoken.engine.generate import generate
-from freetoken.experts.setup import MoEOptions
-from freetoken.models.loader import load_model
+from freetoken.models.loader import load_model, load_with_experts
 from freetoken.types.api import GenerateRequest, SamplingParams
+from freetoken.types.config import MoEConfig
 
 N_SEQ = 11
 
@@ -29,10 +29,10 @@ def _run_all(core: EngineCore, prompts: list[list[int]], n: int) -> tuple[list[l
                  lambda ev, i=i: out[i].extend(ev.token_ids))
     widest, real_batch = 0, core._batch
 
-    def spy(items):
+    def spy(items, moe):
         nonlocal widest
         widest = max(widest, sum(1 for it in items if it.n == 1))
-        return real_batch(items)
+        return real_batch(items, moe)
 
     core._batch = spy  # type: ignore[method-assign]
     steps = 0
@@ -66,13 +66,13 @@ def auto_run(tiny_hf):
     prompts = _prompts(fused.cfg.vocab_size, 3)
     sp = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
     want = [generate(fused, p, sp, []).token_ids for p in prompts]
-    model = load_model(d, dtype=torch.float32, progress=False,
-                       moe=MoEOptions(backend="auto", cache_size=6))
-    guard = model.moe_runtime.guard
+    model, rt = load_with_experts(d, MoEConfig(backend="auto", cache_size=6),
+                                  dtype=torch.float32, progress=False)
+    guard = rt.guard
     assert guard is not None and guard.phase == "choice"
     guard.window = 4
     core = EngineCore(model, [], kv_tokens=1024, state_slots=16, max_running=3,
-                      chunk_tokens=1024)
+                      chunk_tokens=1024, moe=rt)
     got, widest = _run_all(core, prompts, 14)
     return guard, got, want, widest
 
@@ -95,10 +95,11 @@ def test_auto_guard_times_plain_generate(tiny_hf) -> None:
     """`generate` (`ft generate`) marks its steps too: one prefill, then 13 one-token decode
     steps settle a guard of window 4. Catches a step runner that never marks its steps."""
     d = tiny_hf("qwen3_5_moe")
-    model = load_model(d, dtype=torch.float32, progress=False,
-                       moe=MoEOptions(backend="auto", cache_size=6))
-    guard = model.moe_runtime.guard
+    model, rt = load_with_experts(d, MoEConfig(backend="auto", cache_size=6),
+                                  dtype=torch.float32, progress=False)
+    guard = rt.guard
     guard.window = 4
     prompt = _prompts(model.cfg.vocab_size, 1)[0]
-    generate(model, prompt, SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True), [])
+    generate(model, prompt, SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True), [],
+             moe=rt)
     assert guard.phase == "settled" and set(guard.times) == {"choice", "offload"}

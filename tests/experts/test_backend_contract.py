@@ -1,4 +1,4 @@
-"""The ExpertBackend contract (freetoken/layers/expert_backend.py), checked against the one
+"""The ExpertBackend contract (freetoken/experts/base.py), checked against the one
 reference expert FFN (kernels/reference.py, float64): every backend the registry builds, and
 every implementation of the expert FFN (grouped and gathered torch paths, the C++ CPU kernel),
 on random routing with padding ids. Bug it catches: a backend that computes or fetches a padding
@@ -8,11 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.experts.backends import MoEStats
+from freetoken.experts.ffn import dispatch_experts, gathered_experts
 from freetoken.experts.registry import backend_names, create_backend
+from freetoken.experts.runtime import MoERuntime
 from freetoken.experts.slot_cache import SlotCache
+from freetoken.experts.split import FetchRule
+from freetoken.experts.stats import MoEStats
 from freetoken.experts.store import ExpertStore
-from freetoken.layers.moe import dispatch_experts, gathered_experts
+from freetoken.types.forward_batch import EAGER
 from freetoken.types.model_config import expert_nbytes
 from kernels.cpu.expert_ops import cpu_experts
 from kernels.reference import expert_ffn_reference
@@ -37,6 +40,13 @@ def _batch(T: int, seed: int):
     return x, ids
 
 
+class _Half(FetchRule):
+    """A hybrid rule that fetches half the misses (at least one)."""
+
+    def __call__(self, misses: int) -> int:
+        return max(1, misses // 2)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b).norm() / b.norm().clamp(min=1e-30)).item()
 
@@ -54,15 +64,13 @@ def test_backend_matches_reference(name: str, T: int) -> None:
     store = ExpertStore(gu, dn, pin=False)
     cache = SlotCache(L, E, H, I, num_slots=4, dtype=torch.float32)
     stats = MoEStats(store.expert_bytes)
+    rt = MoERuntime(name, None if name == "fused" else cache, store, stats, top_k=K,
+                    q_rule=_Half())
     for layer in range(L):
         x, ids = _batch(T, seed=10 * layer + T)
-        if name == "fused":
-            be = create_backend("fused", layer, banks=(gu[layer], dn[layer]))
-        else:
-            nf = {"offload": lambda m: -1, "cpu": lambda m: 0, "hybrid": lambda m: max(1, m // 2)}
-            be = create_backend(name, layer, cache=cache, store=store, stats=stats,
-                                num_fetch=nf[name], fixed_fetch={"offload": -1, "cpu": 0}.get(name))
-        y = be(layer, x, ids)
+        be = create_backend(name, layer, rt)
+        y, shared = be(x, ids, EAGER)
+        assert shared is None  # (no shared expert given)
         want = expert_ffn_reference(x, ids, gu[layer], dn[layer])
         assert y.shape == (T, K, H) and y.dtype == x.dtype
         assert _rel(y, want) < 1e-5, (name, layer)
@@ -71,16 +79,6 @@ def test_backend_matches_reference(name: str, T: int) -> None:
         assert stats.as_dict()["cpu_experts"] > 0
     if name == "offload":
         assert stats.as_dict()["fetched"] > 0
-
-
-def test_backend_refuses_another_layers_call() -> None:
-    gu, dn = _banks()
-    store = ExpertStore(gu, dn, pin=False)
-    cache = SlotCache(L, E, H, I, num_slots=4, dtype=torch.float32)
-    be = create_backend("offload", 1, cache=cache, store=store, stats=MoEStats(),
-                        num_fetch=lambda m: -1, fixed_fetch=-1)
-    with pytest.raises(ValueError, match="layer 2"):
-        be(2, *_batch(1, 0))
 
 
 @pytest.mark.parametrize("T", [1, 3, 9])

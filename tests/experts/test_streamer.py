@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.experts.backends import MoEStats
+from freetoken.experts.ffn import dispatch_experts
 from freetoken.experts.slot_cache import SlotCache
+from freetoken.experts.stats import MoEStats
 from freetoken.experts.store import ExpertStore
 from freetoken.experts.streamer import (
     LayerStreamer,
@@ -19,7 +20,6 @@ from freetoken.experts.streamer import (
     routed_experts,
     stream_threshold,
 )
-from freetoken.layers.moe import dispatch_experts
 from tests.experts.invariants import check_tables
 
 L, E, H, I, K = 3, 6, 32, 16, 2
@@ -45,15 +45,14 @@ def _warm(cache: SlotCache, store: ExpertStore, layer: int, experts: list[int]) 
 
 def _chunk(st: LayerStreamer, store: ExpertStore, ids: list[torch.Tensor], x: torch.Tensor):
     """One streamed forward over every layer; returns each layer's y and fused's y."""
-    st.begin_forward(x.shape[0])
-    assert st.active
+    assert st.begin_forward(x.shape[0]) and st.streaming
     got, want = [], []
     for m in range(L):
         got.append(st.forward(m, x, ids[m]))
         ref = torch.zeros(*ids[m].shape, H)
         want.append(dispatch_experts(x, ids[m], store.gate_up(m), store.down(m), ref))
     st.end_forward()
-    assert not st.active
+    assert not st.streaming
     return got, want
 
 
@@ -195,14 +194,11 @@ def test_decode_after_a_streamed_chunk_uses_the_seeded_cache() -> None:
 
 def test_too_small_a_cache_or_a_short_chunk_keeps_the_decode_path() -> None:
     _, _, _, st = _setup(slots=E - 1)
-    st.begin_forward(100)
-    assert not st.active and st.wants(100) == (False, "cache_below_one_layer")
+    assert not st.begin_forward(100) and st.wants(100) == (False, "cache_below_one_layer")
     _, _, _, st = _setup(slots=2 * E)
     st.threshold = 50
-    st.begin_forward(49)
-    assert not st.active
-    st.begin_forward(50)
-    assert st.active
+    assert not st.begin_forward(49) and not st.streaming
+    assert st.begin_forward(50) and st.streaming
     st.mode = "auto"  # auto streams on CUDA only
     assert st.wants(50) == (False, "not_cuda")
 

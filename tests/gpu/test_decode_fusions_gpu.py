@@ -1,6 +1,6 @@
 """On the GPU, at Qwen3.6-35B-A3B shapes in bf16: the decode-step fusions against references
 built from the unfused ops, and the fused MoE step captured in a CUDA graph. (The same kernels
-run interpreted on tiny fp32 shapes in tests/kernels_triton*; tests/gpu/conftest.py skips this
+run interpreted on tiny fp32 shapes in tests/kernels/triton; tests/gpu/conftest.py skips this
 module without CUDA.)
 
 - the shared expert as T extra entries of the routed decode launches, and alone;
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():  # collected before tests/kernels_triton*: keep it valid
+if not torch.cuda.is_available():  # collected before tests/kernels/triton: keep it valid
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from freetoken.engine.core import EngineCore
-from freetoken.engine.graph_runner import DecodeRow
+from freetoken.engine.decode_staging import DecodeRow
 from freetoken.models.loader import load_model
 
 COUNTED = 65  # CUDA_STEP_TOTAL of tests/engine/test_decode_budget.py (4 layers, batch 1)
@@ -36,7 +36,7 @@ def test_eager_decode_step_kernel_count(tiny_hf) -> None:
     attn = runner._attn(bk, rows)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        runner._run_forward(bk.size, attn, greedy=True)
+        runner._forward(bk.size, attn, greedy=True)
         torch.cuda.synchronize()
     kernels = collections.Counter(e.name for e in prof.events()
                                   if e.device_type == torch.autograd.DeviceType.CUDA)

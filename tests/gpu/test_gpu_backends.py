@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from freetoken.engine.generate import generate
-from freetoken.experts.setup import MoEOptions
-from freetoken.models.loader import load_model
+from freetoken.models.loader import load_model, load_with_experts
 from freetoken.types.api import SamplingParams
+from freetoken.types.config import MoEConfig
 from tests.models.fixtures import hf_reference
 
 
@@ -20,10 +20,10 @@ def test_backend_greedy_tokens_equal_fused_on_gpu(tiny_hf, backend: str) -> None
     sp = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
     fused = load_model(d, dtype=torch.float32, device="cuda", progress=False)
     want = generate(fused, prompt, sp, []).token_ids
-    m = load_model(d, dtype=torch.float32, device="cuda", progress=False,
-                   moe=MoEOptions(backend=backend, cache_size=6))
-    assert generate(m, prompt, sp, []).token_ids == want
-    assert m.moe_runtime.stats.as_dict()["misses"] > 0
+    m, rt = load_with_experts(d, MoEConfig(backend=backend, cache_size=6), dtype=torch.float32,
+                              device="cuda", progress=False)
+    assert generate(m, prompt, sp, [], moe=rt).token_ids == want
+    assert rt.counters.as_dict()["misses"] > 0
 
 
 @pytest.mark.parametrize("backend", ["offload", "cpu", "hybrid"])
@@ -40,10 +40,10 @@ def test_backend_bf16_on_gpu(tiny_hf, backend: str) -> None:
     sp = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
     fused = load_model(d, dtype=torch.bfloat16, device="cuda", progress=False)
     want = generate(fused, prompt, sp, []).token_ids
-    m = load_model(d, dtype=torch.bfloat16, device="cuda", progress=False,
-                   moe=MoEOptions(backend=backend, cache_size=6))
+    m, rt = load_with_experts(d, MoEConfig(backend=backend, cache_size=6),
+                              dtype=torch.bfloat16, device="cuda", progress=False)
     if backend == "offload":
-        assert generate(m, prompt, sp, []).token_ids == want
+        assert generate(m, prompt, sp, [], moe=rt).token_ids == want
         return
     seq = prompt + want
     logits = []
@@ -89,15 +89,16 @@ def test_engine_core_batches_on_cuda(tiny_hf, backend: str) -> None:
     from freetoken.types.api import GenerateRequest
 
     d = tiny_hf("qwen3_5_moe")
-    moe = None if backend == "fused" else MoEOptions(backend=backend, cache_size=6)
-    model = load_model(d, dtype=torch.float32, device="cuda", progress=False, moe=moe)
+    moe = None if backend == "fused" else MoEConfig(backend=backend, cache_size=6)
+    model, rt = load_with_experts(d, moe, dtype=torch.float32, device="cuda", progress=False)
     V = model.cfg.vocab_size
     g = torch.Generator().manual_seed(3)
     head = torch.randint(0, V, (80,), generator=g).tolist()
     prompts = [head + torch.randint(0, V, (10 + 5 * i,), generator=g).tolist() for i in range(4)]
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    want = [generate(model, p, sp, []).token_ids for p in prompts]
-    core = EngineCore(model, [], kv_tokens=2048, state_slots=16, max_running=3, chunk_tokens=32)
+    want = [generate(model, p, sp, [], moe=rt).token_ids for p in prompts]
+    core = EngineCore(model, [], kv_tokens=2048, state_slots=16, max_running=3, chunk_tokens=32,
+                      moe=rt)
     out: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
         out[f"r{i}"] = []

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from freetoken.engine.core import EngineCore
-from freetoken.engine.generate import generate
-from freetoken.experts.setup import MoEOptions
-from freetoken.models.loader import load_model
+from freetoken.engine.generate import generate, private_runner
+from freetoken.models.loader import load_model, load_with_experts
 from freetoken.types.api import GenerateRequest, SamplingParams
+from freetoken.types.config import MoEConfig
 
 
 def _engine_tokens(model, prompts, n, **kw) -> tuple[list[list[int]], EngineCore]:
@@ -30,23 +30,25 @@ def _engine_tokens(model, prompts, n, **kw) -> tuple[list[list[int]], EngineCore
 def test_graph_replay_equals_eager(tiny_hf, backend: str) -> None:
     d = tiny_hf("qwen3_5_moe")
     # (auto: no bandwidth measurement for the tiny shape; its guard still switches rules)
-    moe = None if backend == "fused" else MoEOptions(backend=backend, cache_size=6,
-                                                      measure_bw=False)
-    model = load_model(d, dtype=torch.float32, device="cuda", progress=False, moe=moe)
+    moe = None if backend == "fused" else MoEConfig(backend=backend, cache_size=6,
+                                                     measure_bw=False)
+    model, rt = load_with_experts(d, moe, dtype=torch.float32, device="cuda", progress=False)
     V = model.cfg.vocab_size
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, V, (30 + 7 * i,), generator=g).tolist() for i in range(3)]
-    eager, _ = _engine_tokens(model, prompts[:1], 256, decode_runner=False)
-    graphs, core = _engine_tokens(model, prompts[:1], 256, decode_runner=True, cuda_graph=True)
+    eager, _ = _engine_tokens(model, prompts[:1], 256, decode_runner=False, moe=rt)
+    graphs, core = _engine_tokens(model, prompts[:1], 256, decode_runner=True, cuda_graph=True,
+                                  moe=rt)
     assert graphs == eager
     assert core.runner.replays >= 250  # hybrid too: its CPU share goes through the bridge
     # three requests decoding together (bucket 4: one padding row)
-    eager3, _ = _engine_tokens(model, prompts, 64, decode_runner=False)
-    graphs3, core3 = _engine_tokens(model, prompts, 64, decode_runner=True, cuda_graph=True)
+    eager3, _ = _engine_tokens(model, prompts, 64, decode_runner=False, moe=rt)
+    graphs3, core3 = _engine_tokens(model, prompts, 64, decode_runner=True, cuda_graph=True,
+                                    moe=rt)
     assert graphs3 == eager3
     assert core3.runner.replays > 0
     sp = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    assert generate(model, prompts[0], sp, []).token_ids == eager[0][:64]
+    assert generate(model, prompts[0], sp, [], moe=rt).token_ids == eager[0][:64]
 
 
 def test_chained_generate_stops_where_eager_stops(tiny_hf) -> None:
@@ -65,8 +67,7 @@ def test_chained_generate_stops_where_eager_stops(tiny_hf) -> None:
     for _ in range(2):
         res = generate(model, prompt, sp_eos, [stop])
         assert res.token_ids == full[:first + 1] and res.finish_reason == "stop"
-    priv = model._ft_private
-    runner = next(iter(priv.runners.values()))
+    runner = private_runner(model)
     assert not runner._open and runner.replays > 40
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():  # collected before tests/kernels_triton_attn: keep it valid
+if not torch.cuda.is_available():  # collected before tests/kernels/triton/attn: keep it valid
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 

@@ -1,6 +1,7 @@
 """On the GPU: our Triton fused MoE and router at the Qwen3.6-35B-A3B shape (bf16, H=2048,
 I=512, top-8) against a float reference, CUDA-graph capture of the decode path, and no host
-syncs on either path. The CPU runs the same kernels under the interpreter in tests/kernels_triton.
+syncs on either path. The CPU runs the same kernels under the interpreter in
+tests/kernels/triton/moe.
 """
 from __future__ import annotations
 

@@ -6,8 +6,9 @@ import os
 import pytest
 import torch
 
-from kernels.cpu.expert_ops import cpu_experts, cpu_experts_ref, cpu_experts_torch
+from kernels.cpu.expert_ops import cpu_experts, cpu_experts_torch
 from kernels.cpu.ext import ISAS, CpuKernel, build, detect_isa, runnable_isas
+from kernels.reference import expert_ffn_reference
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -69,7 +70,7 @@ def isa_kernel(request: pytest.FixtureRequest) -> CpuKernel:
 
 def _check_against_ref(fn, seed: int, dtype: torch.dtype, t: int | None = None) -> None:
     x, ids, gu, dn, mask = _case(seed, dtype, t)
-    ref = cpu_experts_ref(x, ids, gu, dn, mask)  # [T, K, H] float64
+    ref = expert_ffn_reference(x, ids, gu, dn, mask)  # [T, K, H] float64
     poison = torch.full(ref.shape, float("nan"))
     out = fn(x, ids, gu, dn, mask, poison.clone())
     assert out.dtype == torch.float32
@@ -112,13 +113,13 @@ def test_kernel_bf16_fp32_path_is_tight(kernel: CpuKernel) -> None:
     x, ids, gu, dn, _ = _case(7, torch.bfloat16, t=1)
     out = torch.zeros(x.shape[0], ids.shape[1], x.shape[1])
     kernel.run(x, ids, gu, dn, None, out, num_threads=1, allow_dpbf16=False)
-    assert _rel(out, cpu_experts_ref(x, ids, gu, dn)) < 1e-5
+    assert _rel(out, expert_ffn_reference(x, ids, gu, dn)) < 1e-5
 
 
 def test_dispatcher_full_mask_and_fresh_out() -> None:
     x, ids, gu, dn, _ = _case(3, torch.float32)
     out = cpu_experts(x, ids, gu, dn)  # no mask: every entry, fresh zero tensor
-    assert _rel(out, cpu_experts_ref(x, ids, gu, dn)) < 1e-5
+    assert _rel(out, expert_ffn_reference(x, ids, gu, dn)) < 1e-5
 
 
 def test_out_of_range_expert_raises(kernel: CpuKernel) -> None:
@@ -211,7 +212,7 @@ def test_kernel_decode_blocks_any_thread_count(isa_kernel: CpuKernel, dtype: tor
             x, ids, gu, dn, _ = _case(seed, dtype, t)
             out = torch.zeros(x.shape[0], ids.shape[1], x.shape[1])
             kernel.run(x, ids, gu, dn, None, out, num_threads=threads, allow_dpbf16=False)
-            assert _rel(out, cpu_experts_ref(x, ids, gu, dn)) < 1e-5
+            assert _rel(out, expert_ffn_reference(x, ids, gu, dn)) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -251,7 +252,7 @@ def test_decode_stealing_does_not_change_results(isa_kernel: CpuKernel, dtype: t
     finally:
         kernel.set_steal(True)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    assert _rel(outs[0], cpu_experts_ref(x, ids, gu, dn)) < 1e-5
+    assert _rel(outs[0], expert_ffn_reference(x, ids, gu, dn)) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -270,4 +271,4 @@ def test_decode_tile_boundary(isa_kernel: CpuKernel, dtype: torch.dtype) -> None
         out = torch.full((t, k, h), float("nan"))
         isa_kernel.run(x, ids, gu, dn, None, out, num_threads=2, allow_dpbf16=False)
         assert len(isa_kernel.last_timing()) == (2 if decode else 0), (isa_kernel.built_isa, t)
-        assert _rel(out, cpu_experts_ref(x, ids, gu, dn)) < 1e-5
+        assert _rel(out, expert_ffn_reference(x, ids, gu, dn)) < 1e-5

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from freetoken.cli import build_parser, main
-from freetoken.proxy.cli_proxy import build_config
+from freetoken.cli.proxy import build_config
 from freetoken.proxy.config import ProxyConfig, parse_caps
 from freetoken.proxy.launch import Limits, plan_for
 

@@ -22,8 +22,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from freetoken.cli import build_parser
+from freetoken.cli.proxy import build_config
 from freetoken.proxy.app import create_proxy_app
-from freetoken.proxy.cli_proxy import build_config
 from freetoken.proxy.config import ProxyConfig
 from freetoken.proxy.launch import Limits, plan_for
 from freetoken.proxy.probe import limits_from_models, limits_from_props
@@ -146,7 +146,7 @@ def test_proxy_probes_and_translates_for_a_missing_messages_surface(tmp_path) ->
         lim = httpx.get(proxy.url + "/proxy/stats").json()["upstream_limits"]
         assert lim["surfaces"] == {"anthropic": False}
         assert lim["context"] == 40960 and lim["model"] == "q.gguf"
-        from freetoken.proxy.cli_launch import _ask_proxy
+        from freetoken.cli.launch import _ask_proxy
 
         assert _ask_proxy(proxy.url, "claude")[0] == 40960  # what ft launch tells Claude Code
         # no cache counter upstream: reuse unknown, not 0; llama.cpp's timings.cache_n read

@@ -131,11 +131,11 @@ def start_stack(model_dir: Path, max_output: int = 4) -> Stack:
     import torch
 
     from freetoken.chat import ChatTokenizer
+    from freetoken.cli.proxy import engine_client, start_engine_server
     from freetoken.engine.async_engine import AsyncEngine
     from freetoken.engine.core import EngineCore
     from freetoken.models.loader import load_model
     from freetoken.proxy.app import create_proxy_app
-    from freetoken.proxy.cli_proxy import engine_client, start_engine_server
     from freetoken.proxy.config import ProxyConfig
     from freetoken.server import create_app
     from freetoken.server.limits import quiet_connection_logs

@@ -13,8 +13,8 @@ from server_helpers import FakeEngine, Server
 from test_errors import AN, OA, USER, assert_anthropic_error, assert_openai_error
 
 from freetoken.chat import ChatTokenizer
+from freetoken.cli.serve import api_key_from
 from freetoken.server import create_app
-from freetoken.server.cli_serve import api_key_from
 from freetoken.server.limits import ServerLimits
 from freetoken.types.api import AdmissionError
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from server_helpers import API_KEY, MAX_CONTEXT, FakeEngine, Server, parse_sse
 
-from freetoken.server.cli_serve import register
+from freetoken.cli.serve import register
 
 H = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -103,7 +103,7 @@ def test_parser_family_for(tmp_path: object) -> None:
     import json
     from pathlib import Path
 
-    from freetoken.server.cli_serve import parser_family_for
+    from freetoken.cli.serve import parser_family_for
 
     d = Path(str(tmp_path))
     assert parser_family_for(d) == "qwen3"  # no config.json

@@ -1,4 +1,6 @@
-"""Package layering: no import cycle between packages, and the bottom layer imports nothing above.
+"""Package layering: no import cycle between packages or files, the layer order (LAYERS, the
+table of docs/architecture.md) with `TYPE_CHECKING` imports counted, and the bottom layer
+importing nothing above.
 
 Walks every module's imports with `ast` (imports inside functions count, `if TYPE_CHECKING:`
 blocks do not: they never run). A package is `freetoken.X`, `kernels.X`, `workloads` or
@@ -18,6 +20,8 @@ BOTTOM = {"freetoken.types": set(), "freetoken.log": set()}
 
 
 def package_of(module: str) -> str | None:
+    if (module + ".").startswith("freetoken.cli.options."):
+        return "freetoken.cli.options"  # its own layer: the flag groups `bench` may import
     parts = module.split(".")
     if parts[0] not in TOPS:
         return None
@@ -115,3 +119,131 @@ def test_cycle_finder_finds_a_planted_cycle() -> None:
     c = find_cycle({"a": {"b": ""}, "b": {"c": ""}, "c": {"a": ""}, "d": {"a": ""}})
     assert c is not None and c[0] == c[-1] and set(c) == {"a", "b", "c"}
     assert find_cycle({"a": {"b": ""}, "b": {}, "c": {"a": "", "b": ""}}) is None
+
+
+# -- the layer order (issue #21, acceptance 1-2) --------------------------------------------------
+# Every module belongs to one layer; a module imports only from its own layer or those below,
+# `if TYPE_CHECKING:` imports included (a type import is a dependency all the same). From
+# `freetoken/cli/`, `bench` may import only `cli/options.py` (the shared flag groups): the rest
+# of `cli` is above `bench`.
+LAYERS: list[tuple[str, ...]] = [
+    ("freetoken.types", "freetoken.log", "freetoken.envs"),
+    ("kernels",),
+    ("freetoken.cache", "freetoken.checkpoint", "freetoken.sampler", "freetoken.chat",
+     "harness_adapters"),
+    ("freetoken.experts",),
+    ("freetoken.layers",),
+    ("freetoken.models",),
+    ("freetoken.scheduler",),
+    ("freetoken.engine",),
+    ("freetoken.server", "freetoken.proxy"),
+    ("freetoken.cli.options",),
+    ("freetoken.bench",),
+    ("freetoken.cli",),
+]
+
+
+def layer_of(module: str) -> int | None:
+    """The index in LAYERS of the longest prefix naming `module` (None: not layered)."""
+    best, rank = -1, None
+    for i, names in enumerate(LAYERS):
+        for n in names:
+            if (module == n or module.startswith(n + ".")) and len(n) > best:
+                best, rank = len(n), i
+    return rank
+
+
+def all_imports(path: Path) -> list[str]:
+    """Absolute names of every module `path` imports, `if TYPE_CHECKING:` blocks included."""
+    tree = ast.parse(path.read_text(), str(path))
+    mod = module_name(path)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = mod.split(".")[: None if path.name == "__init__.py" else -1]
+                pkg = pkg[: len(pkg) - (node.level - 1)]
+                base = ".".join(pkg + ([node.module] if node.module else []))
+            out.append(base)
+            out += [f"{base}.{a.name}" for a in node.names]
+    return out
+
+
+def _project_modules() -> dict[str, Path]:
+    return {module_name(p): p for top in TOPS for p in sorted((ROOT / top).rglob("*.py"))}
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The project module `name` refers to (`from pkg import thing` names a module or an
+    attribute of pkg), or None outside the project."""
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def layer_violations() -> list[str]:
+    modules = _project_modules()
+    bad = []
+    for mod, path in modules.items():
+        src = layer_of(mod)
+        for target in all_imports(path):
+            dst_mod = _resolve(target, modules)
+            if dst_mod is None or dst_mod == mod:
+                continue
+            dst = layer_of(dst_mod)
+            rel = path.relative_to(ROOT)
+            if mod.startswith("kernels") and dst_mod.startswith("freetoken") \
+                    and dst_mod != "freetoken.envs":
+                bad.append(f"{rel} imports {dst_mod} (kernels import only freetoken.envs)")
+            elif mod.startswith("harness_adapters") and dst_mod.startswith("freetoken") \
+                    and layer_of(dst_mod) != 0 or (mod.startswith("harness_adapters")
+                                                   and dst_mod in ("freetoken.log",
+                                                                   "freetoken.envs")):
+                bad.append(f"{rel} imports {dst_mod} (harness_adapters import only "
+                           "freetoken.types)")
+            elif mod.startswith("workloads") and dst_mod.startswith("freetoken") \
+                    and dst_mod != "freetoken.log":
+                bad.append(f"{rel} imports {dst_mod} (workloads import only the logger)")
+            elif src is not None and dst is not None and dst > src:
+                bad.append(f"{rel} imports {dst_mod} (layer {LAYERS[dst][0]} above "
+                           f"{LAYERS[src][0]})")
+    return bad
+
+
+def file_circle() -> list[str] | None:
+    """One circle of project files importing each other (TYPE_CHECKING included), or None."""
+    modules = _project_modules()
+    graph: dict[str, dict[str, str]] = {}
+    for mod, path in modules.items():
+        edges = graph.setdefault(mod, {})
+        for target in all_imports(path):
+            dst = _resolve(target, modules)
+            # a package's __init__ importing its own submodules is not a circle of files
+            if dst and dst != mod and not (path.name == "__init__.py"
+                                           and dst.startswith(mod + ".")):
+                edges.setdefault(dst, "")
+    return find_cycle(graph)
+
+
+def test_layer_order() -> None:
+    bad = layer_violations()
+    assert not bad, "imports against the layer order:\n" + "\n".join(bad)
+
+
+def test_no_file_circle() -> None:
+    circle = file_circle()
+    assert circle is None, "files importing each other: " + " -> ".join(circle or [])
+
+
+def test_layer_of_names_each_layer() -> None:
+    """The checker itself: the rank of a few modules, and a planted upward import is found."""
+    assert layer_of("freetoken.types.config") == 0 and layer_of("kernels.triton.router") == 1
+    assert layer_of("freetoken.cli.options") < layer_of("freetoken.bench.moe") \
+        < layer_of("freetoken.cli.serve")
+    assert layer_of("freetoken.experts.runtime") < layer_of("freetoken.models.qwen")
+    assert layer_of("scripts.x") is None

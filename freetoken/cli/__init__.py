@@ -1,0 +1,85 @@
+"""`ft` command line: thin argument parsing; each subcommand lives in its package.
+
+Every subcommand module exposes `register(subparsers)` which adds its parser and sets
+`func=<callable(args) -> int>` as the default. `ft bench X` subcommands register on the
+`bench` sub-parser the same way.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from freetoken.envs import FT_LOG_LEVEL
+
+# Subcommand modules. A module listed here that does not exist is a packaging error and fails
+# `ft` at once; a module whose *third-party* dependency is missing (a GPU image without
+# starlette) is reported only when its command is used, so the other commands keep working.
+_COMMANDS = [
+    "freetoken.cli.generate",
+    "freetoken.cli.serve",
+    "freetoken.cli.ctl",
+    "freetoken.cli.proxy",
+    "freetoken.cli.launch",
+    "freetoken.checkpoint.cli_convert",
+]
+_BENCH_COMMANDS = [
+    "freetoken.bench.cli_decode",
+    "freetoken.bench.cli_prefill",
+    "freetoken.bench.cli_routing",
+    "freetoken.bench.cli_bw",
+    "workloads.cli_bench",
+    "freetoken.bench.cli_anchors",
+    "freetoken.bench.cli_checkpoint",
+    "freetoken.bench.cli_bench_serve",
+    "freetoken.bench.cli_load",
+]
+
+
+def _register_all(modules: list[str], sub: argparse._SubParsersAction) -> None:
+    for name in modules:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name and (name == e.name or name.startswith(e.name + ".")):
+                raise ImportError(f"ft: subcommand module {name!r} is missing") from e
+            # a third-party package is missing (e.g. a GPU image without starlette): keep every
+            # other command working and say what to install when this one is used
+            _unavailable(sub, name.rsplit(".", 1)[-1].removeprefix("cli_"), str(e.name))
+            continue
+        mod.register(sub)
+
+
+def _unavailable(sub: argparse._SubParsersAction, command: str, missing: str) -> None:
+    def fail(_args: argparse.Namespace) -> int:
+        print(f"ft: this command needs the Python package {missing!r}; "
+              f"install FreeToken with its dependencies (pip install -e .)", file=sys.stderr)
+        return 2
+
+    p = sub.add_parser(command.replace("bench_", ""), help=f"(unavailable: needs {missing})",
+                       add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=fail)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ft", description="FreeToken: MoE inference for one machine")
+    p.add_argument("--log-level", default=FT_LOG_LEVEL.get())
+    sub = p.add_subparsers(dest="command", required=True)
+    _register_all(_COMMANDS, sub)
+    bench = sub.add_parser("bench", help="benchmarks (decode, bw, routing, workload, ...)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    _register_all(_BENCH_COMMANDS, bench_sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from freetoken.log import setup_logging
+
+    setup_logging(args.log_level)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Engine flag groups shared by `ft serve`, `ft generate`, `ft agent-proxy --model` and
+`ft bench decode`, and their resolution into engine options."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+_DTYPES = {"auto": None, "fp32": torch.float32, "float32": torch.float32,
+           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    if name not in _DTYPES:
+        raise SystemExit(f"--dtype must be one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def resolve_device(name: str | None) -> str:
+    if not name or name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def _size(text: str) -> int:
+    units = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    t = text.strip().lower().rstrip("b") if not text.lower().endswith("ib") else text.lower()
+    for u, f in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if t.endswith(u):
+            return int(float(t[: -len(u)]) * f)
+    return int(float(t))
+
+
+def add_moe_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("MoE experts")
+    g.add_argument("--moe-backend", default=None,
+                   choices=["auto", "fused", "offload", "cpu", "hybrid"],
+                   help="default: fused when every expert fits on the device, else auto")
+    g.add_argument("--moe-cache-size", type=int, default=None, help="GPU expert slots")
+    g.add_argument("--moe-cache-rate", type=float, default=None, help="fraction of the pool")
+    g.add_argument("--moe-cache-mem", type=_size, default=None, help="bytes, e.g. 12GiB")
+    g.add_argument("--kv-reserve-tokens", type=int, default=8192,
+                   help="KV floor reserved before the expert cache takes the rest of VRAM")
+    g.add_argument("--moe-cpu-layers", type=int, default=0,
+                   help="the last N MoE layers always compute on the CPU")
+    g.add_argument("--moe-hybrid-max-fetch", type=int, default=None)
+    g.add_argument("--moe-cpu-threads", type=int, default=None,
+                   help="threads of the CPU expert branch (default: every core the process "
+                        "may use, less one when a GPU is driven from the main thread)")
+    g.add_argument("--moe-prefill-stream", default="auto", choices=["auto", "on", "off"],
+                   help="stream whole MoE layers through two buffers for long prefill chunks "
+                        "(auto: on CUDA, chunks at or above the threshold)")
+    g.add_argument("--moe-prefill-stream-tokens", type=int, default=None, metavar="N",
+                   help="chunk tokens from which prefill streams (default: derived from the "
+                        "measured bandwidth profile; logged at start)")
+    g.add_argument("--no-prefill-overlap", dest="prefill_overlap", action="store_false",
+                   help="one streaming buffer: copy and compute serialised (for comparison)")
+    g.add_argument("--moe-prefill-hit-d2d", dest="prefill_hit_d2d",
+                   action=argparse.BooleanOptionalAction, default=True,
+                   help="experts already in the GPU cache stay off the link while streaming "
+                        "(read in place); --no-moe-prefill-hit-d2d sends every expert over it")
+    g.add_argument("--no-bw-measure", dest="measure_bw", action="store_false",
+                   help="hybrid/auto on a GPU without a saved bandwidth profile: use the "
+                        "fallback bandwidths instead of measuring the machine at start (~12 s "
+                        "on an H200 host, once; `ft bench bw` measures it on its own)")
+
+
+def default_backend(cfg, dtype: torch.dtype, device: str, kv_reserve_tokens: int) -> str:
+    """`fused` when all experts, the other weights and the KV floor fit in 90% of free device
+    memory (always on the CPU, where the experts are in host RAM either way); else `auto`."""
+    if not device.startswith("cuda"):
+        return "fused"
+    from freetoken.cache.tensors import KVPool
+    from freetoken.log import get_logger, kv
+
+    el = torch.empty((), dtype=dtype).element_size()
+    experts = cfg.expert_bytes(dtype) * cfg.num_experts * len(cfg.moe_layers)
+    dense = (2 * cfg.vocab_size * cfg.hidden_size + 40 * cfg.hidden_size**2 * cfg.num_layers) * el
+    need = experts + dense + KVPool.bytes_per_token(cfg, dtype) * kv_reserve_tokens
+    free = torch.cuda.mem_get_info(torch.device(device))[0]
+    choice = "fused" if need < 0.9 * free else "auto"
+    get_logger("experts").info(kv("default_backend", choice=choice, need_gb=f"{need / 1e9:.1f}",
+                                  free_gb=f"{free / 1e9:.1f}"))
+    return choice
+
+
+def moe_options(args: argparse.Namespace, backend: str | None = None):
+    from freetoken.types.config import MoEConfig
+
+    return MoEConfig(
+        backend=backend or args.moe_backend or "fused",
+        cache_size=args.moe_cache_size,
+        cache_rate=args.moe_cache_rate,
+        cache_mem=args.moe_cache_mem,
+        kv_reserve_tokens=args.kv_reserve_tokens,
+        cpu_layers=args.moe_cpu_layers,
+        hybrid_max_fetch=args.moe_hybrid_max_fetch,
+        cpu_threads=getattr(args, "moe_cpu_threads", None),
+        prefill_stream=getattr(args, "moe_prefill_stream", "auto"),
+        prefill_stream_tokens=getattr(args, "moe_prefill_stream_tokens", None),
+        prefill_overlap=getattr(args, "prefill_overlap", True),
+        prefill_hit_d2d=getattr(args, "prefill_hit_d2d", True),
+        measure_bw=getattr(args, "measure_bw", True),
+    )
+
+
+def moe_from_args(args: argparse.Namespace, model_dir, dtype: torch.dtype | None,
+                  device: str):
+    """`(MoEConfig, kv_reserve_bytes)` from the MoE flag group for the checkpoint in
+    `model_dir`: an unset `--moe-backend` resolves through `default_backend`, and the KV floor
+    and the context's K/V are turned into bytes so the slot cache is sized to leave them free."""
+    from freetoken.cache.tensors import KVPool
+    from freetoken.types.model_config import load_config
+
+    cfg = load_config(model_dir)
+    wdt = dtype or (cfg.torch_dtype if device != "cpu" else torch.float32)
+    backend = args.moe_backend or default_backend(cfg, wdt, device, args.kv_reserve_tokens)
+    moe = moe_options(args, backend)
+    # the KV pool is sized for the context first (the model's, or --max-context), never below
+    # the --kv-reserve-tokens floor; the slot cache is sized to leave that free
+    context = getattr(args, "max_context", None) or cfg.max_position_embeddings
+    tokens = max(moe.kv_reserve_tokens, context)
+    return moe, KVPool.bytes_per_token(cfg, wdt) * tokens
+
+
+def parse_bytes_arg(text: str) -> int:
+    """`123`, `512M`, `8G`, `1.5T` (binary units) to bytes."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 8G, 512M)") from None
+
+
+def add_cache_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("caches and scheduling")
+    g.add_argument("--state-slots", type=int, default=64,
+                   help="recurrent-state slots (working states + snapshots), hybrid models")
+    g.add_argument("--state-host-mem", type=parse_bytes_arg, default=None, metavar="BYTES",
+                   help="host-RAM tier for state snapshots evicted from the device (e.g. 8G; "
+                        "default: a quarter of the RAM free after loading, <= 16x --state-slots)")
+    g.add_argument("--chunk-tokens", type=int, default=None,
+                   help="prefill token budget per step (default: 8192 when prefill streams "
+                        "whole MoE layers, else 512)")
+    g.add_argument("--max-output-tokens", type=int, default=None,
+                   help="cap every reply at N tokens (header x-ft-output-cap; a reply stopped "
+                        "there ends as a normal turn). `ft serve` default: 256 for the demo "
+                        "model, none otherwise; 0 = no cap")
+    g.add_argument("--checkpoint-policy", default="semantic",
+                   choices=["semantic", "interval", "end_only"])
+    g.add_argument("--record-routing", default=None, metavar="FILE",
+                   help="write the routed expert ids of every step and layer to FILE at exit")
+    g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+                   help="run decode steps eagerly through the runner's buffers (for comparison)")

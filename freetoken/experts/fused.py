@@ -1,0 +1,34 @@
+"""`fused`: every routed expert of a layer resident on the compute device."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from freetoken.experts.base import ExpertBackend, SharedWeights
+from freetoken.experts.ffn import run_experts
+from freetoken.types.forward_batch import MoEStep
+
+
+class FusedExperts(ExpertBackend):
+    """All routed experts of one layer on the compute device: gate_up_proj [E, 2I, H] rows
+    [gate | up], down_proj [E, H, I] (the checkpoint's parameter names)."""
+
+    name = "fused"
+
+    def __init__(self, num_experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden, inter))
+
+    @classmethod
+    def from_banks(cls, gate_up: Tensor, down: Tensor) -> FusedExperts:
+        """A layer over given banks (held, not copied)."""
+        fe = cls(1, 1, 1)
+        fe.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
+        fe.down_proj = nn.Parameter(down, requires_grad=False)
+        return fe
+
+    def forward(self, x: Tensor, topk_ids: Tensor, step: MoEStep | None = None,
+                shared: SharedWeights = None) -> tuple[Tensor, Tensor | None]:
+        """(y [T, K, H], the shared expert's output [T, H] or None): see `run_experts`."""
+        return run_experts(x, topk_ids, self.gate_up_proj, self.down_proj, shared)
