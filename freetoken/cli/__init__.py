@@ -21,7 +21,7 @@ _COMMANDS = [
     "freetoken.cli.ctl",
     "freetoken.cli.proxy",
     "freetoken.cli.launch",
-    "freetoken.checkpoint.cli_convert",
+    "freetoken.cli.convert",
 ]
 _BENCH_COMMANDS = [
     "freetoken.bench.cli_decode",

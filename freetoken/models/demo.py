@@ -224,7 +224,13 @@ def demo_model_dir(cache_dir: str | Path | None = None) -> Path:
     from freetoken.models.demo_trained import build_trained_demo, trained_name
 
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return _cached_build(root, trained_name(), build_trained_demo, "trained demo model")
+    def build(out: Path) -> None:
+        try:
+            build_trained_demo(out, demo_vocab_size(), write_checkpoint)
+        except ValueError as e:  # the shipped weights fail their checksum
+            raise ModelPathError(str(e)) from None
+
+    return _cached_build(root, trained_name(), build, "trained demo model")
 
 
 def resolve_model_path(name_or_path: str | Path | None) -> Path:

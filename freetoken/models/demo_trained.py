@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,26 +57,25 @@ def expand_vocab(compact: dict[str, torch.Tensor], vocab_size: int) -> dict[str,
     return out
 
 
-def trained_tensors(weights_dir: Path = WEIGHTS_DIR) -> tuple[dict[str, Any],
-                                                              dict[str, torch.Tensor]]:
-    """(config.json, full bf16 tensors) of the trained demo, checksum verified."""
-    from freetoken.models.demo import ModelPathError, demo_vocab_size
-
+def trained_tensors(vocab: int, weights_dir: Path = WEIGHTS_DIR
+                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config.json, full bf16 tensors over a `vocab`-row vocabulary) of the trained demo,
+    checksum verified (ValueError otherwise)."""
     path = weights_dir / COMPACT
     want = manifest(weights_dir)["sha256"]
     got = sha256_file(path)
     if got != want:
-        raise ModelPathError(f"{path}: sha256 {got} is not the manifest's {want}")
-    vocab = demo_vocab_size()
+        raise ValueError(f"{path}: sha256 {got} is not the manifest's {want}")
     config = {**model_config(vocab), "transformers_version": "5.24.0"}
     tensors = expand_vocab(load_file(str(path)), vocab)
     return config, {k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}
 
 
-def build_trained_demo(out_dir: Path) -> None:
-    from freetoken.models.demo import write_checkpoint
-
-    config, tensors = trained_tensors()
+def build_trained_demo(out_dir: Path, vocab: int,
+                       write_checkpoint: Callable[[Path, dict, dict], None]) -> None:
+    """Write the trained demo into `out_dir` with demo.py's checkpoint writer (passed in:
+    demo.py imports this module, not the other way round)."""
+    config, tensors = trained_tensors(vocab)
     write_checkpoint(out_dir, config, tensors)
     (out_dir / "demo_manifest.json").write_text(json.dumps(manifest(), indent=2) + "\n")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from freetoken.types.model_config import ConfigError, ModelConfig, _get
+from freetoken.types.config_record import ConfigError, ModelConfig, _get
 
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
               "mscale_all_dim", "attention_factor", "truncate")

@@ -12,7 +12,7 @@ Field names are read in both spellings: transformers' saved names (`num_experts`
 """
 from __future__ import annotations
 
-from freetoken.types.model_config import ConfigError, ModelConfig, _get
+from freetoken.types.config_record import ConfigError, ModelConfig, _get
 
 
 def _layer_types(raw: dict, n: int) -> list[str]:

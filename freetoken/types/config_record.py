@@ -1,0 +1,152 @@
+"""The model configuration record (`ModelConfig`) and its error, apart from the parsers
+(model_config.py for the Qwen families, deepseek_config.py, kimi_config.py), which all
+build it: the family parsers import this module, never each other."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    layer_types: tuple[str, ...]
+    rope_theta: float
+    partial_rotary_factor: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    # qwen3_next / qwen3_5: zero-centred norms `(1 + w)` and a sigmoid gate on attention output
+    zero_centered_norm: bool
+    attn_output_gate: bool
+    # MoE
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int  # 0: no shared expert
+    intermediate_size: int  # dense MLP layers (mlp_only_layers / decoder_sparse_step)
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+    # gated DeltaNet (linear attention)
+    linear_conv_kernel: int = 4
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_fused_qkvz: bool = False  # qwen3_next: in_proj_qkvz / in_proj_ba grouped per K-head
+    # multi-head latent attention (deepseek_v3; freetoken/types/deepseek_config.py): the KV pool
+    # holds one latent per token, [kv_lora_rank | qk_rope_head_dim]. q_lora_rank 0: no q LoRA
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # rotary on interleaved pairs (x0, x1), (x2, x3), ...
+    # RoPE scaling as configured, sorted (key, value) pairs (`rope_type` "yarn" is the one read)
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
+    # routing: "softmax" (qwen) or "sigmoid" with a correction bias and group limits (deepseek)
+    scoring_func: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gated: bool = True  # qwen: sigmoid gate on the shared expert; deepseek: none
+    mla_rope: bool = True  # kimi_linear's MLA is NoPE: its "rope" part of the key is not rotated
+    # linear-attention kind: "gdn" (gated DeltaNet, qwen) or "kda" (Kimi Delta Attention)
+    linear_kind: str = "gdn"
+    # where a layer's MLP / MoE block and its experts' projections sit in the checkpoint
+    # (kimi_linear: `block_sparse_moe`, experts w1 / w3 / w2)
+    moe_module: str = "mlp"
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+    # checkpoint facts
+    weight_prefix: str = "model."
+    dtype: str = "bfloat16"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:
+        if self.is_mla:
+            return self.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_entry(self) -> tuple[int, int, int]:
+        """(heads, K dim, V dim) of one token's entry in the KV pool: MLA stores its latent
+        [kv_lora_rank | qk_rope_head_dim] as one head and no V (V is read from the latent)."""
+        if self.is_mla:
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim, 0
+        return self.num_kv_heads, self.head_dim, self.head_dim
+
+    @property
+    def has_linear_attention(self) -> bool:
+        return "linear_attention" in self.layer_types
+
+    @property
+    def full_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def linear_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    def is_moe_layer(self, i: int) -> bool:
+        if self.num_experts <= 0 or i in self.mlp_only_layers:
+            return False
+        return (i + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def expert_bytes(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of one routed expert (gate + up + down)."""
+        return expert_nbytes(self.hidden_size, self.moe_intermediate_size,
+                             dtype or self.torch_dtype)
+
+
+def _get(d: dict, *names: str, default: Any = None) -> Any:
+    for n in names:
+        if n in d and d[n] is not None:
+            return d[n]
+    return default
+
+
+def expert_nbytes(hidden: int, inter: int, dtype: torch.dtype) -> int:
+    """Bytes of one routed expert (gate + up + down) — the one place this is computed."""
+    return 3 * hidden * inter * torch.empty((), dtype=dtype).element_size()
