@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 if torch.cuda.is_available():
     pytest.skip("interprets the CUDA path on CPU tensors", allow_module_level=True)
 
-from tests.kernels_triton_engine.inventory import Ops, count_triton, cuda_path
+from tests.kernels.triton.engine.inventory import Ops, count_triton, cuda_path
 
 from freetoken.engine.core import EngineCore
 from freetoken.engine.graph_runner import DecodeRow
