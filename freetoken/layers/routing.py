@@ -16,9 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetoken.experts.ffn import shared_expert
 from freetoken.layers import fast_ops
 from freetoken.layers.fp32 import KeepFp32
 from freetoken.layers.moe import MLP, FusedExperts, MoEBlock
+from freetoken.types.forward_batch import EAGER, MoEStep
 from freetoken.types.model_config import ModelConfig
 
 
@@ -73,19 +75,20 @@ class GroupLimitedMoE(MoEBlock):
         self.shared_expert = None  # MoEBlock's gated one
         self.route_hook = None
 
-    def forward(self, x: torch.Tensor, row_mask: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, step: MoEStep | None = None,
                 residual: torch.Tensor | None = None, next_norm: nn.Module | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> residual + Σ_k w·y + shared_experts(x) [T, H] (`MoEBlock.forward`'s
-        contract: `row_mask`, `residual`, `next_norm` alike)."""
-        w, ids = self.gate(x, row_mask=row_mask)  # [T, K], [T, K]
+        contract: `step` (its row mask), `residual`, `next_norm` alike)."""
+        step = step or EAGER
+        w, ids = self.gate(x, row_mask=step.row_mask)  # [T, K], [T, K]
         if self.route_hook is not None:
             self.route_hook(self.layer_id, ids)
         sh = self.shared_experts
         sw = (sh.fused_gu, sh.down_proj.weight) if sh.fused_gu is not None else None
-        y, shared = self.experts.forward_with_shared(self.moe_index, x, ids, sw)  # [T, K, H]
+        y, shared = self.experts(x, ids, step, shared=sw)  # [T, K, H]
         if shared is None and sw is not None:
-            shared = fast_ops.shared_expert(x, *sw)  # [T, H] or None
+            shared = shared_expert(x, *sw)  # [T, H] or None
         if shared is None:
             shared = sh(x)  # [T, H]
         base = shared if residual is None else residual + shared
