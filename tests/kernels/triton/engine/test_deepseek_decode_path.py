@@ -18,12 +18,11 @@ pytest.importorskip("triton")
 if torch.cuda.is_available():
     pytest.skip("interprets the CUDA path on CPU tensors", allow_module_level=True)
 
-from tests.kernels.triton.engine.inventory import Ops, count_triton, cuda_path
-
 from freetoken.engine.core import EngineCore
 from freetoken.engine.graph_runner import DecodeRow
 from freetoken.models.loader import load_model
 from freetoken.types.forward_batch import ForwardBatch
+from tests.kernels.triton.engine.inventory import Ops, count_triton, cuda_path
 from tests.models.fixtures import hf_reference
 
 
