@@ -28,5 +28,8 @@ FT_CPU_ISA = EnvVar("FT_CPU_ISA", "auto",
                     "the C++ CPU kernels' instruction set: auto, avx512bf16, avx512, avx2, "
                     "scalar, or torch (no C++ kernel)")
 FT_LOG_LEVEL = EnvVar("FT_LOG_LEVEL", "INFO", "the `ft` commands' log level (--log-level)")
+FT_HARNESS_PREFIX = EnvVar("FT_HARNESS_PREFIX", None,
+                           "where scripts/install_harnesses.sh installs the harnesses and "
+                           "`ft launch` finds them (default $XDG_CACHE_HOME/freetoken/harnesses)")
 
-ALL = (FT_API_KEY, FT_CPU_ISA, FT_LOG_LEVEL)
+ALL = (FT_API_KEY, FT_CPU_ISA, FT_LOG_LEVEL, FT_HARNESS_PREFIX)

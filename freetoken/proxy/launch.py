@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from freetoken.envs import FT_HARNESS_PREFIX
+
 PINNED_CLAUDE_MODEL = "claude-opus-4-8"
 DUMMY_KEY = "sk-ft-local"
 HARNESSES = ("claude", "opencode", "openclaw", "mini", "codex")
@@ -30,7 +32,7 @@ def config_dir(harness: str) -> Path:
 def harness_bin_dir() -> Path:
     """PREFIX/bin of scripts/install_harnesses.sh (FT_HARNESS_PREFIX, default
     $XDG_CACHE_HOME/freetoken/harnesses)."""
-    prefix = os.environ.get("FT_HARNESS_PREFIX")
+    prefix = FT_HARNESS_PREFIX.get()
     if not prefix:
         base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
         prefix = str(Path(base) / "freetoken" / "harnesses")

@@ -20,10 +20,9 @@ import pytest
 
 from freetoken.cli.proxy import free_port
 from freetoken.models.demo import demo_model_dir
-from freetoken.proxy.launch import Limits, plan_for
+from freetoken.proxy.launch import Limits, harness_bin_dir, plan_for
 
-PREFIX = Path(os.environ.get("FT_HARNESS_PREFIX",
-                             Path.home() / ".cache" / "freetoken" / "harnesses"))
+PREFIX = harness_bin_dir().parent  # scripts/install_harnesses.sh's PREFIX
 MINI = shutil.which("mini") or (str(PREFIX / "mini-venv" / "bin" / "mini")
                                 if (PREFIX / "mini-venv" / "bin" / "mini").is_file() else None)
 ROOT = Path(__file__).resolve().parents[2]
