@@ -5,37 +5,18 @@ module is the only place that moves recurrent state between slots and tiers. Eac
 copy per state tensor (conv and ssm of every linear layer), issued in plan order on the current
 stream: a device slot a spill frees may be the destination of a later copy in the same list.
 
-The host tier mirrors the device layout, slot-major, in pinned memory when the device is CUDA
-(so spills and restores are async DMA) and plain memory otherwise; on the CPU the same copy code
-runs, which is what the tests exercise.
+The host tier (`host_states.HostStates`) holds whole slots in chunks, pinned when the device is
+CUDA (so spills and restores are async DMA) and plain memory otherwise, allocated in the
+background after start; on the CPU the same copy code runs, which is what the tests exercise.
 """
 from __future__ import annotations
 
-import torch
-
 from freetoken.cache import StateOp
 from freetoken.cache.tensors import StateTensors
+from freetoken.engine.host_states import HostStates
 from freetoken.log import get_logger, kv
 
 log = get_logger("engine")
-
-
-class HostStates:
-    """Host-RAM copies of state slots: conv[l] `[H, conv_dim, K-1]`, ssm[l] `[H, Hv, dk, dv]`
-    fp32, the same shapes and dtypes as `StateTensors` with `H` host slots."""
-
-    def __init__(self, like: StateTensors, num_slots: int) -> None:
-        pin = like.conv[0].is_cuda if like.conv else False
-        self.num_slots = num_slots
-        self.pinned = pin
-
-        def mk(t: torch.Tensor) -> torch.Tensor:
-            # empty: a slot is always written by a spill before a restore reads it, and
-            # untouched pages of an unpinned tier cost no RAM until then
-            return torch.empty((num_slots, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
-
-        self.conv = [mk(c) for c in like.conv]
-        self.ssm = [mk(s) for s in like.ssm]
 
 
 def mem_available() -> int:
@@ -82,12 +63,12 @@ class CacheOps:
                 continue
             elif op.kind == "spill":
                 assert self.host is not None, "spill without a host tier"
-                pairs = [(h[op.dst], d[op.src]) for h, d in zip(self.host.conv + self.host.ssm,
-                                                                  st.conv + st.ssm)]
+                pairs = [(h, d[op.src]) for h, d in zip(self.host.views(op.dst),
+                                                        st.conv + st.ssm)]
             elif op.kind == "restore":
                 assert self.host is not None, "restore without a host tier"
-                pairs = [(d[op.dst], h[op.src]) for h, d in zip(self.host.conv + self.host.ssm,
-                                                                  st.conv + st.ssm)]
+                pairs = [(d[op.dst], h) for h, d in zip(self.host.views(op.src),
+                                                        st.conv + st.ssm)]
             else:
                 raise ValueError(f"unknown state op {op.kind!r}")
             # non_blocking from pinned memory is async DMA in stream order; a spill's source is

@@ -81,8 +81,10 @@ class EngineCore:
         host_slots = host_slots_for(state_host_mem, slot_bytes, state_slots) if state else 0
         self.cache_ops = CacheOps(state, HostStates(state, host_slots) if host_slots else None)
         if state:
+            host = self.cache_ops.host
             log.info(kv("state_host_tier", slots=host_slots, mb=host_slots * slot_bytes // 2**20,
-                        slot_kb=slot_bytes // 1024, pinned=self.device.type == "cuda"))
+                        slot_kb=slot_bytes // 1024, pinned=self.device.type == "cuda",
+                        chunk_slots=host.chunk_slots if host else 0, fill="background"))
         self.sched = Scheduler(kv_tokens, state_slots, state is not None, max_running,
                                chunk_tokens, policy, host_slots)
         if decode_runner is None:

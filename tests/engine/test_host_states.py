@@ -1,0 +1,105 @@
+"""The chunked host tier (`engine/host_states.py`): slot views against a plain reference,
+chunk sizing against the pinned allocator's power-of-two rounding, the background fill and
+on-demand allocation, and spill/restore through `CacheOps` bit for bit.
+
+Bug it guards: pinning the whole tier at start-up (21 s of the H200 server's start-to-ready,
+2026-12-02) and one `[N, ...]` pinned tensor per layer rounded up to a power of two."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from freetoken.cache import StateOp
+from freetoken.engine.cache_ops import CacheOps
+from freetoken.engine.host_states import HostStates, chunk_slots_for
+
+
+class _FakeState:
+    """Shapes and dtypes of a StateTensors (what HostStates reads): 2 conv + 2 ssm layers."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.conv = [torch.randn(n, 6, 3, generator=g).to(torch.bfloat16) for _ in range(2)]
+        self.ssm = [torch.randn(n, 2, 4, 5, generator=g) for _ in range(2)]
+
+
+@pytest.mark.parametrize("slot_bytes", [1, 63, 64, 1000, 31 * 2**20 + 7, 3 * 2**26 + 1])
+def test_chunk_slots_fill_a_power_of_two_closely(slot_bytes: int) -> None:
+    n = chunk_slots_for(slot_bytes)
+    total = n * slot_bytes
+    p = 1
+    while p < total:
+        p *= 2
+    assert n >= 1 and total >= min(slot_bytes, 64 << 20) and (p - total) / p <= 0.05
+    # the fewest such slots: one fewer either misses the target or wastes more
+    if n > 1 and (n - 1) * slot_bytes >= 64 << 20:
+        q = 1
+        while q < (n - 1) * slot_bytes:
+            q *= 2
+        assert (q - (n - 1) * slot_bytes) / q > 0.05
+
+
+def test_views_are_disjoint_aligned_and_hold_what_was_written() -> None:
+    like = _FakeState(3)
+    h = HostStates(like, 7, fill=False, chunk_target=1)  # slot_bytes > target: 1 slot a chunk
+    assert h.chunk_slots >= 1 and h.chunks_ready == 0
+    ref = {}
+    for s in range(7):
+        vs = h.views(s)
+        assert [v.shape for v in vs] == [t.shape[1:] for t in like.conv + like.ssm]
+        assert [v.dtype for v in vs] == [t.dtype for t in like.conv + like.ssm]
+        assert all(v.data_ptr() % 64 == 0 for v in vs)
+        ref[s] = [torch.full_like(v, float(s + 1 + k)) for k, v in enumerate(vs)]
+        for v, r in zip(vs, ref[s]):
+            v.copy_(r)
+    for s in range(7):  # no slot overwrote another
+        for v, r in zip(h.views(s), ref[s]):
+            assert torch.equal(v, r)
+    assert h.on_demand == h.chunks_ready == len(h._chunks)
+    with pytest.raises(IndexError):
+        h.views(7)
+
+
+def test_background_fill_allocates_every_chunk_and_engine_thread_allocates_on_demand() -> None:
+    like = _FakeState(2)
+    h = HostStates(like, 40, fill=True, chunk_target=1)
+    assert h.wait_filled(timeout=30)
+    assert h.on_demand == 0 and h.chunks_ready == len(h._chunks) == 40 // h.chunk_slots
+    h2 = HostStates(like, 40, fill=False, chunk_target=1)
+    h2.views(39)
+    assert h2.on_demand == 1 and h2.chunks_ready == 1
+
+
+def test_concurrent_fill_and_views_allocate_each_chunk_once() -> None:
+    like = _FakeState(2)
+    h = HostStates(like, 64, fill=False, chunk_target=1)
+    seen: list[list[int]] = [[] for _ in range(4)]
+
+    def grab(k: int) -> None:
+        for s in range(64):
+            seen[k].append(h.views(s)[0].data_ptr())
+
+    ts = [threading.Thread(target=grab, args=(k,)) for k in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert all(seen[k] == seen[0] for k in range(4))  # every thread saw the same buffers
+    assert h.on_demand == len(h._chunks)
+
+
+def test_spill_and_restore_round_trip_bit_for_bit() -> None:
+    like = _FakeState(3)  # device slots 0..2
+    h = HostStates(like, 5, fill=True)
+    ops = CacheOps(like, h)
+    want = [t[1].clone() for t in like.conv + like.ssm]
+    ops.run([StateOp("spill", 1, 4)])  # device slot 1 -> host slot 4
+    for t in like.conv + like.ssm:
+        t[1].zero_()
+    ops.run([StateOp("restore", 4, 2)])  # host slot 4 -> device slot 2
+    for t, w in zip(like.conv + like.ssm, want):
+        assert torch.equal(t[2], w)
+    assert ops.counts["spill"] == ops.counts["restore"] == 1
+    h.close()
