@@ -16,6 +16,7 @@ from freetoken.bench.routing_trace import load_trace
 from freetoken.chat import ChatTokenizer
 from freetoken.cli import main as ft_main
 from freetoken.cli.build import build_engine
+from freetoken.cli.options import engine_config_from_args
 from freetoken.cli.serve import register as register_serve
 from freetoken.engine.async_engine import AsyncEngine
 from freetoken.engine.core import EngineCore
@@ -23,6 +24,7 @@ from freetoken.engine.generate import generate
 from freetoken.models.loader import load_model
 from freetoken.server import create_app
 from freetoken.types.api import AdmissionError, GenerateRequest, SamplingParams
+from freetoken.types.config import EngineConfig
 from tests.server.server_helpers import Server
 
 KV_TOKENS = 300
@@ -116,10 +118,10 @@ def test_stats_count_what_the_responses_report(small) -> None:
     assert cached > 0 and after["cached_tokens"] - before["cached_tokens"] == cached
 
 
-def _serve_args(*argv: str) -> argparse.Namespace:
+def _serve_args(*argv: str) -> EngineConfig:
     p = argparse.ArgumentParser()
     register_serve(p.add_subparsers(dest="command"))
-    return p.parse_args(["serve", *argv])
+    return engine_config_from_args(p.parse_args(["serve", *argv]))
 
 
 def test_build_engine_from_serve_flags(tiny_chat_dir: Path, tmp_path: Path, monkeypatch) -> None:
