@@ -56,10 +56,10 @@ def install_routing_hooks(model, cfg: EngineConfig) -> None:
     """`--record-routing FILE` (saved at exit) and the hidden `--route-trace` of `ft bench
     serve` (a replayed trained router for a random-weight model)."""
     if cfg.record_routing:
-        from freetoken.bench.routing_trace import attach_recorder
+        from freetoken.models.routing_hooks import attach_recorder
 
         attach_recorder(model, cfg.record_routing)
     if cfg.route_trace:
-        from freetoken.bench.route_trace import install_serve_trace
+        from freetoken.models.routing_hooks import install_serve_trace
 
         install_serve_trace(model, cfg.route_trace, cfg.max_running)
