@@ -306,7 +306,7 @@ def measure_profile_now(host: MoEHost, dtype: torch.dtype, threads: int
                         ) -> BandwidthProfile | None:
     """Measure and save this machine's bandwidth profile for the model's expert shape (a
     first start without one), logging each stage; None, with a warning, if it fails."""
-    from freetoken.experts.bandwidth import measure_profile
+    from freetoken.experts.calibrate import measure_profile
 
     name, shape = shape_for(host.cfg)
     log.info(kv("bw_profile_measure", shape=name, threads=threads, pool_gb=AUTO_BW_POOL_GB,
