@@ -23,7 +23,7 @@ from freetoken.engine.core import EngineCore
 from freetoken.engine.generate import generate
 from freetoken.models.loader import load_model
 from freetoken.server import create_app
-from freetoken.types.api import AdmissionError, GenerateRequest, SamplingParams
+from freetoken.types.api import AdmissionError, EngineClient, GenerateRequest, SamplingParams
 from freetoken.types.config import EngineConfig
 from tests.server.server_helpers import Server
 
@@ -143,6 +143,13 @@ def test_build_engine_from_serve_flags(tiny_chat_dir: Path, tmp_path: Path, monk
         assert core.caches.kv.num_slots == 2049  # plus the decode runner's scratch slot
         assert core.sched.cache.state_pool.num_slots == 12 and core.sched.max_running == 3
         assert engine.model_name == tiny_chat_dir.name
+        # the real engine has every member the server reads (bug: no vocab_size, so token-id
+        # prompts were bounded by the tokenizer's vocabulary, not the model's)
+        members = set(EngineClient.__annotations__) | {
+            n for n in vars(EngineClient) if not n.startswith("_")}
+        assert {"vocab_size", "resize_experts", "max_output_tokens", "model_dir"} <= members
+        assert all(hasattr(engine, n) for n in members), members - set(dir(engine))
+        assert engine.vocab_size == model.cfg.vocab_size
         assert asyncio.run(asyncio.wait_for(_collect(engine, _req(5)), 60))
         saves = [f for f in at_exit if f.__qualname__.startswith("attach_recorder")]
         assert len(saves) == 1
