@@ -1,6 +1,6 @@
 """The first-start bandwidth measurement behind the decode equation: `measure_profile`, run
 by `ft bench bw` and by the first hybrid/auto start on a GPU without a saved profile
-(experts/runtime.py `measure_profile_now`).
+(`measure_profile_now`, called by experts/runtime.py; `find_profile` finds a saved one).
 
 Shape legend: P experts in the measured pool, E experts per layer window, T tokens, K top-k,
 H hidden, I intermediate. S = 3 * H * I * element bytes per expert.
@@ -23,14 +23,24 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from freetoken.experts.base import MoEHost
 from freetoken.experts.cost_model import BandwidthProfile
-from freetoken.experts.profile import ExpertShape, profile_key
+from freetoken.experts.profile import (
+    ExpertShape,
+    load_profile,
+    profile_key,
+    save_profile,
+    shape_for,
+)
 from freetoken.experts.random_fill import make_pool
-from freetoken.log import get_logger
+from freetoken.log import get_logger, kv
 from kernels.cpu.ext import load_kernel
 
 log = get_logger("experts")
 GB = 1e9
+# the short measurement a first `hybrid`/`auto` start on a GPU runs (what `ft bench bw
+# --pool-gb 3 --seconds 1` does: 11.5 s on the H200 host, 2026-12-01)
+AUTO_BW_SECONDS, AUTO_BW_POOL_GB = 1.0, 3.0
 
 
 def fresh_routes(pool: int, window: int, tokens: int, top_k: int, steps: int,
@@ -208,3 +218,29 @@ def measure_profile(name: str, shape: ExpertShape, dtype: torch.dtype, seconds: 
         b_h_overlap=b_h_o, host_read=host_read, link=link, expert_bytes=s_bytes,
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), cpu_threads=threads,
     )
+
+
+def find_profile(host: MoEHost, dtype: torch.dtype) -> BandwidthProfile | None:
+    return load_profile(profile_key(shape_for(host.cfg)[0], dtype))
+
+
+def measure_profile_now(host: MoEHost, dtype: torch.dtype, threads: int
+                        ) -> BandwidthProfile | None:
+    """Measure and save this machine's bandwidth profile for the model's expert shape (a
+    first start without one), logging each stage; None, with a warning, if it fails."""
+    name, shape = shape_for(host.cfg)
+    log.info(kv("bw_profile_measure", shape=name, threads=threads, pool_gb=AUTO_BW_POOL_GB,
+                why="no profile for this machine and shape (once; --no-bw-measure skips)"))
+    t0 = time.perf_counter()
+    try:
+        prof = measure_profile(name, shape, dtype, AUTO_BW_SECONDS, AUTO_BW_POOL_GB, threads,
+                               say=lambda line: log.info(kv("bw_profile_stage", stage=line)))
+    except (RuntimeError, OSError, ValueError) as e:  # e.g. no pinned memory to spare
+        log.warning(kv("bw_profile_measure_failed", error=f"{type(e).__name__}: {e}"))
+        return None
+    save_profile(prof)
+    log.info(kv("bw_profile_measured", seconds=f"{time.perf_counter() - t0:.1f}",
+                b_p=f"{prof.b_p or 0:.1f}", b_h=f"{prof.b_h:.1f}",
+                b_p_overlap=f"{prof.b_p_overlap or 0:.1f}",
+                b_h_overlap=f"{prof.b_h_overlap or 0:.1f}"))
+    return prof

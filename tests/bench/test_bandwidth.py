@@ -70,8 +70,8 @@ def test_first_start_measures_a_profile_for_the_models_own_shape(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("FT_CPU_ISA", "torch")  # no kernel build in a fresh cache dir
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr("freetoken.experts.runtime.AUTO_BW_SECONDS", 0.01)
-    monkeypatch.setattr("freetoken.experts.runtime.AUTO_BW_POOL_GB", 0.02)
+    monkeypatch.setattr("freetoken.experts.calibrate.AUTO_BW_SECONDS", 0.01)
+    monkeypatch.setattr("freetoken.experts.calibrate.AUTO_BW_POOL_GB", 0.02)
     import dataclasses
 
     # no preset has these expert dimensions
