@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from freetoken.experts import bandwidth as bw
+from freetoken.bench import bandwidth as bw
 from kernels.cpu.attention_ops import cpu_decode_attention
 
 

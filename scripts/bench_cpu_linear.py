@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from freetoken.experts import bandwidth as bw
+from freetoken.bench import bandwidth as bw
 from kernels.cpu.linear_ops import small_linear
 
 

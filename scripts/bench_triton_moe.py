@@ -30,6 +30,7 @@ from freetoken.layers.moe import dispatch_experts, gathered_experts
 from kernels.triton.fused_moe import DECODE_CONFIG, fused_moe, fused_moe_decode
 from kernels.triton.moe_grouped import fused_moe_grouped, tile
 from kernels.triton.router import fused_router
+from kernels.triton.tuned import gpu_file_name
 
 DEV = "cuda"  # a constant so a CPU dry run (interpreter, tiny shapes) can reuse the script
 HBM = 4.0e12  # B/s, the H200's practical HBM3e read rate (4.8 TB/s peak)
@@ -183,7 +184,10 @@ def sweep(banks, args, gen):
         best[part] = results[0][2]
         print(f"best {part}: {best[part]}")
     print(f"DECODE_CONFIG = {best}")
-    print(f"FT_MOE_DECODE_CONFIG='{json.dumps(best)}'", flush=True)
+    # the entry for kernels/triton/configs/<gpu>.json (kernels/triton/tuned.py)
+    gpu = gpu_file_name(torch.cuda.get_device_name()) if torch.cuda.is_available() else "x.json"
+    entry = {"fused_moe_decode": {f"H={H},I={banks[0][1].shape[2]}": best}}
+    print(f"kernels/triton/configs/{gpu}: {json.dumps(entry)}", flush=True)
     if args.no_grouped:
         return
     T = int(args.prefill.split(",")[0]) if args.prefill else 4096

@@ -6,7 +6,7 @@ an exact Qwen3 token budget. Same seed, same bytes: nothing here reads the clock
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from workloads.tokens import count_tokens, truncate_to_tokens
 
@@ -196,7 +196,3 @@ def sized(lines: Iterator[str], tokens: int, *, at_line: bool = True) -> str:
         if count_tokens(text) >= tokens:
             return truncate_to_tokens(text, tokens, at_line=at_line)
         chars = total * 2
-
-
-def sized_fn(make: Callable[[], Iterator[str]], tokens: int) -> str:
-    return sized(make(), tokens)

@@ -44,21 +44,9 @@ from freetoken.chat import ChatTokenizer
 # 8192 channels x 3 = 48 KiB)
 QWEN36_SLOT_BYTES = 30 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)
 POLICIES = ["semantic", "semantic+cuts", "interval:4096", "end_only", "upstream", "llamacpp"]
-DEFAULT_TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "harness_traces"
-
-
-def _default_traces() -> Path:
-    """`shared/harness_traces` in the nearest ancestor of the checkout that has one (a git
-    worktree sits one level deeper than the main checkout), else the copy in tests/data."""
-    here = Path(__file__).resolve()
-    for up in here.parents:
-        cand = up / "shared" / "harness_traces"
-        if cand.is_dir():
-            return cand
-    return here.parents[2] / "tests" / "data" / "harness_traces"
-
-
-DEFAULT_TRACES = _default_traces()
+# the recorded harness traces that travel with the checkout (a byte-for-byte copy of the
+# team's shared/harness_traces); anything else comes through --traces
+DEFAULT_TRACES = Path(__file__).resolve().parents[2] / "tests" / "data" / "harness_traces"
 
 
 def adapter_cuts(req: Any, anchors: list, messages: list) -> list[int]:
@@ -118,7 +106,7 @@ def run_bench(reqs: list[SimRequest], policies: list[str], device_slots: int, ho
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("anchors", help="snapshot policies on agent traffic (no model)")
     p.add_argument("--traces", nargs="*", default=None,
-                   help="trace files or dirs (default: ../shared/harness_traces, all files)")
+                   help="trace files or dirs (default: tests/data/harness_traces, all files)")
     p.add_argument("--workloads", default="", help="generated workloads, e.g. W2,W3,W4")
     p.add_argument("--scale", choices=("tiny", "full"), default="full")
     p.add_argument("--policies", default=",".join(POLICIES))

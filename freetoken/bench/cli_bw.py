@@ -9,7 +9,7 @@ import argparse
 
 import torch
 
-from freetoken.experts import bandwidth as bw
+from freetoken.experts import calibrate as bw
 from freetoken.experts import profile as bwp
 from freetoken.experts.cost_model import (
     BandwidthProfile,

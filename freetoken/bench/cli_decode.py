@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
           f"{act / step / 1e9:.2f} GB/s achieved)")
     bw, how = args.mem_gbps, "given"
     if bw is None and args.device == "cpu":
-        from freetoken.experts.bandwidth import host_read_gbps
+        from freetoken.experts.calibrate import host_read_gbps
 
         bw, how = host_read_gbps(min(2e9, 4 * act)), "host read stream measured now"
     if bw:

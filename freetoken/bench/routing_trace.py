@@ -1,8 +1,6 @@
-"""`--record-routing FILE`: hook every MoE block's router and save the routed expert ids.
-
-Decode steps (one token in the batch) are recorded per step and layer; multi-token batches
-(prefill chunks) are recorded as prefill routing. With several concurrent requests the decode
-record interleaves them: record single-stream sessions for clean traces.
+"""Routing traces: the file `--record-routing FILE` writes, and `load_trace` for the benches.
+The recorder (`RoutingRecorder`, `attach_recorder`) is a product hook on the model's routers,
+in freetoken/models/routing_hooks.py, re-exported here.
 
 Trace file format (`.npz`, written by `RoutingRecorder.save`, one decoded sequence):
   decode       uint8 (E <= 256) or int16 `[steps, L, K]`: expert ids chosen at each decode step
@@ -15,25 +13,17 @@ The shared traces (a copy of ../shared/routing_traces in workloads/data: decode_
 """
 from __future__ import annotations
 
-import atexit
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import Tensor
 
-from freetoken.log import get_logger, kv
-
-if TYPE_CHECKING:
-    from freetoken.models.qwen import QwenMoE
-
-# A copy of ../shared/routing_traces (a trained router's routing) travels with the package.
-SHARED_TRACE_DIR = Path(__file__).resolve().parents[2] / "workloads" / "data" / "routing_traces"
-
-log = get_logger("experts")
+from freetoken.models.routing_hooks import (  # noqa: F401
+    SHARED_TRACE_DIR,
+    RoutingRecorder,
+    attach_recorder,
+)
 
 
 @dataclass(frozen=True)
@@ -55,59 +45,6 @@ class RoutingTrace:
         return int(self.decode.shape[0])
 
 
-def _id_dtype(num_experts: int) -> type[np.integer]:
-    return np.uint8 if num_experts <= 256 else np.int16
-
-
-class RoutingRecorder:
-    """Collects one sequence's routing as the model runs; `save(path)` writes the .npz format.
-
-    Call `record(layer, ids)` once per MoE layer per decode step (ids `[K]` or `[1, K]`), and
-    `record_prefill(layer, ids [T, K])` for prompt chunks (chunks of a layer are concatenated).
-    """
-
-    def __init__(self, num_layers: int, num_experts: int, top_k: int) -> None:
-        self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
-        self._decode: list[list[np.ndarray]] = [[] for _ in range(num_layers)]
-        self._prefill: list[list[np.ndarray]] = [[] for _ in range(num_layers)]
-
-    def _as_ids(self, ids: Tensor | np.ndarray) -> np.ndarray:
-        arr = ids.detach().cpu().numpy() if isinstance(ids, Tensor) else np.asarray(ids)
-        if arr.shape[-1] != self.top_k:
-            raise ValueError(f"expected top_k={self.top_k} ids per token, got {arr.shape}")
-        if arr.size and (arr.min() < 0 or arr.max() >= self.num_experts):
-            raise ValueError("expert id out of range")
-        return arr.astype(_id_dtype(self.num_experts))
-
-    def record(self, layer: int, ids: Tensor | np.ndarray) -> None:
-        self._decode[layer].append(self._as_ids(ids).reshape(self.top_k))
-
-    def record_prefill(self, layer: int, ids: Tensor | np.ndarray) -> None:
-        self._prefill[layer].append(self._as_ids(ids).reshape(-1, self.top_k))
-
-    @property
-    def steps(self) -> int:
-        return min(len(x) for x in self._decode)
-
-    def decode_array(self) -> np.ndarray:
-        """`[steps, L, K]` over the steps that every layer completed."""
-        n = self.steps
-        dt = _id_dtype(self.num_experts)
-        if n == 0:
-            return np.zeros((0, self.num_layers, self.top_k), dt)
-        return np.stack([np.stack(layer[:n]) for layer in self._decode], axis=1)
-
-    def save(self, path: str | Path) -> None:
-        arrays: dict[str, np.ndarray] = {
-            "decode": self.decode_array(),
-            "num_experts": np.int64(self.num_experts),
-            "top_k": np.int64(self.top_k),
-        }
-        if all(self._prefill):
-            arrays["prefill"] = np.stack([np.concatenate(x) for x in self._prefill])
-        np.savez_compressed(path, **arrays)
-
-
 def load_trace(source: str | Path) -> RoutingTrace:
     """Load a recorder `.npz` file, or a directory in the shared-trace layout ("shared" = the
     shared traces)."""
@@ -126,25 +63,3 @@ def load_trace(source: str | Path) -> RoutingTrace:
         prefill = z["prefill"][None] if "prefill" in z.files else None
         return RoutingTrace(z["decode"][None], prefill, int(z["num_experts"]), int(z["top_k"]),
                             path.stem)
-
-
-def attach_recorder(model: QwenMoE, path: str | None = None) -> RoutingRecorder:
-    """Install the hooks; with `path`, also save there at interpreter exit."""
-    blocks = model.moe_blocks()
-    cfg = model.cfg
-    rec = RoutingRecorder(len(blocks), cfg.num_experts, cfg.top_k)
-    for m, b in enumerate(blocks):
-        def hook(_layer_id: int, ids: torch.Tensor, _m: int = m) -> None:
-            if ids.shape[0] == 1:
-                rec.record(_m, ids[0])
-            else:
-                rec.record_prefill(_m, ids)
-
-        b.route_hook = hook
-    if path:
-        def save() -> None:
-            rec.save(path)
-            log.info(kv("routing_saved", path=path, steps=rec.steps))
-
-        atexit.register(save)
-    return rec

@@ -112,7 +112,8 @@ class HybridRadixCache:
         return self.tiers.snaps
 
     @property
-    def is_hybrid(self) -> bool:
+    def has_state_pool(self) -> bool:
+        """The model has linear-attention layers: snapshots of their state are kept."""
         return self.state_pool is not None
 
     @property
@@ -145,7 +146,7 @@ class HybridRadixCache:
         key = as_ids(ids)
         cap = max(len(key) - 1, 0)
         tier, lost = None, ""
-        if not self.is_hybrid:
+        if not self.has_state_pool:
             m = self.radix.lookup(key[:cap])
             kv_len = length = m.length
             state_len, node, slots, slot, cls = 0, m.node, m.slots, -1, None

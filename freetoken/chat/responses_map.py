@@ -22,19 +22,29 @@ described as belonging to the namespace, and calls of them carry `namespace` bac
 `mcp`, `local_shell`) are accepted and not shown to the model: there is no executor for them
 here, and Codex sends `web_search` with every request. Anything else is a 400.
 
-Response (`to_response` / `output_items`): reasoning -> a `reasoning` item with one
-`summary_text`, text -> a `message` item with one `output_text` part, each tool call -> a
-`function_call` (or `custom_tool_call`) item; usage as `input_tokens` (cached ones included,
-as in the real API), `input_tokens_details.cached_tokens`, `output_tokens`.
+Response (`to_response` / `output_items`, in chat/responses_items.py): reasoning -> a
+`reasoning` item with one `summary_text`, text -> a `message` item with one `output_text`
+part, each tool call -> a `function_call` (or `custom_tool_call`) item; usage as
+`input_tokens` (cached ones included, as in the real API), `input_tokens_details.cached_tokens`,
+`output_tokens`.
 """
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from typing import Any
 
 from freetoken.chat.errors import ChatInputError
+from freetoken.chat.responses_items import (  # noqa: F401  (the response side, re-exported)
+    ToolNames,
+    call_item,
+    message_item,
+    new_id,
+    output_items,
+    reasoning_item,
+    response_object,
+    to_response,
+    usage_from_chat,
+)
 
 HOSTED_TOOLS = {"web_search", "web_search_preview", "web_search_preview_2025_03_11",
                 "file_search", "code_interpreter", "image_generation", "computer_use_preview",
@@ -44,25 +54,6 @@ _TEXT_PARTS = {"input_text", "output_text", "text", "summary_text", "reasoning_t
 _SAMPLING = ("temperature", "top_p")
 _UNSUPPORTED = {"background": "background responses are not supported",
                 "conversation": "conversations are not supported; use previous_response_id"}
-
-
-def new_id(prefix: str) -> str:
-    return prefix + uuid.uuid4().hex[:24]
-
-
-class ToolNames:
-    """What each chat tool name stands for in the Responses request: (kind, namespace)."""
-
-    def __init__(self) -> None:
-        self.kinds: dict[str, tuple[str, str | None]] = {}
-
-    def add(self, name: str, kind: str, namespace: str | None, param: str) -> None:
-        if name in self.kinds:
-            raise ChatInputError(f"duplicate tool name {name!r}", param)
-        self.kinds[name] = (kind, namespace)
-
-    def kind(self, name: str) -> tuple[str, str | None]:
-        return self.kinds.get(name, ("function", None))
 
 
 def _text(content: Any, param: str) -> str:
@@ -264,86 +255,3 @@ def to_chat(body: dict, items: list[Any]) -> tuple[dict, ToolNames]:
     if chat["stream"]:
         chat["stream_options"] = {"include_usage": True}
     return chat, names
-
-
-def usage_from_chat(u: Any) -> dict:
-    u = u if isinstance(u, dict) else {}
-    p, o = int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0)
-    det = u.get("prompt_tokens_details") if isinstance(u.get("prompt_tokens_details"), dict) else {}
-    out_det = (u.get("completion_tokens_details")
-               if isinstance(u.get("completion_tokens_details"), dict) else {})
-    return {"input_tokens": p, "input_tokens_details": {"cached_tokens": int(
-        det.get("cached_tokens") or 0)}, "output_tokens": o, "output_tokens_details": {
-        "reasoning_tokens": int(out_det.get("reasoning_tokens") or 0)}, "total_tokens": p + o}
-
-
-def reasoning_item(text: str, item_id: str | None = None) -> dict:
-    return {"type": "reasoning", "id": item_id or new_id("rs_"),
-            "summary": [{"type": "summary_text", "text": text}]}
-
-
-def message_item(text: str, item_id: str | None = None, status: str = "completed") -> dict:
-    return {"type": "message", "id": item_id or new_id("msg_"), "status": status,
-            "role": "assistant", "content": [{"type": "output_text", "text": text,
-                                              "annotations": []}]}
-
-
-def call_item(call_id: str, name: str, arguments: str, names: ToolNames,
-              item_id: str | None = None, status: str = "completed") -> dict:
-    kind, ns = names.kind(name)
-    if kind == "custom":
-        try:
-            inp = json.loads(arguments).get("input", arguments)
-        except (ValueError, AttributeError):
-            inp = arguments
-        return {"type": "custom_tool_call", "id": item_id or new_id("ctc_"), "status": status,
-                "call_id": call_id, "name": name, "input": inp if isinstance(inp, str)
-                else json.dumps(inp)}
-    item = {"type": "function_call", "id": item_id or new_id("fc_"), "status": status,
-            "call_id": call_id, "name": name, "arguments": arguments}
-    if ns:
-        item["namespace"] = ns
-    return item
-
-
-def output_items(message: dict, names: ToolNames) -> list[dict]:
-    """The output items of one chat completion message."""
-    out = []
-    if message.get("reasoning_content"):
-        out.append(reasoning_item(str(message["reasoning_content"])))
-    if message.get("content"):
-        out.append(message_item(str(message["content"])))
-    for tc in message.get("tool_calls") or []:
-        fn = tc.get("function") or {}
-        out.append(call_item(str(tc.get("id") or new_id("call_")), str(fn.get("name", "")),
-                             str(fn.get("arguments") or ""), names))
-    return out
-
-
-def response_object(rid: str, body: dict, output: list[dict], usage: dict | None,
-                    status: str, created: int | None = None) -> dict:
-    """A Responses `response` object for request `body` (status: in_progress, completed or
-    incomplete)."""
-    reasoning = body.get("reasoning") if isinstance(body.get("reasoning"), dict) else {}
-    return {
-        "id": rid, "object": "response", "created_at": created or int(time.time()),
-        "status": status, "error": None,
-        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "instructions": body.get("instructions"), "max_output_tokens": body.get(
-            "max_output_tokens"), "model": body.get("model") or "", "output": output,
-        "parallel_tool_calls": body.get("parallel_tool_calls", True),
-        "previous_response_id": body.get("previous_response_id"),
-        "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
-        "store": body.get("store", True), "temperature": body.get("temperature"),
-        "text": {"format": {"type": "text"}}, "tool_choice": body.get("tool_choice", "auto"),
-        "tools": body.get("tools") or [], "top_p": body.get("top_p"), "truncation": "disabled",
-        "usage": usage, "user": None, "metadata": body.get("metadata") or {}}
-
-
-def to_response(chat: dict, rid: str, body: dict, names: ToolNames) -> dict:
-    """A non-streamed chat completion as a Responses `response`."""
-    choice = (chat.get("choices") or [{}])[0]
-    output = output_items(choice.get("message") or {}, names)
-    status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
-    return response_object(rid, body, output, usage_from_chat(chat.get("usage")), status,
-                           chat.get("created"))

@@ -10,9 +10,8 @@ hd head_dim, Hq/Hkv attention heads, Hk/Hv linear key/value heads, dk/dv their h
 """
 from __future__ import annotations
 
+from freetoken.checkpoint.layout_parts import Shape, decoder_stack, dense_mlp, routed_experts
 from freetoken.types.model_config import ModelConfig
-
-Shape = tuple[int, ...]
 
 
 def _attention(cfg: ModelConfig, p: str) -> dict[str, Shape]:
@@ -63,26 +62,14 @@ def _linear_attention(cfg: ModelConfig, p: str) -> dict[str, Shape]:
 def _mlp(cfg: ModelConfig, layer: int, p: str) -> dict[str, Shape]:
     H = cfg.hidden_size
     if not cfg.is_moe_layer(layer):
-        D = cfg.intermediate_size
-        return {
-            f"{p}gate_proj.weight": (D, H),
-            f"{p}up_proj.weight": (D, H),
-            f"{p}down_proj.weight": (H, D),
-        }
+        return dense_mlp(p, cfg.intermediate_size, H)
     E, I = cfg.num_experts, cfg.moe_intermediate_size
     out: dict[str, Shape] = {f"{p}gate.weight": (E, H)}
-    for e in range(E):
-        out[f"{p}experts.{e}.gate_proj.weight"] = (I, H)
-        out[f"{p}experts.{e}.up_proj.weight"] = (I, H)
-        out[f"{p}experts.{e}.down_proj.weight"] = (H, I)
+    out.update(routed_experts(p, E, I, H, ("gate_proj", "up_proj", "down_proj")))
     S = cfg.shared_expert_intermediate_size
     if S > 0:
-        out.update({
-            f"{p}shared_expert.gate_proj.weight": (S, H),
-            f"{p}shared_expert.up_proj.weight": (S, H),
-            f"{p}shared_expert.down_proj.weight": (H, S),
-            f"{p}shared_expert_gate.weight": (1, H),
-        })
+        out.update(dense_mlp(f"{p}shared_expert.", S, H))
+        out[f"{p}shared_expert_gate.weight"] = (1, H)
     return out
 
 
@@ -97,21 +84,12 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, Shape]:
         from freetoken.checkpoint.layout_mla import expected_tensors_mla
 
         return expected_tensors_mla(cfg)
-    pre, H = cfg.weight_prefix, cfg.hidden_size
-    out: dict[str, Shape] = {f"{pre}embed_tokens.weight": (cfg.vocab_size, H)}
-    for i, kind in enumerate(cfg.layer_types):
-        lp = f"{pre}layers.{i}."
-        out[f"{lp}input_layernorm.weight"] = (H,)
-        if kind == "linear_attention":
-            out.update(_linear_attention(cfg, f"{lp}linear_attn."))
-        else:
-            out.update(_attention(cfg, f"{lp}self_attn."))
-        out[f"{lp}post_attention_layernorm.weight"] = (H,)
-        out.update(_mlp(cfg, i, f"{lp}mlp."))
-    out[f"{pre}norm.weight"] = (H,)
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (cfg.vocab_size, H)
-    return out
+    def attention(i: int, lp: str) -> dict[str, Shape]:
+        if cfg.layer_types[i] == "linear_attention":
+            return _linear_attention(cfg, f"{lp}linear_attn.")
+        return _attention(cfg, f"{lp}self_attn.")
+
+    return decoder_stack(cfg, attention, lambda i, lp: _mlp(cfg, i, f"{lp}mlp."))
 
 
 def fp32_tensors(cfg: ModelConfig) -> set[str]:

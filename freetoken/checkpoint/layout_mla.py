@@ -9,9 +9,8 @@ layers (`model.layers.{num_hidden_layers}.*`) are not listed: the reader skips t
 """
 from __future__ import annotations
 
+from freetoken.checkpoint.layout_parts import Shape, decoder_stack, dense_mlp, routed_experts
 from freetoken.types.model_config import ModelConfig
-
-Shape = tuple[int, ...]
 
 
 def _mla(cfg: ModelConfig, p: str) -> dict[str, Shape]:
@@ -55,38 +54,21 @@ def _kda(cfg: ModelConfig, p: str) -> dict[str, Shape]:
 def _mlp(cfg: ModelConfig, layer: int, p: str) -> dict[str, Shape]:
     H = cfg.hidden_size
     if not cfg.is_moe_layer(layer):
-        D = cfg.intermediate_size
-        return {f"{p}gate_proj.weight": (D, H), f"{p}up_proj.weight": (D, H),
-                f"{p}down_proj.weight": (H, D)}
+        return dense_mlp(p, cfg.intermediate_size, H)
     E, I, S = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     out: dict[str, Shape] = {f"{p}gate.weight": (E, H), f"{p}gate.e_score_correction_bias": (E,)}
-    gate, up, down = cfg.expert_names
-    for e in range(E):
-        out[f"{p}experts.{e}.{gate}.weight"] = (I, H)
-        out[f"{p}experts.{e}.{up}.weight"] = (I, H)
-        out[f"{p}experts.{e}.{down}.weight"] = (H, I)
-    out.update({f"{p}shared_experts.gate_proj.weight": (S, H),
-                f"{p}shared_experts.up_proj.weight": (S, H),
-                f"{p}shared_experts.down_proj.weight": (H, S)})
+    out.update(routed_experts(p, E, I, H, cfg.expert_names))
+    out.update(dense_mlp(f"{p}shared_experts.", S, H))
     return out
 
 
 def expected_tensors_mla(cfg: ModelConfig) -> dict[str, Shape]:
-    pre, H = cfg.weight_prefix, cfg.hidden_size
-    out: dict[str, Shape] = {f"{pre}embed_tokens.weight": (cfg.vocab_size, H)}
-    for i in range(cfg.num_layers):
-        lp = f"{pre}layers.{i}."
-        out[f"{lp}input_layernorm.weight"] = (H,)
+    def attention(i: int, lp: str) -> dict[str, Shape]:
         if cfg.layer_types[i] == "linear_attention":
-            out.update(_kda(cfg, f"{lp}self_attn."))
-        else:
-            out.update(_mla(cfg, f"{lp}self_attn."))
-        out[f"{lp}post_attention_layernorm.weight"] = (H,)
-        out.update(_mlp(cfg, i, f"{lp}{cfg.moe_module}."))
-    out[f"{pre}norm.weight"] = (H,)
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (cfg.vocab_size, H)
-    return out
+            return _kda(cfg, f"{lp}self_attn.")
+        return _mla(cfg, f"{lp}self_attn.")
+
+    return decoder_stack(cfg, attention, lambda i, lp: _mlp(cfg, i, f"{lp}{cfg.moe_module}."))
 
 
 def router_tensors(cfg: ModelConfig) -> set[str]:

@@ -1,60 +1,65 @@
-"""The composition root of the serving stack: `build_engine` turns `ft serve` (and `ft
-agent-proxy --model`) arguments into a running `AsyncEngine` — the only module that puts
-models, experts, engine and chat together."""
+"""The composition root of the serving stack: `build_engine` turns an `EngineConfig` (from
+`ft serve` or `ft agent-proxy --model` arguments, cli/options.py `engine_config_from_args`)
+into a running `AsyncEngine` — the only module that puts models, experts, engine and chat
+together."""
 from __future__ import annotations
-
-import argparse
 
 from freetoken.engine.async_engine import AsyncEngine
 from freetoken.engine.core import EngineCore
+from freetoken.types.config import EngineConfig
 
 
-def build_engine(args: argparse.Namespace) -> AsyncEngine:
-    """From `ft serve` arguments: model path/demo, dtype, device, pool sizes."""
-
+def build_engine(cfg: EngineConfig) -> AsyncEngine:
+    """Load the checkpoint `cfg.model` with its expert runtime, install the routing hooks the
+    config asks for, and start the engine (warmed up on CUDA: kernels compiled, graphs
+    captured before the first request)."""
     from freetoken.chat import ChatTokenizer
-    from freetoken.cli.options import moe_from_args, resolve_device, resolve_dtype
+    from freetoken.cli.options import resolve_device, resolve_dtype, resolve_moe
     from freetoken.engine.sizing import default_chunk_tokens, default_kv_tokens
-    from freetoken.models.demo import resolve_model_path
+    from freetoken.models.demo import DEMO_ALIASES, resolve_model_path
     from freetoken.models.loader import load_with_experts
 
-    model_dir = resolve_model_path(getattr(args, "model", None) or "demo")
-    device = resolve_device(getattr(args, "device", None))
-    dtype = resolve_dtype(getattr(args, "dtype", None))
+    model_dir = resolve_model_path(cfg.model)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype)
     moe, reserve = None, 0
-    if hasattr(args, "moe_backend"):
-        moe, reserve = moe_from_args(args, model_dir, dtype, device)
+    if cfg.moe is not None:
+        moe, reserve = resolve_moe(cfg.moe, cfg.moe_backend_given, cfg.max_context,
+                                   model_dir, dtype, device)
     model, rt = load_with_experts(model_dir, moe, dtype=dtype, device=device,
                                   kv_reserve_bytes=reserve)
     tok = ChatTokenizer.from_dir(model_dir)
-    if getattr(args, "record_routing", None):
-        from freetoken.bench.routing_trace import attach_recorder
-
-        attach_recorder(model, args.record_routing)
-    if getattr(args, "route_trace", None):  # `ft bench serve --route-trace`: replayed routing
-        from freetoken.bench.route_trace import install_serve_trace
-
-        install_serve_trace(model, args.route_trace, getattr(args, "max_running", None) or 4)
-    max_context = getattr(args, "max_context", None) or model.cfg.max_position_embeddings
-    kv_tokens = getattr(args, "kv_tokens", None) or default_kv_tokens(model, max_context, moe)
+    install_routing_hooks(model, cfg)
+    max_context = cfg.max_context or model.cfg.max_position_embeddings
+    cache = cfg.cache
     core = EngineCore(
         model, tok.eos_token_ids,
-        kv_tokens=kv_tokens,
-        state_slots=getattr(args, "state_slots", None) or 64,
-        max_running=getattr(args, "max_running", None) or 4,
-        chunk_tokens=getattr(args, "chunk_tokens", None) or default_chunk_tokens(rt),
-        max_context=getattr(args, "max_context", None),
-        policy=getattr(args, "checkpoint_policy", None) or "semantic",
-        cuda_graph=getattr(args, "cuda_graph", True),
-        state_host_mem=getattr(args, "state_host_mem", None),
+        kv_tokens=cache.kv_tokens or default_kv_tokens(model, max_context, moe),
+        state_slots=cache.state_slots,
+        max_running=cfg.max_running,
+        chunk_tokens=cache.chunk_tokens or default_chunk_tokens(rt),
+        max_context=cfg.max_context,
+        policy=cache.checkpoint_policy,
+        cuda_graph=cfg.cuda_graph,
+        state_host_mem=cache.state_host_mem,
         moe=rt,
     )
     if core.device.type == "cuda":
         core.warm_up()  # kernel compilation and graph capture before the first request
-    from freetoken.models.demo import DEMO_ALIASES
-
-    given = str(getattr(args, "model", "demo") or "demo")
-    name = given if given in DEMO_ALIASES else model_dir.name
+    name = cfg.model if cfg.model in DEMO_ALIASES else model_dir.name
     engine = AsyncEngine(core, model_dir, name)
-    engine.max_output_tokens = getattr(args, "max_output_tokens", None)
+    engine.max_output_tokens = cfg.max_output_tokens
     return engine
+
+
+def install_routing_hooks(model, cfg: EngineConfig) -> None:
+    """`--record-routing FILE` (saved at exit) and the hidden `--route-trace` of `ft bench
+    serve` (a replayed trained router for a random-weight model)."""
+    if cfg.record_routing:
+        from freetoken.models.routing_hooks import attach_recorder
+
+        attach_recorder(model, cfg.record_routing)
+    if cfg.route_trace:
+        from freetoken.models.routing_hooks import install_serve_trace
+
+        install_serve_trace(model, cfg.route_trace, cfg.max_running)

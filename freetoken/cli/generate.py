@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     sampling.validate()
     recorder = None
     if args.record_routing:
-        from freetoken.bench.routing_trace import attach_recorder
+        from freetoken.models.routing_hooks import attach_recorder
 
         recorder = attach_recorder(model)
     detok = IncrementalDetokenizer(tok)

@@ -1,5 +1,6 @@
 """Engine flag groups shared by `ft serve`, `ft generate`, `ft agent-proxy --model` and
-`ft bench decode`, and their resolution into engine options."""
+`ft bench decode`, and their resolution into the typed records of freetoken/types/config.py:
+`engine_config_from_args` is the one place where arguments become an `EngineConfig`."""
 from __future__ import annotations
 
 import argparse
@@ -110,20 +111,64 @@ def moe_options(args: argparse.Namespace, backend: str | None = None):
 def moe_from_args(args: argparse.Namespace, model_dir, dtype: torch.dtype | None,
                   device: str):
     """`(MoEConfig, kv_reserve_bytes)` from the MoE flag group for the checkpoint in
-    `model_dir`: an unset `--moe-backend` resolves through `default_backend`, and the KV floor
-    and the context's K/V are turned into bytes so the slot cache is sized to leave them free."""
+    `model_dir` (see `resolve_moe`)."""
+    moe = moe_options(args, args.moe_backend or "fused")
+    return resolve_moe(moe, args.moe_backend is not None, getattr(args, "max_context", None),
+                       model_dir, dtype, device)
+
+
+def resolve_moe(moe, backend_given: bool, max_context: int | None, model_dir,
+                dtype: torch.dtype | None, device: str):
+    """`(MoEConfig, kv_reserve_bytes)` for the checkpoint in `model_dir`: a backend not given
+    resolves through `default_backend`, and the KV floor and the context's K/V are turned into
+    bytes so the slot cache is sized to leave them free."""
+    import dataclasses
+
     from freetoken.cache.tensors import KVPool
     from freetoken.types.model_config import load_config
 
     cfg = load_config(model_dir)
     wdt = dtype or (cfg.torch_dtype if device != "cpu" else torch.float32)
-    backend = args.moe_backend or default_backend(cfg, wdt, device, args.kv_reserve_tokens)
-    moe = moe_options(args, backend)
+    if not backend_given:
+        moe = dataclasses.replace(
+            moe, backend=default_backend(cfg, wdt, device, moe.kv_reserve_tokens))
     # the KV pool is sized for the context first (the model's, or --max-context), never below
     # the --kv-reserve-tokens floor; the slot cache is sized to leave that free
-    context = getattr(args, "max_context", None) or cfg.max_position_embeddings
+    context = max_context or cfg.max_position_embeddings
     tokens = max(moe.kv_reserve_tokens, context)
     return moe, KVPool.bytes_per_token(cfg, wdt) * tokens
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    """The `EngineConfig` of `ft serve` / `ft agent-proxy --model` arguments (flags a command
+    lacks take the record's defaults). A value out of range exits with the flag's name."""
+    from freetoken.types.config import CacheConfig, EngineConfig
+
+    def get(name: str, default=None):
+        value = getattr(args, name, None)
+        return default if value is None else value
+
+    try:
+        has_moe = hasattr(args, "moe_backend")
+        return EngineConfig(
+            model=str(get("model", "demo") or "demo"),
+            dtype=get("dtype"),
+            device=get("device"),
+            max_running=get("max_running", 4),
+            max_context=get("max_context"),
+            max_output_tokens=get("max_output_tokens"),
+            cuda_graph=get("cuda_graph", True),
+            cache=CacheConfig(kv_tokens=get("kv_tokens"), state_slots=get("state_slots", 64),
+                              state_host_mem=get("state_host_mem"),
+                              chunk_tokens=get("chunk_tokens"),
+                              checkpoint_policy=get("checkpoint_policy", "semantic")),
+            moe=moe_options(args, args.moe_backend or "fused") if has_moe else None,
+            moe_backend_given=has_moe and args.moe_backend is not None,
+            record_routing=get("record_routing"),
+            route_trace=get("route_trace"),
+        )
+    except ValueError as e:
+        raise SystemExit(f"ft: {e}") from None
 
 
 def parse_bytes_arg(text: str) -> int:

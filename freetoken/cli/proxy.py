@@ -110,12 +110,13 @@ def start_engine_server(args: argparse.Namespace, engine: Any = None, tok: Any =
 
     from freetoken.chat import ChatTokenizer
     from freetoken.cli.build import build_engine
+    from freetoken.cli.options import engine_config_from_args
     from freetoken.cli.serve import parser_family_for
     from freetoken.server.app import create_app
     from freetoken.server.limits import ServerLimits, protocol_for
 
     if engine is None:
-        engine = build_engine(args)
+        engine = build_engine(engine_config_from_args(args))
     tok = tok or ChatTokenizer.from_dir(engine.model_dir)
     family = family or parser_family_for(engine.model_dir)
     key = secrets.token_urlsafe(32)

@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-tokens", type=int, default=None,
                    help="KV pool size in tokens (default: what memory allows)")
     # The engine's own flag groups (MoE backend and expert cache, state slots, chunking,
-    # checkpoint policy), shared with `ft agent-proxy --model`; `build_engine` reads them.
+    # checkpoint policy), shared with `ft agent-proxy --model`; read by engine_config_from_args.
     from freetoken.cli.options import add_cache_args, add_moe_args
 
     add_moe_args(p)
@@ -71,13 +71,14 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from freetoken.chat import ChatTokenizer
     from freetoken.cli.build import build_engine
+    from freetoken.cli.options import engine_config_from_args
     from freetoken.server.app import create_app
     from freetoken.server.generation import default_output_cap
     from freetoken.server.limits import quiet_connection_logs, uvicorn_config
 
     api_key = api_key_from(args, dict(os.environ))
     limits = limits_from(args)
-    engine = build_engine(args)
+    engine = build_engine(engine_config_from_args(args))
     engine.max_output_tokens = default_output_cap(args.model, args.max_output_tokens)
     tokenizer = ChatTokenizer.from_dir(engine.model_dir)  # type: ignore[attr-defined]
     app = create_app(engine, tokenizer, api_key=api_key,

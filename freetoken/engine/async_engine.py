@@ -35,6 +35,7 @@ class AsyncEngine:
         self.model_name = model_name
         self.max_context = core.max_context
         self.max_output_tokens: int | None = None  # server-side ceiling on max_tokens
+        self.vocab_size: int = core.cfg.vocab_size  # the model's (padded) vocabulary
         self._inbox: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="ft-engine", daemon=True)
         self._stop = False

@@ -57,11 +57,6 @@ class SamplingRows:
     block_ids: Tensor  # [B, NB] int64 stop ids
     block_on: Tensor  # [B, NB] bool: forbid that id this step
 
-    def narrow(self, n: int) -> SamplingRows:
-        return SamplingRows(*(t[:n] for t in (self.temperature, self.top_k, self.top_p,
-                                              self.seed, self.step, self.block_ids,
-                                              self.block_on)))
-
 
 def block_stop_ids(logits: Tensor, rows: SamplingRows) -> Tensor:
     vals = torch.where(rows.block_on, float("-inf"), logits.gather(1, rows.block_ids))

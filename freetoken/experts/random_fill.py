@@ -1,4 +1,5 @@
-"""Fast random fill for benchmark-sized weights (tens of GB).
+"""Fast random fill for benchmark-sized weights (tens of GB), and `make_pool`, the random
+expert banks the bandwidth measurement (experts/calibrate.py) and the CPU kernel bench read.
 
 `torch.normal_` on a bf16 CPU tensor runs at well under 100 MB/s, so a 32 GB pool would take
 minutes of device time. Benchmarks only need non-zero, non-degenerate data with the right
@@ -8,6 +9,9 @@ bandwidth), so neighbouring experts differ.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
+
+from freetoken.experts.profile import ExpertShape
 
 _BLOCK = 1 << 24  # 16 M elements
 
@@ -24,3 +28,16 @@ def random_fill_(t: torch.Tensor, std: float, seed: int = 0) -> torch.Tensor:
         flat[i:i + k].copy_(block[off:off + k])
         i += k
     return t
+
+
+def make_pool(shape: ExpertShape, dtype: torch.dtype, pool_bytes: float,
+              pin: bool = False) -> tuple[Tensor, Tensor]:
+    """Random expert banks holding about `pool_bytes`: gate_up [P, 2I, H], down [P, H, I]."""
+    p = max(1, int(pool_bytes // shape.expert_bytes(dtype)))
+    h, i = shape.hidden, shape.inter
+    # random data, never zeros (zeros can run faster); filled first, pinned afterwards
+    gate_up = random_fill_(torch.empty(p, 2 * i, h, dtype=dtype), h**-0.5, 1)  # [P, 2I, H]
+    down = random_fill_(torch.empty(p, h, i, dtype=dtype), i**-0.5, 2)  # [P, H, I]
+    if pin:
+        gate_up, down = gate_up.pin_memory(), down.pin_memory()
+    return gate_up, down

@@ -18,8 +18,6 @@ Shapes: L MoE layers, E experts per layer, S slots.
 """
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -29,32 +27,35 @@ from torch import Tensor
 from freetoken.experts.auto import AutoGuard
 from freetoken.experts.base import MoEHost
 from freetoken.experts.bridge import CpuBridge
+from freetoken.experts.calibrate import find_profile, measure_profile_now
 from freetoken.experts.cost_model import BandwidthProfile, recommend_backend
 from freetoken.experts.fused import FusedExperts
-from freetoken.experts.profile import load_profile, profile_key, save_profile, shape_for
 from freetoken.experts.registry import create_backend
+from freetoken.experts.runtime_setup import (
+    FALLBACK_BH,
+    FALLBACK_BP,
+    default_cpu_threads,
+    make_streamer,
+    prefill_static,
+    q_rule_for,
+    slot_count,
+)
 from freetoken.experts.slot_cache import SlotCache
 from freetoken.experts.split import (
     CpuSplitExperts,
     FetchRule,
     FixedRule,
-    QStarRule,
     cpu_branch,
 )
 from freetoken.experts.stats import MoEStats
 from freetoken.experts.store import ExpertStore
-from freetoken.experts.streamer import LayerStreamer, StreamCosts, stream_threshold
+from freetoken.experts.streamer import LayerStreamer
 from freetoken.log import get_logger, kv
 from freetoken.types.api import AdmissionError
-from freetoken.types.config import WORKSPACE_MARGIN_BYTES, MoEConfig
+from freetoken.types.config import MoEConfig
 from freetoken.types.forward_batch import EAGER, MoEStep
 
 log = get_logger("experts")
-# DESIGN §9 figures, used only when no profile was measured on this machine
-_FALLBACK_BP, _FALLBACK_BH = 48.5, 88.0
-# the short measurement a first `hybrid`/`auto` start on a GPU runs (what `ft bench bw
-# --pool-gb 3 --seconds 1` does: 11.5 s on the H200 host, 2026-12-01)
-AUTO_BW_SECONDS, AUTO_BW_POOL_GB = 1.0, 3.0
 
 
 class ResizeError(RuntimeError):
@@ -103,7 +104,7 @@ class MoERuntime:
         # the rest of the model moves to the device after this: keep room for it too
         others = sum(p.numel() * p.element_size() for n, p in host.named_parameters()
                      if ".experts." not in n)
-        slots = _num_slots(config, pool, store.expert_bytes, device, kv_reserve_bytes + others)
+        slots = slot_count(config, pool, store.expert_bytes, device, kv_reserve_bytes + others)
         log.info(kv("vram_plan", slots=slots, slot_mb=store.expert_bytes * slots // 2**20,
                     kv_reserve_mb=kv_reserve_bytes // 2**20, other_weights_mb=others // 2**20))
         cache = SlotCache(store.num_layers, store.num_experts, store.hidden, store.intermediate,
@@ -115,7 +116,7 @@ class MoERuntime:
             profile = find_profile(host, store.dtype)
             if profile is None and device.type == "cuda" and config.measure_bw:
                 profile = measure_profile_now(host, store.dtype, cpu_threads)
-        q_rule = _q_rule(profile, config.hybrid_max_fetch)
+        q_rule = q_rule_for(profile, config.hybrid_max_fetch)
         guard = None
         if backend == "auto" and slots >= pool:
             # every expert fits: nothing is left to split or to time, and a guard would make
@@ -130,7 +131,7 @@ class MoERuntime:
             rule = {"offload": FixedRule(-1), "cpu": FixedRule(0)}.get(choice, q_rule)
             guard = AutoGuard(choice, rule)
         if backend == "hybrid" and profile is None:
-            log.warning(kv("no_bw_profile", using=f"B_P={_FALLBACK_BP} B_H={_FALLBACK_BH}",
+            log.warning(kv("no_bw_profile", using=f"B_P={FALLBACK_BP} B_H={FALLBACK_BH}",
                            hint="run `ft bench bw`"))
         if (profile is not None and profile.cpu_threads and backend in ("hybrid", "cpu")
                 and cpu_threads != profile.cpu_threads):
@@ -146,7 +147,7 @@ class MoERuntime:
                  device=device)
         rt.install(host)
         if backend == "cpu":
-            _prefill_static(cache, store, slots)
+            prefill_static(cache, store, slots)
         log.info(kv("moe_backend", backend=backend, slots=slots, pool=pool,
                     rate=f"{slots / pool:.3f}", slot_mb=store.expert_bytes * slots // 2**20,
                     device=device, cpu_layers=config.cpu_layers, cpu_threads=cpu_threads))
@@ -272,108 +273,3 @@ class MoERuntime:
             return None
         return {"backend": self.backend, "slots": self.cache.num_slots,
                 **self.counters.as_dict()}
-
-
-def _q_rule(profile: BandwidthProfile | None, max_fetch: int | None) -> QStarRule:
-    overlap = bool(profile and profile.has_overlap)
-    b_p = (profile.b_p_overlap if overlap else
-           profile.b_p if profile and profile.b_p else _FALLBACK_BP)
-    b_h = (profile.b_h_overlap if overlap else profile.b_h if profile else _FALLBACK_BH)
-    return QStarRule(b_p, b_h, overlap, max_fetch)
-
-
-def _num_slots(config: MoEConfig, pool: int, expert_bytes: int, device: torch.device,
-               kv_reserve_bytes: int) -> int:
-    if config.cache_size is not None:
-        s = config.cache_size
-    elif config.cache_rate is not None:
-        s = round(config.cache_rate * pool)
-    elif config.cache_mem is not None:
-        s = config.cache_mem // expert_bytes
-    elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        s = (free - kv_reserve_bytes - WORKSPACE_MARGIN_BYTES) // expert_bytes
-    else:
-        s = pool // 4
-    return max(1, min(int(s), pool))
-
-
-def find_profile(host: MoEHost, dtype: torch.dtype) -> BandwidthProfile | None:
-    return load_profile(profile_key(shape_for(host.cfg)[0], dtype))
-
-
-def measure_profile_now(host: MoEHost, dtype: torch.dtype, threads: int
-                        ) -> BandwidthProfile | None:
-    """Measure and save this machine's bandwidth profile for the model's expert shape (a
-    first start without one), logging each stage; None, with a warning, if it fails."""
-    from freetoken.experts.bandwidth import measure_profile
-
-    name, shape = shape_for(host.cfg)
-    log.info(kv("bw_profile_measure", shape=name, threads=threads, pool_gb=AUTO_BW_POOL_GB,
-                why="no profile for this machine and shape (once; --no-bw-measure skips)"))
-    t0 = time.perf_counter()
-    try:
-        prof = measure_profile(name, shape, dtype, AUTO_BW_SECONDS, AUTO_BW_POOL_GB, threads,
-                               say=lambda line: log.info(kv("bw_profile_stage", stage=line)))
-    except (RuntimeError, OSError, ValueError) as e:  # e.g. no pinned memory to spare
-        log.warning(kv("bw_profile_measure_failed", error=f"{type(e).__name__}: {e}"))
-        return None
-    save_profile(prof)
-    log.info(kv("bw_profile_measured", seconds=f"{time.perf_counter() - t0:.1f}",
-                b_p=f"{prof.b_p or 0:.1f}", b_h=f"{prof.b_h:.1f}",
-                b_p_overlap=f"{prof.b_p_overlap or 0:.1f}",
-                b_h_overlap=f"{prof.b_h_overlap or 0:.1f}"))
-    return prof
-
-
-def make_streamer(config: MoEConfig, backend: str, cache: SlotCache, store: ExpertStore,
-                  stats: MoEStats, profile: BandwidthProfile | None, top_k: int
-                  ) -> LayerStreamer:
-    """The prefill layer streamer, its token threshold from the profile (or the option)."""
-    threshold = config.prefill_stream_tokens
-    how = "option"
-    if threshold is None:
-        b_p = (profile.b_p if profile and profile.b_p else _FALLBACK_BP) * 1e9
-        b_h = (profile.b_h if profile else _FALLBACK_BH) * 1e9
-        costs = StreamCosts(backend, store.num_experts, top_k, store.expert_bytes,
-                            6.0 * store.hidden * store.intermediate,
-                            min(1.0, cache.num_slots / (store.num_layers * store.num_experts)),
-                            b_p, b_h)
-        threshold = stream_threshold(costs)
-        how = "measured_profile" if profile else "fallback_bandwidths"
-    log.info(kv("prefill_stream_plan", mode=config.prefill_stream, threshold=threshold, how=how,
-                backend=backend, overlap=config.prefill_overlap,
-                hit_d2d=config.prefill_hit_d2d))
-    return LayerStreamer(cache, store, stats, threshold, mode=config.prefill_stream,
-                         overlap=config.prefill_overlap, hits_in_place=config.prefill_hit_d2d,
-                         seed=backend != "cpu")
-
-
-def default_cpu_threads(device: torch.device | str) -> int:
-    """Threads for the CPU expert branch: torch's thread count (OMP_NUM_THREADS, else the
-    cores), and with a GPU at most every core this process may run on less one, since the main
-    thread drives the GPU meanwhile. The branch is one parallel call per layer that lasts as
-    long as its slowest thread, so a kernel thread sharing a core with the thread that launches
-    GPU work and fills slots (hybrid runs both at once) can hold up the whole call (inferred
-    from the H200 decode profile, where hybrid ran at 17 tok/s beside offload's 43; the new
-    default is not re-measured there yet)."""
-    n = torch.get_num_threads()
-    if torch.device(device).type == "cuda":
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cores = os.cpu_count() or 1
-        n = min(n, cores - 1)
-    return max(1, n)
-
-
-def _prefill_static(cache: SlotCache, store: ExpertStore, slots: int) -> None:
-    """`cpu` backend: fill the cache once with whole layers in order (a static split)."""
-    E = store.num_experts
-    for m in range(store.num_layers):
-        n = min(E, slots - m * E)
-        if n <= 0:
-            break
-        ids = torch.arange(n).view(1, n)
-        d = cache.decide(m, ids, -1)
-        cache.fill(m, d.fetch_experts, d.fetch_slots, store)

@@ -24,7 +24,6 @@ import copy
 import json
 import random
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,108 +31,14 @@ from typing import Any
 from freetoken.chat.anthropic_map import anthropic_to_template
 from freetoken.chat.openai_map import openai_to_template
 from freetoken.chat.tokenizer import ChatTokenizer
+from freetoken.models.demo_harnesses import HARNESSES, MINI_DONE, Harness
 from freetoken.models.demo_tasks import Task, Turn, make_task
+from freetoken.models.tool_schema import schema_errors, tool_call_errors  # noqa: F401
 
 DATA_VERSION = 2  # v2: two to five tasks a conversation (more targets per long prompt)
 TRACES = Path(__file__).resolve().parents[2] / "tests" / "data" / "harness_traces"
 RECORDED_CWD = "/home/dev/project"
 _RECORDED_TASK = re.compile(r"Explore this repo:[^\n\"]*?summarize\.")
-
-
-@dataclass(frozen=True)
-class Harness:
-    name: str
-    trace: str  # path under TRACES
-    seq: int  # the request whose system prompt, tools and first user message are used
-    api: str  # "anthropic" | "openai" | "responses"
-    calls: Callable[[Task, str], tuple[str, dict[str, Any]]]  # (task, cwd) -> (tool, args)
-    result: Callable[[Task, str], str]  # the tool output as this harness sends it back
-
-
-def _cc_call(t: Task, cwd: str) -> tuple[str, dict[str, Any]]:
-    if t.kind == "read":
-        return "Read", {"file_path": f"{cwd}/{t.path}"}
-    if t.kind == "write":
-        return "Write", {"file_path": f"{cwd}/{t.path}", "content": t.content}
-    return "Bash", {"command": t.command, "description": t.description}
-
-
-def _cc_result(t: Task, cwd: str) -> str:
-    if t.kind == "read":
-        return "".join(f"{i}\t{line}\n" for i, line in enumerate(t.output.split("\n"), 1))
-    if t.kind == "write":
-        return f"File created successfully at: {cwd}/{t.path}"
-    return t.output.rstrip("\n")
-
-
-def _oc_call(t: Task, cwd: str) -> tuple[str, dict[str, Any]]:
-    if t.kind == "read":
-        return "read", {"filePath": f"{cwd}/{t.path}"}
-    if t.kind == "write":
-        return "write", {"content": t.content, "filePath": f"{cwd}/{t.path}"}
-    return "bash", {"command": t.command, "description": t.description}
-
-
-def _oc_result(t: Task, cwd: str) -> str:
-    if t.kind == "read":
-        lines = t.output.split("\n")
-        body = "".join(f"{i}: {line}\n" for i, line in enumerate(lines, 1))
-        return (f"<path>{cwd}/{t.path}</path>\n<type>file</type>\n<content>\n{body}\n"
-                f"(End of file - total {len(lines)} lines)\n</content>")
-    if t.kind == "write":
-        return "Wrote file successfully."
-    return t.output
-
-
-def _ocl_call(t: Task, cwd: str) -> tuple[str, dict[str, Any]]:
-    if t.kind == "list":
-        return "ls", {}
-    if t.kind == "read":
-        return "read", {"path": t.path}
-    if t.kind == "write":
-        return "write", {"path": t.path, "content": t.content}
-    return "exec", {"command": t.command, "title": t.description}
-
-
-def _ocl_result(t: Task, cwd: str) -> str:
-    if t.kind == "write":
-        return f"Successfully wrote {len(t.content.encode())} bytes to {t.path}"
-    return t.output.rstrip("\n")
-
-
-def _bash_call(t: Task, cwd: str) -> tuple[str, dict[str, Any]]:
-    return "bash", {"command": t.command}
-
-
-def _mini_tool_result(t: Task, cwd: str) -> str:
-    return json.dumps({"returncode": 0, "output": t.output}, indent=2)
-
-
-def _mini_text_result(t: Task, cwd: str) -> str:
-    return f"<returncode>0</returncode>\n<output>\n{t.output}</output>"
-
-
-def _codex_call(t: Task, cwd: str) -> tuple[str, dict[str, Any]]:
-    return "exec_command", {"cmd": t.command}
-
-
-def _codex_result(t: Task, cwd: str) -> str:
-    return (f"Chunk ID: 0\nWall time: 0.0 seconds\nProcess exited with code 0\n"
-            f"Original token count: {len(t.output) // 4}\nOutput:\n{t.output}")
-
-
-HARNESSES: dict[str, Harness] = {h.name: h for h in (
-    Harness("claude_code", "claude_code/cc_try1.jsonl", 1, "anthropic", _cc_call, _cc_result),
-    Harness("opencode", "opencode/oc_try1.jsonl", 2, "openai", _oc_call, _oc_result),
-    Harness("openclaw", "openclaw/ocl_try1.jsonl", 1, "openai", _ocl_call, _ocl_result),
-    Harness("mini_tool", "mini_swe_agent/mini_tool.jsonl", 1, "openai", _bash_call,
-            _mini_tool_result),
-    Harness("mini_text", "mini_swe_agent/mini_text.jsonl", 1, "openai", _bash_call,
-            _mini_text_result),
-    Harness("codex", "codex/codex_responses.jsonl", 1, "responses", _codex_call,
-            _codex_result),
-)}
-MINI_DONE = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 
 
 def recorded_body(h: Harness, traces: Path = TRACES) -> dict[str, Any]:
@@ -402,52 +307,3 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-
-
-_JSON_TYPES: dict[str, tuple[type, ...]] = {
-    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
-    "array": (list,), "object": (dict,), "null": (type(None),)}
-
-
-def schema_errors(schema: dict[str, Any], value: Any, where: str = "$") -> list[str]:
-    """What of `value` breaks `schema`, for the JSON-Schema keywords the harnesses' tool
-    parameters use (type, properties, required, additionalProperties, enum, const, items,
-    anyOf); other keywords are not checked."""
-    errs: list[str] = []
-    if "anyOf" in schema and all(schema_errors(s, value, where) for s in schema["anyOf"]):
-        errs.append(f"{where}: matches none of anyOf")
-    t = schema.get("type")
-    if t is not None:
-        types = t if isinstance(t, list) else [t]
-        ok = any(isinstance(value, _JSON_TYPES[x]) and not (
-            x in ("integer", "number") and isinstance(value, bool)) for x in types)
-        if not ok:
-            return [*errs, f"{where}: {type(value).__name__} is not {t}"]
-    if "enum" in schema and value not in schema["enum"]:
-        errs.append(f"{where}: {value!r} not in enum")
-    if "const" in schema and value != schema["const"]:
-        errs.append(f"{where}: {value!r} is not the const")
-    if isinstance(value, dict):
-        props = schema.get("properties") or {}
-        errs += [f"{where}: missing required {k!r}" for k in schema.get("required") or []
-                 if k not in value]
-        for k, v in value.items():
-            if k in props:
-                errs += schema_errors(props[k], v, f"{where}.{k}")
-            elif schema.get("additionalProperties") is False:
-                errs.append(f"{where}: unexpected {k!r}")
-    if isinstance(value, list) and isinstance(schema.get("items"), dict):
-        for i, v in enumerate(value):
-            errs += schema_errors(schema["items"], v, f"{where}[{i}]")
-    return errs
-
-
-def tool_call_errors(tools: list[dict[str, Any]] | None, name: str,
-                     arguments: dict[str, Any]) -> list[str]:
-    """Why a call of `name` with `arguments` is not valid for the request's `tools` (OpenAI
-    function tools, as `TemplateInput.tools` holds them); [] when it is."""
-    for t in tools or []:
-        fn = t.get("function", t)
-        if fn.get("name") == name:
-            return schema_errors(fn.get("parameters") or {"type": "object"}, arguments)
-    return [f"{name!r} is not one of the request's tools"]

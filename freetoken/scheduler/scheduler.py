@@ -1,4 +1,4 @@
-"""Continuous batching over the hybrid radix cache.
+"""Continuous batching over the hybrid-state radix cache.
 
 Every step: admit waiting requests (prefix match, lock, working state), then build one mixed
 batch — every decoding request's next token (always served, outside the budget) plus prefill
@@ -65,18 +65,18 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, kv_slots: int, state_slots: int, hybrid: bool,
+    def __init__(self, kv_slots: int, state_slots: int, has_state: bool,
                  max_running: int = 4, chunk_tokens: int = 512, policy: str = "semantic",
                  host_slots: int = 0, eviction: str = "value"):
         self.kv_alloc = SlotAllocator(kv_slots)
-        self.hybrid = hybrid
+        self.has_state = has_state  # the model has linear-attention layers (a state pool)
         # interval snapshots no finer than a prefill chunk: each chunk ends at a snapshot
         # point, and with layer streaming every chunk costs a pass of the experts over the link
         self.policy = create_policy(policy, **({"fill_every": max(4096, chunk_tokens)}
                                                if policy == "semantic" else {}))
-        self.cache = HybridRadixCache(self.kv_alloc, StatePool(state_slots) if hybrid else None,
+        self.cache = HybridRadixCache(self.kv_alloc, StatePool(state_slots) if has_state else None,
                                       self.policy,
-                                      StatePool(host_slots) if hybrid and host_slots else None,
+                                      StatePool(host_slots) if has_state and host_slots else None,
                                       eviction)
         self.max_running, self.chunk_tokens = max_running, chunk_tokens
         self.reuse: dict[str, int] = {}  # why prompts resumed short of their KV match, counted
@@ -123,7 +123,7 @@ class Scheduler:
         m = self.cache.match(r.ids, self.user(r))
         self.cache.lock(m.node)
         slot = None
-        if self.hybrid:
+        if self.has_state:
             slot = self.cache.alloc_state()
             if slot is None:
                 self.cache.unlock(m.node)
@@ -141,7 +141,7 @@ class Scheduler:
             tier = f"resumed_{m.state_tier or 'none'}"
             for k in (why, tier):
                 self.reuse[k] = self.reuse.get(k, 0) + 1
-        points = self.policy.positions(r.prompt_len, r.req.anchors) if self.hybrid else []
+        points = self.policy.positions(r.prompt_len, r.req.anchors) if self.has_state else []
         r.snap_points = [(p, c) for p, c in points if p > m.length]
         log.info(kv("admit", rid=r.rid, prompt=r.prompt_len, reused=m.length, kv_match=m.kv_len,
                     state_from=m.state_len, state_cls=m.state_class, tier=m.state_tier,
@@ -289,7 +289,7 @@ class Scheduler:
         """Advance `computed`; attach the snapshot the plan copied (bookkeeping only)."""
         r = item.req
         r.computed += item.n
-        if not self.hybrid and item.n > 1:
+        if not self.has_state and item.n > 1:
             # attention-only models can share KV at any prefix: publish each prefill chunk
             c = self.cache.commit(r.ids[:r.computed], r.row[:r.computed], r.node, r.tree_len)
             r.row, r.node, r.tree_len = c.slots, c.node, r.computed

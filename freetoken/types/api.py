@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 
 class AdmissionError(ValueError):
@@ -99,8 +100,18 @@ class EngineEvent:
 
 
 class EngineClient(Protocol):
+    """Every member the server (freetoken/server) reads of the engine it fronts. The last
+    four are optional for engines that lack them (the proxy's upstream engines, test fakes):
+    the server reads them with a default — `max_output_tokens` None (no server cap),
+    `vocab_size` None (the tokenizer's vocabulary bounds token ids), `model_dir` (only the
+    CLI reads it, for the tokenizer and the output-parser family), `resize_experts` absent
+    (POST /v1/control/experts answers 404 not_supported)."""
+
     model_name: str
     max_context: int
+    max_output_tokens: int | None  # the server's ceiling on a reply's tokens (None: none)
+    vocab_size: int | None  # the model's vocabulary, often padded past the tokenizer's
+    model_dir: Path  # the checkpoint served (the tokenizer and the parser family)
 
     def check(self, req: GenerateRequest) -> None: ...
 
@@ -109,3 +120,8 @@ class EngineClient(Protocol):
     def generate(self, req: GenerateRequest) -> AsyncIterator[EngineEvent]: ...
 
     def stats(self) -> dict: ...
+
+    async def resize_experts(self, **spec: Any) -> dict:
+        """Resize the GPU expert cache (`slots`, `rate` or `mem`); returns the new sizes.
+        Raises AdmissionError on a bad spec, engine.core.ResizeError when it cannot allocate."""
+        ...

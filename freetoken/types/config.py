@@ -1,14 +1,19 @@
 """Engine configuration as frozen dataclasses that validate themselves on construction.
 
 `MoEConfig` is the expert runtime's (experts/runtime.py): which backend, how large the GPU
-expert cache is, the CPU branch and the prefill streamer. The flag group that fills it is
-`add_moe_args` in freetoken/cli/options.py.
+expert cache is, the CPU branch and the prefill streamer. `CacheConfig` sizes the KV pool, the
+recurrent-state slots and their host tier, and the prefill chunk. `EngineConfig` is everything
+`build_engine` (freetoken/cli/build.py) needs to assemble a serving engine: the checkpoint, its
+placement, the scheduler's bounds and the two other records. The flag groups that fill them are
+in freetoken/cli/options.py (`engine_config_from_args` is the one conversion from arguments).
+A ValueError names the flag at fault.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 BACKENDS = ("auto", "fused", "offload", "cpu", "hybrid")
+POLICIES = ("semantic", "interval", "end_only")  # cache/policy.py: where snapshots are taken
 # device memory kept free for activations and workspaces when the slot cache and the KV pool
 # are sized from what is free
 WORKSPACE_MARGIN_BYTES = 1 << 30
@@ -44,3 +49,57 @@ class MoEConfig:
             raise ValueError("--moe-prefill-stream-tokens must be at least 2")
         if self.cpu_layers < 0:
             raise ValueError("--moe-cpu-layers must be at least 0")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The engine's pools. None: sized at build from the model and the free memory
+    (engine/sizing.py, engine/cache_ops.py)."""
+
+    kv_tokens: int | None = None  # KV pool size in tokens (None: what memory allows)
+    state_slots: int = 64  # recurrent-state slots (working states + snapshots)
+    state_host_mem: int | None = None  # bytes of the host tier of state snapshots
+    chunk_tokens: int | None = None  # prefill token budget per step
+    checkpoint_policy: str = "semantic"
+
+    def __post_init__(self) -> None:
+        if self.kv_tokens is not None and self.kv_tokens < 1:
+            raise ValueError("--kv-tokens must be at least 1")
+        if self.state_slots < 1:
+            raise ValueError("--state-slots must be at least 1")
+        if self.state_host_mem is not None and self.state_host_mem < 0:
+            raise ValueError("--state-host-mem must be at least 0")
+        if self.chunk_tokens is not None and self.chunk_tokens < 1:
+            raise ValueError("--chunk-tokens must be at least 1")
+        if self.checkpoint_policy not in POLICIES:
+            raise ValueError(f"--checkpoint-policy must be one of {', '.join(POLICIES)}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One serving engine. `moe` None: the command has no MoE flags (every expert resident);
+    `moe_backend_given` False: `moe.backend` is a placeholder that build_engine replaces with
+    the default for the checkpoint and the device (cli/options.py `default_backend`).
+    `record_routing` (a file written at exit) and `route_trace` (`shared` or a .npy replayed
+    by the routers, `ft bench serve`) are the two routing hooks."""
+
+    model: str = "demo"  # a checkpoint directory, 'demo' or 'demo-random'
+    dtype: str | None = None  # auto, fp32, bf16, fp16 (None: the checkpoint's)
+    device: str | None = None  # cuda, cuda:N, cpu, auto (None: auto)
+    max_running: int = 4
+    max_context: int | None = None  # None: the model's
+    max_output_tokens: int | None = None
+    cuda_graph: bool = True
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    moe: MoEConfig | None = None
+    moe_backend_given: bool = True
+    record_routing: str | None = None
+    route_trace: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1:
+            raise ValueError("--max-running must be at least 1")
+        if self.max_context is not None and self.max_context < 1:
+            raise ValueError("--max-context must be at least 1")
+        if self.max_output_tokens is not None and self.max_output_tokens < 0:
+            raise ValueError("--max-output-tokens must be at least 0")

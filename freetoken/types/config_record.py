@@ -147,6 +147,29 @@ def _get(d: dict, *names: str, default: Any = None) -> Any:
     return default
 
 
+def required_dims(raw: dict) -> tuple[int, int, int, int]:
+    """(num_hidden_layers, hidden_size, num_attention_heads, vocab_size) of a family's
+    `config.json`; ConfigError naming the first one missing."""
+    try:
+        return tuple(int(raw[k]) for k in ("num_hidden_layers", "hidden_size",
+                                          "num_attention_heads", "vocab_size"))  # type: ignore
+    except KeyError as e:
+        raise ConfigError(f"config.json is missing required field {e.args[0]!r}") from None
+
+
+def eos_ids_of(raw: dict, default: int | None = None) -> tuple[int, ...]:
+    """`eos_token_id` (one id or a list) as a tuple; () when absent and no default."""
+    eos = raw.get("eos_token_id", default)
+    return tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+
+
+def weight_dtype(raw: dict) -> str:
+    """The checkpoint's `dtype` / `torch_dtype` as a ModelConfig dtype name (bfloat16 for any
+    other or none)."""
+    dtype = str(_get(raw, "dtype", "torch_dtype", default="bfloat16")).replace("torch.", "")
+    return dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16"
+
+
 def expert_nbytes(hidden: int, inter: int, dtype: torch.dtype) -> int:
     """Bytes of one routed expert (gate + up + down) — the one place this is computed."""
     return 3 * hidden * inter * torch.empty((), dtype=dtype).element_size()

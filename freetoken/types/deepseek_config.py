@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from freetoken.types.config_record import ConfigError, ModelConfig, _get
+from freetoken.types.config_record import (
+    ConfigError,
+    ModelConfig,
+    _get,
+    eos_ids_of,
+    required_dims,
+    weight_dtype,
+)
 
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
               "mscale_all_dim", "attention_factor", "truncate")
@@ -34,13 +41,7 @@ def _rope(raw: dict) -> tuple[float, tuple[tuple[str, Any], ...]]:
 
 
 def deepseek_config(raw: dict, prefix: str = "model.") -> ModelConfig:
-    try:
-        n_layers = int(raw["num_hidden_layers"])
-        hidden = int(raw["hidden_size"])
-        n_heads = int(raw["num_attention_heads"])
-        vocab = int(raw["vocab_size"])
-    except KeyError as e:
-        raise ConfigError(f"config.json is missing required field {e.args[0]!r}") from None
+    n_layers, hidden, n_heads, vocab = required_dims(raw)
     quant = raw.get("quantization_config")
     if quant:
         # the published weights are fp8 blocks with `weight_scale_inv` beside them: read as
@@ -69,9 +70,6 @@ def deepseek_config(raw: dict, prefix: str = "model.") -> ModelConfig:
     moe_inter = int(_get(raw, "moe_intermediate_size", default=2048))
     first_dense = int(_get(raw, "first_k_dense_replace", default=3))
     theta, scaling = _rope(raw)
-    eos = raw.get("eos_token_id", 1)
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    dtype = str(_get(raw, "dtype", "torch_dtype", default="bfloat16")).replace("torch.", "")
     return ModelConfig(
         model_type="deepseek_v3",
         vocab_size=vocab,
@@ -109,8 +107,8 @@ def deepseek_config(raw: dict, prefix: str = "model.") -> ModelConfig:
         routed_scaling_factor=float(_get(raw, "routed_scaling_factor", default=2.5)),
         shared_expert_gated=False,
         weight_prefix=prefix,
-        dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16",
+        dtype=weight_dtype(raw),
         bos_token_id=raw.get("bos_token_id", 0),
-        eos_token_ids=eos_ids,
+        eos_token_ids=eos_ids_of(raw, 1),
         extra=raw,
     )

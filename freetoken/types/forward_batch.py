@@ -50,7 +50,7 @@ class ForwardBatch:
     new_lens: list[int]  # [B] new tokens per sequence (sum = T)
     prefix_lens: list[int]  # [B] tokens already cached per sequence
     kv_slots: list[torch.Tensor]  # B × [prefix+new] int64 slot of every position
-    state_slots: list[int]  # [B] recurrent-state slot (hybrid models; else empty)
+    state_slots: list[int]  # [B] recurrent-state slot (models with linear attention; else empty)
     logits_rows: torch.Tensor  # [R] rows of the packed stream whose logits are wanted
     # decode-only steps of the graph runner: device-side inputs the layers read instead of the
     # host lists above (a freetoken.layers.step_context.DecodeContext); None for every other

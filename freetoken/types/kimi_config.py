@@ -12,7 +12,14 @@ Field names are read in both spellings: transformers' saved names (`num_experts`
 """
 from __future__ import annotations
 
-from freetoken.types.config_record import ConfigError, ModelConfig, _get
+from freetoken.types.config_record import (
+    ConfigError,
+    ModelConfig,
+    _get,
+    eos_ids_of,
+    required_dims,
+    weight_dtype,
+)
 
 
 def _layer_types(raw: dict, n: int) -> list[str]:
@@ -32,13 +39,7 @@ def _layer_types(raw: dict, n: int) -> list[str]:
 
 
 def kimi_config(raw: dict, prefix: str = "model.") -> ModelConfig:
-    try:
-        n_layers = int(raw["num_hidden_layers"])
-        hidden = int(raw["hidden_size"])
-        n_heads = int(raw["num_attention_heads"])
-        vocab = int(raw["vocab_size"])
-    except KeyError as e:
-        raise ConfigError(f"config.json is missing required field {e.args[0]!r}") from None
+    n_layers, hidden, n_heads, vocab = required_dims(raw)
     if raw.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"kimi_linear: hidden_act {raw.get('hidden_act')!r} is not supported")
     act = raw.get("moe_router_activation_func", "sigmoid")
@@ -62,9 +63,6 @@ def kimi_config(raw: dict, prefix: str = "model.") -> ModelConfig:
                           f"topk_group={topk_group}")
     moe_inter = int(_get(raw, "moe_intermediate_size", default=1024))
     q_lora = raw.get("q_lora_rank")
-    eos = raw.get("eos_token_id", 163586)
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    dtype = str(_get(raw, "dtype", "torch_dtype", default="bfloat16")).replace("torch.", "")
     nope, rope_dim = int(_get(raw, "qk_nope_head_dim", default=128)), int(
         _get(raw, "qk_rope_head_dim", default=64))
     return ModelConfig(
@@ -113,8 +111,8 @@ def kimi_config(raw: dict, prefix: str = "model.") -> ModelConfig:
         moe_module="block_sparse_moe",
         expert_names=("w1", "w3", "w2"),
         weight_prefix=prefix,
-        dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16",
+        dtype=weight_dtype(raw),
         bos_token_id=raw.get("bos_token_id", 163584),
-        eos_token_ids=eos_ids,
+        eos_token_ids=eos_ids_of(raw, 163586),
         extra=raw,
     )

@@ -11,7 +11,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from freetoken.types.config_record import ConfigError, ModelConfig, _get, expert_nbytes
+from freetoken.types.config_record import (
+    ConfigError,
+    ModelConfig,
+    _get,
+    eos_ids_of,
+    expert_nbytes,
+    required_dims,
+    weight_dtype,
+)
 
 __all__ = ["ConfigError", "ModelConfig", "config_from_dict", "expert_nbytes", "load_config"]
 
@@ -45,12 +53,7 @@ def config_from_dict(raw: dict) -> ModelConfig:
             f"unsupported model_type {model_type!r}; supported: {', '.join(FAMILIES)}"
         )
     hybrid = model_type in ("qwen3_next", "qwen3_5_moe")
-    try:
-        n_layers = int(raw["num_hidden_layers"])
-        hidden = int(raw["hidden_size"])
-        n_heads = int(raw["num_attention_heads"])
-    except KeyError as e:
-        raise ConfigError(f"config.json is missing required field {e.args[0]!r}") from None
+    n_layers, hidden, n_heads, vocab = required_dims(raw)
     layer_types = raw.get("layer_types")
     if layer_types is None:
         if hybrid:
@@ -78,13 +81,10 @@ def config_from_dict(raw: dict) -> ModelConfig:
         _get(rope, "partial_rotary_factor", default=_get(raw, "partial_rotary_factor",
              default=0.25 if hybrid else 1.0))
     )
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    dtype = str(_get(raw, "dtype", "torch_dtype", default="bfloat16")).replace("torch.", "")
     n_experts = int(_get(raw, "num_experts", "num_local_experts", default=0))
     return ModelConfig(
         model_type=model_type,
-        vocab_size=int(raw["vocab_size"]),
+        vocab_size=vocab,
         hidden_size=hidden,
         num_layers=n_layers,
         num_heads=n_heads,
@@ -117,9 +117,9 @@ def config_from_dict(raw: dict) -> ModelConfig:
         linear_num_value_heads=int(_get(raw, "linear_num_value_heads", default=0)),
         linear_fused_qkvz=model_type == "qwen3_next",
         weight_prefix=prefix,
-        dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16",
+        dtype=weight_dtype(raw),
         bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=eos_ids,
+        eos_token_ids=eos_ids_of(raw),
         extra=raw,
     )
 

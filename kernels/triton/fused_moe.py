@@ -30,7 +30,7 @@ bf16 operands before tl.dot there, since the interpreter's bf16 dot is wrong.
 """
 from __future__ import annotations
 
-import os
+import functools
 
 import torch
 import triton
@@ -38,14 +38,17 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.triton.decode_fusions import moe_sum  # noqa: F401  (re-exported)
-from kernels.triton.moe_common import _block, check_args, interpreting  # noqa: F401
+from kernels.triton.moe_common import _block, check_args, interpreting
+from kernels.triton.tuned import lookup
 
 # Above this many (token, k) entries the grouped path reads fewer weight bytes (repeated
 # experts share a read) and its sort is affordable. To be re-measured on the H200:
 # scripts/bench_triton_moe.py prints both paths at T=1, 4, 16.
 DECODE_MAX_ENTRIES = 128
 
-# H200 starting points for H=2048, I=512 (bf16), to be swept with scripts/bench_triton_moe.py:
+# The built-in decode tiles, for a GPU or shape without an entry in kernels/triton/configs/
+# (`decode_config`). Chosen on the H200 for H=2048, I=512 (bf16) and swept there with
+# scripts/bench_triton_moe.py (docs/kernels.md: no config beat them beyond noise):
 # T=1 gives 8 entries x 32 row blocks = 256 gate_up programs and 8 x 64 = 512 down programs
 # (132 SMs), each streaming 16-byte vector loads along the contiguous H (or I) axis.
 DECODE_CONFIG = {
@@ -54,27 +57,18 @@ DECODE_CONFIG = {
 }
 
 
-def _config_from_env() -> None:
-    """FT_MOE_DECODE_CONFIG='{"gate_up": {...}, "down": {...}}' (JSON, the keys above; either
-    part may be left out) replaces DECODE_CONFIG's tiles: what `scripts/bench_triton_moe.py
-    --sweep` prints for another GPU, tried without editing the code."""
-    raw = os.environ.get("FT_MOE_DECODE_CONFIG")
-    if not raw:
-        return
-    import json
-
-    try:
-        cfg = json.loads(raw)
-        for part, tiles in cfg.items():
-            if part not in DECODE_CONFIG or set(tiles) - {"BLOCK_N", "BLOCK_K", "num_warps"}:
-                raise ValueError(f"unknown part or key in {part}: {tiles}")
-            DECODE_CONFIG[part] = {**DECODE_CONFIG[part], **{k: int(v) for k, v in tiles.items()}}
-    except (ValueError, AttributeError, TypeError) as exc:
-        raise ValueError(f"FT_MOE_DECODE_CONFIG={raw!r} is not a decode tile config: {exc}"
-                         ) from exc
+def decode_config(x: Tensor, gate_up: Tensor) -> dict:
+    """The decode tiles for x's GPU and the (H, I) of `gate_up` [S, 2I, H]: the entry of
+    kernels/triton/configs/<gpu>.json (kernels/triton/tuned.py), else DECODE_CONFIG. Read at
+    the first launch of each GPU and shape and kept; the built-in tiles under the interpreter."""
+    index = x.device.index if x.is_cuda and not interpreting() else None
+    return _decode_config(index, int(gate_up.shape[2]), int(gate_up.shape[1]) // 2)
 
 
-_config_from_env()
+@functools.cache
+def _decode_config(device_index: int | None, H: int, I: int) -> dict:
+    name = None if device_index is None else torch.cuda.get_device_name(device_index)
+    return lookup("fused_moe_decode", f"H={H},I={I}", DECODE_CONFIG, name)
 
 
 @triton.jit
@@ -176,10 +170,11 @@ def _decode_down_kernel(
 def fused_moe_decode(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor,
                      config: dict | None = None, *, zero_missing: bool = False,
                      shared: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
-    """The decode (GEMV) path. `config` overrides DECODE_CONFIG (same keys). `zero_missing`:
-    entries with id < 0 get zeros (the caller need not clear y first). `shared` = (gate_up
-    [2I, H], down [H, I], out [T, H]): a shared expert with the routed experts' I, run on every
-    token in the same two launches (T more entries), its unweighted output written to out."""
+    """The decode (GEMV) path. `config` overrides the tuned tiles (`decode_config`; same
+    keys). `zero_missing`: entries with id < 0 get zeros (the caller need not clear y first).
+    `shared` = (gate_up [2I, H], down [H, I], out [T, H]): a shared expert with the routed
+    experts' I, run on every token in the same two launches (T more entries), its unweighted
+    output written to out."""
     T, K, _, _ = check_args(x, ids, gate_up, down, y)
     flat = ids.reshape(T * K)  # [N]
     if not flat.is_contiguous():
@@ -189,7 +184,7 @@ def fused_moe_decode(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: T
         if shared[2].dtype != y.dtype:
             raise ValueError(f"shared output {shared[2].dtype} and y {y.dtype} differ")
     _decode_launch(x, flat, K, gate_up, down, y, shared, zero_missing,
-                   DECODE_CONFIG if config is None else config)
+                   decode_config(x, gate_up) if config is None else config)
     return y
 
 
@@ -218,7 +213,7 @@ def shared_expert_decode(x: Tensor, gate_up: Tensor, down: Tensor, out: Tensor |
     check_shared(x, gate_up[None], gate_up, down, out)
     no_ids = torch.empty(0, dtype=torch.int64, device=x.device)
     _decode_launch(x, no_ids, 1, gate_up[None], down[None], out[:, None], (gate_up, down, out),
-                   False, DECODE_CONFIG if config is None else config)
+                   False, decode_config(x, gate_up[None]) if config is None else config)
     return out
 
 

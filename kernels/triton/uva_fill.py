@@ -19,7 +19,6 @@ Shapes: F fetch entries, N elements per expert row (2I·H or H·I).
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -84,8 +83,3 @@ def fill_rows(src: Tensor, dst: Tensor, experts: Tensor, slots: Tensor,
     chunks = triton.cdiv(n, block * iters)
     _fill_pair_kernel[(F, chunks)](src, dst, src, dst, experts, slots, n, n, chunks,
                                    BLOCK=block, ITERS=iters, num_warps=4)
-
-
-def device_can_read(t: Tensor) -> bool:
-    """Whether kernels can read host tensor `t` through its mapped address (pinned, with CUDA)."""
-    return t.device.type == "cpu" and t.is_pinned() and torch.cuda.is_available()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from freetoken.bench.cli_bw import register
-from freetoken.experts import bandwidth as bw
+from freetoken.experts import calibrate as bw
 from freetoken.experts import profile as bwp
 from freetoken.experts.cost_model import BandwidthProfile
 
@@ -70,8 +70,8 @@ def test_first_start_measures_a_profile_for_the_models_own_shape(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("FT_CPU_ISA", "torch")  # no kernel build in a fresh cache dir
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr("freetoken.experts.runtime.AUTO_BW_SECONDS", 0.01)
-    monkeypatch.setattr("freetoken.experts.runtime.AUTO_BW_POOL_GB", 0.02)
+    monkeypatch.setattr("freetoken.experts.calibrate.AUTO_BW_SECONDS", 0.01)
+    monkeypatch.setattr("freetoken.experts.calibrate.AUTO_BW_POOL_GB", 0.02)
     import dataclasses
 
     # no preset has these expert dimensions
@@ -102,7 +102,7 @@ def test_a_failed_start_measurement_falls_back_with_a_warning(
     the server: no profile, a warning naming the error, nothing saved."""
     import logging
 
-    from freetoken.experts import bandwidth
+    from freetoken.experts import calibrate
     from freetoken.experts.runtime import find_profile, measure_profile_now
     from freetoken.types.presets import preset_config
 
@@ -111,7 +111,7 @@ def test_a_failed_start_measurement_falls_back_with_a_warning(
     def no_memory(*a, **k):
         raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
 
-    monkeypatch.setattr(bandwidth, "measure_profile", no_memory)
+    monkeypatch.setattr(calibrate, "measure_profile", no_memory)
 
     class Model:
         cfg = preset_config("qwen3.6-35b-a3b", 2)

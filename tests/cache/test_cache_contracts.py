@@ -107,7 +107,7 @@ def test_hybrid_log_lines_counters_and_stats(caplog: pytest.LogCaptureFixture) -
 
 def test_hybrid_misuse_is_refused() -> None:
     kv_only = HybridRadixCache(SlotAllocator(8), None, create_policy("end_only"))
-    assert not kv_only.is_hybrid and "state_free" not in kv_only.stats()
+    assert not kv_only.has_state_pool and "state_free" not in kv_only.stats()
     assert HybridRadixCache(SlotAllocator(8)).policy.name == "semantic"  # the default policy
     assert _hybrid().policy.name == "end_only"  # a given one is kept
     assert kv_only.evict_states(3) == 0

@@ -16,13 +16,15 @@ from freetoken.bench.routing_trace import load_trace
 from freetoken.chat import ChatTokenizer
 from freetoken.cli import main as ft_main
 from freetoken.cli.build import build_engine
+from freetoken.cli.options import engine_config_from_args
 from freetoken.cli.serve import register as register_serve
 from freetoken.engine.async_engine import AsyncEngine
 from freetoken.engine.core import EngineCore
 from freetoken.engine.generate import generate
 from freetoken.models.loader import load_model
 from freetoken.server import create_app
-from freetoken.types.api import AdmissionError, GenerateRequest, SamplingParams
+from freetoken.types.api import AdmissionError, EngineClient, GenerateRequest, SamplingParams
+from freetoken.types.config import EngineConfig
 from tests.server.server_helpers import Server
 
 KV_TOKENS = 300
@@ -116,10 +118,10 @@ def test_stats_count_what_the_responses_report(small) -> None:
     assert cached > 0 and after["cached_tokens"] - before["cached_tokens"] == cached
 
 
-def _serve_args(*argv: str) -> argparse.Namespace:
+def _serve_args(*argv: str) -> EngineConfig:
     p = argparse.ArgumentParser()
     register_serve(p.add_subparsers(dest="command"))
-    return p.parse_args(["serve", *argv])
+    return engine_config_from_args(p.parse_args(["serve", *argv]))
 
 
 def test_build_engine_from_serve_flags(tiny_chat_dir: Path, tmp_path: Path, monkeypatch) -> None:
@@ -141,6 +143,13 @@ def test_build_engine_from_serve_flags(tiny_chat_dir: Path, tmp_path: Path, monk
         assert core.caches.kv.num_slots == 2049  # plus the decode runner's scratch slot
         assert core.sched.cache.state_pool.num_slots == 12 and core.sched.max_running == 3
         assert engine.model_name == tiny_chat_dir.name
+        # the real engine has every member the server reads (bug: no vocab_size, so token-id
+        # prompts were bounded by the tokenizer's vocabulary, not the model's)
+        members = set(EngineClient.__annotations__) | {
+            n for n in vars(EngineClient) if not n.startswith("_")}
+        assert {"vocab_size", "resize_experts", "max_output_tokens", "model_dir"} <= members
+        assert all(hasattr(engine, n) for n in members), members - set(dir(engine))
+        assert engine.vocab_size == model.cfg.vocab_size
         assert asyncio.run(asyncio.wait_for(_collect(engine, _req(5)), 60))
         saves = [f for f in at_exit if f.__qualname__.startswith("attach_recorder")]
         assert len(saves) == 1

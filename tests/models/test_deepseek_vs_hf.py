@@ -1,7 +1,7 @@
 """DeepSeek-V3 (MLA + group-limited routing) against transformers' `deepseek_v3` (the oracle),
 through the real checkpoint path (save_pretrained → load_model): logits of the plain prefill
-form and of the absorbed decode form, greedy tokens, the batched engine with prefix reuse, and
-the config, rotary and router pieces on their own."""
+form and of the absorbed decode form (greedy tokens and the batched engine with prefix reuse:
+test_families_vs_hf.py), and the config, rotary and router pieces on their own."""
 from __future__ import annotations
 
 import json
@@ -10,24 +10,14 @@ import pytest
 import torch
 
 from freetoken.cache.tensors import Caches, KVPool
-from freetoken.engine.core import EngineCore
-from freetoken.engine.generate import generate
 from freetoken.models.loader import load_model
-from freetoken.types.api import GenerateRequest, SamplingParams
 from freetoken.types.forward_batch import ForwardBatch
 from freetoken.types.model_config import ConfigError, config_from_dict, load_config
+from tests.models.family_helpers import prompt, rel
 from tests.models.fixtures import hf_reference
 
 KINDS = ["deepseek_v3", "deepseek_v3_no_q_lora", "deepseek_v3_old_spelling"]
 REL = 1e-5
-
-
-def _prompt(vocab: int, n: int, seed: int = 0) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
 
 
 def _pool(model, n: int) -> Caches:
@@ -40,24 +30,24 @@ def test_prefill_and_decode_logits_match_transformers(tiny_hf, kind: str) -> Non
     each equal transformers. Positions run past YaRN's original 128 (the ramp's far side)."""
     d = tiny_hf(kind)
     ours, ref = load_model(d, dtype=torch.float32, progress=False), hf_reference(d)
-    ids = _prompt(ours.cfg.vocab_size, 150)
+    ids = prompt(ours.cfg.vocab_size, 150)
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]  # [T, V]
     got = ours(ForwardBatch.single(ids, 0, torch.arange(150), None, all_logits=True),
                _pool(ours, 256))
-    assert _rel(got, want) <= REL
+    assert rel(got, want) <= REL
     c = _pool(ours, 256)
     parts = [ours(ForwardBatch.single(ids[:97], 0, torch.arange(97), None, all_logits=True), c)]
     parts.append(ours(ForwardBatch.single(ids[97:140], 97, torch.arange(140), None,
                                           all_logits=True), c))
     parts += [ours(ForwardBatch.single([ids[t]], t, torch.arange(t + 1), None), c)
               for t in range(140, 150)]
-    assert _rel(torch.cat(parts), want) <= REL
+    assert rel(torch.cat(parts), want) <= REL
     # the absorbed form alone, from the first token: every row a decode row
     c = _pool(ours, 256)
     dec = torch.cat([ours(ForwardBatch.single([ids[t]], t, torch.arange(t + 1), None), c)
                      for t in range(40)])
-    assert _rel(dec, want[:40]) <= REL
+    assert rel(dec, want[:40]) <= REL
 
 
 def test_pool_holds_one_latent_per_token(tiny_hf) -> None:
@@ -89,7 +79,7 @@ def test_long_context_decode_reads_latents_in_place(tiny_hf, monkeypatch) -> Non
     d = tiny_hf("deepseek_v3")
     ours, ref = load_model(d, dtype=torch.float32, progress=False), hf_reference(d)
     n = ao.MIN_KEYS + 6
-    ids = _prompt(ours.cfg.vocab_size, n, seed=3)
+    ids = prompt(ours.cfg.vocab_size, n, seed=3)
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0, -4:]  # [4, V]
     c = _pool(ours, 2 * n)
@@ -98,59 +88,7 @@ def test_long_context_decode_reads_latents_in_place(tiny_hf, monkeypatch) -> Non
     got = torch.cat([ours(ForwardBatch.single([ids[t]], t, slots[: t + 1], None), c)
                      for t in range(n - 4, n)])
     assert any(calls), "the in-place kernel must have served the long decode rows"
-    assert _rel(got, want) <= REL
-
-
-@pytest.mark.parametrize("kind", ["deepseek_v3", "deepseek_v3_no_q_lora"])
-def test_greedy_tokens_match_transformers(tiny_hf, kind: str) -> None:
-    d = tiny_hf(kind)
-    ours, ref = load_model(d, dtype=torch.float32, progress=False), hf_reference(d)
-    ids = _prompt(ours.cfg.vocab_size, 40, seed=1)
-    with torch.no_grad():
-        want = ref.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)[0, 40:].tolist()
-    got = generate(ours, ids, SamplingParams(max_tokens=24, temperature=0.0), eos_ids=[])
-    assert got.token_ids == want
-
-
-def _hf_greedy(ref, ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
-
-
-def test_engine_batches_and_reuses_latent_prefix(tiny_hf) -> None:
-    """The batched engine (chunked prefill beside decode rows of other requests, a radix cache
-    of latent slots) gives transformers' greedy tokens, and a second turn reuses the first's
-    cached latents."""
-    d = tiny_hf("deepseek_v3")
-    model, ref = load_model(d, dtype=torch.float32, progress=False), hf_reference(d)
-    V = model.cfg.vocab_size
-    base = _prompt(V, 70, 0)
-    prompts = [base + _prompt(V, 11 + 5 * i, i + 1) for i in range(3)]
-    core = EngineCore(model, [], kv_tokens=1024, state_slots=8, max_running=2, chunk_tokens=32)
-
-    def run(reqs: list[GenerateRequest]) -> dict[str, list]:
-        out: dict[str, list] = {r.request_id: [] for r in reqs}
-        for r in reqs:
-            core.add(r, out[r.request_id].append)
-        while core.has_work():
-            core.step()
-        return out
-
-    def req(rid: str, ids: list[int], n: int) -> GenerateRequest:
-        return GenerateRequest(ids, SamplingParams(max_tokens=n, temperature=0.0,
-                                                   ignore_eos=True), request_id=rid)
-
-    out = run([req(f"r{i}", p, 8) for i, p in enumerate(prompts)])
-    want = [_hf_greedy(ref, p, 8) for p in prompts]
-    for i in range(3):
-        assert [t for e in out[f"r{i}"] for t in e.token_ids] == want[i], i
-    turn2 = prompts[0] + want[0] + _prompt(V, 9, 99)
-    ev = run([req("t2", turn2, 6)])["t2"]
-    assert [t for e in ev for t in e.token_ids] == _hf_greedy(ref, turn2, 6)
-    assert ev[0].cached_tokens >= len(prompts[0]) - 1, ev[0].cached_tokens
+    assert rel(got, want) <= REL
 
 
 def test_config_spellings_and_defaults(tiny_hf) -> None:
@@ -206,7 +144,7 @@ def test_bf16_keeps_the_router_in_fp32(tiny_hf) -> None:
             assert torch.equal(b.gate.e_score_correction_bias, bias)
             assert torch.equal(b.gate.weight, f.get_tensor(p + "weight"))
     assert ours.model.layers[1].self_attn.kv_b_proj.weight.dtype == torch.bfloat16
-    ids = _prompt(ours.cfg.vocab_size, 70, seed=2)
+    ids = prompt(ours.cfg.vocab_size, 70, seed=2)
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]
     c = Caches(KVPool(ours.cfg, 128, torch.bfloat16, "cpu"), None)

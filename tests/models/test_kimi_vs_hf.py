@@ -1,35 +1,21 @@
 """Kimi-Linear (Kimi Delta Attention + NoPE MLA + group-limited MoE) against transformers'
 `kimi_linear` (the oracle), through save_pretrained → load_model: logits of the chunked KDA
-prefill and of the recurrent decode, greedy tokens, the batched engine with prefix reuse over
-KDA state snapshots; and the KDA rule against a float64 recurrence written out step by step."""
+prefill and of the recurrent decode (greedy tokens and the batched engine with prefix reuse
+over KDA state snapshots: test_families_vs_hf.py); and the KDA rule against a float64
+recurrence written out step by step."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from freetoken.cache.tensors import Caches, KVPool, StateTensors
-from freetoken.engine.core import EngineCore
-from freetoken.engine.generate import generate
 from freetoken.layers.kda_rule import chunk_kda, recurrent_kda
 from freetoken.models.loader import load_model
-from freetoken.types.api import GenerateRequest, SamplingParams
 from freetoken.types.forward_batch import ForwardBatch
 from freetoken.types.model_config import load_config
+from tests.models.family_helpers import caches, prompt, rel
 from tests.models.fixtures import hf_reference
 
 REL = 1e-5
-
-
-def _prompt(vocab: int, n: int, seed: int = 0) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
-
-
-def _caches(model, n: int, dtype: torch.dtype = torch.float32) -> Caches:
-    return Caches(KVPool(model.cfg, n, dtype, "cpu"), StateTensors(model.cfg, 2, dtype, "cpu"))
 
 
 @pytest.mark.parametrize("kind", ["kimi_linear", "kimi_linear_published_spelling"])
@@ -38,23 +24,23 @@ def test_logits_match_transformers(tiny_hf, kind: str) -> None:
     carried conv / KDA state and token-by-token decode; then every row a decode row."""
     d = tiny_hf(kind)
     ours, ref = load_model(d, dtype=torch.float32, progress=False), hf_reference(d)
-    ids = _prompt(ours.cfg.vocab_size, 150)
+    ids = prompt(ours.cfg.vocab_size, 150)
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]
     got = ours(ForwardBatch.single(ids, 0, torch.arange(150), 0, all_logits=True),
-               _caches(ours, 256))
-    assert _rel(got, want) <= REL
-    c = _caches(ours, 256)
+               caches(ours, 256))
+    assert rel(got, want) <= REL
+    c = caches(ours, 256)
     parts = [ours(ForwardBatch.single(ids[:97], 0, torch.arange(97), 0, all_logits=True), c)]
     parts.append(ours(ForwardBatch.single(ids[97:140], 97, torch.arange(140), 0,
                                           all_logits=True), c))
     parts += [ours(ForwardBatch.single([ids[t]], t, torch.arange(t + 1), 0), c)
               for t in range(140, 150)]
-    assert _rel(torch.cat(parts), want) <= REL
-    c = _caches(ours, 256)
+    assert rel(torch.cat(parts), want) <= REL
+    c = caches(ours, 256)
     dec = torch.cat([ours(ForwardBatch.single([ids[t]], t, torch.arange(t + 1), 0), c)
                      for t in range(30)])
-    assert _rel(dec, want[:30]) <= REL
+    assert rel(dec, want[:30]) <= REL
 
 
 def test_config_reads_the_published_spelling(tiny_hf) -> None:
@@ -64,55 +50,6 @@ def test_config_reads_the_published_spelling(tiny_hf) -> None:
     assert a.linear_attention_layers == [0, 2, 3] and a.full_attention_layers == [1, 4]
     assert a.mlp_only_layers == (0,) and a.kv_entry == (1, 64, 0) and not a.mla_rope
     assert (a.linear_num_key_heads, a.linear_key_head_dim, a.linear_conv_dim) == (2, 16, 96)
-
-
-def test_greedy_tokens_match_transformers(tiny_hf) -> None:
-    d = tiny_hf("kimi_linear")
-    ours, ref = load_model(d, dtype=torch.float32, progress=False), hf_reference(d)
-    ids = _prompt(ours.cfg.vocab_size, 40, seed=1)
-    with torch.no_grad():
-        want = ref.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)[0, 40:].tolist()
-    got = generate(ours, ids, SamplingParams(max_tokens=24, temperature=0.0), eos_ids=[])
-    assert got.token_ids == want
-
-
-def test_engine_batches_and_reuses_prefix_through_kda_snapshots(tiny_hf) -> None:
-    """Batched chunked prefill beside decode rows; a second turn restores the first turn's KDA
-    conv and recurrent state from the hybrid cache's snapshot and its MLA latents from the radix
-    cache, and still gives transformers' greedy tokens."""
-    d = tiny_hf("kimi_linear")
-    model, ref = load_model(d, dtype=torch.float32, progress=False), hf_reference(d)
-    V = model.cfg.vocab_size
-    base = _prompt(V, 70, 0)
-    prompts = [base + _prompt(V, 11 + 5 * i, i + 1) for i in range(3)]
-    core = EngineCore(model, [], kv_tokens=1024, state_slots=8, max_running=2, chunk_tokens=32)
-
-    def run(reqs):
-        out = {r.request_id: [] for r in reqs}
-        for r in reqs:
-            core.add(r, out[r.request_id].append)
-        while core.has_work():
-            core.step()
-        return out
-
-    def req(rid, ids, n):
-        return GenerateRequest(ids, SamplingParams(max_tokens=n, temperature=0.0,
-                                                   ignore_eos=True), request_id=rid)
-
-    def hf(ids, n):
-        with torch.no_grad():
-            return ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-
-    out = run([req(f"r{i}", p, 8) for i, p in enumerate(prompts)])
-    want = [hf(p, 8) for p in prompts]
-    for i in range(3):
-        assert [t for e in out[f"r{i}"] for t in e.token_ids] == want[i], i
-    turn2 = prompts[0] + want[0] + _prompt(V, 9, 99)
-    ev = run([req("t2", turn2, 6)])["t2"]
-    assert [t for e in ev for t in e.token_ids] == hf(turn2, 6)
-    assert ev[0].cached_tokens >= len(prompts[0]) - 1, ev[0].cached_tokens
 
 
 def _kda_reference(q, k, v, g, beta, state):
@@ -160,11 +97,11 @@ def test_bf16_keeps_router_and_dt_bias_fp32(tiny_hf) -> None:
     assert all(b.gate.e_score_correction_bias.dtype == torch.float32 for b in ours.moe_blocks())
     assert ours.model.layers[0].self_attn.dt_bias.dtype == torch.float32
     assert ours.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
-    ids = _prompt(ours.cfg.vocab_size, 70, seed=2)
+    ids = prompt(ours.cfg.vocab_size, 70, seed=2)
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]
     got = ours(ForwardBatch.single(ids, 0, torch.arange(70), 0, all_logits=True),
-               _caches(ours, 128, torch.bfloat16))
+               caches(ours, 128, torch.bfloat16))
     assert (got - want).norm() / want.norm() < 0.05
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
 

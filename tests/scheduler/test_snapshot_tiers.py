@@ -72,7 +72,7 @@ def _sched_req(rid: str, n: int) -> Request:
 def test_short_prompt_beside_a_long_one_gets_its_first_token_within_a_few_steps() -> None:
     """Bug caught (issue 12): a 200k-token prompt took the whole chunk budget of every step, so
     a 9-token request admitted beside it waited for the whole long prefill."""
-    s = Scheduler(kv_slots=300_000, state_slots=8, hybrid=True, max_running=4, chunk_tokens=512)
+    s = Scheduler(kv_slots=300_000, state_slots=8, has_state=True, max_running=4, chunk_tokens=512)
     long, short = _sched_req("long", 200_000), _sched_req("short", 9)
     s.add(long)
     for step in range(1, 400):
@@ -112,7 +112,7 @@ def test_streaming_sized_chunks_are_not_split_by_interval_snapshots() -> None:
     """Bug caught (issue 13): with 8192-token chunks (prefill streaming), the semantic policy's
     interval snapshots every 4096 tokens ended every other chunk early, so a 32k prompt took
     six passes of the experts over the link instead of four."""
-    s = Scheduler(kv_slots=40_000, state_slots=8, hybrid=True, max_running=1, chunk_tokens=8192)
+    s = Scheduler(kv_slots=40_000, state_slots=8, has_state=True, max_running=1, chunk_tokens=8192)
     r = _sched_req("long", 32_768)
     s.add(r)
     sizes = []

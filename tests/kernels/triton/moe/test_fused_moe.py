@@ -234,29 +234,53 @@ def test_shared_expert_bad_shapes_raise():
         fused_moe_decode(x, ids, gu, dn, torch.zeros(2, 2, H), shared=(sgu, sdn, torch.zeros(2, H)))
 
 
-def test_decode_config_from_the_environment() -> None:
-    """FT_MOE_DECODE_CONFIG replaces the decode tiles at import (a part may be left out, values
-    as ints); anything else fails the import with an error naming the variable. Bugs caught: the
-    variable ignored, a part it leaves out wiped, a typo'd key accepted silently."""
-    import subprocess
-    import sys
-
-    def load(value: str) -> subprocess.CompletedProcess:
-        code = ("import json; from kernels.triton.fused_moe import DECODE_CONFIG as c; "
-                "print(json.dumps(c))")
-        env = {**os.environ, "FT_MOE_DECODE_CONFIG": value, "TRITON_INTERPRET": "1"}
-        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                              text=True, timeout=120, check=False)
-
+def test_decode_tiles_come_from_the_gpu_config_file(tmp_path) -> None:
+    """kernels/triton/configs/<gpu>.json: the exact shape's entry, else the family's default,
+    else the built-in tiles; a part left out keeps the built-in one, values become ints; a
+    typo'd part or key, or a file that is not JSON, fails naming the file. Bugs caught: the
+    file ignored, a part it leaves out wiped, a typo'd key accepted silently, one GPU's tiles
+    used on another."""
     import json
 
     from kernels.triton.fused_moe import DECODE_CONFIG
+    from kernels.triton.tuned import gpu_file_name, load_file, lookup
 
-    got = load('{"gate_up": {"BLOCK_N": 8, "num_warps": "8"}}')
-    assert got.returncode == 0, got.stderr
-    cfg = json.loads(got.stdout)
-    assert cfg["gate_up"] == {**DECODE_CONFIG["gate_up"], "BLOCK_N": 8, "num_warps": 8}
-    assert cfg["down"] == DECODE_CONFIG["down"]
-    for bad in ('{"gate_up": {"BLOCK_M": 8}}', '{"up": {}}', "not json", '["gate_up"]'):
-        got = load(bad)
-        assert got.returncode != 0 and "FT_MOE_DECODE_CONFIG" in got.stderr, bad
+    assert gpu_file_name("NVIDIA H200") == "nvidia_h200.json"
+    assert gpu_file_name("NVIDIA GeForce RTX 4090 ") == "nvidia_geforce_rtx_4090.json"
+    (tmp_path / "nvidia_h200.json").write_text(json.dumps({"fused_moe_decode": {
+        "H=64,I=32": {"gate_up": {"BLOCK_N": 8, "num_warps": "8"}},
+        "default": {"down": {"BLOCK_K": 64}}}}))
+
+    def tiles(shape: str, gpu: str | None = "NVIDIA H200") -> dict:
+        return lookup("fused_moe_decode", shape, DECODE_CONFIG, gpu, tmp_path)
+
+    got = tiles("H=64,I=32")
+    assert got["gate_up"] == {**DECODE_CONFIG["gate_up"], "BLOCK_N": 8, "num_warps": 8}
+    assert got["down"] == DECODE_CONFIG["down"]
+    assert tiles("H=128,I=32") == {**DECODE_CONFIG,
+                                   "down": {**DECODE_CONFIG["down"], "BLOCK_K": 64}}
+    assert tiles("H=64,I=32", "NVIDIA A100-SXM4-80GB") == DECODE_CONFIG  # no file: built-in
+    assert tiles("H=64,I=32", None) == DECODE_CONFIG  # no GPU (the interpreter): built-in
+    for n, bad in enumerate(({"H=1,I=1": {"gate_up": {"BLOCK_M": 8}}}, {"H=1,I=1": {"up": {}}},
+                             {"H=1,I=1": ["gate_up"]})):
+        name = f"bad {n}"
+        (tmp_path / gpu_file_name(name)).write_text(json.dumps({"fused_moe_decode": bad}))
+        with pytest.raises(ValueError, match=gpu_file_name(name)):
+            tiles("H=1,I=1", name)
+    (tmp_path / "not_json.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not_json.json"):
+        load_file(tmp_path / "not_json.json")
+
+
+def test_the_shipped_config_files_are_valid() -> None:
+    """Every file in kernels/triton/configs parses and each entry merges with the built-in
+    tiles (a broken shipped file would fail the first decode launch on that GPU)."""
+    from kernels.triton.fused_moe import DECODE_CONFIG
+    from kernels.triton.tuned import CONFIG_DIR, load_file, merge_config
+
+    files = sorted(CONFIG_DIR.glob("*.json"))
+    assert files, "no tuned config shipped"
+    for path in files:
+        for shape, tuned in load_file(path).get("fused_moe_decode", {}).items():
+            merged = merge_config(DECODE_CONFIG, tuned, f"{path} {shape}")
+            assert set(merged) == set(DECODE_CONFIG)

@@ -125,3 +125,14 @@ def test_head_breaks_let_a_session_elsewhere_resume_inside_the_system_prompt() -
     assert 5000 < lcp < len(new.ids) - 1000  # they part inside the system prompt
     assert lcp - 32 <= reused[True] <= lcp
     assert reused[False] < lcp - 1000
+
+
+def test_default_traces_are_the_checkouts_own() -> None:
+    """`ft bench anchors` without --traces reads tests/data/harness_traces of this checkout.
+    Bug it catches: a default that looked for ../shared/harness_traces outside the checkout,
+    so the same command read different files on different machines (issue #21)."""
+    from freetoken.bench.cli_anchors import DEFAULT_TRACES
+
+    root = Path(__file__).resolve().parents[2]
+    assert DEFAULT_TRACES == root / "tests" / "data" / "harness_traces" == TRACES.resolve()
+    assert sorted(DEFAULT_TRACES.rglob("*.jsonl"))
