@@ -130,8 +130,11 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while not self._stop:
-            self._drain(block=not self.core.has_work())
+            idle_work = self.core.warmup.pending > 0  # warm-up tasks run only while idle
+            self._drain(block=not self.core.has_work() and not idle_work)
             if not self.core.has_work():
+                if idle_work and not self._stop:
+                    self._warm_up_one()
                 continue
             try:
                 self.core.step()
@@ -140,6 +143,15 @@ class AsyncEngine:
                 for r in list(self.core.sched.running) + list(self.core.sched.waiting):
                     self.core.abort(r.rid)
                     r.emit(RuntimeError(f"engine step failed: {e!r}"))  # type: ignore[arg-type]
+
+    def _warm_up_one(self) -> None:
+        """One warm-up task (engine/warm_up.py) at this safe point: a request that arrives
+        meanwhile waits for this task only. A task that fails is logged and the rest go on."""
+        try:
+            self.core.warmup.run_one()
+        except Exception as e:  # noqa: BLE001  (warm-up is an optimisation: never fatal)
+            log.error(kv("warm_up_task_failed", error=repr(e)[:300]) + "\n"
+                      + traceback.format_exc())
 
 
 class EventStream:
