@@ -48,14 +48,14 @@ class Task:
 def prefill_shapes(chunk: int, max_prompt: int, threshold: int | None) -> list[int]:
     """The prefill token counts that reach distinct kernels: every power of two up to the
     chunk, each with its odd neighbour (Triton specialises integer arguments on divisibility
-    by 16), the prefill stream's threshold and the token just below it, and the chunk itself;
+    by 16), the prefill stream's threshold and the token just below it, and the longest chunk;
     none under 2 (a 1-token prompt is a decode step) or above `max_prompt`."""
     out = set()
     k = 2
     while k <= chunk:
         out.update((k, k + 1))
         k *= 2
-    out.add(chunk)
+    out.add(min(chunk, max_prompt))  # the longest chunk a prompt can make
     if threshold is not None and threshold <= chunk:
         out.update((threshold - 1, threshold))
     return sorted(n for n in out if 2 <= n <= min(chunk, max_prompt))
