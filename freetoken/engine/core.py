@@ -105,7 +105,10 @@ class EngineCore:
     def warm_up(self) -> float:
         """Every warm-up task now, blocking: kernels compiled and graphs captured
         (engine/warm_up.py; `ft serve` instead runs them while idle). Returns the seconds."""
-        return self.warmup.run_all()
+        dt = self.warmup.run_all()
+        graphs = self.runner.graphs_held() if self.runner is not None else 0
+        log.info(kv("warm_up", seconds=f"{dt:.1f}", graphs=graphs, blocking=True))
+        return dt
 
     def drop_bridge(self, e: BridgeError) -> None:
         """The CPU bridge failed: log it and serve on without it (the runner's steps run

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 
@@ -155,5 +156,5 @@ def test_a_lazy_capture_stalls_the_running_request_for_one_step(model, monkeypat
         core.step()
     assert got == want
     assert captured == [(1, True), (2, True)]  # each bucket once, at its first step
-    gaps = [y - x for x, y in zip(stamps, stamps[1:]) if x >= t_b]
+    gaps = [y - x for x, y in itertools.pairwise(stamps) if x >= t_b]
     assert sum(g > 0.5 for g in gaps) <= 1, gaps  # one step's stall, not one per step
