@@ -49,23 +49,24 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
         state_host_mem=getattr(args, "state_host_mem", None),
         moe=rt,
     )
-    _warm_up(core, getattr(args, "warm_up", None))
     from freetoken.models.demo import DEMO_ALIASES
 
     given = str(getattr(args, "model", "demo") or "demo")
     name = given if given in DEMO_ALIASES else model_dir.name
     engine = AsyncEngine(core, model_dir, name)
     engine.max_output_tokens = getattr(args, "max_output_tokens", None)
+    _warm_up(engine, getattr(args, "warm_up", None))
     return engine
 
 
-def _warm_up(core: EngineCore, mode: str | None) -> None:
-    """`--warm-up`: `idle` (default on CUDA) queues the warm-up tasks, which the engine runs
-    between requests while it has nothing else to do (engine/warm_up.py): the server answers
-    at once; `blocking` runs them all before serving; `off` (default on the CPU, which
-    compiles no kernels) none, graphs are then captured at the first step of each bucket."""
+def _warm_up(engine: AsyncEngine, mode: str | None) -> None:
+    """`--warm-up`: `idle` (default on CUDA) makes the warm-up tasks run between requests
+    while the engine has nothing else to do (engine/warm_up.py), from when the caller's HTTP
+    server starts (`AsyncEngine.begin_warm_up`): the server answers at once; `blocking` runs
+    them all before serving; `off` (default on the CPU, which compiles no kernels) none,
+    graphs are then captured at the first step of each bucket."""
+    core = engine.core
     mode = mode or ("idle" if core.device.type == "cuda" else "off")
     if mode == "blocking":
         core.warm_up()
-    elif mode == "idle":
-        core.warmup.plan()
+    engine.warm_up_idle = mode == "idle"

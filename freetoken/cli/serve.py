@@ -94,5 +94,6 @@ def run_serve(args: argparse.Namespace) -> int:
                 max_output_tokens=engine.max_output_tokens,
                 max_connections=limits.max_connections))
     quiet_connection_logs()
+    engine.begin_warm_up()  # after the setup above, not racing it for the interpreter
     uvicorn.Server(uvicorn_config(app, args.host, args.port, limits)).run()
     return 0

@@ -38,6 +38,7 @@ class AsyncEngine:
         self._inbox: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="ft-engine", daemon=True)
         self._stop = False
+        self.warm_up_idle = False  # `begin_warm_up` plans the idle warm-up (cli/build.py)
         self._thread.start()
 
     # -- EngineClient ------------------------------------------------------------------------
@@ -92,6 +93,13 @@ class AsyncEngine:
 
     async def resize_experts(self, **spec: Any) -> dict:
         return await self.call(self.core.resize_experts, **spec)
+
+    def begin_warm_up(self) -> None:
+        """Plan the warm-up tasks on the engine thread when `warm_up_idle` is set; from then
+        on they run one at a time whenever the engine is idle (engine/warm_up.py)."""
+        if self.warm_up_idle:
+            self.warm_up_idle = False
+            self._inbox.put(("call", (self.core.warmup.plan, (), {}), Future()))
 
     def shutdown(self) -> None:
         self._stop = True

@@ -86,6 +86,7 @@ class Warmup:
         self.done: list[dict] = []
         self.seconds = 0.0
         self._t_plan: float | None = None
+        self._running = False  # a task is running now (on the engine thread)
 
     def plan(self) -> int:
         """Queue every task (`plan_tasks`); returns how many."""
@@ -98,7 +99,8 @@ class Warmup:
 
     @property
     def pending(self) -> int:
-        return len(self.tasks)
+        """Tasks not finished yet, the one running included."""
+        return len(self.tasks) + self._running
 
     def run_one(self) -> bool:
         """Run the next task (the caller's engine has no other work); False when none is
@@ -106,7 +108,14 @@ class Warmup:
         warm-up goes on: the server serves on without it (issue #20)."""
         if not self.tasks:
             return False
-        task = self.tasks.popleft()
+        self._running = True
+        try:
+            self._run(self.tasks.popleft())
+        finally:
+            self._running = False
+        return True
+
+    def _run(self, task: Task) -> None:
         core = self.core
         saved, core.stats = core.stats, EngineStats()  # warm-up steps are not the workload's
         t0 = time.perf_counter()
@@ -133,7 +142,6 @@ class Warmup:
             wall = time.perf_counter() - (self._t_plan or t0)
             log.info(kv("done", tasks=len(self.done), seconds=f"{self.seconds:.1f}",
                         wall=f"{wall:.1f}"))
-        return True
 
     def run_all(self) -> float:
         """Plan (unless planned) and run every task now; returns their seconds."""
@@ -174,7 +182,7 @@ class Warmup:
         graphs captured lazily inside request steps."""
         runner = self.core.runner
         slow = sorted(self.done, key=lambda d: -d["seconds"])[:5]
-        return {"pending": len(self.tasks), "done": len(self.done),
+        return {"pending": self.pending, "done": len(self.done),
                 "seconds": round(self.seconds, 3), "slowest": slow,
                 "graphs": runner.graphs_held() if runner is not None else 0,
                 "capture_seconds": round(runner.capture_s, 3) if runner is not None else 0.0}
