@@ -12,10 +12,12 @@
 # Every stage is skipped once the wall budget (BUDGET_S, default 530 s) would not hold it;
 # each command runs under `timeout` of what is left. Logs and reports land under $OUT.
 # Usage: OUT=/tmp/out LAYERS=20 scripts/gpu_serve_check.sh [stage ...]
+# (SHAPE, SCALE=full|tiny, SERVE_EXTRA="--device=cpu ...", CHECK_XDG: for a dry run on a CPU)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ft-out}; mkdir -p "$OUT"
 LAYERS=${LAYERS:-20}; BUDGET_S=${BUDGET_S:-530}; RATE=${RATE:-0.37}
+SHAPE=${SHAPE:-qwen3.6-35b-a3b}; SCALE=${SCALE:-full}; read -ra EXTRA <<< "${SERVE_EXTRA:-}"
 stages=" ${*:-ckpt start hybrid offload auto trace} "
 T0=$(date +%s)
 left() { local l=$((BUDGET_S - ($(date +%s) - T0))); [ "$l" -gt 5 ] && echo "$l" || echo 5; }
@@ -30,9 +32,11 @@ if [ -d .whl ]; then  # the `gpu` extra's wheels (flashinfer, ...), carried with
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
 fi
-# kernel caches, profiles: one fresh root for this call (the `start` stage's first start is a
-# first start on this machine; everything after it reuses what that one compiled)
-export XDG_CACHE_HOME=/tmp/ft-xdg; rm -rf "$XDG_CACHE_HOME"; mkdir -p "$XDG_CACHE_HOME"
+# kernel caches, bandwidth profiles: one root; emptied when the `start` stage runs (its first
+# start is a first start on this machine), every later server reuses what that one compiled
+export XDG_CACHE_HOME=${CHECK_XDG:-/tmp/ft-xdg}
+[[ "$stages" == *" start "* ]] && rm -rf "$XDG_CACHE_HOME"
+mkdir -p "$XDG_CACHE_HOME"
 unset TRITON_CACHE_DIR FLASHINFER_WORKSPACE_BASE TORCHINDUCTOR_CACHE_DIR TORCH_EXTENSIONS_DIR
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -44,14 +48,14 @@ if stage tests 200; then
     tests/gpu/test_graph_runner.py > "$OUT/gpu_tests.log" 2>&1
   tail -4 "$OUT/gpu_tests.log" | tee -a "$OUT/summary.txt"
 fi
-CK=/tmp/ft-ck-$LAYERS
+CK=/tmp/ft-ck-$SHAPE-$LAYERS
 if stage ckpt 60 && [ ! -f "$CK/config.json" ]; then
-  timeout "$(left)" $FT bench checkpoint --shape qwen3.6-35b-a3b --layers "$LAYERS" \
+  timeout "$(left)" $FT bench checkpoint --shape "$SHAPE" --layers "$LAYERS" \
     --format ftw --no-progress "$CK" > "$OUT/checkpoint.log" 2>&1
   tail -3 "$OUT/checkpoint.log"; du -sh "$CK" 2>/dev/null
 fi
 [ -f "$CK/config.json" ] || { echo "no checkpoint at $CK" | tee -a "$OUT/summary.txt"; exit 1; }
-SERVE=(--moe-backend hybrid --moe-cache-rate "$RATE")
+SERVE=(--moe-backend hybrid --moe-cache-rate "$RATE" "${EXTRA[@]}")
 if stage start 150; then
   for label in cold restart; do
     timeout "$(left)" python3 scripts/serve_start_check.py "$CK" "$OUT" "$label" "${SERVE[@]}" \
@@ -62,8 +66,9 @@ fi
 bench_serve() {  # NAME MIN_SECONDS ft-bench-serve-args...
   local name=$1 min=$2; shift 2
   stage "$name" "$min" || return 0
-  timeout "$(left)" $FT bench serve --model "$CK" --moe-cache-rate "$RATE" --scale full \
-    --out "$OUT/serve-$name" "$@" > "$OUT/serve-$name.log" 2>&1
+  local extra=(); for a in "${EXTRA[@]}"; do extra+=("--serve-arg=$a"); done
+  timeout "$(left)" $FT bench serve --model "$CK" --moe-cache-rate "$RATE" --scale "$SCALE" \
+    --out "$OUT/serve-$name" "${extra[@]}" "$@" > "$OUT/serve-$name.log" 2>&1
   echo "[gpu_serve_check] $name rc=$?" | tee -a "$OUT/summary.txt"
   grep -E "^\[bench serve\] ready|auto_(keep|fallback)" "$OUT/serve-$name.log" \
     "$OUT/serve-$name/serve.log" 2>/dev/null | cut -c1-300 | tee -a "$OUT/summary.txt"
