@@ -195,16 +195,7 @@ class DecodeRunner(DecodeStaging):
         finally:
             if self.moe is not None:  # the warm-up's routing is not the workload's
                 self.moe.counters.discard_device()
-        log.info(kv("captured", bucket=Bk, greedy=greedy, attention=self.attention))
         return g
-
-    def capture_all(self) -> int:
-        """Capture every bucket's greedy and sampling graphs now instead of on the first step
-        that needs each; returns how many graphs are held."""
-        for size in self.buckets:
-            for greedy in (True, False):
-                self.capture_bucket(size, greedy)
-        return self.graphs_held()
 
     def graphs_held(self) -> int:
         return sum(len(b.graphs) for b in self.buckets.values())
@@ -221,7 +212,7 @@ class DecodeRunner(DecodeStaging):
         dt = time.perf_counter() - t0
         self.capture_s += dt
         warm_log.info(kv("captured", bucket=size, greedy=greedy, where=where,
-                         seconds=f"{dt:.2f}", ok=g is not None))
+                         seconds=f"{dt:.2f}", ok=g is not None, attention=self.attention))
         if g is None:
             return False
         bk.graphs[greedy] = g
