@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from freetoken.bench.serve_process import ServerProcess
+from freetoken.bench.serve_process import ServerProcess, parse_phases
 
 _COUNTERS = ("hits", "misses", "fetched", "cpu_experts", "fetch_bytes", "cpu_bytes", "streamed",
              "stream_bytes")
@@ -131,6 +131,8 @@ def report_markdown(meta: dict[str, Any], phases: dict[str, float], rows: list[d
             lines.append(f"| {label} | {phases[k]:.1f} |")
     if "first_token" in phases:
         lines.append(f"| ready → first token | {phases['first_token']:.2f} |")
+    if "warm_up_idle" in phases:
+        lines.append(f"| idle warm-up after ready (not blocking) | {phases['warm_up_idle']:.1f} |")
     lines += ["", "## Decode stability (mean decode tok/s; W2–W4 against W1)", "",
               "| workload | turns | ok | mean decode tok/s | floor tok/s | vs W1 | wall s |",
               "|---|---|---|---|---|---|---|"]
@@ -186,6 +188,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"[bench serve] {name}: {len(w.turns)} turns", flush=True)
             results[name] = run_workload(w, srv.endpoint, args.api, progress=True)
             stats[name] = expert_delta(before, srv.stats())
+        # the idle warm-up ran after ready, between requests: its total and its slowest tasks
+        idle = parse_phases(srv.log_text()).get("warm_up_idle")
+        if idle is not None:
+            phases["warm_up_idle"] = idle
+        meta["warmup"] = srv.stats().get("warmup")
     bw = _bandwidths(model_dir)
     meta["bandwidth_profile_gbps"] = list(bw) if bw else None
     w1 = results["W1"].mean_decode_tps if "W1" in results else None

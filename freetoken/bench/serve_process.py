@@ -3,8 +3,12 @@ first 200 from /v1/models) and split that time into phases from the server's own
 
   load       `ft.model: loaded ... seconds=` minus the bandwidth profile inside it
   profile    `ft.experts: bw_profile_measured seconds=` (a first hybrid/auto start on a GPU)
-  warm_up    `ft.engine: warm_up seconds=` (kernel compilation and graph captures)
+  warm_up    `ft.engine: warm_up seconds=` (kernel compilation and graph captures, when
+             `--warm-up blocking` runs them before serving)
   other      the rest: interpreter and imports, tokenizer, HTTP server start
+
+and, outside start → ready, `warm_up_idle`: the seconds of the warm-up tasks the server ran
+while idle after it was ready (`ft.warmup: done ... seconds=`; the default `--warm-up idle`).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ _LINES = {
     "profile": re.compile(r"ft\.experts: bw_profile_measured seconds=([0-9.]+)"),
     "warm_up": re.compile(r"ft\.engine: warm_up seconds=([0-9.]+)"),
 }
+_IDLE = re.compile(r"ft\.warmup: done .*?seconds=([0-9.]+)")
 _WEIGHTS = re.compile(r"ft\.checkpoint: (?:ftw_)?loaded .*?(?:read_s|in_place_s)=([0-9.]+)")
 
 
@@ -45,6 +50,9 @@ def parse_phases(log_text: str) -> dict[str, float]:
             out[name] = float(m[-1])
     if "load" in out and "profile" in out:
         out["load"] = max(0.0, out["load"] - out["profile"])
+    m = _IDLE.findall(log_text)
+    if m:
+        out["warm_up_idle"] = float(m[-1])
     m = _WEIGHTS.findall(log_text)
     if m:
         out["weights_read"] = float(m[-1])

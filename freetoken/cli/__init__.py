@@ -74,10 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kernels import compile_cache
+
+    # before any subcommand module (and through it Triton or flashinfer) is imported
+    cache = compile_cache.configure()
     args = build_parser().parse_args(argv)
-    from freetoken.log import setup_logging
+    from freetoken.log import get_logger, kv, setup_logging
 
     setup_logging(args.log_level)
+    get_logger("warmup").info(kv("compile_cache", dir=cache["dir"], set=",".join(cache["set"]),
+                                 kept=",".join(cache["kept"]) or None,
+                                 late=",".join(cache["late"]) or None))
     return int(args.func(args) or 0)
 
 

@@ -44,11 +44,10 @@ def build_engine(cfg: EngineConfig) -> AsyncEngine:
         state_host_mem=cache.state_host_mem,
         moe=rt,
     )
-    if core.device.type == "cuda":
-        core.warm_up()  # kernel compilation and graph capture before the first request
     name = cfg.model if cfg.model in DEMO_ALIASES else model_dir.name
     engine = AsyncEngine(core, model_dir, name)
     engine.max_output_tokens = cfg.max_output_tokens
+    _warm_up(engine, cfg.warm_up)
     return engine
 
 
@@ -63,3 +62,16 @@ def install_routing_hooks(model, cfg: EngineConfig) -> None:
         from freetoken.models.routing_hooks import install_serve_trace
 
         install_serve_trace(model, cfg.route_trace, cfg.max_running)
+
+
+def _warm_up(engine: AsyncEngine, mode: str | None) -> None:
+    """`--warm-up`: `idle` (default on CUDA) makes the warm-up tasks run between requests
+    while the engine has nothing else to do (engine/warm_up.py), from when the caller's HTTP
+    server starts (`AsyncEngine.begin_warm_up`): the server answers at once; `blocking` runs
+    them all before serving; `off` (default on the CPU, which compiles no kernels) none,
+    graphs are then captured at the first step of each bucket."""
+    core = engine.core
+    mode = mode or ("idle" if core.device.type == "cuda" else "off")
+    if mode == "blocking":
+        core.warm_up()
+    engine.warm_up_idle = mode == "idle"

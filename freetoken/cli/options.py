@@ -166,6 +166,7 @@ def engine_config_from_args(args: argparse.Namespace):
             moe_backend_given=has_moe and args.moe_backend is not None,
             record_routing=get("record_routing"),
             route_trace=get("route_trace"),
+            warm_up=get("warm_up"),
         )
     except ValueError as e:
         raise SystemExit(f"ft: {e}") from None

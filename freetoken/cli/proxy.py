@@ -133,6 +133,8 @@ def start_engine_server(args: argparse.Namespace, engine: Any = None, tok: Any =
             raise RuntimeError("the in-process engine server did not start")
         time.sleep(0.02)
     os.chmod(uds, 0o600)
+    if hasattr(engine, "begin_warm_up"):  # the server is up: the idle warm-up may start
+        engine.begin_warm_up()
     return EngineLink("http://localhost", uds, key, server), tok, family
 
 

@@ -44,6 +44,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     add_moe_args(p)
     add_cache_args(p)
+    p.add_argument("--warm-up", choices=("idle", "blocking", "off"), default=None,
+                   help="kernel compilation and graph capture: idle (default on CUDA: between "
+                        "requests, the server answers at once), blocking (before serving) or "
+                        "off (default on the CPU)")
     # `ft bench serve --route-trace`: route a random-weight model by a replayed trained router
     p.add_argument("--route-trace", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run_serve)
@@ -91,5 +95,6 @@ def run_serve(args: argparse.Namespace) -> int:
                 max_output_tokens=engine.max_output_tokens,
                 max_connections=limits.max_connections))
     quiet_connection_logs()
+    engine.begin_warm_up()  # after the setup above, not racing it for the interpreter
     uvicorn.Server(uvicorn_config(app, args.host, args.port, limits)).run()
     return 0

@@ -39,6 +39,7 @@ class AsyncEngine:
         self._inbox: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="ft-engine", daemon=True)
         self._stop = False
+        self.warm_up_idle = False  # `begin_warm_up` plans the idle warm-up (cli/build.py)
         self._thread.start()
 
     # -- EngineClient ------------------------------------------------------------------------
@@ -94,6 +95,13 @@ class AsyncEngine:
     async def resize_experts(self, **spec: Any) -> dict:
         return await self.call(self.core.resize_experts, **spec)
 
+    def begin_warm_up(self) -> None:
+        """Plan the warm-up tasks on the engine thread when `warm_up_idle` is set; from then
+        on they run one at a time whenever the engine is idle (engine/warm_up.py)."""
+        if self.warm_up_idle:
+            self.warm_up_idle = False
+            self._inbox.put(("call", (self.core.warmup.plan, (), {}), Future()))
+
     def shutdown(self) -> None:
         self._stop = True
         self._inbox.put(("stop", None, None))
@@ -131,8 +139,11 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while not self._stop:
-            self._drain(block=not self.core.has_work())
+            idle_work = self.core.warmup.pending > 0  # warm-up tasks run only while idle
+            self._drain(block=not self.core.has_work() and not idle_work)
             if not self.core.has_work():
+                if idle_work and not self._stop:
+                    self._warm_up_one()
                 continue
             try:
                 self.core.step()
@@ -141,6 +152,15 @@ class AsyncEngine:
                 for r in list(self.core.sched.running) + list(self.core.sched.waiting):
                     self.core.abort(r.rid)
                     r.emit(RuntimeError(f"engine step failed: {e!r}"))  # type: ignore[arg-type]
+
+    def _warm_up_one(self) -> None:
+        """One warm-up task (engine/warm_up.py) at this safe point: a request that arrives
+        meanwhile waits for this task only. A task that fails is logged and the rest go on."""
+        try:
+            self.core.warmup.run_one()
+        except Exception as e:  # noqa: BLE001  (warm-up is an optimisation: never fatal)
+            log.error(kv("warm_up_task_failed", error=repr(e)[:300]) + "\n"
+                      + traceback.format_exc())
 
 
 class EventStream:

@@ -26,7 +26,7 @@ from freetoken.engine.gpu_sampler import sample_rows
 from freetoken.engine.graph_runner import DecodeRunner, Pending
 from freetoken.engine.stats import EngineStats
 from freetoken.engine.step_inputs import decode_row, forward_batch, row_sampling
-from freetoken.engine.warm_up import warm_up
+from freetoken.engine.warm_up import Warmup
 from freetoken.experts.bridge import BridgeError
 from freetoken.experts.runtime import MoERuntime, ResizeError
 from freetoken.log import get_logger, kv
@@ -99,13 +99,18 @@ class EngineCore:
         self._inflight: _InFlight | None = None
         self._t_done = 0.0  # when the last step's tokens were read (overlapped steps' time)
         self.steps_ahead = 0  # decode steps launched before the previous one's tokens were read
+        self.warmup = Warmup(self)  # idle-time warm-up tasks (engine/warm_up.py), none planned
         log.info(kv("ready", kv_tokens=kv_tokens, state_slots=state_slots if state else 0,
                     max_running=max_running, chunk=chunk_tokens, max_context=self.max_context,
                     kv_mb=KVPool.bytes_per_token(cfg, self.dtype) * kv_tokens // 2**20))
 
     def warm_up(self) -> float:
-        """Before serving: kernels compiled and graphs captured (engine/warm_up.py)."""
-        return warm_up(self)
+        """Every warm-up task now, blocking: kernels compiled and graphs captured
+        (engine/warm_up.py; `ft serve` instead runs them while idle). Returns the seconds."""
+        dt = self.warmup.run_all()
+        graphs = self.runner.graphs_held() if self.runner is not None else 0
+        log.info(kv("warm_up", seconds=f"{dt:.1f}", graphs=graphs, blocking=True))
+        return dt
 
     def drop_bridge(self, e: BridgeError) -> None:
         """The CPU bridge failed: log it and serve on without it (the runner's steps run
@@ -305,4 +310,5 @@ class EngineCore:
         experts = self.moe.stats() if self.moe is not None else None
         if experts is not None:
             out["experts"] = experts
+        out["warmup"] = self.warmup.stats()
         return out

@@ -38,6 +38,7 @@ from freetoken.log import get_logger, kv
 from freetoken.types.forward_batch import ForwardBatch, MoEStep
 
 log = get_logger("graph")
+warm_log = get_logger("warmup")
 
 
 @dataclass(eq=False)
@@ -88,6 +89,7 @@ class DecodeRunner(DecodeStaging):
         self._workspace = None
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.steps = self.replays = 0
+        self.capture_s = 0.0  # seconds spent capturing graphs (idle or in steps)
         self.host_s = self.wait_s = 0.0  # staging + planning; launch to tokens on the host
         log.info(kv("decode_runner", buckets=list(self.buckets), graphs=self.use_graphs,
                     capturable=self.capturable,
@@ -193,22 +195,28 @@ class DecodeRunner(DecodeStaging):
         finally:
             if self.moe is not None:  # the warm-up's routing is not the workload's
                 self.moe.counters.discard_device()
-        log.info(kv("captured", bucket=Bk, greedy=greedy, attention=self.attention))
         return g
 
-    def capture_all(self) -> int:
-        """Capture every bucket's greedy and sampling graphs now (server start) instead of on
-        the first step that needs each; returns how many graphs are held."""
-        if not self.use_graphs:
-            return 0
-        for bk in self.buckets.values():
-            for greedy in (True, False):
-                if bk.failed or greedy in bk.graphs:
-                    continue
-                g = self._capture(bk, greedy)
-                if g is not None:
-                    bk.graphs[greedy] = g
+    def graphs_held(self) -> int:
         return sum(len(b.graphs) for b in self.buckets.values())
+
+    def capture_bucket(self, size: int, greedy: bool, where: str = "idle") -> bool:
+        """Capture one bucket's graph unless it is held, failed, or graphs are off; returns
+        whether one was captured. Logs `ft.warmup: captured ... seconds=` (`where`: idle, a
+        warm-up between steps, or step, lazily in the first step that needs it)."""
+        bk = self.buckets[size]
+        if not self.use_graphs or bk.failed or greedy in bk.graphs:
+            return False
+        t0 = time.perf_counter()
+        g = self._capture(bk, greedy)
+        dt = time.perf_counter() - t0
+        self.capture_s += dt
+        warm_log.info(kv("captured", bucket=size, greedy=greedy, where=where,
+                         seconds=f"{dt:.2f}", ok=g is not None, attention=self.attention))
+        if g is None:
+            return False
+        bk.graphs[greedy] = g
+        return True
 
     def step(self, rows: list[DecodeRow]) -> list[int]:
         """Run one decode step for `rows` (at most max_batch); returns the sampled token ids."""
@@ -236,9 +244,10 @@ class DecodeRunner(DecodeStaging):
             graph = bk.graphs.get(greedy)
             if graph is None and chain is None:  # (capturing would overwrite the ids a
                 # chained step reads: that step runs eagerly, the next unchained one captures)
-                graph = self._capture(bk, greedy)
-                if graph is not None:
-                    bk.graphs[greedy] = graph
+                if self.capture_bucket(bk.size, greedy, where="step"):
+                    graph = bk.graphs[greedy]
+                if self.moe is not None:  # this step's time is the capture's, not the backend's
+                    self.moe.discard_step_timing()
         assert len(self._open) <= 1, "collect a step before launching two ahead"
         t0 = time.perf_counter()
         self._turn ^= 1

@@ -1,56 +1,188 @@
-"""Warm-up before serving: the first requests must not pay for kernel compilation and graph
-capture (tens of seconds on a fresh GPU process), and a CPU bridge that fails there must not
-keep the server from coming up (issue #20)."""
+"""Warm-up that never blocks serving (issue #24 item 2, #20 item 6).
+
+The server answers as soon as the weights are in place. What a first request would otherwise
+pay for — Triton kernels compiled for each new prefill shape (their block sizes follow the
+token count's power of two: `gdn.py`, `moe_grouped.py`), flashinfer plans, CUDA graph captures
+— happens in small tasks that `AsyncEngine` runs one at a time while the engine is idle, at
+the safe point between steps: a request that arrives waits for at most the one task running
+(each is one prefill step, or one bucket's capture). A bucket not captured yet when a request
+needs it is captured in that request's first step of the bucket (`DecodeRunner.launch`), so a
+capture never stalls anyone for more than that step. Kernels come from the persistent compile
+cache (`kernels/compile_cache.py`): on a restart the tasks load binaries and compile nothing.
+
+`EngineCore.warm_up()` runs every task now, blocking (benchmarks and tests that want a warm
+engine before they time anything). Each task logs `ft.warmup: task ... seconds=`; the plan's
+progress is in /v1/stats under `warmup`. Warm-up steps leave the step statistics as they were
+(prefill tokens, TTFT), and their prompts stay in the prefix cache as any finished request's.
+"""
 from __future__ import annotations
 
 import time
+from collections import deque
+from dataclasses import dataclass
 
 from freetoken.engine.stats import EngineStats
 from freetoken.experts.bridge import BridgeError
 from freetoken.log import get_logger, kv
 from freetoken.types.api import GenerateRequest, SamplingParams
 
-log = get_logger("engine")
+log = get_logger("warmup")
+DECODE_PROMPT = 16  # the prompt of the "decode" task
+SMALL = 512  # prefill shapes up to this many tokens go before the wider buckets' captures
 
 
-def warm_up(core) -> float:
-    """Before serving: one tiny request through prefill and decode (kernels compile on
-    first use: tens of seconds on a fresh GPU process), then every decode graph captured,
-    so the first user request does not pay for them. Leaves no request running and the
-    step statistics empty; its few tokens stay in the prefix cache as any finished
-    request's would. Returns the seconds it took.
+@dataclass(frozen=True)
+class Task:
+    kind: str  # "prefill" (one prompt of `size` tokens), "decode" (a short prompt, then
+    # `size` decode steps: the first launch of the decode path), "capture" (one decode bucket)
+    size: int
+    greedy: bool = True
 
-    A CPU bridge whose worker fails here (or a capture that leaves it failed) is dropped
-    and the warm-up runs again without it: the server comes up on the eager CPU branch
-    rather than not at all (issue #20)."""
-    t0 = time.perf_counter()
-    for attempt in range(2):
+    @property
+    def name(self) -> str:
+        if self.kind != "capture":
+            return f"{self.kind}:{self.size}"
+        return f"capture:{self.size}:{'greedy' if self.greedy else 'sampling'}"
+
+
+def prefill_shapes(chunk: int, max_prompt: int, threshold: int | None) -> list[int]:
+    """The prefill token counts that reach distinct kernels: every power of two up to the
+    chunk, each with its odd neighbour (Triton specialises integer arguments on divisibility
+    by 16), the prefill stream's threshold and the token just below it, and the longest chunk;
+    none under 2 (a 1-token prompt is a decode step) or above `max_prompt`."""
+    out = set()
+    k = 2
+    while k <= chunk:
+        out.update((k, k + 1))
+        k *= 2
+    out.add(min(chunk, max_prompt))  # the longest chunk a prompt can make
+    if threshold is not None and threshold <= chunk:
+        out.update((threshold - 1, threshold))
+    return sorted(n for n in out if 2 <= n <= min(chunk, max_prompt))
+
+
+def plan_tasks(core) -> list[Task]:
+    """Every warm-up task for `core`, most urgent first: a short request's decode steps (on
+    CUDA its first step captures the batch-1 greedy graph), the short prefill shapes, the
+    other graphs, the long prefill shapes."""
+    st = core.moe.streamer if core.moe is not None else None
+    threshold = st.threshold if st is not None and st.wants(1 << 30)[0] else None
+    shapes = prefill_shapes(core.sched.chunk_tokens, core.max_context - 2, threshold)
+    captures: list[Task] = []
+    if core.runner is not None and core.runner.use_graphs:
+        captures = [Task("capture", b, g) for b in sorted(core.runner.buckets)
+                    for g in (True, False)]
+    decode = [Task("decode", 2)] if core.max_context >= DECODE_PROMPT + 3 else []
+    return (decode + [Task("prefill", n) for n in shapes if n <= SMALL] + captures
+            + [Task("prefill", n) for n in shapes if n > SMALL])
+
+
+class Warmup:
+    """The warm-up tasks of one engine and what they did (see the module docstring)."""
+
+    def __init__(self, core):
+        self.core = core
+        self.tasks: deque[Task] = deque()
+        self.done: list[dict] = []
+        self.seconds = 0.0
+        self._t_plan: float | None = None
+        self._running = False  # a task is running now (on the engine thread)
+
+    def plan(self) -> int:
+        """Queue every task (`plan_tasks`); returns how many."""
+        self.tasks = deque(plan_tasks(self.core))
+        self._t_plan = time.perf_counter()
+        log.info(kv("plan", tasks=len(self.tasks),
+                     prefill=",".join(str(t.size) for t in self.tasks if t.kind == "prefill"),
+                     captures=sum(t.kind == "capture" for t in self.tasks)))
+        return len(self.tasks)
+
+    @property
+    def pending(self) -> int:
+        """Tasks not finished yet, the one running included."""
+        return len(self.tasks) + self._running
+
+    def run_one(self) -> bool:
+        """Run the next task (the caller's engine has no other work); False when none is
+        left. A CPU bridge failing in it is dropped (`EngineCore.drop_bridge`) and the
+        warm-up goes on: the server serves on without it (issue #20)."""
+        if not self.tasks:
+            return False
+        self._running = True
         try:
-            graphs = _once(core)
-            break
-        except BridgeError:  # `step` dropped the bridge already
-            core.sched.abort("ft-warm-up")
-            if attempt:
-                raise
-    core.stats = EngineStats()
-    dt = time.perf_counter() - t0
-    log.info(kv("warm_up", seconds=f"{dt:.1f}", graphs=graphs))
-    return dt
+            self._run(self.tasks.popleft())
+        finally:
+            self._running = False
+        return True
 
+    def _run(self, task: Task) -> None:
+        core = self.core
+        saved, core.stats = core.stats, EngineStats()  # warm-up steps are not the workload's
+        t0 = time.perf_counter()
+        result = "ok"
+        try:
+            if task.kind == "capture":
+                if core.runner is None or not core.runner.capture_bucket(task.size, task.greedy):
+                    result = "skipped"
+                self._check_bridge()
+            elif task.kind == "decode":
+                self._request(DECODE_PROMPT, task.size + 1, len(self.done))
+            else:
+                self._request(task.size, 1, len(self.done))
+        except BridgeError as e:
+            result = f"bridge_dropped:{type(e).__name__}"
+        finally:
+            core.stats = saved
+        dt = time.perf_counter() - t0
+        self.seconds += dt
+        self.done.append({"task": task.name, "seconds": round(dt, 3), "result": result})
+        log.info(kv("task", name=task.name, seconds=f"{dt:.2f}", result=result,
+                    left=len(self.tasks)))
+        if not self.tasks:
+            wall = time.perf_counter() - (self._t_plan or t0)
+            log.info(kv("done", tasks=len(self.done), seconds=f"{self.seconds:.1f}",
+                        wall=f"{wall:.1f}"))
 
-def _once(core) -> int:
-    n = min(16, core.max_context - 3)
-    ids = [1 + i % (core.cfg.vocab_size - 1) for i in range(n)]
-    core.add(GenerateRequest(ids, SamplingParams(max_tokens=2, temperature=0.0,
-                                                 ignore_eos=True), request_id="ft-warm-up"),
-             lambda ev: None)
-    while core.has_work():
-        core.step()
-    if core.runner is None:
-        return 0
-    graphs = core.runner.capture_all()
-    br = core.runner.bridge
-    if br is not None and br.failed:  # a capture's warm-up run failed the worker
-        core.drop_bridge(BridgeError(f"the worker failed during capture: {br.failure!r}"))
-        graphs = core.runner.capture_all()
-    return graphs
+    def run_all(self) -> float:
+        """Plan (unless planned) and run every task now; returns their seconds."""
+        if not self.tasks and not self.done:
+            self.plan()
+        t0 = self.seconds
+        while self.run_one():
+            pass
+        return self.seconds - t0
+
+    def _request(self, n: int, max_tokens: int, seed: int) -> None:
+        """One request of `n` prompt tokens and `max_tokens` outputs, run to its end."""
+        core = self.core
+        V = core.cfg.vocab_size
+        start = 1 + (seed * 97) % (V - 1)  # a prompt of its own: no prefix match shortens it
+        ids = [1 + (start + i) % (V - 1) for i in range(n)]
+        rid = f"ft-warm-up-{seed}"
+        core.add(GenerateRequest(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                     ignore_eos=True), request_id=rid),
+                 lambda ev: None)
+        try:
+            while core.has_work():
+                core.step()
+        except BaseException:  # (a BridgeError: `step` dropped the bridge already)
+            core.sched.abort(rid)
+            raise
+
+    def _check_bridge(self) -> None:
+        runner = self.core.runner
+        br = runner.bridge if runner is not None else None
+        if br is not None and br.failed:  # a capture's warm-up run failed the worker
+            e = BridgeError(f"the worker failed during capture: {br.failure!r}")
+            self.core.drop_bridge(e)
+            raise e
+
+    def stats(self) -> dict:
+        """/v1/stats `warmup`: tasks left and done, seconds spent, the slowest tasks, and the
+        graphs captured lazily inside request steps."""
+        runner = self.core.runner
+        slow = sorted(self.done, key=lambda d: -d["seconds"])[:5]
+        return {"pending": self.pending, "done": len(self.done),
+                "seconds": round(self.seconds, 3), "slowest": slow,
+                "graphs": runner.graphs_held() if runner is not None else 0,
+                "capture_seconds": round(runner.capture_s, 3) if runner is not None else 0.0}

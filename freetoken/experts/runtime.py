@@ -185,7 +185,7 @@ class MoERuntime:
         block, where the step's tokens are on the host) and lends the streamer the chunk when
         it takes it."""
         if self.guard is not None:
-            self.guard.on_step(kind == "decode")
+            self.guard.on_step(kind == "decode", tokens)
         streamed = self.streamer is not None and self.streamer.begin_forward(tokens)
         try:
             yield MoEStep("streamed") if streamed else EAGER
@@ -194,6 +194,12 @@ class MoERuntime:
                 self.streamer.end_forward()
         if self.guard is not None:
             self.guard.end_step()
+
+    def discard_step_timing(self) -> None:
+        """The step running now compiled or captured kernels: `auto`'s guard leaves it
+        untimed (called by the decode runner when it captures a graph inside a step)."""
+        if self.guard is not None:
+            self.guard.discard_step()
 
     @property
     def settled(self) -> bool:

@@ -95,8 +95,11 @@ class EngineConfig:
     moe_backend_given: bool = True
     record_routing: str | None = None
     route_trace: str | None = None
+    warm_up: str | None = None  # idle, blocking, off (None: idle on CUDA, off on the CPU)
 
     def __post_init__(self) -> None:
+        if self.warm_up not in (None, "idle", "blocking", "off"):
+            raise ValueError("--warm-up must be idle, blocking or off")
         if self.max_running < 1:
             raise ValueError("--max-running must be at least 1")
         if self.max_context is not None and self.max_context < 1:

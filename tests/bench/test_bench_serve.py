@@ -61,3 +61,8 @@ def test_phases_parse_the_server_log_lines() -> None:
             "12:00:09 ft.engine: warm_up seconds=35.2 graphs=6\n")
     assert parse_phases(text) == {"load": 8.5, "profile": 11.5, "warm_up": 35.2,
                                   "weights_read": 3.5}
+    # the default idle warm-up runs after ready: reported beside, not inside, start -> ready
+    idle = text.replace("ft.engine: warm_up seconds=35.2 graphs=6",
+                        "ft.warmup: done tasks=30 seconds=12.5 wall=14.0")
+    assert parse_phases(idle) == {"load": 8.5, "profile": 11.5, "warm_up_idle": 12.5,
+                                  "weights_read": 3.5}

@@ -73,7 +73,7 @@ def test_auto_guard_falls_back_when_its_choice_is_slower(caplog) -> None:
 
     from freetoken.experts.auto import AutoGuard
 
-    g = AutoGuard("hybrid", lambda m: max(1, m // 2), window=4)
+    g = AutoGuard("hybrid", lambda m: max(1, m // 2), window=4, discard=0)
     assert g.num_fetch(6) == 3
     for _ in range(4):  # the chosen split: slow steps
         g.on_step(decode=True)
@@ -93,7 +93,7 @@ def test_auto_guard_keeps_a_faster_choice() -> None:
 
     from freetoken.experts.auto import AutoGuard
 
-    g = AutoGuard("hybrid", lambda m: 2, window=3)
+    g = AutoGuard("hybrid", lambda m: 2, window=3, discard=0)
     for _ in range(3):
         g.on_step(decode=True)
         g.end_step()
@@ -114,7 +114,7 @@ def test_auto_guard_does_not_count_idle_time_between_steps() -> None:
 
     from freetoken.experts.auto import AutoGuard
 
-    g = AutoGuard("hybrid", lambda m: 2, window=3)
+    g = AutoGuard("hybrid", lambda m: 2, window=3, discard=0)
     for _ in range(3):  # the choice: fast steps, long idle gaps between them
         g.on_step(decode=True)
         g.end_step()

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# One device call: `ft serve` end to end on the Qwen3.6-35B-A3B shape cut to LAYERS layers
+# (issue #20 items 4 and 6, #24 item 2). Stages, in order (default: all):
+#   tests    (not in the default) the idle warm-up and graph-runner GPU tests
+#   ckpt     ft bench checkpoint --format ftw into /tmp (not $OUT: 35.7 GB at 20 layers)
+#   start    two starts of `ft serve --moe-backend hybrid`: empty kernel caches, then a restart
+#            on the caches the first one filled; start -> ready phases, the first request's
+#            first token right after ready, the idle warm-up, TTFT of 160/1000/3000 words
+#   hybrid offload auto
+#            ft bench serve W1 at full scale, cache rate 0.37, random routing
+#   trace    ft bench serve hybrid, --route-trace shared, W1 and W3 (sub-agents: batch 2)
+# Every stage is skipped once the wall budget (BUDGET_S, default 530 s) would not hold it;
+# each command runs under `timeout` of what is left. Logs and reports land under $OUT.
+# Usage: OUT=/tmp/out LAYERS=20 scripts/gpu_serve_check.sh [stage ...]
+# (SHAPE, SCALE=full|tiny, SERVE_EXTRA="--device=cpu ...", CHECK_XDG: for a dry run on a CPU)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/ft-out}; mkdir -p "$OUT"
+LAYERS=${LAYERS:-20}; BUDGET_S=${BUDGET_S:-530}; RATE=${RATE:-0.37}
+SHAPE=${SHAPE:-qwen3.6-35b-a3b}; SCALE=${SCALE:-full}; read -ra EXTRA <<< "${SERVE_EXTRA:-}"
+stages=" ${*:-ckpt start hybrid offload auto trace} "
+T0=$(date +%s)
+left() { local l=$((BUDGET_S - ($(date +%s) - T0))); [ "$l" -gt 5 ] && echo "$l" || echo 5; }
+stage() {  # stage NAME MIN_SECONDS: whether to run it (selected, and time left)
+  [[ "$stages" == *" $1 "* ]] || return 1
+  local l; l=$(left)
+  if [ "$l" -lt "$2" ]; then echo "[gpu_serve_check] skip $1: ${l}s left < $2s" | tee -a "$OUT/summary.txt"; return 1; fi
+  echo "[gpu_serve_check] $1 at +$(( $(date +%s) - T0 ))s (${l}s left)" | tee -a "$OUT/summary.txt"
+}
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if [ -d .whl ]; then  # the `gpu` extra's wheels (flashinfer, ...), carried with the checkout
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
+fi
+# kernel caches, bandwidth profiles: one root; emptied when the `start` stage runs (its first
+# start is a first start on this machine), every later server reuses what that one compiled
+export XDG_CACHE_HOME=${CHECK_XDG:-/tmp/ft-xdg}
+[[ "$stages" == *" start "* ]] && rm -rf "$XDG_CACHE_HOME"
+mkdir -p "$XDG_CACHE_HOME"
+unset TRITON_CACHE_DIR FLASHINFER_WORKSPACE_BASE TORCHINDUCTOR_CACHE_DIR TORCH_EXTENSIONS_DIR
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  git log -1 --oneline 2>/dev/null; free -g | head -2; df -h /tmp | tail -1
+} > "$OUT/machine.txt" 2>&1
+FT="python3 -m freetoken.cli"
+if stage tests 200; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_warm_up_gpu.py \
+    tests/gpu/test_graph_runner.py > "$OUT/gpu_tests.log" 2>&1
+  tail -4 "$OUT/gpu_tests.log" | tee -a "$OUT/summary.txt"
+fi
+CK=/tmp/ft-ck-$SHAPE-$LAYERS
+if stage ckpt 60 && [ ! -f "$CK/config.json" ]; then
+  timeout "$(left)" $FT bench checkpoint --shape "$SHAPE" --layers "$LAYERS" \
+    --format ftw --no-progress "$CK" > "$OUT/checkpoint.log" 2>&1
+  tail -3 "$OUT/checkpoint.log"; du -sh "$CK" 2>/dev/null
+fi
+[ -f "$CK/config.json" ] || { echo "no checkpoint at $CK" | tee -a "$OUT/summary.txt"; exit 1; }
+SERVE=(--moe-backend hybrid --moe-cache-rate "$RATE" "${EXTRA[@]}")
+if stage start 150; then
+  for label in cold restart; do
+    timeout "$(left)" python3 scripts/serve_start_check.py "$CK" "$OUT" "$label" "${SERVE[@]}" \
+      2>&1 | grep "^\[start\|Error\|error" | tee -a "$OUT/summary.txt"
+  done
+  ls "$XDG_CACHE_HOME"/freetoken/kernels/*/ 2>/dev/null | head -8 >> "$OUT/summary.txt"
+fi
+bench_serve() {  # NAME MIN_SECONDS ft-bench-serve-args...
+  local name=$1 min=$2; shift 2
+  stage "$name" "$min" || return 0
+  local extra=(); for a in "${EXTRA[@]}"; do extra+=("--serve-arg=$a"); done
+  timeout "$(left)" $FT bench serve --model "$CK" --moe-cache-rate "$RATE" --scale "$SCALE" \
+    --out "$OUT/serve-$name" "${extra[@]}" "$@" > "$OUT/serve-$name.log" 2>&1
+  echo "[gpu_serve_check] $name rc=$?" | tee -a "$OUT/summary.txt"
+  grep -E "^\[bench serve\] ready|auto_(keep|fallback)" "$OUT/serve-$name.log" \
+    "$OUT/serve-$name/serve.log" 2>/dev/null | cut -c1-300 | tee -a "$OUT/summary.txt"
+  sed -n '/## Start to ready/,/## Expert cache/p' "$OUT/serve-$name/serve_report.md" \
+    2>/dev/null | tee -a "$OUT/summary.txt"
+  grep -E "ft\.warmup: (done|plan)|captured .*where=step" "$OUT/serve-$name/serve.log" \
+    2>/dev/null | cut -c1-200 | tail -6 | tee -a "$OUT/summary.txt"
+}
+bench_serve hybrid 120 --moe-backend hybrid --workloads W1
+bench_serve offload 150 --moe-backend offload --workloads W1
+bench_serve auto 120 --moe-backend auto --workloads W1
+bench_serve trace 150 --moe-backend hybrid --route-trace shared --workloads W1,W3
+echo "[gpu_serve_check] done at +$(( $(date +%s) - T0 ))s" | tee -a "$OUT/summary.txt"

@@ -1,0 +1,64 @@
+"""Start `ft serve` and time what a user meets (issue #24 item 2, #20 item 6): start → ready split
+into phases, the first request's first token right after ready (the idle warm-up has barely
+begun), the idle warm-up's own seconds, then first tokens of prompts of several lengths once
+it is done (a TTFT stall there means a shape the warm-up missed).
+
+Usage: python scripts/serve_start_check.py MODEL OUT_DIR LABEL [ft serve args ...]
+Prints one `[start LABEL] key=value ...` line per figure and writes OUT_DIR/start-LABEL.json and
+the server's log OUT_DIR/serve-LABEL.log. The kernel caches are the environment's
+(`XDG_CACHE_HOME`): an empty one is a first start on the machine, a used one a restart.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from freetoken.bench.serve_process import ServerProcess, parse_phases
+
+# prompt lengths in words (about tokens): short, a chunk, past the prefill stream threshold
+PROMPTS = tuple(int(x) for x in os.environ.get("FT_START_PROMPTS", "160,1000,3000").split(","))
+
+
+def _warm_up_done(srv: ServerProcess, timeout_s: float) -> dict:
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        w = srv.stats().get("warmup") or {}
+        if w.get("pending", 1) == 0:
+            return w
+        time.sleep(1.0)
+    return srv.stats().get("warmup") or {}
+
+
+def main(argv: list[str]) -> int:
+    model, out, label, serve_args = argv[0], Path(argv[1]), argv[2], argv[3:]
+    out.mkdir(parents=True, exist_ok=True)
+    res: dict = {"label": label, "serve_args": serve_args}
+    with ServerProcess(model, serve_args, out / f"serve-{label}.log") as srv:
+        srv.wait_ready(900)
+        res["phases"] = srv.phases()
+        res["first_token_s"] = srv.first_token_s()  # right after ready: no warm-up before it
+        t0 = time.perf_counter()
+        res["warmup"] = _warm_up_done(srv, 300)
+        res["warmup_wait_s"] = time.perf_counter() - t0
+        res["idle_warm_up_s"] = parse_phases(srv.log_text()).get("warm_up_idle")
+        res["ttft_after_warm_up"] = {
+            str(n): srv.first_token_s(" ".join(f"w{i % 97}" for i in range(n)))
+            for n in PROMPTS}
+    ph = res["phases"]
+    print(f"[start {label}] " + " ".join(f"{k}={v:.1f}" for k, v in ph.items())
+          + f" first_token={res['first_token_s']:.2f}", flush=True)
+    w = res["warmup"]
+    print(f"[start {label}] idle_warm_up_s={res['idle_warm_up_s']} tasks={w.get('done')} "
+          f"pending={w.get('pending')} graphs={w.get('graphs')} slowest="
+          + ",".join(f"{d['task']}:{d['seconds']}" for d in w.get("slowest") or []), flush=True)
+    print(f"[start {label}] ttft_after_warm_up " + " ".join(
+        f"{n}w={s:.2f}" for n, s in res["ttft_after_warm_up"].items()), flush=True)
+    (out / f"start-{label}.json").write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
