@@ -155,6 +155,8 @@ class EngineCore:
         except BridgeError as e:
             self.drop_bridge(e)
             raise
+        if self.moe is not None and self.moe.reprofiler is not None:
+            self.moe.reprofiler.at_safe_point()  # q* follows the measured bandwidths
 
     def _step(self) -> None:
         if self._inflight is not None:

@@ -49,9 +49,9 @@ class ElasticVram:
     running request at the full context). `rebuilding` is set while a rebuild runs (the
     async engine answers new requests 503 past its wait)."""
 
-    def __init__(self, core, knobs: VramKnobs = VramKnobs(), kv_floor: int | None = None,
+    def __init__(self, core, knobs: VramKnobs | None = None, kv_floor: int | None = None,
                  kv_cap: int | None = None, min_expert_slots: int | None = None) -> None:
-        self.core, self.knobs = core, knobs
+        self.core, self.knobs = core, knobs or VramKnobs()
         self.kv_floor = max(kv_floor or 0, core.max_context)
         self.kv_cap = max(kv_cap or core.sched.max_running * core.max_context, self.kv_floor)
         moe = core.moe

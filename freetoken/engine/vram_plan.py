@@ -65,8 +65,9 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // max(1, b))
 
 
-def plan(s: VramState, k: VramKnobs = VramKnobs()) -> VramPlan | None:
+def plan(s: VramState, k: VramKnobs | None = None) -> VramPlan | None:
     """The sizes for `s` by the rules of the module docstring, or None (keep the current)."""
+    k = k or VramKnobs()
     surplus = s.free_bytes - k.margin_bytes
     kv_floor = max(s.kv_floor, s.kv_live)
     if surplus < -k.hysteresis_bytes:
