@@ -57,4 +57,20 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
     name = given if given in DEMO_ALIASES else model_dir.name
     engine = AsyncEngine(core, model_dir, name)
     engine.max_output_tokens = getattr(args, "max_output_tokens", None)
+    _elastic(engine, args, moe, rt)
     return engine
+
+
+def _elastic(engine: AsyncEngine, args: argparse.Namespace, moe, rt) -> None:
+    """Elastic VRAM (the rebuild, its watcher on CUDA) and bandwidth re-profiling."""
+    from freetoken.engine.vram_plan import HYSTERESIS_BYTES, VramKnobs
+    from freetoken.engine.vram_watch import REBUILD_WAIT_S, WATCH_INTERVAL_S, attach_elastic
+
+    interval = getattr(args, "vram_watch_interval", WATCH_INTERVAL_S)
+    knobs = VramKnobs(hysteresis_bytes=getattr(args, "vram_hysteresis", HYSTERESIS_BYTES))
+    attach_elastic(engine, knobs, interval_s=interval,
+                   kv_floor=moe.kv_reserve_tokens if moe is not None else None,
+                   rebuild_wait_s=getattr(args, "vram_rebuild_wait", REBUILD_WAIT_S))
+    steps = getattr(args, "bw_reprofile_steps", 64)
+    if rt is not None and steps and steps > 0:
+        rt.enable_reprofile(every_steps=steps)

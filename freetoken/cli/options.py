@@ -158,3 +158,16 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
                    help="write the routed expert ids of every step and layer to FILE at exit")
     g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run decode steps eagerly through the runner's buffers (for comparison)")
+    e = p.add_argument_group("elastic VRAM (docs/server.md)")
+    e.add_argument("--vram-watch-interval", type=float, default=2.0, metavar="SECONDS",
+                   help="poll free GPU memory and re-plan the expert cache / KV pool this often "
+                        "(0: off; CUDA only)")
+    e.add_argument("--vram-hysteresis", type=parse_bytes_arg, default=512 * 2**20,
+                   metavar="BYTES", help="free memory may stray this far from the workspace "
+                                         "margin before a re-plan (default 512MiB)")
+    e.add_argument("--vram-rebuild-wait", type=float, default=30.0, metavar="SECONDS",
+                   help="a new request waits this long for a rebuild, then gets 503 + "
+                        "Retry-After")
+    e.add_argument("--bw-reprofile-steps", type=int, default=64, metavar="N",
+                   help="re-measure B_P/B_H from decode traffic and re-derive q* every N steps "
+                        "(hybrid, auto; 0: off)")

@@ -21,14 +21,13 @@ from typing import Any, TypeVar
 
 from freetoken.engine.core import EngineCore
 from freetoken.engine.elastic import ElasticVram
-from freetoken.engine.vram_watch import VramWatcher
+from freetoken.engine.vram_watch import REBUILD_WAIT_S, VramWatcher
 from freetoken.log import get_logger, kv
 from freetoken.types.api import AdmissionError, EngineBusy, EngineEvent, GenerateRequest
 
 log = get_logger("engine")
 _ids = itertools.count(1)
 T = TypeVar("T")
-REBUILD_WAIT_S = 30.0  # a new request waits this long for a rebuild, then gets 503
 
 
 class AsyncEngine:

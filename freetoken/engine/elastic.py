@@ -63,6 +63,7 @@ class ElasticVram:
         self.rebuilding = threading.Event()
         self.rebuilds = self.failures = 0
         self.last: dict | None = None
+        self._failed: tuple[int, int] | None = None  # the sizes of the last failed re-plan
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -101,12 +102,24 @@ class ElasticVram:
         """Engine thread: plan for `free_bytes` free on the device and rebuild when the
         planner says so. Never raises for a failed rebuild (it is logged and rolled back)."""
         p = plan(self.state(free_bytes), self.knobs)
-        if p is None:
-            return None
+        if p is None or (p.expert_slots, p.kv_tokens) == self._failed:
+            return None  # (a plan that just failed is not retried until the plan changes)
         try:
-            return self._rebuild(p)
+            out = self._rebuild(p)
         except (ResizeError, AdmissionError):
+            self._failed = (p.expert_slots, p.kv_tokens)
             return None
+        self._failed = None
+        return out
+
+    def poll(self, read_free) -> dict | None:
+        """Engine thread (the watcher's tick): read the free memory now and `replan`."""
+        try:
+            free = int(read_free())
+        except Exception as e:  # noqa: BLE001  (a failed reading skips this round)
+            log.warning(kv("read_failed", error=repr(e)[:200]))
+            return None
+        return self.replan(free)
 
     def rebuild(self, expert_slots: int | None = None, kv_tokens: int | None = None) -> dict:
         """`ft ctl vram`: rebuild for the sizes given (None: keep). Raises `AdmissionError`
@@ -150,6 +163,8 @@ class ElasticVram:
                                serving_kv=self.kv_tokens))
                 raise
         finally:
+            if core.device.type == "cuda":  # what was given up goes back to the driver
+                torch.cuda.empty_cache()
             self.rebuilding.clear()
         self.rebuilds += 1
         ms = (time.perf_counter() - t0) * 1e3

@@ -1,11 +1,12 @@
-"""The VRAM watcher: a thread that polls free device memory and asks the engine to re-plan.
+"""The VRAM watcher: a timer thread that has the engine re-plan its VRAM budget.
 
 Every `interval_s` (default 2 s, `ft serve --vram-watch-interval`; 0 turns the watcher off) it
-reads the free memory (`torch.cuda.mem_get_info` on the engine's device; tests inject
-`read_free`) and hands the reading to `submit`, which runs `ElasticVram.replan` on the engine
-thread at the next safe point. The planner's hysteresis band (engine/vram_plan.py) decides
-whether the reading is worth a rebuild, so a reading is cheap when nothing changed; the
-watcher only keeps one re-plan queued at a time (a slow rebuild does not pile readings up).
+queues one `ElasticVram.poll(read_free)` for the engine thread, which reads the free memory at
+the next safe point (between steps, so the reading does not count a step's activations) and
+re-plans. The planner's hysteresis band (engine/vram_plan.py) decides whether the reading is
+worth a rebuild, so a poll is cheap when nothing changed; only one poll is queued at a time (a
+slow rebuild does not pile readings up). On CUDA the reading is `cuda_free_reader`; tests
+inject any `read_free`.
 """
 from __future__ import annotations
 
@@ -19,23 +20,27 @@ from freetoken.log import get_logger, kv
 
 log = get_logger("vram")
 WATCH_INTERVAL_S = 2.0
+REBUILD_WAIT_S = 30.0  # a new request waits this long for a rebuild, then gets 503
 
 
 def cuda_free_reader(device: torch.device) -> Callable[[], int]:
-    """Free bytes on a CUDA device, as the driver counts them (every process's use)."""
-    return lambda: int(torch.cuda.mem_get_info(device)[0])
+    """Bytes this engine could still take on a CUDA device: what the driver has free (every
+    process's use counted) plus what torch's caching allocator holds unallocated."""
+    def read() -> int:
+        free = int(torch.cuda.mem_get_info(device)[0])
+        return free + int(torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    return read
 
 
 class VramWatcher:
-    """Polls `read_free()` every `interval_s` and calls `submit(free_bytes)`, which returns a
-    `Future` done when the engine thread has re-planned. `stop()` ends the thread."""
+    """Calls `tick()` (which queues a re-plan and returns its `Future`) every `interval_s`,
+    unless the previous one is still queued. `stop()` ends the thread."""
 
-    def __init__(self, read_free: Callable[[], int], submit: Callable[[int], Future],
-                 interval_s: float = WATCH_INTERVAL_S) -> None:
+    def __init__(self, tick: Callable[[], Future], interval_s: float = WATCH_INTERVAL_S) -> None:
         if interval_s <= 0:
             raise ValueError("the watch interval must be positive")
-        self.read_free, self.submit, self.interval_s = read_free, submit, interval_s
-        self.readings = 0
+        self.tick, self.interval_s = tick, interval_s
+        self.ticks = 0
         self._stop = threading.Event()
         self._queued: Future | None = None
         self._thread = threading.Thread(target=self._loop, name="ft-vram-watch", daemon=True)
@@ -50,16 +55,11 @@ class VramWatcher:
         self._thread.join(timeout=5)
 
     def poll(self) -> None:
-        """One reading handed to the engine (skipped while the previous one is queued)."""
+        """One re-plan queued (skipped while the previous one is)."""
         if self._queued is not None and not self._queued.done():
             return
-        try:
-            free = int(self.read_free())
-        except Exception as e:  # noqa: BLE001  (a failed reading skips this round)
-            log.warning(kv("watch_read_failed", error=repr(e)[:200]))
-            return
-        self.readings += 1
-        self._queued = self.submit(free)
+        self.ticks += 1
+        self._queued = self.tick()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -83,7 +83,7 @@ def attach_elastic(engine, knobs=None, interval_s: float = WATCH_INTERVAL_S,
     if read_free is None and core.device.type == "cuda":
         read_free = cuda_free_reader(core.device)
     if interval_s > 0 and read_free is not None:
-        engine.watcher = VramWatcher(read_free, lambda free: engine.submit(el.replan, free),
+        engine.watcher = VramWatcher(lambda: engine.submit(el.poll, read_free),
                                      interval_s).start()
     log.info(kv("elastic", watch=engine.watcher is not None, interval_s=interval_s,
                 kv_floor=el.kv_floor, kv_cap=el.kv_cap, min_expert_slots=el.min_expert_slots,
