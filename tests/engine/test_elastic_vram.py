@@ -107,8 +107,7 @@ def test_kv_shrink_refuses_what_live_requests_hold(tiny_dir) -> None:
     for _ in range(8):
         core.step()
     live = core.sched.kv_alloc.num_used
-    el = ElasticVram(core, kv_floor=1)
-    el.kv_floor = 1  # (the context floor would refuse first: test the live-token check)
+    # (resize_kv itself: ElasticVram's context floor would refuse before the live-token check)
     with pytest.raises(ResizeError):
         elastic_mod.resize_kv(core, live - 1)
     assert core.sched.kv_alloc.num_slots == 600 and core.caches.kv.num_slots == 601
@@ -276,3 +275,37 @@ def test_request_during_a_long_rebuild_gets_503(tiny_dir, monkeypatch) -> None:
     finally:
         gate.set()
         engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rebuild_recaptures_graphs_gpu(tiny_dir) -> None:
+    """On CUDA with graphs: a rebuild mid-stream (KV shrink with compaction, experts shrink,
+    then both grow) drops the captured graphs, the next steps capture again on the new
+    buffers, and the streams get the tokens of an engine never rebuilt. Bug caught: a graph
+    replayed on the old KV pool or slot buffers after a rebuild (reads freed memory)."""
+    def core_cuda() -> EngineCore:
+        model, rt = load_with_experts(tiny_dir, MoEConfig(backend="offload", cache_size=SLOTS),
+                                      dtype=torch.float32, device="cuda", progress=False)
+        return EngineCore(model, [], kv_tokens=600, state_slots=12, max_running=4,
+                          chunk_tokens=32, max_context=200, moe=rt)
+
+    ref = core_cuda()
+    V = ref.cfg.vocab_size
+    want = {k: _tokens(v) for k, v in _run(ref, _reqs(V, "g")).items()}
+    core = core_cuda()
+    el = ElasticVram(core, min_expert_slots=8)
+    out = {r.request_id: [] for r in _reqs(V, "g")}
+    for r in _reqs(V, "g"):
+        core.add(r, out[r.request_id].append)
+    steps, replays = 0, []
+    while core.has_work():
+        core.step()
+        steps += 1
+        if steps in (8, 16):
+            replays.append(core.runner.replays)
+            el.rebuild(**({"kv_tokens": 300, "expert_slots": 8} if steps == 8
+                          else {"kv_tokens": 900, "expert_slots": SLOTS}))
+            assert all(not b.graphs for b in core.runner.buckets.values())
+    assert {k: _tokens(v) for k, v in out.items()} == want
+    assert core.runner.replays > replays[-1]  # graphs captured again and replayed
