@@ -3,6 +3,9 @@ running server. Oracle: the fused model's greedy tokens, before and after every 
 failed allocation answers 409 with the previous sizes serving."""
 from __future__ import annotations
 
+import threading
+import time
+
 import httpx
 import pytest
 import torch
@@ -79,4 +82,36 @@ def test_failed_allocation_answers_409_and_serves_on(served, monkeypatch) -> Non
     assert (now["expert_slots"], now["kv_tokens"]) == (before["expert_slots"],
                                                        before["kv_tokens"])
     monkeypatch.undo()
+    assert _tokens(server.url) == want
+
+
+def test_request_past_the_rebuild_wait_gets_503_with_retry_after(served, monkeypatch) -> None:
+    """A generate request arriving while a rebuild holds the engine past the wait: 503 in the
+    API's error shape with Retry-After, and the next request after the rebuild is served."""
+    server, engine, want = served
+    real, gate = elastic.new_kv_pool, threading.Event()
+
+    def slow(*a, **k):
+        gate.wait(20)
+        return real(*a, **k)
+
+    monkeypatch.setattr(elastic, "new_kv_pool", slow)
+    monkeypatch.setattr(engine, "rebuild_wait_s", 0.3)
+    done: list = []
+    th = threading.Thread(target=lambda: done.append(_vram(server.url, kv_tokens=5000)))
+    th.start()
+    try:
+        t0 = time.monotonic()
+        while not engine.elastic.rebuilding.is_set():
+            assert time.monotonic() - t0 < 20
+            time.sleep(0.01)
+        r = httpx.post(server.url + "/ft/v1/generate", timeout=60, json={
+            "input_ids": IDS, "sampling": {"max_tokens": 4, "temperature": 0}})
+        assert r.status_code == 503, r.text
+        assert r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "engine_rebuilding"
+    finally:
+        gate.set()
+        th.join(timeout=60)
+    assert done and done[0].status_code == 200
     assert _tokens(server.url) == want
