@@ -81,3 +81,36 @@ class SlotAllocator:
     def free_slots(self) -> list[int]:
         """The free slots, for invariant checks and debugging (O(num_slots))."""
         return self._free[: self._num_free].tolist()
+
+    def compaction(self, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The moves that make every allocated slot fit below `num_slots`: `(src [M], dst [M])`,
+        each used slot `>= num_slots` paired with a free slot `< num_slots` (empty when growing
+        or when nothing sits above). Pure: nothing changes. Raises `ValueError` when more slots
+        are in use than `num_slots` holds."""
+        if num_slots < self.num_used:
+            raise ValueError(f"{self.num_used} {self.kind} slots are in use; "
+                             f"{num_slots} cannot hold them")
+        if num_slots >= self.num_slots:
+            return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
+        src = torch.nonzero(self._used[num_slots:]).reshape(-1) + num_slots  # [M]
+        dst = torch.nonzero(~self._used[:num_slots]).reshape(-1)[: src.numel()]  # [M]
+        return src, dst
+
+    def resize(self, num_slots: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Become a pool of `num_slots` slots after the owner moved `src -> dst` (the moves
+        `compaction(num_slots)` returned; the caller relabels every slot id it holds). The
+        allocated set stays the same size; the free list is rebuilt in id order."""
+        used = self._used.clone()
+        used[src] = False
+        used[dst] = True
+        if num_slots < self.num_slots and bool(used[num_slots:].any()):
+            raise ValueError("resize: slots above the new size are still in use")
+        new_used = torch.zeros(num_slots, dtype=torch.bool)
+        keep = min(num_slots, self.num_slots)
+        new_used[:keep] = used[:keep]
+        free = torch.nonzero(~new_used).reshape(-1)  # ascending, as after construction
+        self.num_slots = num_slots
+        self._used = new_used
+        self._free = torch.empty(num_slots, dtype=torch.long)
+        self._free[: free.numel()] = free
+        self._num_free = free.numel()

@@ -48,6 +48,7 @@ def build_engine(cfg: EngineConfig) -> AsyncEngine:
     engine = AsyncEngine(core, model_dir, name)
     engine.max_output_tokens = cfg.max_output_tokens
     _warm_up(engine, cfg.warm_up)
+    _elastic(engine, cfg, moe, rt)
     return engine
 
 
@@ -75,3 +76,21 @@ def _warm_up(engine: AsyncEngine, mode: str | None) -> None:
     if mode == "blocking":
         core.warm_up()
     engine.warm_up_idle = mode == "idle"
+
+
+def _elastic(engine: AsyncEngine, cfg: EngineConfig, moe, rt) -> None:
+    """Elastic VRAM (the rebuild, its watcher on CUDA) and bandwidth re-profiling."""
+    from freetoken.engine.vram_plan import HYSTERESIS_BYTES, VramKnobs
+    from freetoken.engine.vram_watch import REBUILD_WAIT_S, WATCH_INTERVAL_S, attach_elastic
+
+    v = cfg.vram
+    interval = WATCH_INTERVAL_S if v.watch_interval_s is None else v.watch_interval_s
+    knobs = VramKnobs(hysteresis_bytes=HYSTERESIS_BYTES if v.hysteresis_bytes is None
+                      else v.hysteresis_bytes)
+    attach_elastic(engine, knobs, interval_s=interval,
+                   kv_floor=moe.kv_reserve_tokens if moe is not None else None,
+                   rebuild_wait_s=REBUILD_WAIT_S if v.rebuild_wait_s is None
+                   else v.rebuild_wait_s)
+    steps = v.bw_reprofile_steps
+    if rt is not None and steps and steps > 0:
+        rt.enable_reprofile(every_steps=steps)

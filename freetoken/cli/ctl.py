@@ -1,4 +1,5 @@
-"""`ft ctl`: control a running `ft serve` (re-budget the GPU expert cache, read stats)."""
+"""`ft ctl`: control a running `ft serve` (re-budget the GPU expert cache, rebuild the expert
+cache and KV pool together, read stats)."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +19,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--rate", type=float, help="fraction of the expert pool")
     g.add_argument("--mem", type=int, help="bytes")
     e.set_defaults(func=_experts)
+    v = sub.add_parser("vram", help="rebuild the expert cache and the KV pool now "
+                                    "(elastic VRAM)")
+    v.add_argument("--expert-slots", type=int, default=None)
+    v.add_argument("--kv-tokens", type=int, default=None)
+    v.set_defaults(func=_vram)
     s = sub.add_parser("stats", help="print /v1/stats")
     s.set_defaults(func=_stats)
 
@@ -36,6 +42,17 @@ def _experts(args: argparse.Namespace) -> int:
 
     body = {k: getattr(args, k) for k in ("slots", "rate", "mem") if getattr(args, k) is not None}
     r = httpx.post(args.url + "/ft/v1/control/experts", json=body, headers=_headers(args),
+                   timeout=600)
+    print(json.dumps(r.json(), indent=1))
+    return 0 if r.status_code == 200 else 1
+
+
+def _vram(args: argparse.Namespace) -> int:
+    import httpx
+
+    body = {k: getattr(args, k) for k in ("expert_slots", "kv_tokens")
+            if getattr(args, k) is not None}
+    r = httpx.post(args.url + "/ft/v1/control/vram", json=body, headers=_headers(args),
                    timeout=600)
     print(json.dumps(r.json(), indent=1))
     return 0 if r.status_code == 200 else 1

@@ -142,7 +142,7 @@ def resolve_moe(moe, backend_given: bool, max_context: int | None, model_dir,
 def engine_config_from_args(args: argparse.Namespace):
     """The `EngineConfig` of `ft serve` / `ft agent-proxy --model` arguments (flags a command
     lacks take the record's defaults). A value out of range exits with the flag's name."""
-    from freetoken.types.config import CacheConfig, EngineConfig
+    from freetoken.types.config import CacheConfig, EngineConfig, VramConfig
 
     def get(name: str, default=None):
         value = getattr(args, name, None)
@@ -167,6 +167,10 @@ def engine_config_from_args(args: argparse.Namespace):
             record_routing=get("record_routing"),
             route_trace=get("route_trace"),
             warm_up=get("warm_up"),
+            vram=VramConfig(watch_interval_s=get("vram_watch_interval"),
+                            hysteresis_bytes=get("vram_hysteresis"),
+                            rebuild_wait_s=get("vram_rebuild_wait"),
+                            bw_reprofile_steps=get("bw_reprofile_steps", 64)),
         )
     except ValueError as e:
         raise SystemExit(f"ft: {e}") from None
@@ -204,3 +208,16 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
                    help="write the routed expert ids of every step and layer to FILE at exit")
     g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run decode steps eagerly through the runner's buffers (for comparison)")
+    e = p.add_argument_group("elastic VRAM (docs/server.md)")
+    e.add_argument("--vram-watch-interval", type=float, default=2.0, metavar="SECONDS",
+                   help="poll free GPU memory and re-plan the expert cache / KV pool this often "
+                        "(0: off; CUDA only)")
+    e.add_argument("--vram-hysteresis", type=parse_bytes_arg, default=512 * 2**20,
+                   metavar="BYTES", help="free memory may stray this far from the workspace "
+                                         "margin before a re-plan (default 512MiB)")
+    e.add_argument("--vram-rebuild-wait", type=float, default=30.0, metavar="SECONDS",
+                   help="a new request waits this long for a rebuild, then gets 503 + "
+                        "Retry-After")
+    e.add_argument("--bw-reprofile-steps", type=int, default=64, metavar="N",
+                   help="re-measure B_P/B_H from decode traffic and re-derive q* every N steps "
+                        "(hybrid, auto; 0: off)")

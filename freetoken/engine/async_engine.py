@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from freetoken.engine.core import EngineCore
+from freetoken.engine.elastic import ElasticVram
+from freetoken.engine.vram_watch import REBUILD_WAIT_S, VramWatcher
 from freetoken.log import get_logger, kv
-from freetoken.types.api import EngineEvent, GenerateRequest
+from freetoken.types.api import AdmissionError, EngineBusy, EngineEvent, GenerateRequest
 
 log = get_logger("engine")
 _ids = itertools.count(1)
@@ -36,6 +38,11 @@ class AsyncEngine:
         self.max_context = core.max_context
         self.max_output_tokens: int | None = None  # server-side ceiling on max_tokens
         self.vocab_size: int = core.cfg.vocab_size  # the model's (padded) vocabulary
+        # elastic VRAM (engine/elastic.py, attached by engine/elastic_setup.py): the rebuild
+        # controller, its watcher, and how long a new request waits out a rebuild before 503
+        self.elastic: ElasticVram | None = None
+        self.watcher: VramWatcher | None = None
+        self.rebuild_wait_s = REBUILD_WAIT_S
         self._inbox: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="ft-engine", daemon=True)
         self._stop = False
@@ -66,13 +73,26 @@ class AsyncEngine:
 
         self._inbox.put(("add", req, (emit, report)))
         try:
-            err = await admitted
+            err = await self._admission(admitted)
         except BaseException:  # cancelled while waiting: the request may be admitted by now
             self._inbox.put(("abort", req.request_id, None))
             raise
         if err is not None:
             raise err
         return EventStream(self._inbox, req.request_id, q)
+
+    async def _admission(self, admitted: asyncio.Future) -> BaseException | None:
+        """The admission result; while an elastic rebuild holds the engine thread the request
+        waits up to `rebuild_wait_s`, then is withdrawn with `EngineBusy` (a 503)."""
+        while True:
+            done, _ = await asyncio.wait({admitted}, timeout=self.rebuild_wait_s)
+            if done:
+                return admitted.result()
+            el = self.elastic
+            if el is not None and el.rebuilding.is_set():  # (`start` withdraws it)
+                raise EngineBusy(f"the engine is rebuilding its GPU buffers (elastic VRAM) "
+                                 f"for more than {self.rebuild_wait_s:g} s; retry",
+                                 max(1, round(self.rebuild_wait_s)))
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[EngineEvent]:
         stream = await self.start(req)
@@ -83,14 +103,21 @@ class AsyncEngine:
             await stream.aclose()
 
     def stats(self) -> dict:
-        return self.core.snapshot_stats()
+        out = self.core.snapshot_stats()
+        if self.elastic is not None:
+            out["vram"] = self.elastic.stats()
+        return out
 
-    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run `fn(*args, **kwargs)` on the engine thread between two steps (a safe point for
-        anything that changes the engine's buffers) and return its result or raise its error."""
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future:
+        """Queue `fn(*args, **kwargs)` for the engine thread between two steps (a safe point
+        for anything that changes the engine's buffers); the Future gets its result or error."""
         fut: Future = Future()
         self._inbox.put(("call", (fn, args, kwargs), fut))
-        return await asyncio.wrap_future(fut)
+        return fut
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`submit`, awaited."""
+        return await asyncio.wrap_future(self.submit(fn, *args, **kwargs))
 
     async def resize_experts(self, **spec: Any) -> dict:
         return await self.call(self.core.resize_experts, **spec)
@@ -102,7 +129,15 @@ class AsyncEngine:
             self.warm_up_idle = False
             self._inbox.put(("call", (self.core.warmup.plan, (), {}), Future()))
 
+    async def rebuild_vram(self, **spec: Any) -> dict:
+        """`ElasticVram.rebuild` on the engine thread (/ft/v1/control/vram)."""
+        if self.elastic is None:
+            raise AdmissionError("elastic VRAM is off on this server", None, "not_supported")
+        return await self.call(self.elastic.rebuild, **spec)
+
     def shutdown(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
         self._stop = True
         self._inbox.put(("stop", None, None))
         self._thread.join(timeout=10)

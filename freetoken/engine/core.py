@@ -162,6 +162,8 @@ class EngineCore:
         except BridgeError as e:
             self.drop_bridge(e)
             raise
+        if self.moe is not None and self.moe.reprofiler is not None:
+            self.moe.reprofiler.at_safe_point()  # q* follows the measured bandwidths
 
     def _step(self) -> None:
         if self._inflight is not None:
@@ -294,6 +296,15 @@ class EngineCore:
                         lost=r.lost or None, generated=r.num_generated, reason=reason))
         r.emit(token_event(r, tok, reason))
 
+    def settle(self) -> None:
+        """Make this a safe point for replacing buffers: the decode step left in flight (if
+        any) is read and post-processed, and the runner holds no launched step."""
+        cur, self._inflight = self._inflight, None
+        if cur is not None:
+            self._complete(cur)
+        if self.runner is not None:
+            self.runner.drain()
+
     def resize_experts(self, slots: int | None = None, rate: float | None = None,
                        mem: int | None = None) -> dict:
         """Re-budget the GPU expert cache without a restart (`MoERuntime.resize`). Runs
@@ -302,6 +313,7 @@ class EngineCore:
         if self.moe is None:
             raise AdmissionError("this server runs without an expert slot cache "
                                  "(--moe-backend fused); nothing to re-budget", "slots")
+        self.settle()
         return self.moe.resize(slots, rate, mem)
 
     def snapshot_stats(self) -> dict:

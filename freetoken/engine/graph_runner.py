@@ -305,3 +305,17 @@ class DecodeRunner(DecodeStaging):
         """Wait for the step in flight, if any, and forget it (its ids are not wanted)."""
         for p in list(self._open):
             self.collect(p)
+
+    def rebind_kv(self, scratch_kv: int) -> None:
+        """The engine replaced its KV pool (`caches.kv`, engine/elastic.py): its scratch slot
+        is now `scratch_kv`. Waits for the step in flight, rebuilds the staging for the new
+        pool's key count and drops every graph and attention plan (they hold the old
+        buffers); each bucket is captured again at its next step."""
+        self.drain()
+        self._last = None
+        self.scratch_kv = scratch_kv
+        self._init_staging(self.max_batch, self.caches.kv.num_slots + self.max_batch,
+                           self.device.type == "cuda")
+        self._drop_graphs()
+        for b in self.buckets.values():
+            b.attn = None

@@ -27,6 +27,7 @@ from torch import Tensor
 from freetoken.experts.auto import AutoGuard
 from freetoken.experts.base import MoEHost
 from freetoken.experts.bridge import CpuBridge
+from freetoken.experts.bw_track import DRIFT, REPROFILE_EVERY_STEPS, Reprofiler, timed_branch
 from freetoken.experts.calibrate import find_profile, measure_profile_now
 from freetoken.experts.cost_model import BandwidthProfile, recommend_backend
 from freetoken.experts.fused import FusedExperts
@@ -45,6 +46,7 @@ from freetoken.experts.split import (
     CpuSplitExperts,
     FetchRule,
     FixedRule,
+    QStarRule,
     cpu_branch,
 )
 from freetoken.experts.stats import MoEStats
@@ -217,8 +219,10 @@ class MoERuntime:
             return None
         store, threads, L = self.store, self.cpu_threads, self.store.num_layers
         banks = ([store.gate_up(m) for m in range(L)], [store.down(m) for m in range(L)])
-        bridge = CpuBridge(L, max_batch, k, store.hidden, store.dtype, self.device,
-                           lambda m, x, ids, mask: cpu_branch(x, ids, mask, store, m, threads),
+        # (timed for re-profiling when that is on: experts/bw_track.py)
+        branch = timed_branch(lambda m, x, ids, mask: cpu_branch(x, ids, mask, store, m, threads),
+                              self.counters, store.expert_bytes)
+        bridge = CpuBridge(L, max_batch, k, store.hidden, store.dtype, self.device, branch,
                            banks=banks, threads=threads)
         self._bridges.append(bridge)
         log.info(kv("cpu_bridge", layers=len(layers), rows=max_batch, threads=threads,
@@ -236,6 +240,24 @@ class MoERuntime:
         from the device, the CPU-branch backends (and `auto`, whichever rule its guard runs)
         hand off through the bridge."""
         return all(b.device_fill or bridge is not None for b in self.backends)
+
+    @property
+    def reprofiler(self) -> Reprofiler | None:
+        return self.counters.reprofiler
+
+    def enable_reprofile(self, every_steps: int = REPROFILE_EVERY_STEPS, drift: float = DRIFT,
+                         min_bytes: int | None = None) -> Reprofiler | None:
+        """Re-measure B_P and B_H from decode traffic and re-derive q* at safe points
+        (experts/bw_track.py). Only the q* split has figures to follow (hybrid, and auto
+        whichever way its guard chose); None otherwise."""
+        if not isinstance(self.q_rule, QStarRule) or self.backend not in ("hybrid", "auto"):
+            return None
+        kw = {} if min_bytes is None else {"min_bytes": min_bytes}
+        rp = Reprofiler(self.q_rule, self.backends, every_steps, drift, **kw)
+        self.counters.reprofiler = rp
+        log.info(kv("bw_reprofile_on", every_steps=every_steps, drift=drift,
+                    b_p=f"{self.q_rule.b_p:.2f}", b_h=f"{self.q_rule.b_h:.2f}"))
+        return rp
 
     @property
     def generation(self) -> int:
@@ -277,5 +299,9 @@ class MoERuntime:
         """The expert counters for /v1/stats (None without a slot cache)."""
         if self.cache is None:
             return None
-        return {"backend": self.backend, "slots": self.cache.num_slots,
-                **self.counters.as_dict()}
+        out = {"backend": self.backend, "slots": self.cache.num_slots,
+               **self.counters.as_dict()}
+        if self.reprofiler is not None:
+            out["bandwidth"] = self.reprofiler.stats()
+        return out
+

@@ -16,6 +16,7 @@ Shapes: T tokens, K top-k, H hidden, S slots, E experts per layer.
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -178,16 +179,28 @@ class CpuSplitExperts(ExpertBackend):
         n_cpu = miss - fetched
         self.stats.add_host(hits, miss, fetched, self.store.expert_bytes)
         worker: Future | None = None
+        rp = self.stats.reprofiler  # re-profiling (experts/bw_track.py): time both branches
         if n_cpu:
-            worker = _CPU_POOL.submit(cpu_branch, x, topk_ids, d.cpu_mask, self.store, self.m,
-                                      self.cpu_threads)
+            worker = _CPU_POOL.submit(self._cpu_share, x, topk_ids, d.cpu_mask, n_cpu)
+        t_fill = rp.link_begin(self.cache.device) if rp is not None and fetched else None
         self.cache.fill(self.m, fetch_experts, fetch_slots, self.store)
+        if t_fill is not None:
+            rp.link_end(t_fill, fetched * self.store.expert_bytes)
         y, ys = run_experts(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots,
                             shared)  # [T, K, H]
         if worker is not None:
             cm = d.cpu_mask.to(x.device)
             y[cm] = worker.result().to(x.device)[cm]
         return y, ys
+
+    def _cpu_share(self, x: Tensor, topk_ids: Tensor, mask: Tensor, n_cpu: int) -> Tensor:
+        """The CPU branch on its worker (`n_cpu` experts), timed when re-profiling is on."""
+        rp = self.stats.reprofiler
+        t0 = time.perf_counter()
+        y = cpu_branch(x, topk_ids, mask, self.store, self.m, self.cpu_threads)
+        if rp is not None:
+            rp.host_sample(n_cpu * self.store.expert_bytes, time.perf_counter() - t0)
+        return y
 
     def _count_misses(self, topk_ids: Tensor) -> int:
         g = topk_ids.reshape(-1).unique() + self.m * self.store.num_experts

@@ -18,6 +18,8 @@ class MoEStats:
         # folded into the host counters when read
         self._dev: Tensor | None = None
         self._dev_stream: Tensor | None = None  # (hits, misses) of streamed layers
+        # experts/bw_track.py's Reprofiler when re-profiling is on: fed timed traffic samples
+        self.reprofiler = None
 
     def add_host(self, hits: int, misses: int, fetched: int, expert_bytes: int) -> None:
         """A synced layer's decision, read on the host."""

@@ -95,6 +95,7 @@ def create_app(engine: EngineClient, tokenizer: Any, *, api_key: str | None,
         Route("/ft/v1/generate", _endpoint(native_routes.generate), methods=["POST"]),
         Route("/ft/v1/control/experts", _endpoint(native_routes.control_experts),
               methods=["POST"]),
+        Route("/ft/v1/control/vram", _endpoint(native_routes.control_vram), methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error,
                                                        Exception: _unhandled})

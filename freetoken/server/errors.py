@@ -12,7 +12,7 @@ import logging
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from freetoken.types.api import AdmissionError
+from freetoken.types.api import AdmissionError, EngineBusy
 
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
@@ -36,12 +36,13 @@ class APIError(Exception):
     request field (dotted path) when there is one, `code` a stable machine-readable reason."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers  # extra response headers (e.g. retry-after of a 503)
 
     @classmethod
     def bad(cls, message: str, param: str | None = None, code: str = "invalid_request") -> APIError:
@@ -49,6 +50,9 @@ class APIError(Exception):
 
     @classmethod
     def from_admission(cls, e: AdmissionError) -> APIError:
+        """400, or 503 with Retry-After for an engine that is rebuilding (`EngineBusy`)."""
+        if isinstance(e, EngineBusy):
+            return cls(503, e.message, e.param, e.code, {"retry-after": str(e.retry_after)})
         return cls(400, e.message, e.param, e.code)
 
 
@@ -94,7 +98,7 @@ async def answer_errors(request: Request, family: str, call, log: logging.Logger
     except APIError as e:
         log.info(kv("reject", path=request.url.path, status=e.status, param=e.param,
                     reason=e.message[:200]))
-        return error_response(family, e)
+        return error_response(family, e, headers=e.headers)
     except Exception as e:
         log.exception(kv("internal_error", path=request.url.path))
         return error_response(family, APIError(500, f"internal error: {e!r}", None,

@@ -1,4 +1,5 @@
-"""Native and control routes: /health, /v1/stats, /ft/v1/generate, /ft/v1/control/experts.
+"""Native and control routes: /health, /v1/stats, /ft/v1/generate, /ft/v1/control/experts,
+/ft/v1/control/vram (elastic VRAM: expert cache and KV pool rebuilt together, docs/server.md).
 
 /ft/v1/control/experts re-budgets the GPU expert cache of a running server: `{"slots": N}`,
 `{"rate": 0.37}` or `{"mem": bytes}`, applied by the engine thread between two steps, all or
@@ -78,6 +79,37 @@ async def control_experts(request: Request) -> Response:
     except ResizeError as e:
         raise APIError(409, str(e), "slots", "allocation_failed") from None
     log.info(kv("control_experts", **out))
+    return JSONResponse(out)
+
+
+async def control_vram(request: Request) -> Response:
+    """Rebuild the expert cache and the KV pool now: `{"expert_slots": N, "kv_tokens": M}`
+    (either may be left out: kept). 400 for sizes out of range, 409 when it could not
+    allocate (rolled back, still serving), 404 without elastic VRAM."""
+    from freetoken.engine.core import ResizeError
+    from freetoken.types.api import AdmissionError
+
+    st: ServerState = request.app.state.ft
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise APIError.bad("the body must be a JSON object")
+    spec = {k: body[k] for k in ("expert_slots", "kv_tokens") if k in body}
+    if not spec:
+        raise APIError.bad("give expert_slots, kv_tokens or both", "expert_slots")
+    for k, v in spec.items():
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise APIError.bad(f"'{k}' must be an integer", k)
+    rebuild = getattr(st.engine, "rebuild_vram", None)
+    if rebuild is None:
+        raise APIError(404, "this engine has no elastic VRAM", None, "not_supported")
+    try:
+        out = await rebuild(**spec)
+    except AdmissionError as e:
+        raise APIError(404 if e.code == "not_supported" else 400, e.message, e.param,
+                       e.code) from None
+    except ResizeError as e:
+        raise APIError(409, str(e), None, "allocation_failed") from None
+    log.info(kv("control_vram", **{k: v for k, v in out.items() if k != "reason"}))
     return JSONResponse(out)
 
 

@@ -26,6 +26,15 @@ class AdmissionError(ValueError):
         self.code = code
 
 
+class EngineBusy(AdmissionError):
+    """The engine is rebuilding its buffers (elastic VRAM) and did not admit the request
+    within the wait: HTTP 503 with `Retry-After: retry_after` seconds; nothing ran."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message, None, "engine_rebuilding")
+        self.retry_after = retry_after
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 256

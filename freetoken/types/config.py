@@ -76,6 +76,30 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class VramConfig:
+    """Elastic VRAM and bandwidth re-profiling (docs/server.md). None: the module defaults
+    (engine/vram_watch.py, engine/vram_plan.py); `watch_interval_s` 0 turns the watcher off,
+    `bw_reprofile_steps` 0 turns re-profiling off."""
+
+    watch_interval_s: float | None = None
+    hysteresis_bytes: int | None = None
+    rebuild_wait_s: float | None = None
+    bw_reprofile_steps: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("watch_interval_s", "hysteresis_bytes", "rebuild_wait_s"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise ValueError(f"--{_FLAGS[name]} must be at least 0")
+        if self.bw_reprofile_steps < 0:
+            raise ValueError("--bw-reprofile-steps must be at least 0")
+
+
+_FLAGS = {"watch_interval_s": "vram-watch-interval", "hysteresis_bytes": "vram-hysteresis",
+          "rebuild_wait_s": "vram-rebuild-wait"}
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """One serving engine. `moe` None: the command has no MoE flags (every expert resident);
     `moe_backend_given` False: `moe.backend` is a placeholder that build_engine replaces with
@@ -96,6 +120,7 @@ class EngineConfig:
     record_routing: str | None = None
     route_trace: str | None = None
     warm_up: str | None = None  # idle, blocking, off (None: idle on CUDA, off on the CPU)
+    vram: VramConfig = field(default_factory=VramConfig)
 
     def __post_init__(self) -> None:
         if self.warm_up not in (None, "idle", "blocking", "off"):

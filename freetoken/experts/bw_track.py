@@ -1,0 +1,187 @@
+"""Bandwidth re-profiling from the engine's own traffic: B_P and B_H drift on a shared machine.
+
+The profile (`ft bench bw`, experts/bandwidth.py) is measured once; afterwards another process
+on the PCIe link or on the cores moves the real figures, and q* (experts/split.py's split of a
+layer's misses between fetches and the CPU) goes stale. `Reprofiler` re-measures them for free
+from what serving already does:
+
+- B_H: every CPU expert-branch call, its expert bytes (distinct experts computed x bytes per
+  expert) over its wall time (`host_sample`, from the bridge's worker or the synced path);
+- B_P: every eager slot fill, its bytes over its time (`link_begin`/`link_end`: CUDA events,
+  read at the next safe point, so nothing syncs; wall time on the CPU device).
+
+Each channel is a `BandwidthEstimate`: an EWMA in log space with outlier rejection (a sample
+further than `reject` x the running mean absolute deviation from the estimate is dropped,
+unless `shift_after` samples in a row lie on the same side: a real change of regime, taken).
+At safe points (`at_safe_point`, every `every_steps` engine steps) an estimate that moved more
+than `drift` from the rule's figure is written into the rule (`QStarRule.b_p/b_h`), the
+device-side fetch tables that captured steps read are rewritten in place (no re-capture), and
+one `bw_reprofile` line is logged. Samples measured while fetches and the CPU branch run
+concurrently are what the overlapped profile measures (B_P', B_H'), which is what the rule
+uses when the profile has the concurrent pair.
+
+Not measured: fills done by the device inside a captured step (offload's UVA fill), which have
+no host-visible time; B_P then follows only eager steps (prefill, synced decode).
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+
+import torch
+
+from freetoken.log import get_logger, kv
+
+log = get_logger("experts")
+REPROFILE_EVERY_STEPS = 64
+DRIFT = 0.10
+_MIN_BYTES = 1 << 20  # a sample smaller than this is mostly call overhead, not bandwidth
+
+
+class BandwidthEstimate:
+    """One channel's bandwidth in GB/s: EWMA in log space with outlier rejection (see the
+    module docstring). `observe` returns whether the sample was taken."""
+
+    def __init__(self, name: str, prior_gbps: float, alpha: float = 0.2, reject: float = 4.0,
+                 shift_after: int = 4, min_bytes: int = _MIN_BYTES, min_dev: float = 0.05):
+        self.name, self.gbps = name, float(prior_gbps)
+        self.alpha, self.reject, self.shift_after = alpha, reject, shift_after
+        self.min_bytes, self.min_dev = min_bytes, min_dev
+        self.dev = 0.25  # running mean |log(sample / estimate)|: a loose start
+        self.taken = self.rejected = 0
+        self._side, self._run = 0, 0  # rejected samples in a row on one side
+
+    def observe(self, nbytes: float, seconds: float) -> bool:
+        if nbytes < self.min_bytes or seconds <= 0:
+            return False
+        r = math.log(nbytes / seconds / 1e9 / self.gbps)
+        if self.taken and abs(r) > self.reject * max(self.dev, self.min_dev):
+            side = 1 if r > 0 else -1
+            self._run = self._run + 1 if side == self._side else 1
+            self._side = side
+            if self._run < self.shift_after:
+                self.rejected += 1
+                return False
+            self.dev = abs(r)  # a new regime: its spread is not known yet
+        self._run = 0
+        self.gbps *= math.exp(self.alpha * r)
+        self.dev += self.alpha * (abs(r) - self.dev)
+        self.taken += 1
+        return True
+
+
+class Reprofiler:
+    """B_P and B_H re-measured from traffic, written into `rule` (see the module docstring).
+
+    `backends`: the MoE layers whose device fetch tables follow the rule. `host_sample` may be
+    called from any thread; everything else runs on the engine thread."""
+
+    def __init__(self, rule, backends: list, every_steps: int = REPROFILE_EVERY_STEPS,
+                 drift: float = DRIFT, min_bytes: int = _MIN_BYTES):
+        self.rule, self.backends = rule, backends
+        self.every_steps, self.drift = every_steps, drift
+        self.b_p = BandwidthEstimate("b_p", rule.b_p, min_bytes=min_bytes)
+        self.b_h = BandwidthEstimate("b_h", rule.b_h, min_bytes=min_bytes)
+        self._host: deque[tuple[float, float]] = deque(maxlen=4096)
+        self._link: deque[tuple[object, object, float]] = deque(maxlen=4096)
+        self.steps = self.updates = 0
+
+    # -- samples -----------------------------------------------------------------------------
+
+    def host_sample(self, nbytes: float, seconds: float) -> None:
+        """A CPU expert-branch call: `nbytes` of expert weights computed in `seconds`."""
+        self._host.append((nbytes, seconds))
+
+    def link_begin(self, device: torch.device) -> object:
+        """Before an eager fill: a CUDA event on the current stream, or the wall clock."""
+        if device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def link_end(self, start: object, nbytes: float) -> None:
+        """After the fill that moved `nbytes` from the host store into slots."""
+        if nbytes <= 0:
+            return
+        if isinstance(start, float):
+            self._link.append((start, time.perf_counter(), nbytes))
+            return
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        self._link.append((start, ev, nbytes))
+
+    # -- at safe points ----------------------------------------------------------------------
+
+    def at_safe_point(self) -> dict | None:
+        """Count an engine step; every `every_steps` fold the samples in and update the rule
+        when an estimate drifted. Returns the update (None: nothing changed)."""
+        self.steps += 1
+        if self.steps % self.every_steps:
+            return None
+        return self.fold()
+
+    def fold(self) -> dict | None:
+        while self._host:
+            self.b_h.observe(*self._host.popleft())
+        while self._link:
+            a, b, n = self._link[0]
+            if isinstance(a, float):
+                secs = b - a
+            elif b.query():
+                secs = a.elapsed_time(b) / 1e3
+            else:  # not run yet: next time (later samples are behind it on the stream)
+                break
+            self._link.popleft()
+            self.b_p.observe(n, secs)
+        return self._update()
+
+    def _update(self) -> dict | None:
+        rule = self.rule
+        old_p, old_h = rule.b_p, rule.b_h
+        moved = [e for e, old in ((self.b_p, old_p), (self.b_h, old_h))
+                 if e.taken and abs(e.gbps / old - 1) > self.drift]
+        if not moved:
+            return None
+        q_before = rule(8)
+        for e in moved:
+            setattr(rule, e.name, e.gbps)
+        self.updates += 1
+        self._refresh_tables()
+        out = {"b_p": round(rule.b_p, 2), "b_h": round(rule.b_h, 2), "q8": rule(8)}
+        log.info(kv("bw_reprofile", b_p=f"{old_p:.2f}->{rule.b_p:.2f}",
+                    b_h=f"{old_h:.2f}->{rule.b_h:.2f}", q_star_of_8=f"{q_before}->{out['q8']}",
+                    overlap=getattr(rule, "overlap", None), samples_p=self.b_p.taken,
+                    samples_h=self.b_h.taken, rejected=self.b_p.rejected + self.b_h.rejected))
+        return out
+
+    def _refresh_tables(self) -> None:
+        """Rewrite in place the fetch tables captured steps read (their address stays)."""
+        for b in self.backends:
+            t = getattr(b, "_fetch_table", None)
+            if t is None or b.rule.fixed is not None:
+                continue
+            with torch.inference_mode():  # the table was made inside a forward
+                t.copy_(torch.tensor(b.rule.table(b.store.num_experts), dtype=torch.int64))
+
+    def stats(self) -> dict:
+        return {"b_p": round(self.b_p.gbps, 3), "b_h": round(self.b_h.gbps, 3),
+                "samples_p": self.b_p.taken, "samples_h": self.b_h.taken,
+                "rejected": self.b_p.rejected + self.b_h.rejected, "updates": self.updates}
+
+
+def timed_branch(fn, stats, expert_bytes: int):
+    """`fn(m, x, ids, mask)` (a CPU expert branch) that also hands its bytes and time to
+    `stats.reprofiler` when re-profiling is on (looked up per call: it may start later)."""
+    def run(m, x, ids, mask):
+        rp = stats.reprofiler
+        if rp is None:
+            return fn(m, x, ids, mask)
+        t0 = time.perf_counter()
+        y = fn(m, x, ids, mask)
+        dt = time.perf_counter() - t0
+        n = ids.cpu()[mask.cpu()].unique().numel()
+        rp.host_sample(n * expert_bytes, dt)
+        return y
+    return run

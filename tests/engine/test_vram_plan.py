@@ -1,0 +1,51 @@
+"""The elastic-VRAM planner's rules (engine/vram_plan.py), on hand-computed readings: bytes in
+units of one expert slot (S) and one KV token (T) so every expected size is arithmetic."""
+from __future__ import annotations
+
+from freetoken.engine.vram_plan import VramKnobs, VramState, plan
+
+S, T, M = 1000, 10, 5000  # slot bytes, KV token bytes, margin
+K = VramKnobs(margin_bytes=M, hysteresis_bytes=500)
+
+
+def _st(free: int, slots: int = 40, kv: int = 1000, live: int = 0, floor: int = 200,
+        cap: int = 4000) -> VramState:
+    return VramState(free, slots, 64, S, kv, T, floor, live, cap, min_expert_slots=8)
+
+
+def test_inside_the_band_nothing_changes() -> None:
+    """Free memory within the hysteresis band around the margin: no plan (no thrash)."""
+    for free in (M - 500, M, M + 499):
+        assert plan(_st(free), K) is None
+
+
+def test_a_claim_is_paid_by_experts_first_then_kv_down_to_its_floor() -> None:
+    p = plan(_st(M - 3 * S), K)  # 3 slots' worth claimed
+    assert (p.expert_slots, p.kv_tokens, p.reason) == (37, 1000, "memory_claimed")
+    p = plan(_st(M - 40 * S), K)  # more than the experts can give above their minimum (8)
+    assert p.expert_slots == 8
+    assert p.kv_tokens == 1000 - (40 - 32) * S // T  # the rest from KV: 800 tokens
+    p = plan(_st(M - 60 * S, live=500), K)  # KV never under the live tokens (or the floor)
+    assert (p.expert_slots, p.kv_tokens) == (8, 500)
+
+
+def test_returned_memory_grows_the_experts_up_to_the_pool() -> None:
+    p = plan(_st(M + 5 * S + 1), K)
+    assert (p.expert_slots, p.kv_tokens, p.reason) == (45, 1000, "memory_returned")
+    p = plan(_st(M + 100 * S), K)
+    assert p.expert_slots == 64  # the whole pool, no more
+    assert plan(_st(M + 100 * S, slots=64), K) is None  # experts full: KV grows on demand only
+
+
+def test_kv_pressure_moves_budget_from_experts() -> None:
+    """Live tokens past 85% of the pool: the pool grows to 1.5x live, paid from the memory
+    above the margin first, then by expert slots; never past the cap."""
+    p = plan(_st(M, live=900), K)
+    assert p.reason == "kv_pressure" and p.kv_tokens == 1350
+    assert p.expert_slots == 40 - 350 * T // S - 1  # 3500 bytes: 4 slots (rounded up)
+    p = plan(_st(M + 2000, live=900), K)  # 2000 bytes free above the margin pay 200 tokens
+    assert (p.kv_tokens, p.expert_slots) == (1350, 38)
+    p = plan(_st(M, live=3900, kv=4000), K)
+    assert p is None  # at the cap
+    p = plan(_st(M, slots=9, live=900), K)  # one slot to give: the pool grows by its worth
+    assert (p.expert_slots, p.kv_tokens) == (8, 1100)
