@@ -24,7 +24,7 @@ sys.modules["fla"] = None  # type: ignore[assignment]
 sys.modules["causal_conv1d"] = None  # type: ignore[assignment]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from fronts import build_tiny, start_fault_proxy, start_stack
+from fronts import build_tiny, limits, start_fault_proxy, start_stack
 from soak import soak
 
 
@@ -41,9 +41,12 @@ def main() -> int:
     ap.add_argument("--model-dir", default=None, help="where the tiny model is (built once)")
     args = ap.parse_args()
     model_dir = Path(args.model_dir or Path(tempfile.gettempdir()) / "ft-reliability-tiny")
-    stack = start_stack(build_tiny(model_dir))
+    # uvicorn's usual timeouts, not the batteries' short ones: on a loaded machine a pooled
+    # connection's next request can take over a second to arrive (a 502, not a leak)
+    usual = {"header_timeout_s": 10.0, "body_timeout_s": 30.0, "stall_timeout_s": 30.0}
+    stack = start_stack(build_tiny(model_dir), **usual)
     fronts = dict(stack.fronts)
-    front, mode, up = start_fault_proxy(stack.tok)
+    front, mode, up = start_fault_proxy(stack.tok, limits(**usual))
     mode["now"] = "ok"
     fronts["U*"] = front
     try:

@@ -8,7 +8,11 @@ after the warm-up and calls the run flat when neither grows beyond its floor:
 
 - RSS: fitted growth over the measured window <= RSS_FLOOR_MB (the LRU-capped session state
   of 20,000 sessions would be ~18 MB unbounded; allocator noise stays below it);
-- fds: fitted growth <= FD_FLOOR and the last sample within FD_FLOOR of the first.
+- fds: fitted growth <= fd_floor(workers) and the last sample within it of the first (each
+  worker holds up to two connections in flight, so a sample swings by that much).
+
+Each sample also counts the Python heap's allocated blocks (`sys.getallocatedblocks`): when RSS
+grows and they do not, the growth is native (allocator arenas, torch), not Python objects kept.
 
 The stack is in one process (tests/reliability/fronts.py), so RSS covers proxy and engine.
 Used by scripts/soak.py (full size) and tests/reliability/test_soak.py (seconds).
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,7 +31,10 @@ import httpx
 from battery import _fds, rss_kb
 
 RSS_FLOOR_MB = 16.0
-FD_FLOOR = 8
+
+
+def fd_floor(workers: int) -> int:
+    return 4 + 2 * workers
 KINDS = ("openai", "openai_stream", "anthropic_stream", "count", "second_turn", "leave",
          "bad_body")
 
@@ -119,15 +127,21 @@ def drive(fronts: list[Any], seconds: float, tally: Tally, stop: threading.Event
         t.join()
 
 
-def sample(samples: list[tuple[float, int, int]], sample_s: float, stop: threading.Event,
+def _now(t0: float) -> tuple[float, int, int, int]:
+    return (round(time.time() - t0, 1), rss_kb(), _fds(), sys.getallocatedblocks())
+
+
+def sample(samples: list[tuple], sample_s: float, stop: threading.Event,
            log: Any = None, tally: Tally | None = None) -> None:
-    """(seconds, RSS kB, open fds) every `sample_s` until `stop`; one JSON line each to `log`."""
+    """(seconds, RSS kB, open fds, Python blocks) every `sample_s` until `stop`; one JSON line
+    each to `log`."""
     t0 = time.time()
     while True:
-        s = (round(time.time() - t0, 1), rss_kb(), _fds())
+        s = _now(t0)
         samples.append(s)
         if log is not None:
             print(json.dumps({"t_s": s[0], "rss_mb": round(s[1] / 1024, 1), "fds": s[2],
+                              "py_blocks": s[3],
                               "requests": tally.requests if tally else None,
                               "sessions": tally.sessions if tally else None}), file=log,
                   flush=True)
@@ -141,23 +155,28 @@ def _slope(xs: list[float], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
 
 
-def verdict(samples: list[tuple[float, int, int]], warm_up_s: float) -> dict[str, Any]:
-    """Fitted RSS and fd growth over the samples after `warm_up_s`, beside their floors."""
+def verdict(samples: list[tuple], warm_up_s: float, workers: int = 4) -> dict[str, Any]:
+    """Fitted RSS and fd growth over the samples (seconds, RSS kB, fds[, Python blocks])
+    after `warm_up_s`, beside their floors."""
     kept = [s for s in samples if s[0] >= warm_up_s] or samples[-2:]
     ts = [s[0] for s in kept]
     span = (ts[-1] - ts[0]) if len(ts) > 1 else 0.0
     rss_slope = _slope(ts, [s[1] / 1024 for s in kept])  # MB per second
     fd_slope = _slope(ts, [float(s[2]) for s in kept])
     rss_growth, fd_growth = rss_slope * span, fd_slope * span
-    flat = (len(kept) >= 3 and rss_growth <= RSS_FLOOR_MB and fd_growth <= FD_FLOOR
-            and kept[-1][2] - kept[0][2] <= FD_FLOOR)
+    fd_max = fd_floor(workers)
+    flat = (len(kept) >= 3 and rss_growth <= RSS_FLOOR_MB and fd_growth <= fd_max
+            and kept[-1][2] - kept[0][2] <= fd_max)
+    blocks = ({"py_blocks_start": kept[0][3], "py_blocks_end": kept[-1][3],
+               "py_blocks_fitted_growth": round(_slope(ts, [float(s[3]) for s in kept]) * span)}
+              if len(kept[0]) > 3 else {})
     return {"flat": flat, "samples": len(kept), "window_s": round(span, 1),
             "rss_start_mb": round(kept[0][1] / 1024, 1), "rss_end_mb": round(kept[-1][1] / 1024, 1),
             "rss_slope_mb_per_min": round(rss_slope * 60, 3),
             "rss_fitted_growth_mb": round(rss_growth, 2), "rss_floor_mb": RSS_FLOOR_MB,
             "fds_start": kept[0][2], "fds_end": kept[-1][2],
             "fd_slope_per_min": round(fd_slope * 60, 3), "fd_fitted_growth": round(fd_growth, 2),
-            "fd_floor": FD_FLOOR}
+            "fd_floor": fd_max, **blocks}
 
 
 def soak(fronts: list[Any], seconds: float, sample_s: float, warm_up_s: float | None = None,
@@ -173,8 +192,9 @@ def soak(fronts: list[Any], seconds: float, sample_s: float, warm_up_s: float | 
     finally:
         stop.set()
         s.join()
-    samples.append((round(time.time() - t0, 1), rss_kb(), _fds()))
+    samples.append(_now(t0))
     warm = seconds * 0.2 if warm_up_s is None else warm_up_s
-    return {**verdict(samples, warm), "requests": tally.requests, "sessions": tally.sessions,
+    return {**verdict(samples, warm, len(fronts)), "requests": tally.requests,
+            "sessions": tally.sessions,
             "by_status": tally.by_status, "unexpected": tally.unexpected,
             "seconds": round(time.time() - t0, 1)}
