@@ -22,8 +22,9 @@ import torch
 
 from freetoken.cache.tensors import Caches, KVPool, StateTensors
 from freetoken.engine.cache_ops import CacheOps, HostStates, host_slots_for
-from freetoken.engine.gpu_sampler import sample_rows
+from freetoken.engine.gpu_sampler import FAILED_ROW, sample_rows
 from freetoken.engine.graph_runner import DecodeRunner, Pending
+from freetoken.engine.isolation import fail_request, free_planned_snapshots, isolate
 from freetoken.engine.stats import EngineStats
 from freetoken.engine.step_inputs import decode_row, forward_batch, row_sampling
 from freetoken.engine.warm_up import Warmup
@@ -31,7 +32,7 @@ from freetoken.experts.bridge import BridgeError
 from freetoken.experts.runtime import MoERuntime, ResizeError
 from freetoken.log import get_logger, kv
 from freetoken.models.qwen import QwenMoE
-from freetoken.sampler import RequestSampler
+from freetoken.sampler import RequestSampler, RowFailure
 from freetoken.scheduler.finish import accept_token, token_event
 from freetoken.scheduler.overlap import schedule_ahead
 from freetoken.scheduler.request import Request
@@ -97,6 +98,8 @@ class EngineCore:
         self.max_context = min(max_context or cfg.max_position_embeddings, kv_tokens)
         self.stats = EngineStats()
         self._inflight: _InFlight | None = None
+        self._ahead_failed: tuple[list[Request], Exception] | None = None
+        self.device_sampler = self.device.type == "cuda"  # batched gpu_sampler, else per row
         self._t_done = 0.0  # when the last step's tokens were read (overlapped steps' time)
         self.steps_ahead = 0  # decode steps launched before the previous one's tokens were read
         self.warmup = Warmup(self)  # idle-time warm-up tasks (engine/warm_up.py), none planned
@@ -156,7 +159,8 @@ class EngineCore:
 
     def step(self) -> None:
         """One engine step: schedule, run, postprocess. A failure of the CPU bridge drops the
-        bridge (`drop_bridge`) and is raised for the step's requests."""
+        bridge (`drop_bridge`) and is raised for the step's requests; any other failure of a
+        forward pass fails one request only (engine/isolation.py)."""
         try:
             self._step()
         except BridgeError as e:
@@ -170,6 +174,10 @@ class EngineCore:
             cur = self._inflight
             self._inflight = self._launch_ahead(cur)
             self._complete(cur)
+            if self._ahead_failed is not None:  # the rows' states went past `cur`'s tokens
+                reqs, e = self._ahead_failed
+                self._ahead_failed = None
+                isolate(self.sched, [(r, len(r.ids)) for r in reqs], e)
             return
         plan = self.sched.schedule()
         self.cache_ops.run(plan.pre_ops)
@@ -183,17 +191,25 @@ class EngineCore:
             rows = [decode_row(it) for it in items]
             if not self.runner.fits(rows):
                 rows = None
-        if rows is not None and self._may_overlap():
-            # left in flight: the next step() launches the step after it, then reads these ids
-            self._inflight = _InFlight(items, plan.post_ops, self.runner.launch(rows), t0)
+        try:
+            if rows is not None and self._may_overlap():
+                # left in flight: the next step() launches the step after it, then reads its ids
+                self._inflight = _InFlight(items, plan.post_ops, self.runner.launch(rows), t0)
+                return
+            # (`auto` times its choice over decode steps of any width)
+            with self._moe_step("decode" if decode else "prefill", sum(i.n for i in items)) as st:
+                if rows is not None:
+                    toks = self.runner.step(rows)  # one host read: the sampled ids
+                else:
+                    logits = self.model(self._batch(items, st), self.caches)  # [R, V]
+                    toks = self._sample([it for it in items if it.wants_logits], logits)
+        except BridgeError:
+            raise
+        except Exception as e:  # noqa: BLE001  (one request's failure: engine/isolation.py)
+            self.cache_ops.run(plan.post_ops)
+            free_planned_snapshots(self.sched, items)
+            isolate(self.sched, [(it.req, it.start + it.n) for it in items], e)
             return
-        # (`auto` times its choice over decode steps of any width)
-        with self._moe_step("decode" if decode else "prefill", sum(i.n for i in items)) as st:
-            if rows is not None:
-                toks = self.runner.step(rows)  # one host read: the sampled ids
-            else:
-                logits = self.model(self._batch(items, st), self.caches)  # [R, V]
-                toks = self._sample([it for it in items if it.wants_logits], logits)
         self._t_done = time.perf_counter()
         dt = self._t_done - t0
         self.cache_ops.run(plan.post_ops)
@@ -225,7 +241,14 @@ class EngineCore:
         if not self.runner.fits(rows):
             plan.rollback(self.sched)
             return None
-        pending = self.runner.launch(rows, chain=plan.chain)
+        try:
+            pending = self.runner.launch(rows, chain=plan.chain)
+        except BridgeError:
+            raise
+        except Exception as e:  # noqa: BLE001  (isolated once `cur` is post-processed)
+            plan.rollback(self.sched)
+            self._ahead_failed = ([it.req for it in plan.items], e)
+            return None
         self.steps_ahead += 1
         return _InFlight(plan.items, self.sched.cache.take_ops(), pending, t0)
 
@@ -258,10 +281,11 @@ class EngineCore:
         r.computed += 1
 
     def _sample(self, items: list[BatchItem], logits: torch.Tensor) -> list[int]:
-        """Next token of every row: on CUDA one batched call of the device sampler (the same
-        function the decode runner replays, so seeds draw the same tokens either way); on the CPU
-        each request's own sampler."""
-        if self.device.type != "cuda":
+        """Next token of every row: with `device_sampler` (CUDA) one batched call of the device
+        sampler (the same function the decode runner replays, so seeds draw the same tokens
+        either way); on the CPU each request's own sampler. A row that cannot be sampled is
+        FAILED_ROW or its exception: it fails alone (`_on_token`)."""
+        if not self.device_sampler:
             out: list = []
             for i, it in enumerate(items):
                 try:
@@ -277,11 +301,10 @@ class EngineCore:
 
     def _on_token(self, it: BatchItem, tok: int) -> None:
         r = it.req
+        if tok == FAILED_ROW:  # (the device sampler's)
+            tok = RowFailure("the model computed non-finite logits for this request")
         if isinstance(tok, Exception):  # its row could not be sampled: it fails, the batch goes on
-            self.sched.abort(r.rid)
-            r.finished = True
-            log.warning(kv("row_failed", rid=r.rid, error=repr(tok)[:200]))
-            r.emit(tok)
+            fail_request(self.sched, r, tok)
             return
         reason, first = accept_token(r, tok, self.max_context)  # scheduler/finish.py's rules
         if first:

@@ -9,6 +9,12 @@ shares, whichever bucket or graph it runs in, and eager and replayed steps agree
 Sampling is `argmax(logits / T + gumbel)` over the tokens top-k and top-p allow, which draws from
 exactly the softmax of the allowed logits (the Gumbel-max trick).
 
+A row whose logits (after the blocked stop ids) hold a NaN or no finite value — the model's
+computation of that row failed — draws no token: its id is `FAILED_ROW` (-1), checked per row on
+the device without a host sync (so it can be captured), and the engine fails that request alone
+(`EngineCore._on_token`; the CPU sampler raises `RowFailure` for the same rows). A decode step
+chained on a failed row feeds it token 0 instead (graph_runner), never an id out of range.
+
 Shapes: B rows, V vocabulary, NB blocked-id columns.
 """
 from __future__ import annotations
@@ -63,13 +69,24 @@ def block_stop_ids(logits: Tensor, rows: SamplingRows) -> Tensor:
     return logits.scatter(1, rows.block_ids, vals)  # [B, V]
 
 
+FAILED_ROW = -1  # the id of a row that cannot be sampled (see the module docstring)
+
+
+def failed_rows(lg: Tensor) -> Tensor:
+    """[B] bool: rows of `lg [B, V]` with a NaN or without any finite value."""
+    return torch.isnan(lg).any(-1) | ~torch.isfinite(lg).any(-1)
+
+
 def greedy(logits: Tensor, rows: SamplingRows) -> Tensor:
-    """[B] int64: argmax of the logits with the blocked stop ids removed."""
-    return block_stop_ids(logits.float(), rows).argmax(-1)
+    """[B] int64: argmax of the logits with the blocked stop ids removed (FAILED_ROW where the
+    row's logits are not finite)."""
+    lg = block_stop_ids(logits.float(), rows)
+    return torch.where(failed_rows(lg), FAILED_ROW, lg.argmax(-1))
 
 
 def sample(logits: Tensor, rows: SamplingRows) -> Tensor:
-    """[B] int64 next tokens; rows with temperature <= 0 take the argmax."""
+    """[B] int64 next tokens; rows with temperature <= 0 take the argmax; FAILED_ROW where the
+    row's logits are not finite."""
     lg = block_stop_ids(logits.float(), rows)  # [B, V]
     V = lg.shape[1]
     z = lg / rows.temperature.clamp(min=1e-5)[:, None]  # [B, V]
@@ -84,7 +101,8 @@ def sample(logits: Tensor, rows: SamplingRows) -> Tensor:
     gumbel = -torch.log(-torch.log(uniform_noise(rows.seed, rows.step, V)))  # [B, V] f64
     score = torch.where(z >= thresh, z.double() + gumbel, float("-inf"))
     drawn = score.argmax(-1)  # [B]
-    return torch.where(rows.temperature > 0, drawn, lg.argmax(-1))
+    ids = torch.where(rows.temperature > 0, drawn, lg.argmax(-1))
+    return torch.where(failed_rows(lg), FAILED_ROW, ids)
 
 
 @dataclass
@@ -111,7 +129,8 @@ def sampling_columns(rows: Sequence[RowSampling], nb: int) -> tuple[list, ...]:
 
 def sample_rows(logits: Tensor, rows: Sequence[RowSampling], device: torch.device) -> list[int]:
     """The next token of each row of `logits [R, V]` outside the decode runner (prefill and
-    mixed steps), the rows' parameters uploaded for this call."""
+    mixed steps), the rows' parameters uploaded for this call; FAILED_ROW for a row that
+    cannot be sampled."""
     if not rows:
         return []
     cols = sampling_columns(rows, max(1, max(len(r.blocked) for r in rows)))

@@ -146,7 +146,9 @@ class DecodeRunner(DecodeStaging):
         """The whole decode step on the static buffers: forward, LM head, sampling into
         out_ids[:Bk]. Issues no host sync (this is what a graph captures)."""
         d = self.d_i64
-        ids = self._flat.index_select(0, d[7, :Bk])  # staged ids, or the last step's (chain)
+        # staged ids, or the last step's (chain); a chained row whose previous row failed
+        # (gpu_sampler.FAILED_ROW) is fed token 0: its request fails, the row is discarded
+        ids = self._flat.index_select(0, d[7, :Bk]).clamp(min=0)
         state = d[3, :Bk] if self.caches.state is not None else None
         ctx = DecodeContext(out_slots=d[2, :Bk], state_slots=state, attn=attn)
         # the MoE layers run without host syncs where they can, the CPU share via the bridge

@@ -82,6 +82,9 @@ class Scheduler:
         self.reuse: dict[str, int] = {}  # why prompts resumed short of their KV match, counted
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # requests of a failed batch, re-run alone (`retry_alone`): id(request) -> the position
+        # the request must have computed past before it is batched with others again
+        self.alone: dict[int, int] = {}
 
     # -- queue management ------------------------------------------------------------------
 
@@ -97,6 +100,7 @@ class Scheduler:
         for r in list(self.waiting):
             if r.rid == rid:
                 self.waiting.remove(r)
+                self.alone.pop(id(r), None)
                 r.aborted = True
                 return True
         for r in self.running:
@@ -110,6 +114,7 @@ class Scheduler:
                     self._drop(r)
                 self.running.remove(r)
                 self._end_lineage(r)
+                self.alone.pop(id(r), None)
                 r.aborted = True
                 log.info(kv("abort", rid=rid, computed=r.computed, generated=r.num_generated))
                 return True
@@ -173,6 +178,19 @@ class Scheduler:
         self.release(r)
         self.running.remove(r)
         self._end_lineage(r)
+        self.alone.pop(id(r), None)
+
+    def retry_alone(self, r: Request, until: int) -> None:
+        """A forward pass with rows of `r` failed: its working state and this step's KV may be
+        half written, so both are dropped (the tree keeps what it owns, as an abort does) and
+        `r` waits at the front of the queue to recompute from its cached prefix, admitted only
+        into an empty batch and batched with no one until it has computed `ids[:until]`: a
+        failure that follows it there is its own (engine/isolation.py)."""
+        self._drop(r)
+        r.computed = r.tree_len = 0
+        self.running.remove(r)
+        self.waiting.appendleft(r)
+        self.alone[id(r)] = until
 
     def _end_lineage(self, r: Request) -> None:
         if r.in_lineage:
@@ -219,6 +237,9 @@ class Scheduler:
         held: list[Request] = []
         while self.waiting and len(self.running) < self.max_running:
             r = self.waiting[0]
+            if self.alone and (any(id(o) in self.alone for o in self.running)
+                               or (id(r) in self.alone and self.running)):
+                break  # a request re-run alone (retry_alone) runs, or waits for an empty batch
             sib = self._sibling_ahead(r)
             if sib is not None:
                 if r.waiting_for != sib.rid:
@@ -231,6 +252,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(r)
+            if id(r) in self.alone:
+                break
         self.waiting.extendleft(reversed(held))  # back at the front, in their order
 
     def _shares(self) -> dict[int, int]:
@@ -289,6 +312,8 @@ class Scheduler:
         """Advance `computed`; attach the snapshot the plan copied (bookkeeping only)."""
         r = item.req
         r.computed += item.n
+        if self.alone.get(id(r), r.computed + 1) <= r.computed:
+            del self.alone[id(r)]  # past the failed step: it is batched again
         if not self.has_state and item.n > 1:
             # attention-only models can share KV at any prefix: publish each prefill chunk
             c = self.cache.commit(r.ids[:r.computed], r.row[:r.computed], r.node, r.tree_len)

@@ -35,8 +35,11 @@ def add_front_door_args(p: argparse.ArgumentParser, what: str = "server") -> Non
     p.add_argument("--max-connections-per-client", type=int, default=256,
                    help="open connections from one client address past which new ones get 503")
     p.add_argument("--stall-timeout", type=float, default=30.0,
-                   help="seconds a streaming client may read nothing before its request is "
-                        "aborted and its slot freed")
+                   help="seconds a streaming client may take none of the bytes queued to it "
+                        "before its request is aborted and its slot freed")
+    p.add_argument("--stall-unread-kb", type=float, default=32.0,
+                   help="KiB queued unread towards a streaming client past which its request "
+                        "is aborted (its own receive buffer comes on top)")
 
 
 def key_file(path: str, flag: str, prog: str = "ft") -> str:
@@ -78,5 +81,6 @@ def limits_from(args: argparse.Namespace) -> ServerLimits:
         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
         max_body_bytes=int(args.max_body_mb * 2**20), max_connections=args.max_connections,
         max_connections_per_client=args.max_connections_per_client,
-        stall_timeout_s=args.stall_timeout, bound_host=args.host,
+        stall_timeout_s=args.stall_timeout,
+        stall_unread_bytes=int(args.stall_unread_kb * 1024), bound_host=args.host,
         allowed_hosts=[h.strip() for h in args.allowed_hosts.split(",") if h.strip()])

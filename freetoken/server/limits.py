@@ -15,10 +15,15 @@ What uvicorn gives and what it does not (0.54, h11 protocol):
   per-address cap the same holds among that address's connections.
 - `h11_max_incomplete_event_size` caps the header size (uvicorn's default, 16 KiB, is kept).
 - Body read time, body size, and clients that stop reading a stream are handled in the ASGI
-  layer (`guard.py`, `sse.py`), where the request is known. A send blocks only once the bytes
-  queued towards a client fill its receive window, the kernel's send buffer and the transport's
-  buffer; the send buffer is set to SEND_BUFFER so that a client that stops reading is noticed
-  after a few hundred KB rather than the several MB loopback autotuning would allow.
+  layer (`guard.py`, `sse.py`), where the request is known. Each request's scope carries a
+  `StallProbe` (`scope["extensions"]["ft.stall"]`): the bytes queued towards the client that it
+  has not taken — the transport's buffer plus the kernel's send queue (unsent or not yet
+  acknowledged) — and the limits a stream holds them to: more than `stall_unread_bytes`
+  (default 32 KiB), or any for `stall_timeout_s` (default 30 s) without the client taking a
+  byte, and the stream is aborted (sse.EventStreamResponse). What the client's own kernel holds
+  unread (its receive buffer, at most its SO_RCVBUF; ~64 KiB by Linux's default) comes on top
+  and is the client's to bound. The send buffer is set to SEND_BUFFER so that what the kernel
+  queues stays small next to the budget.
 
 Repeated connection-level errors (accept failures when descriptors run out, invalid HTTP,
 timeouts) are logged at most once per `RateLimitFilter.every_s` per message, with the number
@@ -27,9 +32,12 @@ suppressed since.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
 import socket
+import struct
+import termios
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -53,10 +61,45 @@ class ServerLimits:
     max_body_bytes: int = 64 << 20
     max_connections: int = 512
     max_connections_per_client: int = 256  # by client IP address (all local clients share one)
-    stall_timeout_s: float = 30.0  # a stream whose client reads nothing for this long is aborted
+    stall_timeout_s: float = 30.0  # a stream whose client takes nothing this long is aborted
+    stall_unread_bytes: int = 32 << 10  # ... or that has more than this queued unread
     keep_alive_s: float = 75.0
     bound_host: str = "127.0.0.1"
     allowed_hosts: list[str] = field(default_factory=list)
+
+
+class StallProbe:
+    """A request's view of its connection for stall detection (module docstring). It stands
+    in for the transport in uvicorn's request cycle, counting the bytes written (`written`:
+    headers and chunk framing included, so that `written - backlog()` is what the client has
+    taken), and passes everything else through."""
+
+    def __init__(self, transport: asyncio.Transport, limits: ServerLimits) -> None:
+        self.transport = transport
+        self.timeout_s = limits.stall_timeout_s
+        self.unread_bytes = limits.stall_unread_bytes
+        self.written = 0
+
+    def write(self, data: bytes) -> None:
+        self.written += len(data)
+        self.transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
+
+    def backlog(self) -> int:
+        """Bytes written towards the client that it has not taken: the transport's buffer
+        plus the kernel's send queue (TIOCOUTQ: unsent or unacknowledged)."""
+        n = self.transport.get_write_buffer_size()
+        sock = self.transport.get_extra_info("socket")
+        # (TCP only: a Unix socket's queue counts buffer overhead, not bytes)
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                n += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ,
+                                                    b"\0\0\0\0"))[0]
+            except (OSError, ValueError):  # closed, or not a socket with a send queue
+                pass
+        return n
 
 
 class RateLimiter:
@@ -221,6 +264,10 @@ class GuardedH11Protocol(H11Protocol):
         if self.cycle is not before:  # a request's headers are complete
             self._disarm_header_timer()
             self.fresh.pop(self, None)
+            if self.cycle is not None:  # (the app's task has not started yet)
+                probe = StallProbe(self.transport, self.limits)
+                self.cycle.transport = probe  # type: ignore[assignment]
+                self.cycle.scope.setdefault("extensions", {})["ft.stall"] = probe
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

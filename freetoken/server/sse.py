@@ -6,15 +6,22 @@ when the client goes away (or a send fails) it stops iterating and `aclose()`s t
 iterator under a shield, so the `finally` blocks down the chain (our generation driver, then the
 engine's generator, which aborts the request and frees its memory) always run.
 
-A client that stays connected but stops reading is treated the same way once one send has
-waited `stall_timeout_s` (the server's `ServerState.stall_timeout_s`; uvicorn's flow control
-blocks a send while the socket's buffers are full): the request is aborted, its slot freed, and
-the response left unfinished, which makes uvicorn close the connection.
+A client that stays connected but stops reading is treated the same way (the request aborted,
+its slot freed, the response left unfinished, which makes uvicorn close the connection) as soon
+as either holds, checked every STALL_POLL_S from the connection's `StallProbe`
+(server/limits.py, on every guarded front: `ft serve` and `ft agent-proxy`):
+- more than `stall_unread_bytes` (32 KiB) are queued towards it unread and it has taken none of
+  them for STALL_GRACE_S (1 s: a big event to a reader on a slow link drains meanwhile;
+  `rule=bytes`);
+- bytes are queued and it has taken none of them for `stall_timeout_s` (30 s; `rule=time`).
+Without a probe (an unguarded server) the old rule stands: one send that waited
+`stall_timeout_s` (uvicorn's flow control blocks a send while the buffers are full).
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
@@ -32,6 +39,8 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # first event, Anthropic `ping` events after `message_start`), on every route: Claude Code's
 # stall watchdog fires after ~20 s without bytes. docs/server.md states it; a test checks.
 KEEPALIVE_S = 5.0
+STALL_POLL_S = 0.25  # how often a stream reads its connection's StallProbe
+STALL_GRACE_S = 1.0  # over the byte budget, the client must have taken nothing this long
 
 
 def sse(data: Any, event: str | None = None) -> str:
@@ -104,10 +113,13 @@ class EventStreamResponse(StreamingResponse):
         self.request_id = request_id
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        disconnected = completed = stalled = False
-        sent = 0
+        disconnected = completed = False
+        stalled = ""  # the rule that found the client stalled
+        sent = unread = 0
+        probe = scope.get("extensions", {}).get("ft.stall")
         st = getattr(getattr(scope.get("app"), "state", None), "ft", None)
-        stall_s = float(getattr(st, "stall_timeout_s", 30.0))
+        stall_s = (probe.timeout_s if probe is not None
+                   else float(getattr(st, "stall_timeout_s", 30.0)))
 
         async def timed_send(msg: Message) -> None:
             nonlocal stalled, sent
@@ -116,8 +128,27 @@ class EventStreamResponse(StreamingResponse):
                 with anyio.fail_after(stall_s):
                     await send(msg)
             except TimeoutError:
-                stalled = True
+                stalled = "send_blocked"
                 raise
+
+        async def watch_backlog() -> None:
+            """The probe's two rules (module docstring); cancels the stream when one holds."""
+            nonlocal stalled, unread
+            t0 = time.monotonic()
+            taken = -1
+            while True:
+                await anyio.sleep(min(STALL_POLL_S, stall_s / 4))
+                b = probe.backlog()
+                now = time.monotonic()
+                if b == 0 or probe.written - b != taken:  # drained, or the client took some
+                    taken, t0 = probe.written - b, now
+                idle = now - t0  # since the client last took a byte (or had none queued)
+                rule = ("bytes" if b > probe.unread_bytes and idle >= min(STALL_GRACE_S, stall_s)
+                        else "time" if b > 0 and idle >= stall_s else "")
+                if rule:
+                    stalled, unread = rule, b
+                    tg.cancel_scope.cancel()
+                    return
 
         async with anyio.create_task_group() as tg:
 
@@ -131,6 +162,8 @@ class EventStreamResponse(StreamingResponse):
                         return
 
             tg.start_soon(watch)
+            if probe is not None:
+                tg.start_soon(watch_backlog)
             try:
                 await self.stream_response(timed_send)
                 completed = True  # a client that hangs up after the last event is no abort
@@ -141,8 +174,8 @@ class EventStreamResponse(StreamingResponse):
                     await _aclose(self.body_iterator)
                 tg.cancel_scope.cancel()
         if stalled:
-            log.info(kv("client_stalled", request=self.request_id, after_s=stall_s,
-                        bytes_sent=sent))
+            log.info(kv("client_stalled", request=self.request_id, rule=stalled,
+                        timeout_s=stall_s, bytes_sent=sent, unread=unread or None))
         elif disconnected and not completed:
             log.info(kv("client_disconnect", request=self.request_id))
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -17,20 +18,34 @@ from freetoken.proxy.config import ProxyConfig
 UP = "http://upstream.test"
 
 
+GATE_S = 20.0  # the longest an Events gate waits (then the test's assertions fail instead)
+
+
 class Events(httpx.AsyncByteStream):
     """An upstream SSE body: `frames` sent one by one with `delay` between them (then, with
     `forever`, keep-alive frames until closed); records whether the proxy closed it."""
 
     def __init__(self, frames: list[str], delay: float = 0.0, first_delay: float = 0.0,
-                 forever: bool = False) -> None:
+                 forever: bool = False, gate: Callable[[], bool] | None = None,
+                 gate_after: int = 0) -> None:
+        """`gate`: after `gate_after` frames, wait (up to GATE_S) until it returns True: a
+        test's condition instead of a delay, so a loaded machine cannot outrun it."""
         self.frames, self.delay, self.first_delay = frames, delay, first_delay
         self.forever = forever
+        self.gate, self.gate_after = gate, gate_after
         self.closed = False
         self.sent = 0
 
+    async def _wait_gate(self) -> None:
+        t0 = time.monotonic()
+        while self.gate is not None and not self.gate() and time.monotonic() - t0 < GATE_S:
+            await asyncio.sleep(0.005)
+
     async def __aiter__(self) -> AsyncIterator[bytes]:
         await asyncio.sleep(self.first_delay)
-        for f in self.frames:
+        for i, f in enumerate(self.frames):
+            if i == self.gate_after:
+                await self._wait_gate()
             self.sent += 1
             yield f.encode()
             await asyncio.sleep(self.delay)

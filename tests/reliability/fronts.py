@@ -126,8 +126,9 @@ class Stack:
             c()
 
 
-def start_stack(model_dir: Path, max_output: int = 4) -> Stack:
-    """S, N and U over one engine on `model_dir` (built by `build_tiny(model_dir)`)."""
+def start_stack(model_dir: Path, max_output: int = 4, **limit_kw: Any) -> Stack:
+    """S, N and U over one engine on `model_dir` (built by `build_tiny(model_dir)`);
+    `limit_kw` overrides the short `limits` (the soak keeps uvicorn's usual timeouts)."""
     import torch
 
     from freetoken.chat import ChatTokenizer
@@ -149,7 +150,7 @@ def start_stack(model_dir: Path, max_output: int = 4) -> Stack:
     inner.max_output_tokens = max_output  # every reply is short: the batteries test the door
     engine = RecordingEngine(inner)
     stack = Stack({}, engine, tok, [inner.shutdown])
-    lim = limits()
+    lim = limits(**limit_kw)
     s = Served(create_app(engine, tok, api_key=KEY, served_model_names=["tiny"],
                           parser_family="qwen3_5_moe", limits=lim), lim)
     stack.closers.append(s.stop)
@@ -164,8 +165,8 @@ def start_stack(model_dir: Path, max_output: int = 4) -> Stack:
     stack.fronts["N"] = Front("N", n.url, lim, n)
     ucfg = ProxyConfig(upstream=s.url, upstream_api_key=KEY, api_key=KEY, metrics_path=None,
                        first_byte_timeout_s=20, idle_timeout_s=10, total_timeout_s=60)
-    u = Served(create_proxy_app(ucfg, tok, fam, limits=limits(max_body_bytes=4 << 20)),
-               limits(max_body_bytes=4 << 20))
+    ulim = limits(**{"max_body_bytes": 4 << 20, **limit_kw})
+    u = Served(create_proxy_app(ucfg, tok, fam, limits=ulim), ulim)
     stack.closers.append(u.stop)
     stack.fronts["U"] = Front("U", u.url, u.limits, u)
     return stack
@@ -242,16 +243,18 @@ def fault_app(mode: dict[str, str]) -> Any:
     return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
 
 
-def start_fault_proxy(tok: Any, **timeouts: float) -> tuple[Front, dict[str, str], Served]:
-    """U in front of the scripted upstream (OpenAI only: Anthropic clients are translated)."""
+def start_fault_proxy(tok: Any, front_limits: Any = None, **timeouts: float
+                      ) -> tuple[Front, dict[str, str], Served]:
+    """U in front of the scripted upstream (OpenAI only: Anthropic clients are translated);
+    `front_limits`: the proxy's (default: the short `limits()`)."""
     from freetoken.proxy.app import create_proxy_app
     from freetoken.proxy.config import ProxyConfig
     from freetoken.server.limits import ServerLimits
 
     mode = {"now": "truncated"}
-    up = Served(fault_app(mode), ServerLimits(header_timeout_s=5))
+    up = Served(fault_app(mode), ServerLimits(header_timeout_s=10))
     cfg = ProxyConfig(upstream=up.url, upstream_api="openai", api_key=KEY, metrics_path=None,
                       ping_s=0.5, **timeouts)
-    lim = limits()
+    lim = front_limits or limits()
     p = Served(create_proxy_app(cfg, tok, "qwen3"), lim)
     return Front("U*", p.url, lim, p), mode, up

@@ -132,3 +132,35 @@ def test_foreign_stream_options_on_messages(stack, name: str) -> None:
         "model": "m", "max_tokens": 2, "stream": True, "stream_options": [1],
         "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200 and "message_stop" in r.text
+
+
+def test_soak_at_ci_size(stack) -> None:
+    """scripts/soak.py in seconds: every kind of the mix answered as expected through N and U,
+    distinct sessions counted, and the samples' fds flat (a leaked connection or file per
+    request would add one each). RSS is not judged over seconds (warm-up dominates)."""
+    from soak import KINDS, soak
+
+    res = soak([stack.fronts["N"], stack.fronts["U"]], seconds=6.0, sample_s=0.5, warm_up_s=2.0)
+    assert not res["unexpected"], res
+    assert {k.split(":")[0] for k in res["by_status"]} == set(KINDS), res
+    assert res["sessions"] >= 2 and res["samples"] >= 3, res
+    assert res["fd_fitted_growth"] <= res["fd_floor"], res
+
+
+def test_soak_verdict_tells_growth_from_noise() -> None:
+    """The verdict's oracle: a series growing 1.5 MB a minute is not flat (24 MB over the 16
+    minutes fitted after the warm-up > the 16 MB floor); +-4 MB of noise around a level is,
+    with a step in the warm-up; one fd leaked a minute is not flat."""
+    import random
+
+    from soak import verdict
+
+    rnd = random.Random(0)
+    ts = [30.0 * i for i in range(41)]
+    base = 800 * 1024
+    grow = [(t, base + int(t / 60 * 1536), 40) for t in ts]
+    noise = [(t, base + rnd.randint(-4096, 4096) + (0 if t > 200 else -50_000), 40) for t in ts]
+    fd_leak = [(t, base, 40 + int(t / 60)) for t in ts]
+    assert not verdict(grow, 240)["flat"]
+    assert verdict(noise, 240)["flat"]
+    assert not verdict(fd_leak, 240)["flat"]

@@ -255,3 +255,60 @@ def test_repeated_connection_errors_are_rate_limited() -> None:
     assert sum(passed) == 1
     time.sleep(0.25)
     assert f.filter(rec[1000]) and "999 more" in rec[1000].getMessage()
+
+
+def _stalled_stream(slow_engine: FakeEngine, tok: ChatTokenizer, caplog: pytest.LogCaptureFixture,
+                    limits: ServerLimits, delay_s: float) -> tuple[dict[str, str], float]:
+    """A client with a 4 KiB receive buffer that reads nothing of a long stream: the
+    `client_stalled` line's fields and the seconds from the request to the abort."""
+    caplog.set_level(logging.INFO)
+    slow_engine.reset()
+    slow_engine.script = lambda req: "word " * 200
+    slow_engine.max_context = 1 << 20
+    slow_engine.delay_s = delay_s
+    srv = LimitedServer(create_app(slow_engine, tok, api_key=None, served_model_names=["m"],
+                                   limits=limits), limits)
+    try:
+        body = json.dumps({"model": "m", "max_tokens": 10**6, "ignore_eos": True,
+                           "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+        s = srv.connect(rcvbuf=4096)
+        t0 = time.time()
+        s.sendall(head("/v1/chat/completions", len(body)) + body.encode())  # and never read
+        while not slow_engine.aborted and time.time() - t0 < 30:
+            time.sleep(0.02)
+        took = time.time() - t0
+        assert slow_engine.aborted
+        s.close()
+    finally:
+        srv.server.should_exit = True
+        srv.thread.join(5)
+    line = next(r.getMessage() for r in caplog.records if "client_stalled" in r.getMessage())
+    return dict(f.split("=", 1) for f in line.split() if "=" in f), took
+
+
+def test_a_stalled_reader_is_cut_at_the_byte_budget(slow_engine: FakeEngine,
+                                                    tok: ChatTokenizer,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Was: a client that stopped reading was noticed only once a send blocked, after its
+    receive window, the 64 KiB send buffer and the transport's 64 KiB had filled (~116 KB of
+    unread output measured, minutes at CPU token rates). Now the bytes queued unread are
+    polled: past `stall_unread_bytes`, with nothing taken for the 1 s grace, the stream is
+    aborted, long before the time rule (60 s here). The stream runs at ~30 KB/s (a fast GPU's
+    token rate), so the grace adds about that."""
+    lim = ServerLimits(stall_timeout_s=60.0, stall_unread_bytes=8 << 10)
+    f, took = _stalled_stream(slow_engine, tok, caplog, lim, delay_s=0.005)
+    assert f["rule"] == "bytes" and took < 20, (f, took)
+    assert 8 << 10 < int(f["unread"]) < 80 << 10, f
+    assert int(f["bytes_sent"]) < 100 << 10, f  # unread + the client's 4 KiB buffer
+
+
+def test_a_stalled_reader_is_cut_after_the_stall_timeout(slow_engine: FakeEngine,
+                                                         tok: ChatTokenizer,
+                                                         caplog: pytest.LogCaptureFixture
+                                                         ) -> None:
+    """A slow stream whose unread bytes stay under the budget: the client has taken nothing
+    for `stall_timeout_s`, so it is cut then (the time bound), not when the budget fills."""
+    lim = ServerLimits(stall_timeout_s=1.0, stall_unread_bytes=1 << 20)
+    f, took = _stalled_stream(slow_engine, tok, caplog, lim, delay_s=0.02)
+    assert f["rule"] == "time" and int(f["unread"]) < 1 << 20, f
+    assert took < 15, took
