@@ -3,11 +3,16 @@
 Seen in the traces: `User-Agent: OpenAI/Python`, no session header, no `max_tokens`, litellm
 flipping content between a string and `[{"type": "text"}]`; mini-swe-agent's system prompt
 ("...interact with a computer") and its ```` ```mswea_bash_command```` blocks (text protocol) or
-tool calls (tool protocol). mini-swe-agent only appends. SWE-agent's `LastNObservations`
+tool calls (tool protocol). mini-swe-agent only appends, except after a reply it cannot parse
+(no or a malformed tool call, a `FormatError`): it drops the reply and appends its error as a
+user turn, so the next prompt parts from this one inside the generation prompt, at its
+`turn_start(assistant)` (seen with the demo model behind `ft agent-proxy`: every edit was
+there, 2 tokens before the previous prompt's end). SWE-agent's `LastNObservations`
 replaces every observation except the first and the last `keep_last` with
 `Old environment output: (N lines omitted)`: on the next step the observation that falls out of
 the kept window is the edit point. Observations are tool results (tool protocol) or user turns
-(text protocol). Predicted cuts: `head_end` and the start of that observation.
+(text protocol). Predicted cuts: `head_end`, the start of that observation, and the generation
+prompt's `turn_start(assistant)`.
 """
 from __future__ import annotations
 
@@ -40,4 +45,6 @@ class SWEAgent(HarnessAdapter):
         k = len(results) - self.keep_last
         if k >= 1:
             out.append(results[k].position)
+        if anchors and anchors[-1].kind == "turn_start" and anchors[-1].role == "assistant":
+            out.append(anchors[-1].position)  # the generation prompt: a dropped reply parts here
         return out

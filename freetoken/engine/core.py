@@ -213,7 +213,9 @@ class EngineCore:
         self._t_done = time.perf_counter()
         dt = self._t_done - t0
         self.cache_ops.run(plan.post_ops)
-        n_decode = sum(1 for i in items if i.n == 1)
+        # a decode row feeds its last sampled token (position past the prompt); a one-token
+        # prefill chunk (a prompt's last token) is prefill: the totals count every prompt token
+        n_decode = sum(1 for i in items if i.n == 1 and i.start >= i.req.prompt_len)
         self.stats.on_step(dt, prefill_tokens=sum(i.n for i in items) - n_decode,
                            decode_tokens=n_decode)
         row = 0

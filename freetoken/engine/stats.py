@@ -1,4 +1,6 @@
-"""Rolling engine statistics for /v1/stats: throughput, TTFT, cache hit ratio."""
+"""Rolling engine statistics for /v1/stats: throughput, TTFT, cache hit ratio, and
+`prefill_tokens_total` (every prompt token the engine computed since start, never windowed: a
+prompt served twice from scratch counts twice, a re-sent one resumed from cache once)."""
 from __future__ import annotations
 
 import threading
@@ -14,11 +16,13 @@ class EngineStats:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.requests = 0
+        self.prefill_tokens_total = 0
         self._lock = threading.Lock()
 
     def on_step(self, dt: float, prefill_tokens: int, decode_tokens: int) -> None:
         now = time.time()
         with self._lock:
+            self.prefill_tokens_total += prefill_tokens
             self._steps.append((now, dt, prefill_tokens, decode_tokens))
             while self._steps and self._steps[0][0] < now - self.window_s:
                 self._steps.popleft()
@@ -45,6 +49,7 @@ class EngineStats:
             "cached_tokens": self.cached_tokens,
             "cache_hit_ratio": round(self.cached_tokens / self.prompt_tokens, 4)
             if self.prompt_tokens else 0.0,
+            "prefill_tokens_total": self.prefill_tokens_total,
             "prefill_tokens_per_s": round(pf / busy, 2) if busy else 0.0,
             "decode_tokens_per_s": round(dec_tok / dec_time, 2) if dec_time else 0.0,
             "tokens_per_s_window": round((pf + dc) / busy, 2) if busy else 0.0,

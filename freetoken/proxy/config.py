@@ -7,7 +7,8 @@ from harness_adapters.normalise import STEPS
 
 DEMO_OUTPUT_CAP = 256  # demo-random never ends a reply on its own; the trained demo's safety net
 # --upstream: an engine we do not know may never stop either (Claude Code asks for 64000);
-# far above any reply a coding agent needs, far below a runaway's minutes of decode
+# above the longest legitimate agent turn (a whole-file write, ~8k tokens), below a runaway
+# that fills the context; docs/proxy.md "Output limits" gives the reasoning
 UPSTREAM_OUTPUT_CAP = 8192
 
 

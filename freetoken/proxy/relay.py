@@ -6,8 +6,8 @@ them on a small bounded queue; the response iterates the queue. So events leave 
 a slow client fills the queue and stops the upstream reads (backpressure: at most `QUEUE`
 chunks in flight), and a client disconnect cancels the producer and closes the upstream
 response, which cancels the upstream request. A timer (no task per event) puts a keep-alive on
-the queue when it stayed empty for `ping_s`: an SSE comment before the first event, an
-Anthropic `ping` event after it.
+the queue when it stayed empty for `ping_s`: an Anthropic `ping` event (before `message_start`
+too: the SDKs skip `ping` wherever it falls), an SSE comment for the other APIs.
 
 Upstream failures are visible, in the client's API shape, as an in-band `error` event (OpenAI
 clients then get `[DONE]`); the stream never ends as a clean end of turn after one:
@@ -41,7 +41,7 @@ from freetoken.proxy.translate import usage_from_anthropic, usage_from_openai
 from freetoken.proxy.translate_stream import AnthropicToOpenAI, OpenAIToAnthropic, json_or_none
 from freetoken.proxy.upstream import FINISH, SSEEvent, Upstream, error_from, sse_batches
 from freetoken.server.errors import APIError, error_body
-from freetoken.server.sse import sse, sse_comment
+from freetoken.server.sse import PING, sse, sse_comment
 
 log = get_logger("proxy")
 QUEUE = 4
@@ -71,7 +71,6 @@ class StreamRelay:
             self.tr = OpenAIToAnthropic("msg_" + rec.request_id, model)
         elif api_in == "openai" and api_out == "anthropic":
             self.tr = AnthropicToOpenAI("chatcmpl-" + rec.request_id, model, include_usage)
-        self.started = False
         self.finished = False  # the upstream's reply reached its end (or its own error event)
 
     def _note(self, ev: SSEEvent) -> str | None:
@@ -238,8 +237,7 @@ class StreamRelay:
                 finally:
                     timer.cancel()
                 if item is _TICK:
-                    anth = self.api_in == "anthropic" and self.started
-                    yield sse({"type": "ping"}, "ping") if anth else sse_comment("ping")
+                    yield PING if self.api_in == "anthropic" else sse_comment("ping")
                 elif item is _END:
                     return
                 elif isinstance(item, APIError):
@@ -253,7 +251,6 @@ class StreamRelay:
                                                      "upstream_error"))
                     return
                 else:
-                    self.started = True
                     yield item
         finally:
             with anyio.CancelScope(shield=True):

@@ -6,8 +6,10 @@ Stream event order (what the real API sends and the SDKs check):
 (`thinking_delta` then one `signature_delta` for thinking blocks, `text_delta`,
 `input_json_delta` for tool_use), `content_block_stop` → `message_delta` (stop_reason,
 stop_sequence, usage) → `message_stop`. `message_start` is sent when the engine has processed
-the prompt, so its usage carries the real `cache_read_input_tokens`; until then the stream
-carries SSE comments, after it a `ping` every KEEPALIVE_S seconds without output.
+the prompt, so its usage carries the real `cache_read_input_tokens`. A `ping` event goes out
+every KEEPALIVE_S seconds without output, before `message_start` too (while the engine queues or
+prefills): the SDKs skip `ping` wherever it falls, and unlike an SSE comment it is an event, so a
+harness that watches for events (not bytes) sees the stream alive.
 
 Usage follows Anthropic's convention: `input_tokens` are the prompt tokens *not* read from
 cache, `cache_read_input_tokens` the reused ones (their sum is the prompt length).
@@ -41,11 +43,11 @@ from freetoken.server.generation import (
 )
 from freetoken.server.sse import (
     KEEPALIVE_S,
+    PING,
     TICK,
     EventStreamResponse,
     run_unless_disconnected,
     sse,
-    sse_comment,
     with_ticks,
 )
 from freetoken.server.state import ServerState, chat_request
@@ -181,17 +183,16 @@ class _Blocks:
 
 async def _stream(events: AsyncIterator[Any], base: dict) -> AsyncIterator[str]:
     b = _Blocks()
-    started, saw_tools = False, False
+    saw_tools = False
     try:
         async for ev in with_ticks(events, KEEPALIVE_S):
             if ev is TICK:
-                yield sse({"type": "ping"}, "ping") if started else sse_comment()
+                yield PING
             elif isinstance(ev, Started):
-                started = True
                 msg = {**base, "content": [], "stop_reason": None, "stop_sequence": None,
                        "usage": _usage(ev, 0)}
                 yield sse({"type": "message_start", "message": msg}, "message_start")
-                yield sse({"type": "ping"}, "ping")
+                yield PING
             elif isinstance(ev, ReasoningDelta) and ev.text:
                 if b.kind != "thinking":
                     for s in b.open("thinking", {"type": "thinking", "thinking": "",

@@ -35,8 +35,8 @@ log = get_logger("server")
 T = TypeVar("T")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-# Seconds without output after which a stream sends a keep-alive (an SSE comment before the
-# first event, Anthropic `ping` events after `message_start`), on every route: Claude Code's
+# Seconds without output after which a stream sends a keep-alive, on every route: Anthropic
+# streams a `ping` event (before `message_start` too), the others an SSE comment. Claude Code's
 # stall watchdog fires after ~20 s without bytes. docs/server.md states it; a test checks.
 KEEPALIVE_S = 5.0
 STALL_POLL_S = 0.25  # how often a stream reads its connection's StallProbe
@@ -54,6 +54,9 @@ def sse(data: Any, event: str | None = None) -> str:
 def sse_comment(text: str = "keep-alive") -> str:
     """An SSE comment line: ignored by every client parser, keeps proxies and idle timers happy."""
     return f": {text}\n\n"
+
+
+PING = sse({"type": "ping"}, "ping")  # the Anthropic keep-alive event, one frame
 
 
 class Tick:

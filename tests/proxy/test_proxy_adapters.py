@@ -19,6 +19,7 @@ from trace_replay import (
 )
 
 from freetoken.chat import anthropic_to_template, openai_to_template
+from freetoken.proxy.sessions import SessionStore
 from harness_adapters import ADAPTERS, HarnessRequest, detect_adapter
 from harness_adapters.swe_agent import SWEAgent
 
@@ -143,6 +144,40 @@ def test_swe_agent_elision_is_predicted() -> None:
                 hits += block in cuts
         prev = (p.input_ids, p.anchors, set(ad.cut_points(p.anchors, ti.messages)))
     assert judged >= 2 and hits == judged
+
+
+# what mini-swe-agent 2.4.6 appends in place of a reply it cannot parse (recorded against the
+# demo model behind `ft agent-proxy --model demo`, 2026-12-02)
+FORMAT_ERROR = ("Tool call error:\n\n<error>\nNo tool calls found in the response. Every "
+                "response MUST include at least one tool call.\n</error>\n\nHere is general "
+                "guidance on how to submit correct toolcalls:\n\nEvery response needs to use "
+                "the 'bash' tool at least once to execute commands.")
+
+
+@pytest.mark.parametrize("trace", ["mini_tool", "mini_text"])
+def test_mini_format_error_edit_is_predicted(trace: str) -> None:
+    """Regression (issue 28): mini drops a reply it cannot parse and appends its error as a user
+    turn, so the prompt parts inside the previous generation prompt; every such edit was
+    unpredicted and `/proxy/stats` showed mini's hit rate as 0.0 at 87-89% reuse."""
+    rec = records(TRACES / "mini_swe_agent" / f"{trace}.jsonl")[0]
+    req = harness_request(rec)
+    ad = detect_adapter(req)
+    assert ad.name == "swe_agent"
+    nxt = {**rec["body"], "messages": rec["body"]["messages"]
+           + [{"role": "user", "content": FORMAT_ERROR}]}
+    tok = tokenizer()
+    ps = []
+    for body in (rec["body"], nxt):
+        ti = openai_to_template(body)
+        p = tok.apply(ti.messages, tools=ti.tools, enable_thinking=ti.enable_thinking)
+        ps.append((p, ad.cut_points(p.anchors, ti.messages)))
+    (p0, cuts0), (p1, _) = ps
+    store = SessionStore()
+    store.observe_tokens("s", p0.input_ids, p0.anchors, cuts0)
+    ep = store.observe_tokens("s", p1.input_ids, p1.anchors, [])
+    assert ep.kind == "edit" and ep.block == "turn_start(assistant)"
+    assert len(p0.input_ids) - ep.position <= 3  # inside the generation prompt
+    assert ep.predicted_hit is True
 
 
 def test_cut_points_are_anchor_positions(steps) -> None:

@@ -3,8 +3,11 @@ a tool_use round trip, stop sequences, count_tokens, usage with cache reads."""
 from __future__ import annotations
 
 import anthropic
+import httpx
 import pytest
 from server_helpers import API_KEY, FakeEngine, Server
+
+from freetoken.server import anthropic_routes
 
 TOOL_SCRIPT = ('<think>\nNeed the listing.\n</think>\n\nChecking.\n<tool_call>\n'
                '{"name": "Bash", "arguments": {"command": "ls -la"}}\n</tool_call>')
@@ -57,6 +60,24 @@ def test_stream_matches_non_stream(client: anthropic.Anthropic, engine: FakeEngi
     assert streamed.usage.output_tokens == plain.usage.output_tokens
     # the second, identical prompt was served from the fake prefix cache
     assert plain.usage.cache_read_input_tokens == len(engine.requests[-1].input_ids) - 1
+
+
+def test_pings_before_message_start_are_accepted(client: anthropic.Anthropic, engine: FakeEngine,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 28: keep-alives before the first token are `ping` events; the SDK (Claude Code
+    streams through its TypeScript twin, which skips `ping` the same way) must still assemble
+    the message: an event before `message_start` it did not skip would raise 'Unexpected event
+    order'."""
+    monkeypatch.setattr(anthropic_routes, "KEEPALIVE_S", 0.05)
+    engine.script = lambda req: "late but fine"
+    engine.first_delay_s = 0.3
+    body = {"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}
+    text = httpx.post(str(client.base_url.join("/v1/messages")), json={**body, "stream": True},
+                      headers={"x-api-key": API_KEY}).text
+    assert text.startswith("event: ping\n") and text.count("event: ping") >= 3
+    with client.messages.stream(**body) as s:
+        msg = s.get_final_message()
+    assert msg.content[0].text == "late but fine" and msg.stop_reason == "end_turn"
 
 
 def test_tool_round_trip(client: anthropic.Anthropic, engine: FakeEngine) -> None:
