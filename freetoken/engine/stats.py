@@ -14,12 +14,16 @@ class EngineStats:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.requests = 0
+        self.prefill_tokens = 0  # every token fed outside decode rows, since the start
+        self.decode_tokens = 0
         self._lock = threading.Lock()
 
     def on_step(self, dt: float, prefill_tokens: int, decode_tokens: int) -> None:
         now = time.time()
         with self._lock:
             self._steps.append((now, dt, prefill_tokens, decode_tokens))
+            self.prefill_tokens += prefill_tokens
+            self.decode_tokens += decode_tokens
             while self._steps and self._steps[0][0] < now - self.window_s:
                 self._steps.popleft()
 
@@ -43,6 +47,8 @@ class EngineStats:
             "requests": self.requests,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
+            "prefill_tokens_computed": self.prefill_tokens,
+            "decode_tokens_computed": self.decode_tokens,
             "cache_hit_ratio": round(self.cached_tokens / self.prompt_tokens, 4)
             if self.prompt_tokens else 0.0,
             "prefill_tokens_per_s": round(pf / busy, 2) if busy else 0.0,
