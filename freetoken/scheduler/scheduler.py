@@ -327,9 +327,9 @@ class Scheduler:
             if not self.cache.attach_snapshot(c.node, slot, cls, self.user(r)):
                 assert self.cache.state_pool is not None
                 self.cache.state_pool.free([slot])
-            if item.keep_logits is not None:
-                if not self.cache.attach_logits(c.node, item.keep_logits):
-                    self.cache.free_logits(item.keep_logits)
+            kept = item.keep_logits
+            if kept is not None and not self.cache.attach_logits(c.node, kept):
+                self.cache.free_logits(kept)
         elif item.keep_logits is not None:
             self.cache.free_logits(item.keep_logits)
 
