@@ -187,11 +187,12 @@ class EngineCore:
             self._inflight = _InFlight(items, plan.post_ops, self.runner.launch(rows), t0)
             return
         # (`auto` times its choice over decode steps of any width)
-        with self._moe_step("decode" if decode else "prefill", sum(i.n for i in items)) as st:
+        fed = [it for it in items if it.n > 0]  # n == 0: sampled from kept logits, no forward
+        with (self._moe_step("decode" if decode else "prefill", sum(i.n for i in items))
+              if fed else nullcontext(EAGER)) as st:
             if rows is not None:
                 toks = self.runner.step(rows)  # one host read: the sampled ids
             else:
-                fed = [it for it in items if it.n > 0]  # n == 0: sampled from kept logits
                 logits = self.model(self._batch(fed, st), self.caches) if fed else None  # [R, V]
                 want, rows_ = self._logit_rows(items, logits)
                 toks = self._sample(want, rows_)

@@ -18,6 +18,11 @@ KV slots are allocated per chunk; when the pool runs dry the newest request is p
 computed prefix is committed to the tree and its working state donated as a snapshot, so it
 resumes from where it stopped if nothing evicts them meanwhile.
 
+Kept logits (hybrid models, `cache/logits.py`): the prompt chunks ending at `prompt_len - 1`
+and `prompt_len` keep their last row's logits beside the snapshot there (the scheduler adds the
+`prompt_len` snapshot point); a prompt whose whole length matches such a node is admitted with
+nothing to feed, and its first step is a row of 0 tokens that samples from the kept logits.
+
 Siblings (sub-agents fanned out together): a waiting request whose prompt shares a long prefix
 with a running request's prefill still to compute waits until that sibling has passed it, then
 reuses it. It waits alone: it keeps its place at the front of the queue and the requests behind
