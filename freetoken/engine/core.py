@@ -188,14 +188,19 @@ class EngineCore:
             return
         # (`auto` times its choice over decode steps of any width)
         fed = [it for it in items if it.n > 0]  # n == 0: sampled from kept logits, no forward
-        with (self._moe_step("decode" if decode else "prefill", sum(i.n for i in items))
-              if fed else nullcontext(EAGER)) as st:
-            if rows is not None:
-                toks = self.runner.step(rows)  # one host read: the sampled ids
-            else:
-                logits = self.model(self._batch(fed, st), self.caches) if fed else None  # [R, V]
-                want, rows_ = self._logit_rows(items, logits)
-                toks = self._sample(want, rows_)
+        try:
+            with (self._moe_step("decode" if decode else "prefill", sum(i.n for i in items))
+                  if fed else nullcontext(EAGER)) as st:
+                if rows is not None:
+                    toks = self.runner.step(rows)  # one host read: the sampled ids
+                else:
+                    logits = (self.model(self._batch(fed, st), self.caches)  # [R, V]
+                              if fed else None)
+                    want, rows_ = self._logit_rows(items, logits)
+                    toks = self._sample(want, rows_)
+        except Exception:
+            self.sched.discard(items)  # the slots its snapshots and kept logits were to take
+            raise
         self._t_done = time.perf_counter()
         dt = self._t_done - t0
         self.cache_ops.run(plan.post_ops)

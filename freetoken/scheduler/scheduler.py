@@ -308,6 +308,17 @@ class Scheduler:
         self.cache.copy_state(r.state_slot, slot)
         return (end, cls, slot)
 
+    def discard(self, items: list[BatchItem]) -> None:
+        """A planned step failed before `after_forward`: give back the state slots of the
+        snapshots it planned and its kept-logits slots (its requests are aborted next)."""
+        for it in items:
+            if it.snapshot is not None:
+                assert self.cache.state_pool is not None
+                self.cache.state_pool.free([it.snapshot[2]])
+            if it.keep_logits is not None:
+                self.cache.free_logits(it.keep_logits)
+            it.snapshot = it.keep_logits = None
+
     def _alloc(self, n: int, keep: set[int]) -> torch.Tensor | None:
         while True:
             slots = self.cache.alloc_kv(n)
