@@ -47,6 +47,8 @@ def _check_repeats(model, prompt: list[int], n: int, **kw) -> None:
     assert (toks, cached, done) == (back, len(prompt) - 1, 0)
     s = core.sched.stats()
     assert s["logits_hits"] == 2 and s["running"] == 0 and s["kv_protected"] == 0
+    # no kept-logits slot leaks: each is a row at a node or free
+    assert s["logits_rows"] + s["logits_free"] == kw["state_slots"] and s["logits_rows"] >= 2
 
 
 def test_tiny_hybrid_repeat_and_one_back_compute_nothing(tiny_hf) -> None:
