@@ -128,6 +128,9 @@ class HarnessAdapter:
     parent_headers: tuple[str, ...] = ()
     #: text opening a part of the system prompt that differs between sessions (see head_breaks)
     head_marks: tuple[str, ...] = ()
+    #: lines whose end is a head break: the lines after them are a list the harness filters
+    #: per run (a tool dropped from it parts the prompt from the others right there)
+    head_line_ends: tuple[str, ...] = ()
     #: tools the harness's sub-agents are not offered: their prompts part from the parent's at
     #: the first of them in the tools block (a `tool_def` anchor, predicted as a cut)
     sub_agent_drops: tuple[str, ...] = ()
@@ -165,8 +168,9 @@ class HarnessAdapter:
 
     def head_breaks(self, body: dict[str, Any]) -> list[int]:
         """Sorted offsets into `system_text(body)` (see the module docstring): where the text
-        before each system block after the first, and before the line each head mark is on,
-        ends (trailing whitespace excluded: it may merge with what follows into one token)."""
+        before each system block after the first, before the line each head mark is on, and
+        up to the end of the line each `head_line_ends` mark is on, ends (trailing whitespace
+        excluded: it may merge with what follows into one token)."""
         text = system_text(body)
         starts: list[int] = []
         sys = body.get("system")
@@ -181,6 +185,11 @@ class HarnessAdapter:
             i = text.find(mark)
             if i > 0:
                 starts.append(text.rfind("\n", 0, i) + 1)
+        for mark in self.head_line_ends:
+            i = text.find(mark)
+            j = text.find("\n", i + len(mark)) if i >= 0 else -1
+            if j > 0:
+                starts.append(j)
         return sorted({len(text[:i].rstrip()) for i in starts} - {0})
 
     def cut_points(self, anchors: Sequence[Anchor], messages: Sequence[dict[str, Any]]

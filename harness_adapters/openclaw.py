@@ -27,6 +27,8 @@ class OpenClaw(HarnessAdapter):
     name = "openclaw"
     # directory; date; sibling sub-agents part at their label (`## Session Context\n- Label:`)
     head_marks = ("## Workspace\n", "<!-- openclaw:attempt:DYNAMIC -->", "## Session Context\n")
+    # an announce turn drops a deferred tool (the list after this line, ~540 chars in: #23)
+    head_line_ends = ("Available deferred-schema tools:",)
 
     def detect(self, req: HarnessRequest) -> bool:
         if system_text(req.body).startswith("<!-- openclaw:"):

@@ -7,7 +7,11 @@ policy snapshots during prefill, the final state donated at the end), the reques
 tokens being `gen` (`traces.attribute_replies`: what the next request of its session sent
 back). It counts, per request, the tokens recomputed (`len - reused`) and the unavoidable
 minimum (`len - ` the longest prefix ever computed before, at least 1: the last token must be
-fed for logits).
+fed for logits, unless they were kept).
+
+FreeToken's own policies (value eviction) also play what the scheduler adds for kept logits
+(`cache/logits.py`): a snapshot at the prompt's end, and a kept row there and at `len - 1`
+(the engine's pool: as many rows as device slots), so an exact resend reuses all of it.
 
 Baselines imitate other engines' placement with LRU eviction at the same slot budgets:
 `upstream` (FreeToken 0.1.2: the deepest 64-aligned point of each 8192-token prefill chunk plus
@@ -140,8 +144,10 @@ def replay(reqs: list[SimRequest], spec: str, device_slots: int, host_slots: int
     `semantic+cuts` marks each request's predicted cut points (`SimRequest.cuts`)."""
     policy, eviction = make_policy(spec)
     total = sum(len(r.ids) + len(r.gen) for r in reqs) + 1
+    keep = eviction == "value"  # ours: the engine keeps prompt-end logits (module docstring)
     cache = HybridRadixCache(SlotAllocator(total), StatePool(device_slots), policy,
-                             StatePool(host_slots) if host_slots else None, eviction)
+                             StatePool(host_slots) if host_slots else None, eviction,
+                             logits_slots=device_slots if keep else 0)
     seen = RadixCache(SlotAllocator(0))  # every token sequence ever computed
     per_seq: dict[str, list] = {}
     started: set[str] = set()
@@ -164,7 +170,8 @@ def replay(reqs: list[SimRequest], spec: str, device_slots: int, host_slots: int
         assert work is not None
         cache.load_state(m, work)
         node, tree_len = m.node, m.length
-        for p, cls in policy.positions(len(ids), anchors):
+        points = policy.positions(len(ids), anchors) + ([(len(ids), END)] if keep else [])
+        for p, cls in points:
             if p <= m.length:
                 continue
             fresh = cache.alloc_state()
@@ -178,6 +185,9 @@ def replay(reqs: list[SimRequest], spec: str, device_slots: int, host_slots: int
                 per_seq.setdefault(r.session, []).append(c.node)
             else:
                 cache.state_pool.free([fresh])  # type: ignore[union-attr]
+            lg = cache.alloc_logits() if keep and p >= len(ids) - 1 else None
+            if lg is not None and not cache.attach_logits(c.node, lg):
+                cache.free_logits(lg)
         full = ids + r.gen
         rel = cache.release(full, row, node, tree_len, work, END, r.session)
         if rel.snapshot_taken:

@@ -8,9 +8,11 @@ resume from a snapshot, so for a hybrid model the reusable prefix of `ids` is
 
 (0 with a zero state when there is none); for a model without linear layers (`state_pool=None`)
 usable = min(KV match, len(ids) - 1). The `len(ids) - 1` cap exists because the caller must
-feed at least the last prompt token to get logits. An exact repeat of a cached prompt of
-length L therefore resumes at L-1 only if a snapshot sits at L-1: every policy places an
-`end` snapshot there during prefill (see `policy.py`), so the repeat recomputes one token.
+feed at least the last prompt token to get logits, except where the logits are kept
+(`logits.py`): when the whole of `ids` is cached and the node ending at `len(ids)` holds both a
+snapshot and a kept logits row, usable = len(ids) and `HybridMatch.logits_slot` names the row,
+so an exact repeat (and, with the rows the scheduler keeps at L - 1, a resend one token back)
+computes nothing before its first token.
 
 Ownership of state slots: `alloc_state` hands a slot to the caller (a running request's
 working state, or the target of a mid-prefill copy). `attach_snapshot`/`insert_snapshot`
@@ -42,6 +44,7 @@ import torch
 
 from freetoken.cache.allocator import SlotAllocator
 from freetoken.cache.lineage import Lineage
+from freetoken.cache.logits import KeptLogits
 from freetoken.cache.node import TreeNode, as_ids
 from freetoken.cache.policy import END, CheckpointPolicy, class_rank, create_policy
 from freetoken.cache.radix import Committed, RadixCache
@@ -65,7 +68,8 @@ class HybridMatch(NamedTuple):
     `state_tier`: `device`/`host` (None without a snapshot). `lost`: when a snapshot deeper
     than `length` within the KV match existed and went away, `why:tier@pos` of the deepest
     (`device_full`: evicted with no host room, `host_full`: evicted from the host tier);
-    empty otherwise.
+    empty otherwise. `logits_slot`: the kept logits row of the whole prompt (`length ==
+    len(ids)`, reason `kept_logits`; sample the first token from it, feed nothing), else -1.
     """
 
     length: int
@@ -78,6 +82,7 @@ class HybridMatch(NamedTuple):
     state_class: str | None
     state_tier: str | None = None
     lost: str = ""
+    logits_slot: int = -1
 
 
 class Released(NamedTuple):
@@ -90,11 +95,12 @@ class HybridRadixCache:
 
     `host_pool`: the host tier's slots (None: no host tier). `eviction`: `value` (default, the
     rule in `snapshots.py`) or `lru`. `horizon`: ticks one value level is worth (default twice
-    the device + host slots)."""
+    the device + host slots). `logits_slots`: kept logits rows (`logits.py`; 0: none)."""
 
     def __init__(self, kv_allocator: SlotAllocator, state_pool: StatePool | None = None,
                  policy: CheckpointPolicy | None = None, host_pool: StatePool | None = None,
-                 eviction: str = "value", horizon: int | None = None) -> None:
+                 eviction: str = "value", horizon: int | None = None,
+                 logits_slots: int = 0) -> None:
         self.radix = RadixCache(kv_allocator, on_evict=self._on_kv_evict)
         self.state_pool = state_pool
         self.host_pool = host_pool
@@ -104,6 +110,8 @@ class HybridRadixCache:
                                    lambda n: n.parent)
         self.lineage = Lineage()
         self.tiers.lineage = self.lineage
+        self.logits = KeptLogits(logits_slots if state_pool is not None else 0)
+        self.tiers.on_drop = self.logits.drop
         self._pins: dict[TreeNode, int] = {}
         self.counters = {"matches": 0, "reused_tokens": 0, "snapshot_hits": 0}
 
@@ -153,6 +161,9 @@ class HybridRadixCache:
         else:
             path, n, _, k = self.radix.walk(key[:cap])
             kv_len = n + k
+            whole = self._kept_whole(key)
+            if whole is not None:
+                path, kv_len = whole, len(key)
             i = len(path) - 1
             while i >= 0 and path[i] not in self._snaps:
                 i -= 1
@@ -174,8 +185,11 @@ class HybridRadixCache:
                     snap.users.add(user)
                     self.lineage.touch(user, node)
                 self.counters["snapshot_hits"] += 1
+        logits_slot = -1
         if len(key) == 0:
             reason = "empty"
+        elif length == len(key):
+            reason, logits_slot = "kept_logits", self.logits.hit(node)
         elif length == cap:
             reason = "last_token"
         elif length < kv_len:
@@ -186,7 +200,35 @@ class HybridRadixCache:
         self.counters["reused_tokens"] += length
         log.debug(kv("match", tokens=len(key), kv=kv_len, state=state_len, reused=length,
                      cls=cls, tier=tier, reason=reason, lost=lost or None))
-        return HybridMatch(length, kv_len, state_len, slot, node, slots, reason, cls, tier, lost)
+        return HybridMatch(length, kv_len, state_len, slot, node, slots, reason, cls, tier, lost,
+                           logits_slot)
+
+    def _kept_whole(self, key: list[int]) -> list[TreeNode] | None:
+        """The path to the node ending at `len(key)` when all of `key` is cached there and that
+        node holds a snapshot and a kept logits row, else None."""
+        if not self.logits.at or not key:
+            return None
+        path, n, partial, _ = self.radix.walk(key)
+        if partial is not None or n != len(key) or not path:
+            return None
+        end = path[-1]
+        return path if end in self._snaps and end in self.logits.at else None
+
+    def alloc_logits(self) -> int | None:
+        """A caller-owned kept-logits slot (`logits.py`), or None (none configured, or every
+        row is at a locked node). Attach it with `attach_logits` once the engine wrote it."""
+        return self.logits.alloc(self._pins)
+
+    def attach_logits(self, node: TreeNode, slot: int) -> bool:
+        """Keep the logits row `slot` at `node`, which must hold a snapshot (the state the row
+        was computed with). False: not taken (no snapshot there, or a row is already kept);
+        the caller frees `slot` (`free_logits`)."""
+        if node not in self._snaps:
+            return False
+        return self.logits.attach(node, slot)
+
+    def free_logits(self, slot: int) -> None:
+        self.logits.free(slot)
 
     def load_state(self, m: HybridMatch, work: int) -> None:
         """Queue the op that puts `m`'s resume state into the device slot `work`. Call while
@@ -274,6 +316,7 @@ class HybridRadixCache:
     def _on_kv_evict(self, node: TreeNode) -> None:
         if node in self._snaps:
             self.tiers.drop(node, "kv_evicted")
+        self.logits.drop(node)
         self.tiers.forget(node)
 
     # -- snapshots ----------------------------------------------------------------------------
@@ -363,4 +406,6 @@ class HybridRadixCache:
         out = dict(self.radix.stats(), **self.counters)
         if self.state_pool is not None:
             out.update(self.tiers.stats())
+            if self.logits.pool.num_slots:
+                out.update(self.logits.stats())
         return out

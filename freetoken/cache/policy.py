@@ -8,9 +8,11 @@ radix node ending at `p` (the KV of `ids[:p]` must be committed to the tree firs
 
 `positions(prompt_len, anchors)` returns the prefill snapshot positions, sorted, unique, each in
 `[1, prompt_len - 1]`, each with a class. It always includes `prompt_len - 1` ("end" class unless
-a higher class lands there): an exact repeat of this prompt must recompute its last token to get
-logits, and this snapshot lets it recompute only that token. Positions at or below the prefix
-the request reused are already covered; the scheduler skips them.
+a higher class lands there): without kept logits an exact repeat of this prompt recomputes its
+last token to get logits, and this snapshot lets it recompute only that token; with them
+(`logits.py`, the scheduler adds `prompt_len` itself) it serves a resend one token back.
+Positions at or below the prefix the request reused are already covered; the scheduler skips
+them.
 
 `on_finish(total_len)` returns the positions to snapshot when the request ends, where
 `total_len` is the number of tokens whose KV and state the request computed (prompt + output

@@ -48,6 +48,7 @@ class SnapshotTiers:
         # why the snapshot last attached at a node went away (for the per-request reason)
         self.gone: dict[Node, str] = {}
         self.clock = 0
+        self.on_drop: Callable[[Node], None] | None = None  # told of every dropped snapshot
         self.counters = {"snapshots_taken": 0, "snapshots_evicted": 0, "snapshots_dropped": 0,
                          "snapshots_spilled": 0, "snapshots_restored": 0}
 
@@ -91,6 +92,8 @@ class SnapshotTiers:
     def drop(self, node: Node, why: str, counter: str = "snapshots_dropped") -> None:
         s = self.snaps.pop(node)
         self.lineage.forget_node(node)
+        if self.on_drop is not None:
+            self.on_drop(node)
         self.pool(s.tier).free([s.slot])
         self.gone[node] = f"{why}:{s.tier}"
         self.counters[counter] += 1

@@ -24,7 +24,7 @@ from freetoken.cache.tensors import Caches, KVPool, StateTensors
 from freetoken.engine.cache_ops import CacheOps, HostStates, host_slots_for
 from freetoken.engine.gpu_sampler import FAILED_ROW, sample_rows
 from freetoken.engine.graph_runner import DecodeRunner, Pending
-from freetoken.engine.isolation import fail_request, free_planned_snapshots, isolate
+from freetoken.engine.isolation import fail_request, isolate
 from freetoken.engine.stats import EngineStats
 from freetoken.engine.step_inputs import decode_row, forward_batch, row_sampling
 from freetoken.engine.warm_up import Warmup
@@ -62,12 +62,16 @@ class EngineCore:
                  state_slots: int = 64, max_running: int = 4, chunk_tokens: int = 512,
                  max_context: int | None = None, policy: str = "semantic",
                  decode_runner: bool | None = None, cuda_graph: bool = True,
-                 state_host_mem: int | None = None, moe: MoERuntime | None = None):
+                 state_host_mem: int | None = None, moe: MoERuntime | None = None,
+                 kept_logits: int | None = None):
         """`decode_runner`: run decode-only steps through the static-buffer runner (default: on
         CUDA only; the CPU's eager path is the same math); `cuda_graph`: replay them from CUDA
         graphs (off: the runner runs them eagerly, for comparison). `state_host_mem`: bytes of
         the host tier for state snapshots (None: derived from free RAM, see `cache_ops`).
-        `moe`: the model's expert runtime (None: every expert resident, nothing to manage)."""
+        `moe`: the model's expert runtime (None: every expert resident, nothing to manage).
+        `kept_logits`: logits rows kept beside prompt-end snapshots so that a resent prompt
+        computes nothing (`cache/logits.py`; None: `state_slots`, 0: off; hybrid models only;
+        one row is `vocab` floats on the device)."""
         cfg = model.cfg
         self.model, self.cfg, self.eos_ids = model, cfg, list(eos_ids)
         self.moe = moe
@@ -86,8 +90,11 @@ class EngineCore:
             log.info(kv("state_host_tier", slots=host_slots, mb=host_slots * slot_bytes // 2**20,
                         slot_kb=slot_bytes // 1024, pinned=self.device.type == "cuda",
                         chunk_slots=host.chunk_slots if host else 0, fill="background"))
+        n_logits = (state_slots if kept_logits is None else kept_logits) if state else 0
         self.sched = Scheduler(kv_tokens, state_slots, state is not None, max_running,
-                               chunk_tokens, policy, host_slots)
+                               chunk_tokens, policy, host_slots, logits_slots=n_logits)
+        self._kept: torch.Tensor | None = None  # [n_logits, V], made by the first row kept
+        self._n_kept = n_logits
         if decode_runner is None:
             decode_runner = self.device.type == "cuda"
         self.runner = (DecodeRunner(model, self.caches, max_running, scratch_kv=kv_tokens,
@@ -184,38 +191,44 @@ class EngineCore:
         items = plan.items
         if not items:
             return
-        decode = all(i.n == 1 and i.wants_logits for i in items)  # every row one token
+        # every row one token (a prompt's last token whose logits are kept runs eagerly)
+        decode = all(i.n == 1 and i.wants_logits and i.keep_logits is None for i in items)
         t0 = time.perf_counter()
         rows = None
         if self.runner is not None and decode:
             rows = [decode_row(it) for it in items]
             if not self.runner.fits(rows):
                 rows = None
+        fed = [it for it in items if it.n > 0]  # n == 0: sampled from kept logits, no forward
         try:
             if rows is not None and self._may_overlap():
                 # left in flight: the next step() launches the step after it, then reads its ids
                 self._inflight = _InFlight(items, plan.post_ops, self.runner.launch(rows), t0)
                 return
             # (`auto` times its choice over decode steps of any width)
-            with self._moe_step("decode" if decode else "prefill", sum(i.n for i in items)) as st:
+            with (self._moe_step("decode" if decode else "prefill", sum(i.n for i in items))
+                  if fed else nullcontext(EAGER)) as st:
                 if rows is not None:
                     toks = self.runner.step(rows)  # one host read: the sampled ids
                 else:
-                    logits = self.model(self._batch(items, st), self.caches)  # [R, V]
-                    toks = self._sample([it for it in items if it.wants_logits], logits)
+                    logits = (self.model(self._batch(fed, st), self.caches)  # [R, V]
+                              if fed else None)
+                    want, rows_ = self._logit_rows(items, logits)
+                    toks = self._sample(want, rows_)
         except BridgeError:
+            self.sched.discard(items)  # the slots its snapshots and kept logits were to take
             raise
         except Exception as e:  # noqa: BLE001  (one request's failure: engine/isolation.py)
             self.cache_ops.run(plan.post_ops)
-            free_planned_snapshots(self.sched, items)
+            self.sched.discard(items)
             isolate(self.sched, [(it.req, it.start + it.n) for it in items], e)
             return
         self._t_done = time.perf_counter()
         dt = self._t_done - t0
         self.cache_ops.run(plan.post_ops)
-        # a decode row feeds its last sampled token (position past the prompt); a one-token
-        # prefill chunk (a prompt's last token) is prefill: the totals count every prompt token
-        n_decode = sum(1 for i in items if i.n == 1 and i.start >= i.req.prompt_len)
+        # a decode row feeds the last sampled token; every other token fed is prefill (a
+        # prompt's, or a preempted request's again), also a prompt's 1-token last chunk
+        n_decode = sum(1 for i in items if i.n == 1 and i.req.num_generated > 0)
         self.stats.on_step(dt, prefill_tokens=sum(i.n for i in items) - n_decode,
                            decode_tokens=n_decode)
         row = 0
@@ -281,6 +294,33 @@ class EngineCore:
         if ahead.tokens is None:
             ahead.tokens = self.runner.collect(ahead.pending)
         r.computed += 1
+
+    def _logit_rows(self, items: list[BatchItem], logits: torch.Tensor | None
+                    ) -> tuple[list[BatchItem], torch.Tensor]:
+        """The items that sample this step and their logits `[R, V]`, in item order: a fed
+        item's row of `logits` (which holds a row per item that wants or keeps logits,
+        `forward_batch`), an unfed one's kept row. Rows to keep are written to their slot."""
+        want, picked, j = [], [], 0
+        for it in items:
+            if it.n == 0:
+                assert self._kept is not None and it.logits_from is not None
+                want.append(it)
+                picked.append(self._kept[it.logits_from])
+                continue
+            if not (it.wants_logits or it.keep_logits is not None):
+                continue
+            assert logits is not None
+            row, j = logits[j], j + 1
+            if it.keep_logits is not None:
+                if self._kept is None:
+                    self._kept = torch.empty((self._n_kept, row.shape[-1]), dtype=row.dtype,
+                                             device=row.device)
+                self._kept[it.keep_logits] = row
+            if it.wants_logits:
+                want.append(it)
+                picked.append(row)
+        out = torch.stack(picked) if picked else torch.empty(0, device=self.device)
+        return want, out
 
     def _sample(self, items: list[BatchItem], logits: torch.Tensor) -> list[int]:
         """Next token of every row: with `device_sampler` (CUDA) one batched call of the device

@@ -16,7 +16,7 @@ from __future__ import annotations
 from freetoken.log import get_logger, kv
 from freetoken.sampler import RowFailure
 from freetoken.scheduler.request import Request
-from freetoken.scheduler.scheduler import BatchItem, Scheduler
+from freetoken.scheduler.scheduler import Scheduler
 
 log = get_logger("engine")
 
@@ -27,13 +27,6 @@ def fail_request(sched: Scheduler, r: Request, err: BaseException) -> None:
     r.finished = True
     log.warning(kv("row_failed", rid=r.rid, error=repr(err)[:200]))
     r.emit(err)  # type: ignore[arg-type]
-
-
-def free_planned_snapshots(sched: Scheduler, items: list[BatchItem]) -> None:
-    """The snapshot slots a failed step's plan allocated (attached only after a forward)."""
-    slots = [it.snapshot[2] for it in items if it.snapshot is not None]
-    if slots and sched.cache.state_pool is not None:
-        sched.cache.state_pool.free(slots)
 
 
 def isolate(sched: Scheduler, failed: list[tuple[Request, int]], err: Exception) -> None:

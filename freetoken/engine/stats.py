@@ -1,6 +1,7 @@
 """Rolling engine statistics for /v1/stats: throughput, TTFT, cache hit ratio, and
-`prefill_tokens_total` (every prompt token the engine computed since start, never windowed: a
-prompt served twice from scratch counts twice, a re-sent one resumed from cache once)."""
+`prefill_tokens_computed` / `decode_tokens_computed` (every token the engine fed since start,
+never windowed: a prompt served twice from scratch counts twice, a re-sent one resumed from
+cache once, an exact repeat sampled from kept logits not at all)."""
 from __future__ import annotations
 
 import threading
@@ -16,14 +17,16 @@ class EngineStats:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.requests = 0
-        self.prefill_tokens_total = 0
+        self.prefill_tokens = 0  # every token fed outside decode rows, since the start
+        self.decode_tokens = 0
         self._lock = threading.Lock()
 
     def on_step(self, dt: float, prefill_tokens: int, decode_tokens: int) -> None:
         now = time.time()
         with self._lock:
-            self.prefill_tokens_total += prefill_tokens
             self._steps.append((now, dt, prefill_tokens, decode_tokens))
+            self.prefill_tokens += prefill_tokens
+            self.decode_tokens += decode_tokens
             while self._steps and self._steps[0][0] < now - self.window_s:
                 self._steps.popleft()
 
@@ -47,9 +50,10 @@ class EngineStats:
             "requests": self.requests,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
+            "prefill_tokens_computed": self.prefill_tokens,
+            "decode_tokens_computed": self.decode_tokens,
             "cache_hit_ratio": round(self.cached_tokens / self.prompt_tokens, 4)
             if self.prompt_tokens else 0.0,
-            "prefill_tokens_total": self.prefill_tokens_total,
             "prefill_tokens_per_s": round(pf / busy, 2) if busy else 0.0,
             "decode_tokens_per_s": round(dec_tok / dec_time, 2) if dec_time else 0.0,
             "tokens_per_s_window": round((pf + dc) / busy, 2) if busy else 0.0,

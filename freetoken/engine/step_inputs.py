@@ -35,13 +35,14 @@ def decode_row(it: BatchItem, ahead: bool = False) -> DecodeRow:
 def forward_batch(items: list[BatchItem], moe: MoEStep, device: torch.device,
                   has_state: bool) -> ForwardBatch:
     """The packed batch of an eager step (every item's new tokens, its KV slots, its state
-    slot when the model has linear attention), its MoE layers run as `moe` says."""
+    slot when the model has linear attention), its MoE layers run as `moe` says. Logits rows:
+    the last row of every item that wants logits or keeps them (`BatchItem.keep_logits`)."""
     ids, pos, rows = [], [], []
     for it in items:
         r = it.req
         ids.extend(r.ids[r.computed:r.computed + it.n])
         pos.extend(range(r.computed, r.computed + it.n))
-        if it.wants_logits:
+        if it.wants_logits or it.keep_logits is not None:
             rows.append(len(ids) - 1)
     d = device
     return ForwardBatch(

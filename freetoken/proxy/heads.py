@@ -9,8 +9,10 @@ template's preamble) and their last (it may merge with what follows `c`: Qwen's 
 glues newlines to punctuation); `p` is where they end. So `ids[:p]` is the same for every prompt
 whose system text starts with `system[:c]`, and a state snapshot at `p` serves them all. A
 break not found (the template changed the text, control-token escaping), closer than
-`min_tokens` to the start or to another break gives no anchor: a snapshot there would save
-less than it costs.
+`min_start` tokens to the start or `min_tokens` to the break before it gives no anchor: a
+snapshot there would save less than it costs. (`min_start` is lower: OpenClaw's announce turn
+drops a tool line ~540 characters, ~130 tokens, into its system text (#23); a head snapshot
+there is shared by every session of the harness, and the previous one is the zero state.)
 
 Only the window is tokenized (a 36k-character prefix took as long as rendering the whole
 prompt), and its tokens are kept (`cache` windows, LRU): a session's system text does not
@@ -41,8 +43,9 @@ def _find(hay: bytes, needle: bytes, width: int) -> int:
 
 class HeadBreaks:
     def __init__(self, tokenizer: Any, min_tokens: int = 256, cache: int = 64,
-                 window: int = 2048) -> None:
+                 window: int = 2048, min_start: int = 64) -> None:
         self.tok, self.min_tokens, self.size, self.window = tokenizer, min_tokens, cache, window
+        self.min_start = min_start
         self._ids: OrderedDict[bytes, array] = OrderedDict()
 
     def _prefix_ids(self, text: str) -> array:
@@ -75,7 +78,7 @@ class HeadBreaks:
                 log.debug(kv("system_block_missing", chars=c, tokens=len(x)))
                 continue
             p = start + len(core)
-            if p >= self.min_tokens and (not out or p - out[-1] >= self.min_tokens):
+            if p >= self.min_start and (not out or p - out[-1] >= self.min_tokens):
                 out.append(p)
         return out
 

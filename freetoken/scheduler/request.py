@@ -32,6 +32,7 @@ class Request:
     kv_match: int = 0  # raw KV match of the prompt at first admission
     state_tier: str | None = None  # tier of the snapshot the prompt resumed from
     lost: str = ""  # a deeper snapshot within the KV match that went away (why:tier@pos)
+    logits_from: int | None = None  # kept logits row of the whole prompt (cache/logits.py)
     waiting_for: str | None = None  # a sibling whose shared prefill this request waits for
     in_lineage: bool = False  # counted by the cache's lineage (begin called, end pending)
     num_generated: int = 0

@@ -18,6 +18,11 @@ KV slots are allocated per chunk; when the pool runs dry the newest request is p
 computed prefix is committed to the tree and its working state donated as a snapshot, so it
 resumes from where it stopped if nothing evicts them meanwhile.
 
+Kept logits (hybrid models, `cache/logits.py`): the prompt chunks ending at `prompt_len - 1`
+and `prompt_len` keep their last row's logits beside the snapshot there (the scheduler adds the
+`prompt_len` snapshot point); a prompt whose whole length matches such a node is admitted with
+nothing to feed, and its first step is a row of 0 tokens that samples from the kept logits.
+
 Siblings (sub-agents fanned out together): a waiting request whose prompt shares a long prefix
 with a running request's prefill still to compute waits until that sibling has passed it, then
 reuses it. It waits alone: it keeps its place at the front of the queue and the requests behind
@@ -52,6 +57,8 @@ class BatchItem:
     token_ids: list[int] | None = None
     kv_slots: torch.Tensor | None = None  # [start + n]
     snapshot: tuple[int, str, int] | None = None  # (position, class, fresh state slot)
+    keep_logits: int | None = None  # kept-logits slot the engine writes this item's last row to
+    logits_from: int | None = None  # n == 0: the kept row its first token is sampled from
 
 
 @dataclass
@@ -67,7 +74,7 @@ class StepPlan:
 class Scheduler:
     def __init__(self, kv_slots: int, state_slots: int, has_state: bool,
                  max_running: int = 4, chunk_tokens: int = 512, policy: str = "semantic",
-                 host_slots: int = 0, eviction: str = "value"):
+                 host_slots: int = 0, eviction: str = "value", logits_slots: int = 0):
         self.kv_alloc = SlotAllocator(kv_slots)
         self.has_state = has_state  # the model has linear-attention layers (a state pool)
         # interval snapshots no finer than a prefill chunk: each chunk ends at a snapshot
@@ -77,7 +84,7 @@ class Scheduler:
         self.cache = HybridRadixCache(self.kv_alloc, StatePool(state_slots) if has_state else None,
                                       self.policy,
                                       StatePool(host_slots) if has_state and host_slots else None,
-                                      eviction)
+                                      eviction, logits_slots=logits_slots)
         self.max_running, self.chunk_tokens = max_running, chunk_tokens
         self.reuse: dict[str, int] = {}  # why prompts resumed short of their KV match, counted
         self.waiting: deque[Request] = deque()
@@ -120,6 +127,11 @@ class Scheduler:
                 return True
         return False
 
+    @property
+    def keeps_logits(self) -> bool:
+        """Whether prompts keep their last logits rows (`cache/logits.py`)."""
+        return self.cache.logits.pool.num_slots > 0
+
     def user(self, r: Request) -> str:
         """Who shares a snapshot: the session key, else the request itself."""
         return r.req.session_key or r.rid
@@ -147,7 +159,10 @@ class Scheduler:
             for k in (why, tier):
                 self.reuse[k] = self.reuse.get(k, 0) + 1
         points = self.policy.positions(r.prompt_len, r.req.anchors) if self.has_state else []
+        if self.keeps_logits and r.num_generated == 0:
+            points.append((r.prompt_len, END))  # the state beside the prompt's kept logits
         r.snap_points = [(p, c) for p, c in points if p > m.length]
+        r.logits_from = m.logits_slot if m.logits_slot >= 0 else None
         log.info(kv("admit", rid=r.rid, prompt=r.prompt_len, reused=m.length, kv_match=m.kv_len,
                     state_from=m.state_len, state_cls=m.state_class, tier=m.state_tier,
                     reason=m.reason, lost=m.lost or None, snapshots=len(r.snap_points)))
@@ -276,6 +291,10 @@ class Scheduler:
         for r in sorted(self.running, key=lambda r: r.remaining != 1):  # decodes first
             if not any(x is r for x in self.running):
                 continue  # preempted by an allocation earlier in this loop
+            if r.remaining == 0:  # the whole prompt cached with its logits: nothing to feed
+                items.append(BatchItem(r, 0, True, r.computed, [], r.row[:r.computed],
+                                       logits_from=r.logits_from))
+                continue
             n = 1 if r.remaining == 1 else shares.get(id(r), 0)
             if n <= 0:
                 continue
@@ -286,9 +305,19 @@ class Scheduler:
                 break
             r.row = torch.cat([r.row, slots])
             end = r.computed + n
+            snap = self._plan_snapshot(r, end)
             items.append(BatchItem(r, n, end == len(r.ids), r.computed, r.ids[r.computed:end],
-                                   r.row[:end], self._plan_snapshot(r, end)))
+                                   r.row[:end], snap, self._plan_logits(r, end, snap)))
         return StepPlan(items, pre_ops, self.cache.take_ops())
+
+    def _plan_logits(self, r: Request, end: int, snap: tuple | None) -> int | None:
+        """A kept-logits slot for a prompt chunk ending at `prompt_len - 1` or `prompt_len`
+        with a snapshot planned there (`cache/logits.py`: a resend of the prompt, or of the
+        prompt one token back, then computes nothing)."""
+        if (snap is None or r.num_generated or end < r.prompt_len - 1
+                or not self.keeps_logits):
+            return None
+        return self.cache.alloc_logits()
 
     def _plan_snapshot(self, r: Request, end: int) -> tuple[int, str, int] | None:
         """A fresh state slot and the copy into it, when this chunk ends at a snapshot point."""
@@ -301,6 +330,17 @@ class Scheduler:
             return None
         self.cache.copy_state(r.state_slot, slot)
         return (end, cls, slot)
+
+    def discard(self, items: list[BatchItem]) -> None:
+        """A planned step failed before `after_forward`: give back the state slots of the
+        snapshots it planned and its kept-logits slots (its requests are aborted next)."""
+        for it in items:
+            if it.snapshot is not None:
+                assert self.cache.state_pool is not None
+                self.cache.state_pool.free([it.snapshot[2]])
+            if it.keep_logits is not None:
+                self.cache.free_logits(it.keep_logits)
+            it.snapshot = it.keep_logits = None
 
     def _alloc(self, n: int, keep: set[int]) -> torch.Tensor | None:
         while True:
@@ -328,6 +368,11 @@ class Scheduler:
             if not self.cache.attach_snapshot(c.node, slot, cls, self.user(r)):
                 assert self.cache.state_pool is not None
                 self.cache.state_pool.free([slot])
+            kept = item.keep_logits
+            if kept is not None and not self.cache.attach_logits(c.node, kept):
+                self.cache.free_logits(kept)
+        elif item.keep_logits is not None:
+            self.cache.free_logits(item.keep_logits)
 
     def stats(self) -> dict:
         s = dict(self.cache.stats())

@@ -136,3 +136,26 @@ def test_default_traces_are_the_checkouts_own() -> None:
     root = Path(__file__).resolve().parents[2]
     assert DEFAULT_TRACES == root / "tests" / "data" / "harness_traces" == TRACES.resolve()
     assert sorted(DEFAULT_TRACES.rglob("*.jsonl"))
+
+
+def test_a_resent_sub_agent_prompt_is_reused_whole() -> None:
+    """#23 item 4 in the bench: Claude Code re-sends a sub-agent's prompt (a new agent id, the
+    same body) after the session went on. Bug caught: the replay (like the engine) capped reuse
+    at `len - 1`, so the resend recomputed its last token, and a resend one token shorter fell
+    back to an earlier snapshot. FreeToken's policies keep the prompt end's logits; the
+    imitated baselines do not (they recompute at least the last token)."""
+    from dataclasses import replace
+
+    from freetoken.bench.cli_anchors import head_breaks, load_trace
+    from freetoken.chat import ChatTokenizer, qwen3_tokenizer_dir
+
+    tok = ChatTokenizer.from_dir(qwen3_tokenizer_dir())
+    reqs = load_trace(tok, TRACES / "claude_code" / "cc_try1.jsonl", "cc", None, head_breaks(tok))
+    sub = next(r for r in reqs if r.parent is not None)
+    again = replace(sub, session=sub.session + "-resent", gen=[])
+    shorter = replace(again, session=sub.session + "-short", ids=sub.ids[:-1])
+    for budget in ((64, 256), (16, 32)):
+        r = replay([*reqs, again, shorter], "semantic", *budget)
+        assert r.recomputed[-2:] == [0, 0], budget
+        base = replay([*reqs, again, shorter], "llamacpp", *budget)
+        assert base.recomputed[-2] >= 1

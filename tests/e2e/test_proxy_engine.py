@@ -64,7 +64,10 @@ def stack(tiny_chat_dir: Path, tmp_path_factory):
 
 
 def _expected_cached(history: list[tuple[list[int], list[int]]], ids: list[int]) -> int:
-    """Deepest snapshot <= LCP over earlier prompts; `history` holds (ids, snapshot positions)."""
+    """Deepest snapshot <= LCP over earlier prompts, at most `len(ids) - 1` unless the logits
+    there are kept; `history` holds (ids, snapshot positions). Each earlier prompt also has
+    a snapshot at its end, and its logits kept at its last two positions (cache/logits.py:
+    a resend, or one a token shorter, feeds nothing)."""
     best = 0
     for prev, snaps in history:
         n = 0
@@ -72,8 +75,10 @@ def _expected_cached(history: list[tuple[list[int], list[int]]], ids: list[int])
             if a != b:
                 break
             n += 1
-        best = max([best] + [p for p in snaps if p <= n])
-    return min(best, len(ids) - 1)
+        kept = {len(prev) - 1, len(prev)}
+        best = max([best] + [p for p in [*snaps, len(prev)] if p <= n
+                             and (p < len(ids) or (p == len(ids) and p in kept))])
+    return best
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[f.stem for f in PATHS])

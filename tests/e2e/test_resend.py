@@ -5,7 +5,7 @@ of a second, and the engine's steps are slowed (`slow_steps`) so the prompt take
 to prefill in chunks.
 
 Regression: the abort threw the computed prefix away, so the re-sent prompt prefilled twice.
-Oracle: the engine's own counters — `prefill_tokens_total` (every prompt token it computed) and
+Oracle: the engine's own counters — `prefill_tokens_computed` (every prompt token it computed) and
 the re-send's `cache_read_input_tokens` — must add up to one prefill of the prompt; the reply
 must equal the one an uninterrupted run of the prompt gives (greedy)."""
 from __future__ import annotations
@@ -92,7 +92,7 @@ def _text(evs: list[tuple[str, dict]]) -> str:
 
 
 def _prefilled(core: EngineCore) -> int:
-    return core.stats.summary()["prefill_tokens_total"]
+    return core.stats.summary()["prefill_tokens_computed"]
 
 
 def _wait(cond, timeout: float = 10.0) -> None:

@@ -6,6 +6,7 @@ their tokens up to the break's position, whatever follows (else the snapshot the
 other session), and the position lies within a couple of tokens of the break."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -34,14 +35,16 @@ def test_breaks_are_block_boundaries_and_mark_lines() -> None:
 
 
 def test_openclaw_breaks_on_the_recorded_system_prompt() -> None:
-    """OpenClaw's working directory (`## Workspace`) and its per-session block (date, time:
+    """OpenClaw's deferred tool list (an announce turn drops a tool from it), its working
+    directory (`## Workspace`) and its per-session block (date, time:
     `<!-- openclaw:attempt:DYNAMIC -->`), over both of its APIs."""
     for name in ("ocl_anth", "ocl_try1"):
         body = records(TRACES / "openclaw" / f"{name}.jsonl")[0]["body"]
         text = system_text(body)
         cuts = BY_NAME["openclaw"].head_breaks(body)
         after = [text[c:].lstrip()[:40] for c in cuts]
-        assert after[0].startswith("## Workspace\nWorking directory:")
+        assert after[0].startswith("- agents_list (core):")
+        assert after[1].startswith("## Workspace\nWorking directory:")
         assert after[-1].startswith("<!-- openclaw:attempt:DYNAMIC -->")
 
 
@@ -56,7 +59,7 @@ def test_positions_are_shared_by_every_continuation(window: int) -> None:
     rng = random.Random(7)
     words = ["alpha", "beta.", "gamma,", "(delta)", "x=1", "\n", "\n\n", " ", "  ", "#", "é",
              "日本", "`code`", "::", "-", "42", "\t"]
-    heads = HeadBreaks(tokenizer(), min_tokens=4, window=window)
+    heads = HeadBreaks(tokenizer(), min_tokens=4, window=window, min_start=4)
     checked = 0
     for _ in range(30):
         head = "".join(rng.choice(words) for _ in range(rng.randint(20, 80)))
@@ -98,3 +101,52 @@ def test_a_system_text_that_starts_with_a_newline() -> None:
     [p] = heads.positions(system, [c], ids)
     d = first_divergence(ids, _prompt(system[:c] + "\n# Environment\n cwd: /b\n"))
     assert 0 < d - p <= 10, (p, d)  # "\n# Environment\n cwd: /" and the token left out
+
+
+def _drop_line(body: dict, after: str) -> dict:
+    """`body` with the line after the one holding `after` removed from its system text."""
+    out = json.loads(json.dumps(body))
+    sys_msg = out["messages"][0] if "messages" in out and out["messages"][0]["role"] == "system" \
+        else None
+    text = sys_msg["content"] if sys_msg is not None else out["system"]
+    assert isinstance(text, str)
+    i = text.index("\n", text.index(after)) + 1
+    text = text[:i] + text[text.index("\n", i) + 1:]
+    if sys_msg is not None:
+        sys_msg["content"] = text
+    else:
+        out["system"] = text
+    return out
+
+
+def test_openclaw_announce_turn_dropped_tool_line_is_an_anchor() -> None:
+    """#23: OpenClaw's announce turn drops a tool line ~540 characters (~130 tokens) into its
+    system prompt. Bug caught: no break sat there, and HeadBreaks dropped every break under 256
+    tokens, so the announce turn resumed from the zero state (the 131 shared tokens lost).
+    On the recorded first request of both traces: the break's anchor sits at most a few tokens
+    before the announce variant's first divergence."""
+    tok = tokenizer()
+    heads = HeadBreaks(tok)  # the proxy's defaults
+    ad = BY_NAME["openclaw"]
+    for name in ("ocl_try1", "ocl_anth"):
+        rec = records(TRACES / "openclaw" / f"{name}.jsonl")[0]
+        body = rec["body"]
+        if isinstance(body.get("system"), list):  # Anthropic: one text block, as recorded
+            body = {**body, "system": system_text(body)}
+        announce = _drop_line(body, "Available deferred-schema tools:")
+        ids, other = (_render(tok, b) for b in (body, announce))
+        d = first_divergence(ids, other)
+        got = heads.positions(system_text(body), ad.head_breaks(body), ids)
+        before = [p for p in got if p <= d]
+        assert before and 64 <= before[-1] < 256, (name, d, got)
+        assert d - before[-1] <= 4, (name, d, got)
+        assert before == heads.positions(system_text(announce), ad.head_breaks(announce), other)[
+            :len(before)]  # the announce turn's own prompt has the same anchor
+
+
+def _render(tok, body: dict) -> list[int]:
+    from freetoken.chat.anthropic_map import anthropic_to_template
+    from freetoken.chat.openai_map import openai_to_template
+
+    ti = (anthropic_to_template if "system" in body else openai_to_template)(body)
+    return tok.apply(ti.messages, tools=ti.tools, enable_thinking=ti.enable_thinking).input_ids

@@ -108,4 +108,6 @@ def test_engine_gets_the_system_blocks_the_trace_replay_expects(stack) -> None:
         assert [(a.position, a.kind) for a in r.anchors] == [
             (a.position, a.kind) for a in s.anchors]
     blocks = [a for a in engine.requests[0].anchors if a.kind == "system_block"]
-    assert len(blocks) == 2 and not any(a.cut_point for a in blocks)
+    # the deferred tool list (#23: an announce turn drops a tool there), the working directory,
+    # the per-session block
+    assert len(blocks) == 3 and not any(a.cut_point for a in blocks)
