@@ -48,6 +48,7 @@ from freetoken.log import get_logger, kv
 from freetoken.types.api import AdmissionError
 from freetoken.types.config import WORKSPACE_MARGIN_BYTES, MoEConfig
 from freetoken.types.forward_batch import EAGER, MoEStep
+from freetoken.types.model_config import ExpertFormat
 
 log = get_logger("experts")
 # DESIGN §9 figures, used only when no profile was measured on this machine
@@ -108,12 +109,13 @@ class MoERuntime:
                     kv_reserve_mb=kv_reserve_bytes // 2**20, other_weights_mb=others // 2**20))
         cache = SlotCache(store.num_layers, store.num_experts, store.hidden, store.intermediate,
                           slots, dtype=store.dtype, device=device,
-                          impl="triton" if device.type == "cuda" else "reference")
+                          impl="triton" if device.type == "cuda" else "reference", fmt=store.fmt)
         backend = config.backend
         cpu_threads = config.cpu_threads or default_cpu_threads(device)
         if profile is None and backend in ("auto", "hybrid"):
-            profile = find_profile(host, store.dtype)
-            if profile is None and device.type == "cuda" and config.measure_bw:
+            profile = find_profile(host, store.format)
+            if (profile is None and device.type == "cuda" and config.measure_bw
+                    and store.fmt is None):  # `ft bench bw` measures dense pools only
                 profile = measure_profile_now(host, store.dtype, cpu_threads)
         q_rule = _q_rule(profile, config.hybrid_max_fetch)
         guard = None
@@ -298,7 +300,7 @@ def _num_slots(config: MoEConfig, pool: int, expert_bytes: int, device: torch.de
     return max(1, min(int(s), pool))
 
 
-def find_profile(host: MoEHost, dtype: torch.dtype) -> BandwidthProfile | None:
+def find_profile(host: MoEHost, dtype: torch.dtype | ExpertFormat) -> BandwidthProfile | None:
     return load_profile(profile_key(shape_for(host.cfg)[0], dtype))
 
 

@@ -11,9 +11,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from freetoken.types.config_record import ConfigError, ModelConfig, _get, expert_nbytes
+from freetoken.types.config_record import (
+    ConfigError,
+    ExpertFormat,
+    ModelConfig,
+    _get,
+    expert_nbytes,
+)
 
-__all__ = ["ConfigError", "ModelConfig", "config_from_dict", "expert_nbytes", "load_config"]
+__all__ = ["ConfigError", "ExpertFormat", "ModelConfig", "config_from_dict", "expert_nbytes",
+           "load_config"]
 
 FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3", "kimi_linear")
 _TEXT_TYPES = {"qwen3_5_moe_text": "qwen3_5_moe"}
