@@ -2,7 +2,8 @@
 and by the first hybrid/auto start on a GPU without a saved profile (experts/setup.py).
 
 Shape legend: P experts in the measured pool, E experts per layer window, T tokens, K top-k,
-H hidden, I intermediate. S = 3 * H * I * element bytes per expert.
+H hidden, I intermediate. S = the bytes of one expert (3 * H * I * element bytes dense; the
+quantized bytes and scales for FP8 / MXFP4 banks).
 
 B_H: the real CPU kernel (kernels.cpu.expert_ops) on *fresh* experts: each step routes into a new
 window of the pool, and the pool is far larger than the LLC, so weights come from DRAM.
@@ -23,18 +24,33 @@ from torch import Tensor
 from freetoken.experts.cost_model import BandwidthProfile
 from freetoken.experts.profile import ExpertShape, profile_key
 from freetoken.log import get_logger
+from freetoken.types.model_config import ExpertFormat
 from kernels.cpu.ext import load_kernel
+from kernels.quant import QuantBank, quantize_bank
 
 log = get_logger("experts")
 GB = 1e9
 
 
-def make_pool(shape: ExpertShape, dtype: torch.dtype, pool_bytes: float,
-              pin: bool = False) -> tuple[Tensor, Tensor]:
-    """Random expert banks holding about `pool_bytes`: gate_up [P, 2I, H], down [P, H, I]."""
+def make_pool(shape: ExpertShape, dtype: torch.dtype | ExpertFormat, pool_bytes: float,
+              pin: bool = False) -> tuple[Tensor | QuantBank, Tensor | QuantBank]:
+    """Random expert banks holding about `pool_bytes`: gate_up [P, 2I, H], down [P, H, I];
+    QuantBanks for a quantized format (a few random experts quantized, repeated)."""
     p = max(1, int(pool_bytes // shape.expert_bytes(dtype)))
     h, i = shape.hidden, shape.inter
     from freetoken.experts.random_fill import random_fill_
+
+    if isinstance(dtype, ExpertFormat):
+        g = torch.Generator().manual_seed(1)
+        n = min(p, 4)
+        banks = []
+        for rows, cols, halves in ((2 * i, h, 2), (h, i, 1)):
+            seed = quantize_bank(torch.randn(n, rows, cols, generator=g) * cols**-0.5,
+                                 dtype.name, dtype.block, halves)
+            idx = torch.arange(p) % n  # [P] which seed expert each pool expert copies
+            bank = seed.index_select(0, idx)
+            banks.append(bank.pin_memory() if pin else bank)
+        return banks[0], banks[1]
 
     # random data, never zeros (zeros can run faster); filled first, pinned afterwards
     gate_up = random_fill_(torch.empty(p, 2 * i, h, dtype=dtype), h**-0.5, 1)  # [P, 2I, H]
@@ -77,7 +93,7 @@ def time_experts(fn: ExpertFn, gate_up: Tensor, down: Tensor, routes: list[Tenso
                  warmup: int = 3) -> tuple[float, float]:
     """Run fn(x, ids, gate_up, down) per route; returns (GB/s of unique expert bytes read,
     median seconds per step). Warm-up steps use the route list's tail and are not timed."""
-    s_bytes = 3 * gate_up.shape[1] // 2 * gate_up.shape[2] * gate_up.element_size()
+    s_bytes = gate_up[0].nbytes + down[0].nbytes  # one expert, scales included
     x = torch.randn(routes[0].shape[0], gate_up.shape[2])  # [T, H]
     for ids in routes[-warmup:]:
         fn(x, ids, gate_up, down)
