@@ -49,6 +49,7 @@ from freetoken.types.api import AdmissionError
 from freetoken.types.config import WORKSPACE_MARGIN_BYTES, MoEConfig
 from freetoken.types.forward_batch import EAGER, MoEStep
 from freetoken.types.model_config import ExpertFormat
+from kernels.quant import QuantBank
 
 log = get_logger("experts")
 # DESIGN §9 figures, used only when no profile was measured on this machine
@@ -97,9 +98,9 @@ class MoERuntime:
             return rt
         blocks = host.moe_blocks()
         if store is None:
-            store = ExpertStore([b.experts.gate_up_proj.data for b in blocks],
-                                [b.experts.down_proj.data for b in blocks],
-                                pin=device.type == "cuda")
+            store = ExpertStore([_bank(b.experts.gate_up_proj) for b in blocks],
+                                [_bank(b.experts.down_proj) for b in blocks],
+                                pin=device.type == "cuda", compute_dtype=_dense_dtype(host))
         pool = store.num_layers * store.num_experts
         # the rest of the model moves to the device after this: keep room for it too
         others = sum(p.numel() * p.element_size() for n, p in host.named_parameters()
@@ -274,6 +275,17 @@ class MoERuntime:
             return None
         return {"backend": self.backend, "slots": self.cache.num_slots,
                 **self.counters.as_dict()}
+
+
+def _bank(p: Tensor | QuantBank) -> Tensor | QuantBank:
+    """A block's bank as the store takes it (a parameter's data, a quantized bank as is)."""
+    return p if isinstance(p, QuantBank) else p.data
+
+
+def _dense_dtype(host: MoEHost) -> torch.dtype:
+    """The model's activation dtype (its first non-expert parameter's)."""
+    return next((p.dtype for n, p in host.named_parameters() if ".experts." not in n),
+                torch.float32)
 
 
 def _q_rule(profile: BandwidthProfile | None, max_fetch: int | None) -> QStarRule:
