@@ -180,7 +180,7 @@ def quantize_fp8(w: Tensor, block: int = 128, halves: int = 1) -> QuantBank:
     return QuantBank(q, scale.contiguous(), "fp8", block, halves, cols)
 
 
-def quantize_mxfp4(w: Tensor) -> QuantBank:
+def quantize_mxfp4(w: Tensor, halves: int = 1) -> QuantBank:
     """MXFP4 of w [.., R, C] (C a multiple of 32) as the OCP MX spec and gpt-oss make it: per
     32 columns the shared exponent floor(log2(amax)) - 2 (e2m1's largest exponent), stored
     e8m0; each value rounded to the nearest e2m1 of w / 2^exponent, saturating at ±6."""
@@ -196,15 +196,17 @@ def quantize_mxfp4(w: Tensor) -> QuantBank:
     mag = (v.abs()[..., None] - grid).abs().argmin(dim=-1)  # nearest magnitude code
     codes = (mag + 8 * (v < 0).long()).to(torch.uint8).reshape(*lead, rows, cols)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return QuantBank(packed.contiguous(), (e + 127.0).to(torch.uint8), "mxfp4", MX_BLOCK, 1, cols)
+    return QuantBank(packed.contiguous(), (e + 127.0).to(torch.uint8), "mxfp4", MX_BLOCK, halves,
+                     cols)
 
 
 def quantize_bank(w: Tensor, fmt: str, block: int = 128, halves: int = 1) -> QuantBank:
-    """w [.., R, C] in `fmt` ("fp8" with B x B blocks, or "mxfp4")."""
+    """w [.., R, C] in `fmt` ("fp8" with B x B blocks, or "mxfp4"); `halves` 2 for a gate_up
+    bank (its fp8 gate and up grids apart; for mxfp4 only recorded)."""
     if fmt == "fp8":
         return quantize_fp8(w, block, halves)
     if fmt == "mxfp4":
-        return quantize_mxfp4(w)
+        return quantize_mxfp4(w, halves)
     raise ValueError(f"unknown expert format {fmt!r}; expected one of {QUANT_FORMATS}")
 
 

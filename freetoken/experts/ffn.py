@@ -5,8 +5,9 @@ CUDA, the C++ kernel for a CPU decode row, and the Triton fused MoE. Every path 
 
 Shapes: T tokens, H hidden, E experts, K top-k, I expert intermediate, U unique experts hit,
 N = T*K entries. A bank may be a `kernels.quant.QuantBank` (FP8, MXFP4): the C++ CPU kernel
-reads it as it is; the torch paths dequantize the rows they use (`as_weight`); the Triton paths
-take dense banks only for now (a quantized bank takes the torch path on CUDA).
+reads it as it is; the torch paths dequantize the rows they use (`as_weight`); on CUDA the
+Triton decode path dequantizes in the kernel (kernels/triton/moe_quant.py), and larger batches
+of a quantized bank take the torch path for now.
 """
 from __future__ import annotations
 
@@ -98,6 +99,11 @@ def run_experts(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down:
     [T, H]; otherwise the second value is None and the caller runs it."""
     T, K = ids.shape
     H = x.shape[-1]
+    if isinstance(gate_up, QuantBank):
+        qmod = dispatch.triton_for(x, "moe_quant")
+        if qmod is not None and ids.numel() <= qmod.DECODE_MAX_ENTRIES:
+            y = torch.empty(T, K, H, dtype=x.dtype, device=x.device)  # [T, K, H]
+            return qmod.fused_moe_quant_decode(x, ids, gate_up, down, y, zero_missing=True), None
     mod = None if isinstance(gate_up, QuantBank) else dispatch.triton_for(x, "fused_moe")
     if mod is None:
         y = torch.zeros(T, K, H, dtype=x.dtype, device=x.device)  # [T, K, H]

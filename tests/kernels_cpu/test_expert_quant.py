@@ -67,6 +67,9 @@ def test_dispatcher_and_fallback_read_quantized_banks(fmt):
     # both the dequantized function; a shape the kernel refuses (H not a multiple of 32)
     # falls back rather than failing
     x, ids, gu, dn, mask = _case(fmt, seed=4, T=3)
+    from kernels.cpu.expert_ops import _quant_usable
+
+    assert _quant_usable(gu, dn)  # the kernel's case (the fallback is checked just below)
     ref = expert_ffn_reference(x, ids, gu, dn, mask)
     assert _rel(cpu_experts(x, ids, gu, dn, mask)[mask], ref[mask]) < 2e-6
     assert _rel(cpu_experts_torch(x, ids, gu, dn, mask)[mask], ref[mask]) < 2e-6
