@@ -19,6 +19,16 @@ from freetoken.types.model_config import ModelConfig
 from kernels.quant import QuantBank, expand_block_scale
 
 SCALE_SUFFIX = "_scale_inv"
+# the linears Qwen3.6-FP8 stores in FP8: the routed and shared experts and the attention
+# projections (the router, norms, embeddings, lm_head and the linear-attention layers stay
+# BF16); what `ft bench checkpoint` writes for an FP8 shape, and the parity test's checkpoint
+_FP8_LINEARS = (".experts.", ".shared_expert.", ".self_attn.q_proj.", ".self_attn.k_proj.",
+                ".self_attn.v_proj.", ".self_attn.o_proj.")
+
+
+def is_fp8_linear(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a released FP8 Qwen checkpoint stores tensor `name` in FP8."""
+    return name.endswith(".weight") and len(shape) == 2 and any(p in name for p in _FP8_LINEARS)
 
 
 def scale_name(weight: str) -> str:

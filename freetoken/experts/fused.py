@@ -24,9 +24,12 @@ class FusedExperts(ExpertBackend):
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden, inter))
 
     @classmethod
-    def from_banks(cls, gate_up: Tensor, down: Tensor) -> FusedExperts:
+    def from_banks(cls, gate_up: Tensor | QuantBank, down: Tensor | QuantBank) -> FusedExperts:
         """A layer over given banks (held, not copied)."""
         fe = cls(1, 1, 1)
+        if isinstance(gate_up, QuantBank):
+            fe.hold_banks(gate_up, down)
+            return fe
         fe.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
         fe.down_proj = nn.Parameter(down, requires_grad=False)
         return fe

@@ -114,7 +114,9 @@ class MoERuntime:
         backend = config.backend
         cpu_threads = config.cpu_threads or default_cpu_threads(device)
         if profile is None and backend in ("auto", "hybrid"):
-            profile = find_profile(host, store.format)
+            # a quantized store without its own profile prices its bytes at the dense one's
+            profile = find_profile(host, store.format) or (
+                find_profile(host, store.dtype) if store.fmt is not None else None)
             if (profile is None and device.type == "cuda" and config.measure_bw
                     and store.fmt is None):  # `ft bench bw` measures dense pools only
                 profile = measure_profile_now(host, store.dtype, cpu_threads)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from freetoken.checkpoint.fp8 import is_fp8_linear
 from freetoken.checkpoint.safetensors_reader import CheckpointError
 from freetoken.engine.generate import generate
 from freetoken.models.loader import load_model, load_with_experts
@@ -21,11 +22,6 @@ from freetoken.types.config import MoEConfig
 from kernels.quant import QuantBank, quantize_fp8
 from tests.experts.test_moe_backends import _logits
 from tests.models.fixtures import hf_reference
-
-# what Qwen3.6-FP8 quantizes: the routed and shared experts and the attention projections
-# (the router, norms, embeddings, lm_head and the linear-attention layers stay BF16)
-_QUANTIZED = (".experts.", ".shared_expert.", ".self_attn.q_proj.", ".self_attn.k_proj.",
-              ".self_attn.v_proj.", ".self_attn.o_proj.")
 
 
 def _write_fp8(src: Path, dst: Path, deq_dir: Path, block: int) -> None:
@@ -37,7 +33,7 @@ def _write_fp8(src: Path, dst: Path, deq_dir: Path, block: int) -> None:
     state = load_file(str(src / "model.safetensors"))
     out, deq = {}, {}
     for name, w in state.items():
-        if name.endswith(".weight") and w.dim() == 2 and any(q in name for q in _QUANTIZED):
+        if is_fp8_linear(name, tuple(w.shape)):
             qb = quantize_fp8(w.to(torch.bfloat16), block)
             out[name], out[name + "_scale_inv"] = qb.data, qb.scale
             deq[name] = qb.dequantize(torch.float32)
