@@ -68,7 +68,7 @@ SHAPES: dict[str, dict] = {
 
 
 # Qwen3.6-35B-A3B-FP8: the same shape as released in FP8 (e4m3, 128x128 blocks with
-# `weight_scale_inv`): 32.3 GB of routed experts instead of 64.4 (issue 25); and the tiny
+# `weight_scale_inv`): 32.2 GB of routed experts instead of 64.4 (issue 25); and the tiny
 # shape in FP8, for tests of the same tooling on a CPU.
 _FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
         "weight_block_size": [128, 128]}
