@@ -6,8 +6,8 @@ CUDA, the C++ kernel for a CPU decode row, and the Triton fused MoE. Every path 
 Shapes: T tokens, H hidden, E experts, K top-k, I expert intermediate, U unique experts hit,
 N = T*K entries. A bank may be a `kernels.quant.QuantBank` (FP8, MXFP4): the C++ CPU kernel
 reads it as it is; the torch paths dequantize the rows they use (`as_weight`); on CUDA the
-Triton decode path dequantizes in the kernel (kernels/triton/moe_quant.py), and larger batches
-of a quantized bank take the torch path for now.
+Triton decode and grouped paths dequantize in the kernel (kernels/triton/moe_quant.py,
+moe_quant_grouped.py).
 """
 from __future__ import annotations
 
@@ -104,6 +104,10 @@ def run_experts(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down:
         if qmod is not None and ids.numel() <= qmod.DECODE_MAX_ENTRIES:
             y = torch.empty(T, K, H, dtype=x.dtype, device=x.device)  # [T, K, H]
             return qmod.fused_moe_quant_decode(x, ids, gate_up, down, y, zero_missing=True), None
+        gmod = dispatch.triton_for(x, "moe_quant_grouped")
+        if gmod is not None:
+            y = torch.zeros(T, K, H, dtype=x.dtype, device=x.device)  # ids < 0 stay zero
+            return gmod.fused_moe_quant_grouped(x, ids, gate_up, down, y), None
     mod = None if isinstance(gate_up, QuantBank) else dispatch.triton_for(x, "fused_moe")
     if mod is None:
         y = torch.zeros(T, K, H, dtype=x.dtype, device=x.device)  # [T, K, H]

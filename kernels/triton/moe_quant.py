@@ -13,7 +13,8 @@ fp32 [N, I], then down), capturable. The weights stay in their format in memory:
 loads its [BLOCK_N, BLOCK_K] tile of codes (FP8 bytes as uint8: the bits are decoded in
 registers, which the interpreter runs too) and its scales, and accumulates in fp32 — MXFP4 is
 weight-only dequant (H200 has no FP4 tensor cores); FP8 is dequantized the same way here (FP8
-dots are a later step). Larger batches take the torch path (`as_weight`) for now.
+dots are a later step). Larger batches take `fused_moe_quant_grouped`
+(kernels/triton/moe_quant_grouped.py): the grouped tl.dot path over the same tiles.
 """
 from __future__ import annotations
 
@@ -117,10 +118,9 @@ def _q_down_kernel(
     tl.store(y_ptrs, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def fused_moe_quant_decode(x: Tensor, ids: Tensor, gate_up: QuantBank, down: QuantBank,
-                           y: Tensor, config: dict | None = None, *,
-                           zero_missing: bool = False) -> Tensor:
-    """See the module docstring. `config` overrides DECODE_CONFIG's tiles (same keys)."""
+def _check(x: Tensor, ids: Tensor, gate_up: QuantBank, down: QuantBank, y: Tensor
+           ) -> tuple[int, int, int, int, int, int]:
+    """Validate; returns (T, K, H, I, format code, columns per scale)."""
     T, H = x.shape
     K = ids.shape[1]
     S, two_i, _ = gate_up.shape
@@ -131,15 +131,28 @@ def fused_moe_quant_decode(x: Tensor, ids: Tensor, gate_up: QuantBank, down: Qua
         raise ValueError(f"shape mismatch: x={tuple(x.shape)} ids={tuple(ids.shape)} "
                          f"gate_up={tuple(gate_up.shape)} down={tuple(down.shape)}")
     fmt = FMT_CODES[gate_up.fmt]
-    qb = gate_up.block if fmt == 0 else MX_BLOCK
+    return T, K, H, I, fmt, gate_up.block if fmt == 0 else MX_BLOCK
+
+
+def _operands(gate_up: QuantBank, down: QuantBank) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(gate_up codes, scales, down codes, scales); e4m3 bytes as uint8 (decoded in-kernel)."""
+    gd, dd = gate_up.data, down.data
+    if gate_up.fmt == "fp8":
+        gd, dd = gd.view(torch.uint8), dd.view(torch.uint8)
+    return gd, gate_up.scale, dd, down.scale
+
+
+def fused_moe_quant_decode(x: Tensor, ids: Tensor, gate_up: QuantBank, down: QuantBank,
+                           y: Tensor, config: dict | None = None, *,
+                           zero_missing: bool = False) -> Tensor:
+    """See the module docstring. `config` overrides DECODE_CONFIG's tiles (same keys)."""
+    T, K, H, I, fmt, qb = _check(x, ids, gate_up, down, y)
     flat = ids.reshape(T * K).contiguous()  # [N]
     N = flat.numel()
     if N == 0:
         return y
     cfg = DECODE_CONFIG if config is None else config
-    gd, gs, dd, ds = gate_up.data, gate_up.scale, down.data, down.scale
-    if fmt == 0:  # the e4m3 bytes, decoded in the kernel
-        gd, dd = gd.view(torch.uint8), dd.view(torch.uint8)
+    gd, gs, dd, ds = _operands(gate_up, down)
     a = torch.empty((N, I), dtype=torch.float32, device=x.device)  # [N, I]
     c = cfg["gate_up"]
     bn, bk = _block(c["BLOCK_N"], I), _block(c["BLOCK_K"], H)

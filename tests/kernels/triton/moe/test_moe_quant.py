@@ -14,7 +14,9 @@ pytest.importorskip("triton")
 
 from kernels.quant import quantize_bank
 from kernels.reference import expert_ffn_reference
+from kernels.triton.moe_grouped import tile
 from kernels.triton.moe_quant import fused_moe_quant_decode
+from kernels.triton.moe_quant_grouped import fused_moe_quant_grouped
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, I, S = 64, 64, 6
@@ -54,6 +56,21 @@ def test_quant_decode_matches_dequantized_reference(fmt, block, zero_missing):
     _run(fmt, block, zero_missing)
 
 
+@pytest.mark.parametrize("fmt,block", [("fp8", 16), ("fp8", 128), ("mxfp4", 32)])
+def test_quant_grouped_matches_dequantized_reference(fmt, block):
+    # several tokens per expert (each expert's codes read once per row block of its entries),
+    # small tiles so the K loops and the row blocks take several steps
+    x, ids, gu, dn = _case(fmt, block, T=6, K=3, seed=2)
+    ref = expert_ffn_reference(x, ids, gu, dn)
+    y = torch.full((6, 3, H), float("nan"), device=DEVICE)
+    cfg = (tile(16, 16, 16, 2, 4, 2), tile(16, 32, 16, 1, 4, 2))
+    fused_moe_quant_grouped(x.to(DEVICE), ids.to(DEVICE), gu.to(DEVICE), dn.to(DEVICE), y, cfg)
+    y = y.cpu()
+    keep = ids >= 0
+    assert torch.allclose(y[keep].double(), ref[keep], rtol=1e-5, atol=1e-5)
+    assert torch.isnan(y[~keep]).all(), "entries with ids < 0 are not written"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("fmt,block", [("fp8", 128), ("mxfp4", 32)])
@@ -78,4 +95,9 @@ def test_run_experts_takes_the_quant_kernel(monkeypatch, fmt):
     y, ys = ffn.run_experts(x.to(DEVICE), ids.to(DEVICE), gu.to(DEVICE), dn.to(DEVICE))
     assert calls and ys is None
     ref = expert_ffn_reference(x, ids, gu, dn)
+    assert torch.allclose(y.cpu().double(), ref, rtol=1e-5, atol=1e-5)
+    # past DECODE_MAX_ENTRIES: the grouped kernel, ids < 0 zeroed
+    monkeypatch.setattr(moe_quant, "DECODE_MAX_ENTRIES", 2)
+    y, _ = ffn.run_experts(x.to(DEVICE), ids.to(DEVICE), gu.to(DEVICE), dn.to(DEVICE))
+    assert len(calls) == 1
     assert torch.allclose(y.cpu().double(), ref, rtol=1e-5, atol=1e-5)
