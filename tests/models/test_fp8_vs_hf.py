@@ -112,3 +112,13 @@ def test_bad_scale_grid_is_a_checkpoint_error(fp8_ckpt, tmp_path) -> None:
     save_file(state, str(bad / "model.safetensors"))
     with pytest.raises(CheckpointError, match="block-scale shape"):
         load_model(bad, dtype=torch.float32, progress=False)
+
+
+def test_ft_convert_refuses_quantized_experts(fp8_ckpt, tmp_path, capsys) -> None:
+    # FTW holds dense banks only: converting an FP8 checkpoint is a clear refusal, not a crash
+    # on a QuantBank (or a silent dequantization)
+    from freetoken.cli import main
+
+    d, _ = fp8_ckpt
+    assert main(["convert", str(d), str(tmp_path / "ftw"), "--no-progress"]) != 0
+    assert "quantized (fp8)" in capsys.readouterr().out
