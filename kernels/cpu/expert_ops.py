@@ -125,7 +125,9 @@ def cpu_experts(
     t, k, _, h, _ = _check_shapes(x, topk_ids, gate_up, down, compute_mask)
     kern = load_kernel()
     if isinstance(gate_up, QuantBank):
-        if kern is None or not _quant_usable(gate_up, down):
+        # (a build older than expert_quant.cpp lacks the symbol: the torch path then)
+        if (kern is None or not _quant_usable(gate_up, down)
+                or not hasattr(kern.lib, "ft_cpu_experts_q")):
             return cpu_experts_torch(x, topk_ids, gate_up, down, compute_mask, out)
         out = _prepare_out(out, t, k, h)
         run_quant(kern, x, topk_ids, gate_up, down, compute_mask, out, num_threads)
