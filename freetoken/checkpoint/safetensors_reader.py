@@ -242,7 +242,10 @@ def load_checkpoint(
             names = expert_bank_names(cfg, i, prefix="model.")
             if names[0] in out:
                 continue
-            if q8 and expert_bank_names(cfg, i)[0] not in rd.found:  # FP8, per expert
+            if block and expert_bank_names(cfg, i)[0] in rd.found:
+                raise CheckpointError(f"layer {i}: FP8 experts stored as fused banks are not "
+                                      "supported (per-expert tensors with weight_scale_inv are)")
+            if q8:  # FP8, per expert
                 try:
                     banks = fp8.load_fp8_experts(cfg, i, rd.raw, block)
                 except ValueError as e:

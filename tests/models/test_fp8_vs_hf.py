@@ -122,3 +122,21 @@ def test_ft_convert_refuses_quantized_experts(fp8_ckpt, tmp_path, capsys) -> Non
     d, _ = fp8_ckpt
     assert main(["convert", str(d), str(tmp_path / "ftw"), "--no-progress"]) != 0
     assert "quantized (fp8)" in capsys.readouterr().out
+
+
+def test_fp8_fused_banks_on_disk_are_refused(fp8_ckpt, tmp_path) -> None:
+    # an FP8 checkpoint whose layer stores its experts as fused banks would otherwise be cast
+    # to the model dtype without its scales (silently wrong weights)
+    d, _ = fp8_ckpt
+    bad = tmp_path / "fused"
+    shutil.copytree(d, bad)
+    state = load_file(str(bad / "model.safetensors"))
+    p = "model.layers.0.mlp.experts."
+    gate_up = torch.stack([torch.cat((state.pop(f"{p}{e}.gate_proj.weight"),
+                                      state.pop(f"{p}{e}.up_proj.weight"))) for e in range(8)])
+    state[p + "gate_up_proj"] = gate_up
+    state[p + "down_proj"] = torch.stack([state.pop(f"{p}{e}.down_proj.weight")
+                                          for e in range(8)])
+    save_file(state, str(bad / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="fused banks"):
+        load_model(bad, dtype=torch.float32, progress=False)
