@@ -1,10 +1,19 @@
 """The reference expert FFN every implementation is tested against (plain float64 torch, no
 kernel, no batching trick): the grouped and gathered torch paths, the C++ CPU kernel, the Triton
-fused MoE, and every expert backend."""
+fused MoE, and every expert backend. Quantized banks (kernels/quant.py) enter it dequantized in
+float64, so a kernel reading FP8 / MXFP4 is held to the exact dequantized weights."""
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from kernels.quant import QuantBank
+
+
+def _f64(w: Tensor | QuantBank) -> Tensor:
+    if isinstance(w, QuantBank):
+        return w.cpu().dequantize(torch.float64)
+    return w.detach().double().cpu()
 
 
 def expert_ffn_reference(x: Tensor, topk_ids: Tensor, gate_up: Tensor, down: Tensor,
@@ -21,8 +30,8 @@ def expert_ffn_reference(x: Tensor, topk_ids: Tensor, gate_up: Tensor, down: Ten
             e = int(topk_ids[t, k])
             if e < 0 or (mask is not None and not bool(mask[t, k])):
                 continue
-            w = gate_up[e].detach().double().cpu()  # [2I, H]
+            w = _f64(gate_up[e])  # [2I, H]
             g, u = w[:inter] @ xd[t], w[inter:] @ xd[t]  # [I]
-            out[t, k] = down[e].detach().double().cpu() @ (g * torch.sigmoid(g) * u)  # [H]
+            out[t, k] = _f64(down[e]) @ (g * torch.sigmoid(g) * u)  # [H]
     return out
 

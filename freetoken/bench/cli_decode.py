@@ -122,11 +122,11 @@ def run_shape(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from freetoken.bench.moe import TraceRouter, install_trace, uniform_trace
-    from freetoken.bench.random_model import random_model
+    from freetoken.bench.moe import TraceRouter, bench_profile, install_trace, uniform_trace
+    from freetoken.bench.random_model import random_model, random_quant_banks
     from freetoken.cli.options import moe_options, resolve_device, resolve_dtype
-    from freetoken.experts.runtime import find_profile
     from freetoken.experts.store import ExpertStore
+    from freetoken.types.model_config import ExpertFormat
     from freetoken.types.presets import preset_config
 
     if not args.random_weights:
@@ -134,10 +134,16 @@ def run_shape(args: argparse.Namespace) -> int:
     cfg = preset_config(args.shape, args.layers)
     device = torch.device(resolve_device(args.device if args.device != "cpu" else "auto"))
     dtype = resolve_dtype(args.dtype) or torch.bfloat16
-    model = random_model(cfg, dtype, device)
+    fmt = cfg.expert_format
+    quant = isinstance(fmt, ExpertFormat)  # an FP8 shape: banks in its format, never bf16
+    model = random_model(cfg, dtype, device, experts=not quant)
     blocks = model.moe_blocks()
-    store = ExpertStore([b.experts.gate_up_proj.data for b in blocks],
-                        [b.experts.down_proj.data for b in blocks], pin=device.type == "cuda")
+    if quant:
+        gus, dns = random_quant_banks(cfg, fmt)
+        store = ExpertStore(gus, dns, pin=device.type == "cuda", compute_dtype=dtype)
+    else:
+        store = ExpertStore([b.experts.gate_up_proj.data for b in blocks],
+                            [b.experts.down_proj.data for b in blocks], pin=device.type == "cuda")
     for b in blocks:
         b.experts.gate_up_proj = b.experts.down_proj = None  # the store holds the only copy
     opts = moe_options(args)
@@ -149,6 +155,7 @@ def run_shape(args: argparse.Namespace) -> int:
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=g).tolist()
     traces = (args.route_trace or "random").split(",")
     print(f"shape={args.shape} layers={cfg.num_layers} experts={store.nbytes / 1e9:.1f} GB "
+          f"format={fmt.name if quant else str(dtype)[6:]} "
           f"cache_rate={opts.cache_rate} device={device} routing={','.join(traces)}")
     # Rounds over all backends in turn, best round kept per backend: the first decode of a
     # fresh process can run at a third of its later speed (seen on the H200 host), whichever
@@ -177,7 +184,7 @@ def run_shape(args: argparse.Namespace) -> int:
         for batch in parse_batches(args.batch):
             print(f"[bench] routing {trace}, batch {batch}", flush=True)
             best = bench_rounds(args, model, store, opts, device, prompt, backends, batch)
-            prof = find_profile(model, store.dtype)
+            prof = bench_profile(model, store)
             print_table(best, backends, args.repeats, batch,
                         (prof.link or prof.b_p) if prof is not None else None)
     return 0

@@ -104,6 +104,13 @@ def decode_batch(model: QwenMoE, prompts: list[list[int]], n_tokens: int,
     return (sum(got) - start) / dt if dt > 0 else 0.0, steps
 
 
+def bench_profile(model: QwenMoE, store: ExpertStore):
+    """The bandwidth profile the floors use: the store format's, else (a quantized store
+    without one) the dense dtype's, whose GB/s price the quantized bytes (`ft bench bw`
+    measures dense pools only)."""
+    return find_profile(model, store.format) or find_profile(model, store.dtype)
+
+
 def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEConfig,
                 device: torch.device, prompt: list[int], n_tokens: int, cuda_graph: bool = True,
                 batch: int = 1, engine: bool = False) -> RunResult:
@@ -156,7 +163,7 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEConfi
         hit = d["hits"] / routed if routed else 0.0
         # per decode step of the timed window (each step after the first token)
         fb, cb = d["fetch_bytes"] / steps, d["cpu_bytes"] / steps
-        prof = find_profile(model, store.dtype)
+        prof = bench_profile(model, store)
         if prof is not None and (prof.b_p or not fb):
             bp = (prof.b_p or 1.0) * 1e9
             bh = prof.b_h * 1e9

@@ -8,14 +8,16 @@ from tqdm import tqdm
 from freetoken.experts.fused import FusedExperts
 from freetoken.experts.random_fill import random_fill_
 from freetoken.models.qwen import QwenMoE
-from freetoken.types.model_config import ModelConfig
+from freetoken.types.model_config import ExpertFormat, ModelConfig
+from kernels.quant import QuantBank, quantize_bank
 
 
 def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                 seed: int = 0, progress: bool = True) -> QwenMoE:
+                 seed: int = 0, progress: bool = True, experts: bool = True) -> QwenMoE:
     """Non-expert weights ~N(0, 0.02) on `device`; expert banks on the CPU (move or hand them
-    to an expert store yourself). Norm weights as a trained model's are near: zero-centred 0,
-    plain 1. A_log = log(U(1, 16)), dt_bias = 1."""
+    to an expert store yourself), or, with `experts=False`, empty (`random_quant_banks` makes
+    quantized ones). Norm weights as a trained model's are near: zero-centred 0, plain 1.
+    A_log = log(U(1, 16)), dt_bias = 1."""
     torch.manual_seed(seed)
     from freetoken.models.registry import model_class
 
@@ -24,7 +26,7 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | st
     params = list(model.named_parameters())
     for name, p in tqdm(params, desc="random weights", disable=not progress, unit="t"):
         on = "cpu" if ".experts." in name else device
-        t = torch.empty(p.shape, dtype=dtype, device=on)
+        t = torch.empty(p.shape if experts or on != "cpu" else (0,), dtype=dtype, device=on)
         if name.endswith("A_log"):
             t.uniform_(1, 16).log_()
         elif name.endswith("dt_bias") or (name.endswith("norm.weight") and "linear_attn" in name):
@@ -40,3 +42,21 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | st
     for b in model.moe_blocks():
         assert isinstance(b.experts, FusedExperts)
     return model.eval().fuse_projections()
+
+
+def random_quant_banks(cfg: ModelConfig, fmt: ExpertFormat, seed: int = 0, distinct: int = 4
+                       ) -> tuple[list[QuantBank], list[QuantBank]]:
+    """Per MoE layer, (gate_up, down) banks in `fmt` of `distinct` random experts (~N(0, 0.02)
+    quantized as a release is) repeated over the layer's E experts: the real bytes and layout
+    at a fraction of the time quantizing every expert would take."""
+    E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.arange(E) % distinct
+    gus, dns = [], []
+    for _ in cfg.moe_layers:
+        n = min(distinct, E)
+        gu = quantize_bank(torch.randn(n, 2 * I, H, generator=g) * 0.02, fmt.name, fmt.block, 2)
+        dn = quantize_bank(torch.randn(n, H, I, generator=g) * 0.02, fmt.name, fmt.block, 1)
+        gus.append(gu.index_select(0, idx % n))
+        dns.append(dn.index_select(0, idx % n))
+    return gus, dns

@@ -150,6 +150,9 @@ def convert(src: str | Path, dst: str | Path, shard_bytes: int = DEFAULT_SHARD_B
     if dst.exists() and any(dst.iterdir()):
         raise CheckpointError(f"{dst} exists and is not empty")
     cfg = load_config(src)
+    if not isinstance(cfg.expert_format, torch.dtype):  # FTW holds dense banks only
+        raise CheckpointError(f"{src} stores its experts quantized ({cfg.expert_format.name}); "
+                              "FTW holds dense banks only: serve the safetensors checkpoint")
     dtype = dtype or cfg.torch_dtype
     tensors = load_checkpoint(src, cfg, dtype=dtype, progress=progress)
     dst.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,9 @@ Contract of `load_checkpoint`:
   I..2I-1 up) and `...down_proj` [E, H, I]; qwen3_next linear attention converted to the qwen3_5
   layout (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`). Every tensor has `dtype` and
   lives on `device`. Tied embeddings add no `lm_head.weight`.
+* FP8 block-scaled checkpoints (`quantization_config` fp8, checkpoint/fp8.py): the routed
+  experts come back as `kernels.quant.QuantBank`s under the bank names (FP8 on the host); every
+  other FP8 weight is dequantized with its `weight_scale_inv` into `dtype`.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from safetensors import safe_open
 from torch import Tensor
 from tqdm import tqdm
 
+from freetoken.checkpoint import fp8
 from freetoken.checkpoint.layout import (
     Shape,
     expected_tensors,
@@ -37,7 +41,7 @@ from freetoken.checkpoint.layout import (
 )
 from freetoken.checkpoint.split_fused import split_ba, split_qkvz
 from freetoken.log import get_logger, kv
-from freetoken.types.model_config import ModelConfig
+from freetoken.types.model_config import ExpertFormat, ModelConfig
 
 log = get_logger("checkpoint")
 
@@ -214,9 +218,15 @@ def load_checkpoint(
     dev = torch.device(device)
     t0 = time.perf_counter()
     fp32 = fp32_tensors(cfg)  # kept in float32 whatever `dtype` is (deepseek's router)
-    # the float32 ones take the converting path below, never an in-place read in `dtype`
-    plan = InPlace(cfg, {n: found[n].file for n in expected if n not in fp32}, dict(expected),
-                   dtype)
+    fmt = cfg.expert_format
+    block = fmt.block if isinstance(fmt, ExpertFormat) and fmt.name == "fp8" else 0
+    try:
+        q8 = fp8.quantized_weights(found, expected, block) if block else {}
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    # the float32 and FP8 ones take the converting path below, never an in-place read
+    plan = InPlace(cfg, {n: found[n].file for n in expected if n not in fp32 and n not in q8},
+                   dict(expected), dtype)
     nbytes = sum(r.dest.numel() for r in plan.reads)
     with tqdm(total=nbytes, desc="reading weights", unit="B", unit_scale=True,
               disable=not progress or not nbytes, leave=False) as bar:
@@ -226,11 +236,27 @@ def load_checkpoint(
         bar = stack.enter_context(tqdm(total=len(expected) - len(plan.consumed),
                                        desc="converting weights", unit="t", leave=False,
                                        disable=not progress or len(plan.consumed) == len(expected)))
-        rd = _Reader(stack, {n: found[n] for n in expected}, dtype, dev, bar)
+        rd = _Reader(stack, {n: found[n] for n in {*expected, *q8.values()}}, dtype, dev, bar)
         rd.done |= plan.consumed
         for i in cfg.moe_layers:
-            if expert_bank_names(cfg, i, prefix="model.")[0] not in out:
+            names = expert_bank_names(cfg, i, prefix="model.")
+            if names[0] in out:
+                continue
+            if block and expert_bank_names(cfg, i)[0] in rd.found:
+                raise CheckpointError(f"layer {i}: FP8 experts stored as fused banks are not "
+                                      "supported (per-expert tensors with weight_scale_inv are)")
+            if q8:  # FP8, per expert
+                try:
+                    banks = fp8.load_fp8_experts(cfg, i, rd.raw, block)
+                except ValueError as e:
+                    raise CheckpointError(str(e)) from None
+                out[names[0]], out[names[1]] = (b.to(dev) for b in banks)
+            else:
                 _load_experts(cfg, i, rd, out)
+        for name, s in q8.items():  # every other FP8 weight: dequantized into `dtype`
+            if name not in rd.done:
+                out[runtime_name(cfg, name)] = fp8.dequantize_weight(
+                    rd.raw(name), rd.raw(s), block, dtype).to(dev)
         if cfg.linear_fused_qkvz:
             for i in cfg.linear_attention_layers:
                 _load_fused_linear_attn(cfg, f"{cfg.weight_prefix}layers.{i}.linear_attn.", rd, out)

@@ -78,7 +78,9 @@ def default_backend(cfg, dtype: torch.dtype, device: str, kv_reserve_tokens: int
     from freetoken.log import get_logger, kv
 
     el = torch.empty((), dtype=dtype).element_size()
-    experts = cfg.expert_bytes(dtype) * cfg.num_experts * len(cfg.moe_layers)
+    fmt = cfg.expert_format  # a quantized checkpoint's experts keep their format
+    experts = (cfg.expert_bytes(dtype if isinstance(fmt, torch.dtype) else fmt)
+               * cfg.num_experts * len(cfg.moe_layers))
     dense = (2 * cfg.vocab_size * cfg.hidden_size + 40 * cfg.hidden_size**2 * cfg.num_layers) * el
     need = experts + dense + KVPool.bytes_per_token(cfg, dtype) * kv_reserve_tokens
     free = torch.cuda.mem_get_info(torch.device(device))[0]

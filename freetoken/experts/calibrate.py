@@ -34,6 +34,7 @@ from freetoken.experts.profile import (
 )
 from freetoken.experts.random_fill import make_pool
 from freetoken.log import get_logger, kv
+from freetoken.types.model_config import ExpertFormat
 from kernels.cpu.ext import load_kernel
 
 log = get_logger("experts")
@@ -76,7 +77,7 @@ def time_experts(fn: ExpertFn, gate_up: Tensor, down: Tensor, routes: list[Tenso
                  warmup: int = 3) -> tuple[float, float]:
     """Run fn(x, ids, gate_up, down) per route; returns (GB/s of unique expert bytes read,
     median seconds per step). Warm-up steps use the route list's tail and are not timed."""
-    s_bytes = 3 * gate_up.shape[1] // 2 * gate_up.shape[2] * gate_up.element_size()
+    s_bytes = gate_up[0].nbytes + down[0].nbytes  # one expert, scales included
     x = torch.randn(routes[0].shape[0], gate_up.shape[2])  # [T, H]
     for ids in routes[-warmup:]:
         fn(x, ids, gate_up, down)
@@ -220,7 +221,7 @@ def measure_profile(name: str, shape: ExpertShape, dtype: torch.dtype, seconds: 
     )
 
 
-def find_profile(host: MoEHost, dtype: torch.dtype) -> BandwidthProfile | None:
+def find_profile(host: MoEHost, dtype: torch.dtype | ExpertFormat) -> BandwidthProfile | None:
     return load_profile(profile_key(shape_for(host.cfg)[0], dtype))
 
 

@@ -4,7 +4,10 @@ CUDA, the C++ kernel for a CPU decode row, and the Triton fused MoE. Every path 
 (token, k) UNWEIGHTED outputs and equals `kernels.reference.expert_ffn_reference`.
 
 Shapes: T tokens, H hidden, E experts, K top-k, I expert intermediate, U unique experts hit,
-N = T*K entries.
+N = T*K entries. A bank may be a `kernels.quant.QuantBank` (FP8, MXFP4): the C++ CPU kernel
+reads it as it is; the torch paths dequantize the rows they use (`as_weight`); on CUDA the
+Triton decode and grouped paths dequantize in the kernel (kernels/triton/moe_quant.py,
+moe_quant_grouped.py).
 """
 from __future__ import annotations
 
@@ -13,14 +16,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import dispatch
+from kernels.quant import QuantBank, as_weight
 
 
 def expert_group_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
                          ) -> torch.Tensor:
     """One expert on the tokens routed to it. x [n, H]; gate_up [2I, H]; down [H, I] -> [n, H]."""
-    gu = F.linear(x, gate_up)  # [n, 2I]
+    gu = F.linear(x, as_weight(gate_up, x.dtype))  # [n, 2I]
     i = gu.shape[-1] // 2
-    return F.linear(F.silu(gu[:, :i]) * gu[:, i:], down)  # [n, H]
+    return F.linear(F.silu(gu[:, :i]) * gu[:, i:], as_weight(down, x.dtype))  # [n, H]
 
 
 # On CUDA, batches of at most this many (token, k) entries take the gathered path: a fixed
@@ -37,10 +41,10 @@ def gathered_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Ten
     keep = topk_ids >= 0 if mask is None else mask & (topk_ids >= 0)  # [T, K]
     flat = topk_ids.clamp(min=0).reshape(-1)  # [N]
     xs = x.repeat_interleave(K, dim=0)[:, :, None]  # [N, H, 1]
-    gu = torch.bmm(gate_up[flat], xs)[..., 0]  # [N, 2I]
+    gu = torch.bmm(as_weight(gate_up[flat], x.dtype), xs)[..., 0]  # [N, 2I]
     i = gu.shape[-1] // 2
     a = (F.silu(gu[:, :i]) * gu[:, i:])[:, :, None]  # [N, I, 1]
-    o = torch.bmm(down[flat], a)[..., 0].view(T, K, -1)  # [T, K, H]
+    o = torch.bmm(as_weight(down[flat], x.dtype), a)[..., 0].view(T, K, -1)  # [T, K, H]
     y.copy_(torch.where(keep[..., None], o.to(y.dtype), y))
     return y
 
@@ -95,7 +99,16 @@ def run_experts(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down:
     [T, H]; otherwise the second value is None and the caller runs it."""
     T, K = ids.shape
     H = x.shape[-1]
-    mod = dispatch.triton_for(x, "fused_moe")
+    if isinstance(gate_up, QuantBank):
+        qmod = dispatch.triton_for(x, "moe_quant")
+        if qmod is not None and ids.numel() <= qmod.DECODE_MAX_ENTRIES:
+            y = torch.empty(T, K, H, dtype=x.dtype, device=x.device)  # [T, K, H]
+            return qmod.fused_moe_quant_decode(x, ids, gate_up, down, y, zero_missing=True), None
+        gmod = dispatch.triton_for(x, "moe_quant_grouped")
+        if gmod is not None:
+            y = torch.zeros(T, K, H, dtype=x.dtype, device=x.device)  # ids < 0 stay zero
+            return gmod.fused_moe_quant_grouped(x, ids, gate_up, down, y), None
+    mod = None if isinstance(gate_up, QuantBank) else dispatch.triton_for(x, "fused_moe")
     if mod is None:
         y = torch.zeros(T, K, H, dtype=x.dtype, device=x.device)  # [T, K, H]
         if fused_moe(x, ids, gate_up, down, y) is None:
@@ -112,8 +125,8 @@ def run_experts(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down:
 
 def fused_moe(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor) -> Tensor | None:
     """The Triton fused MoE (unweighted [T, K, H] into y, ids < 0 left untouched) on CUDA, or
-    None when it is unavailable (the caller keeps its torch path)."""
-    mod = dispatch.triton_for(x, "fused_moe")
+    None when it is unavailable or the bank is quantized (the caller keeps its torch path)."""
+    mod = None if isinstance(gate_up, QuantBank) else dispatch.triton_for(x, "fused_moe")
     if mod is None:
         return None
     return mod.fused_moe(x, ids, gate_up, down, y)

@@ -7,11 +7,14 @@ from torch import Tensor, nn
 from freetoken.experts.base import ExpertBackend, SharedWeights
 from freetoken.experts.ffn import run_experts
 from freetoken.types.forward_batch import MoEStep
+from kernels.quant import QuantBank
 
 
 class FusedExperts(ExpertBackend):
     """All routed experts of one layer on the compute device: gate_up_proj [E, 2I, H] rows
-    [gate | up], down_proj [E, H, I] (the checkpoint's parameter names)."""
+    [gate | up], down_proj [E, H, I] (the checkpoint's parameter names) — parameters, or
+    quantized `QuantBank`s held as plain attributes (`hold_banks`: they move with the module's
+    device and keep their format whatever dtype the module is cast to)."""
 
     name = "fused"
 
@@ -21,12 +24,29 @@ class FusedExperts(ExpertBackend):
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden, inter))
 
     @classmethod
-    def from_banks(cls, gate_up: Tensor, down: Tensor) -> FusedExperts:
+    def from_banks(cls, gate_up: Tensor | QuantBank, down: Tensor | QuantBank) -> FusedExperts:
         """A layer over given banks (held, not copied)."""
         fe = cls(1, 1, 1)
+        if isinstance(gate_up, QuantBank):
+            fe.hold_banks(gate_up, down)
+            return fe
         fe.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
         fe.down_proj = nn.Parameter(down, requires_grad=False)
         return fe
+
+    def hold_banks(self, gate_up: QuantBank, down: QuantBank) -> None:
+        """Hold quantized banks in place of the two parameters."""
+        for name in ("gate_up_proj", "down_proj"):
+            self._parameters.pop(name, None)
+        self.gate_up_proj, self.down_proj = gate_up, down
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        if isinstance(self.gate_up_proj, QuantBank):
+            dev = fn(torch.empty(0)).device  # a device move applies; a dtype cast does not
+            self.gate_up_proj, self.down_proj = (self.gate_up_proj.to(dev),
+                                                 self.down_proj.to(dev))
+        return self
 
     def forward(self, x: Tensor, topk_ids: Tensor, step: MoEStep | None = None,
                 shared: SharedWeights = None) -> tuple[Tensor, Tensor | None]:

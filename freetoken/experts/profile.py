@@ -16,7 +16,7 @@ import torch
 
 from freetoken.experts.cost_model import BandwidthProfile
 from freetoken.log import get_logger, kv
-from freetoken.types.model_config import expert_nbytes
+from freetoken.types.model_config import ExpertFormat, expert_nbytes
 from kernels.cpu.ext import cache_root, cpu_model
 
 log = get_logger("experts")
@@ -30,7 +30,7 @@ class ExpertShape:
     top_k: int
     layers: int
 
-    def expert_bytes(self, dtype: torch.dtype) -> int:
+    def expert_bytes(self, dtype: torch.dtype | ExpertFormat) -> int:
         return expert_nbytes(self.hidden, self.inter, dtype)
 
 
@@ -57,9 +57,12 @@ def shape_for(cfg) -> tuple[str, ExpertShape]:
                         experts=cfg.num_experts, top_k=cfg.top_k, layers=len(cfg.moe_layers)))
 
 
-def profile_key(shape_name: str, dtype: torch.dtype) -> dict[str, str]:
+def profile_key(shape_name: str, dtype: torch.dtype | ExpertFormat) -> dict[str, str]:
+    """A profile's key; a quantized expert format keys as e.g. "fp8-b128" (its expert bytes
+    differ, and so do the CPU kernel's rates)."""
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    return {"gpu": gpu, "cpu": cpu_model(), "shape": shape_name, "dtype": str(dtype)}
+    name = f"{dtype.name}-b{dtype.block}" if isinstance(dtype, ExpertFormat) else str(dtype)
+    return {"gpu": gpu, "cpu": cpu_model(), "shape": shape_name, "dtype": name}
 
 
 def profile_path(key: dict[str, str]) -> Path:

@@ -12,6 +12,8 @@ import torch
 from torch import Tensor
 
 from freetoken.experts.profile import ExpertShape
+from freetoken.types.model_config import ExpertFormat
+from kernels.quant import QuantBank
 
 _BLOCK = 1 << 24  # 16 M elements
 
@@ -30,11 +32,25 @@ def random_fill_(t: torch.Tensor, std: float, seed: int = 0) -> torch.Tensor:
     return t
 
 
-def make_pool(shape: ExpertShape, dtype: torch.dtype, pool_bytes: float,
-              pin: bool = False) -> tuple[Tensor, Tensor]:
-    """Random expert banks holding about `pool_bytes`: gate_up [P, 2I, H], down [P, H, I]."""
+def make_pool(shape: ExpertShape, dtype: torch.dtype | ExpertFormat, pool_bytes: float,
+              pin: bool = False) -> tuple[Tensor | QuantBank, Tensor | QuantBank]:
+    """Random expert banks holding about `pool_bytes`: gate_up [P, 2I, H], down [P, H, I];
+    QuantBanks for a quantized format (a few random experts quantized, repeated)."""
     p = max(1, int(pool_bytes // shape.expert_bytes(dtype)))
     h, i = shape.hidden, shape.inter
+    if isinstance(dtype, ExpertFormat):
+        from kernels.quant import quantize_bank
+
+        g = torch.Generator().manual_seed(1)
+        n = min(p, 4)
+        banks = []
+        for rows, cols, halves in ((2 * i, h, 2), (h, i, 1)):
+            seed = quantize_bank(torch.randn(n, rows, cols, generator=g) * cols**-0.5,
+                                 dtype.name, dtype.block, halves)
+            idx = torch.arange(p) % n  # [P] which seed expert each pool expert copies
+            bank = seed.index_select(0, idx)
+            banks.append(bank.pin_memory() if pin else bank)
+        return banks[0], banks[1]
     # random data, never zeros (zeros can run faster); filled first, pinned afterwards
     gate_up = random_fill_(torch.empty(p, 2 * i, h, dtype=dtype), h**-0.5, 1)  # [P, 2I, H]
     down = random_fill_(torch.empty(p, h, i, dtype=dtype), i**-0.5, 2)  # [P, H, I]

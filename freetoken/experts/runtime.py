@@ -56,6 +56,7 @@ from freetoken.log import get_logger, kv
 from freetoken.types.api import AdmissionError
 from freetoken.types.config import MoEConfig
 from freetoken.types.forward_batch import EAGER, MoEStep
+from kernels.quant import QuantBank
 
 log = get_logger("experts")
 
@@ -99,9 +100,9 @@ class MoERuntime:
             return rt
         blocks = host.moe_blocks()
         if store is None:
-            store = ExpertStore([b.experts.gate_up_proj.data for b in blocks],
-                                [b.experts.down_proj.data for b in blocks],
-                                pin=device.type == "cuda")
+            store = ExpertStore([_bank(b.experts.gate_up_proj) for b in blocks],
+                                [_bank(b.experts.down_proj) for b in blocks],
+                                pin=device.type == "cuda", compute_dtype=_dense_dtype(host))
         pool = store.num_layers * store.num_experts
         # the rest of the model moves to the device after this: keep room for it too
         others = sum(p.numel() * p.element_size() for n, p in host.named_parameters()
@@ -111,12 +112,15 @@ class MoERuntime:
                     kv_reserve_mb=kv_reserve_bytes // 2**20, other_weights_mb=others // 2**20))
         cache = SlotCache(store.num_layers, store.num_experts, store.hidden, store.intermediate,
                           slots, dtype=store.dtype, device=device,
-                          impl="triton" if device.type == "cuda" else "reference")
+                          impl="triton" if device.type == "cuda" else "reference", fmt=store.fmt)
         backend = config.backend
         cpu_threads = config.cpu_threads or default_cpu_threads(device)
         if profile is None and backend in ("auto", "hybrid"):
-            profile = find_profile(host, store.dtype)
-            if profile is None and device.type == "cuda" and config.measure_bw:
+            # a quantized store without its own profile prices its bytes at the dense one's
+            profile = find_profile(host, store.format) or (
+                find_profile(host, store.dtype) if store.fmt is not None else None)
+            if (profile is None and device.type == "cuda" and config.measure_bw
+                    and store.fmt is None):  # `ft bench bw` measures dense pools only
                 profile = measure_profile_now(host, store.dtype, cpu_threads)
         q_rule = q_rule_for(profile, config.hybrid_max_fetch)
         guard = None
@@ -304,4 +308,15 @@ class MoERuntime:
         if self.reprofiler is not None:
             out["bandwidth"] = self.reprofiler.stats()
         return out
+
+
+def _bank(p: Tensor | QuantBank) -> Tensor | QuantBank:
+    """A block's bank as the store takes it (a parameter's data, a quantized bank as is)."""
+    return p if isinstance(p, QuantBank) else p.data
+
+
+def _dense_dtype(host: MoEHost) -> torch.dtype:
+    """The model's activation dtype (its first non-expert parameter's)."""
+    return next((p.dtype for n, p in host.named_parameters() if ".experts." not in n),
+                torch.float32)
 

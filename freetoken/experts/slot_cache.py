@@ -14,7 +14,8 @@ from torch import Tensor
 
 from freetoken.experts.residency import Decision, ResidencyTable
 from freetoken.log import get_logger, kv
-from freetoken.types.model_config import expert_nbytes
+from freetoken.types.model_config import ExpertFormat, expert_nbytes
+from kernels.quant import QuantBank, empty_bank
 
 log = get_logger("experts")
 
@@ -34,7 +35,9 @@ class ExpertBanks(Protocol):
 class SlotCache:
     """`S` expert slots on `device` shared by all layers, with a global LRU residency table.
 
-    S slots, I expert intermediate, H hidden. `gate_up_slots [S, 2I, H]`, `down_slots [S, H, I]`.
+    S slots, I expert intermediate, H hidden. `gate_up_slots [S, 2I, H]`, `down_slots [S, H, I]`:
+    dense tensors of `dtype`, or with a quantized `fmt` QuantBanks in that format (the slots
+    hold the store's bytes as they are; `dtype` is then the activations' dtype).
     """
 
     def __init__(
@@ -47,9 +50,11 @@ class SlotCache:
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
         impl: str = "reference",
+        fmt: ExpertFormat | None = None,
     ) -> None:
         self.table = ResidencyTable(num_layers, num_experts, num_slots, device)
         self.hidden, self.intermediate, self.dtype = hidden, intermediate, dtype
+        self.fmt = fmt if fmt is not None and fmt.quantized else None
         self.impl = impl
         self.generation = 0  # bumped whenever the slot buffers are reallocated (resize)
         self.gate_up_slots = self._alloc_gate_up(num_slots)  # [S, 2I, H]
@@ -65,15 +70,18 @@ class SlotCache:
 
     def slot_bytes(self) -> int:
         """Bytes of one slot (gate_up + down of one expert)."""
-        return expert_nbytes(self.hidden, self.intermediate, self.dtype)
+        return expert_nbytes(self.hidden, self.intermediate, self.fmt or self.dtype)
 
-    def _alloc_gate_up(self, n: int) -> Tensor:
-        shape = (n, 2 * self.intermediate, self.hidden)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+    def _alloc(self, n: int, rows: int, cols: int, halves: int) -> Tensor | QuantBank:
+        if self.fmt is not None:
+            return empty_bank(self.fmt.name, n, rows, cols, halves, self.fmt.block, self.device)
+        return torch.zeros((n, rows, cols), dtype=self.dtype, device=self.device)
 
-    def _alloc_down(self, n: int) -> Tensor:
-        shape = (n, self.hidden, self.intermediate)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+    def _alloc_gate_up(self, n: int) -> Tensor | QuantBank:
+        return self._alloc(n, 2 * self.intermediate, self.hidden, 2)
+
+    def _alloc_down(self, n: int) -> Tensor | QuantBank:
+        return self._alloc(n, self.hidden, self.intermediate, 1)
 
     def decide(self, layer: int, topk_ids: Tensor, num_fetch: int | Tensor = -1,
                accumulate: Tensor | None = None) -> Decision:
@@ -106,8 +114,11 @@ class SlotCache:
         return len(experts)
 
     def can_fill_on_device(self, store: ExpertBanks) -> bool:
-        """Whether `fill_device` applies: a CUDA cache over a pinned host store, with triton."""
-        if self.device.type != "cuda" or not getattr(store, "pinned", False):
+        """Whether `fill_device` applies: a CUDA cache of dense slots over a pinned host store,
+        with triton (quantized slots fill through `fill`: the UVA kernel copies one tensor per
+        bank, not a bank's weights and scales)."""
+        if (self.device.type != "cuda" or not getattr(store, "pinned", False)
+                or isinstance(self.gate_up_slots, QuantBank)):
             return False
         try:
             import kernels.triton.uva_fill  # noqa: F401

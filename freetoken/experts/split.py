@@ -28,6 +28,7 @@ from freetoken.experts.ffn import dispatch_experts, run_experts
 from freetoken.experts.slot_cache import SlotCache
 from freetoken.experts.store import ExpertStore
 from freetoken.types.forward_batch import MoEStep
+from kernels.quant import QuantBank
 
 # one long-lived worker for the CPU branch (a thread per layer and step costs ~0.1 ms)
 _CPU_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
@@ -38,9 +39,9 @@ def cpu_branch(x: Tensor, ids: Tensor, mask: Tensor, store: ExpertStore, layer: 
     """y [T, K, H] (model dtype) for the masked entries, computed on the CPU from the store."""
     xc, ic, mc = x.cpu(), ids.cpu(), mask.cpu()
     gu, dn = store.gate_up(layer), store.down(layer)
-    if gu.dtype == torch.float32:
-        # fp32: the same function as `fused` on the CPU (grouped F.linear, or the C++ kernel for
-        # a single decode row), so results are bit-identical
+    if gu.dtype == torch.float32 or isinstance(gu, QuantBank):
+        # fp32 and quantized banks: the same function as `fused` on the CPU (grouped F.linear,
+        # or the C++ kernel for a single decode row), so results are bit-identical
         y = torch.zeros(*ic.shape, xc.shape[-1], dtype=xc.dtype)
         return dispatch_experts(xc, ic, gu, dn, y, mask=mc, num_threads=num_threads)
     from kernels.cpu.expert_ops import cpu_experts

@@ -44,6 +44,7 @@ from freetoken.experts.ffn import dispatch_experts, fused_moe
 from freetoken.experts.slot_cache import SlotCache
 from freetoken.experts.store import ExpertStore
 from freetoken.log import get_logger, kv
+from kernels.quant import QuantBank
 
 log = get_logger("experts")
 
@@ -314,7 +315,7 @@ class LayerStreamer:
                            self._free[m][(pu - n_down).clamp(0, E - 1)])  # [E] for `up`
         c = self.cache
         src_rows, dst_rows = torch.where(up, buf, -1), torch.where(up, dest, -1)
-        if self._cuda:
+        if self._cuda and not isinstance(c.gate_up_slots, QuantBank):  # one tensor per bank
             from kernels.triton.uva_fill import fill_pair
 
             fill_pair(c.gate_up_slots, c.gate_up_slots, c.down_slots, c.down_slots, src_rows,

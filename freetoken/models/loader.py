@@ -11,6 +11,7 @@ from freetoken.log import get_logger, kv
 from freetoken.models.qwen import QwenMoE
 from freetoken.types.config import MoEConfig
 from freetoken.types.model_config import ModelConfig, load_config
+from kernels.quant import QuantBank
 
 log = get_logger("model")
 
@@ -21,10 +22,18 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: torc
 
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
-    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    # quantized expert banks (an FP8 checkpoint's) are no parameters: their blocks hold them
+    quant = {n: t for n, t in tensors.items() if isinstance(t, QuantBank)}
+    dense = {n: t for n, t in tensors.items() if n not in quant}
+    missing, unexpected = model.load_state_dict(dense, strict=False, assign=True)
+    missing = [n for n in missing if n not in quant]
     if missing or unexpected:
         raise ValueError(f"weights do not match the model: missing={missing[:5]} "
                          f"unexpected={unexpected[:5]}")
+    for name, bank in quant.items():
+        if name.endswith(".gate_up_proj"):
+            owner = name[:-len(".gate_up_proj")]
+            model.get_submodule(owner).hold_banks(bank, quant[owner + ".down_proj"])
     return model.to(device=device, dtype=dtype).eval()
 
 

@@ -134,10 +134,18 @@ class ModelConfig:
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
-    def expert_bytes(self, dtype: torch.dtype | None = None) -> int:
-        """Bytes of one routed expert (gate + up + down)."""
+    def expert_bytes(self, dtype: torch.dtype | ExpertFormat | None = None) -> int:
+        """Bytes of one routed expert (gate + up + down) in `dtype` (default: the checkpoint's
+        expert format, `expert_format`)."""
         return expert_nbytes(self.hidden_size, self.moe_intermediate_size,
-                             dtype or self.torch_dtype)
+                             dtype or self.expert_format)
+
+    @property
+    def expert_format(self) -> ExpertFormat | torch.dtype:
+        """The routed experts' storage: the checkpoint's quantization (`extra["expert_format"]`,
+        set by the config parser from `quantization_config`), else the model dtype."""
+        fmt = self.extra.get("expert_format")
+        return fmt if isinstance(fmt, ExpertFormat) else self.torch_dtype
 
 
 def _get(d: dict, *names: str, default: Any = None) -> Any:
@@ -170,6 +178,36 @@ def weight_dtype(raw: dict) -> str:
     return dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16"
 
 
-def expert_nbytes(hidden: int, inter: int, dtype: torch.dtype) -> int:
-    """Bytes of one routed expert (gate + up + down) — the one place this is computed."""
-    return 3 * hidden * inter * torch.empty((), dtype=dtype).element_size()
+@dataclass(frozen=True)
+class ExpertFormat:
+    """How a routed expert's weights are stored, from the host store to the GPU slots:
+    "bf16" / "float32" (dense, the model dtype), "fp8" (e4m3 with one float32 scale per
+    `block` x `block` tile, Qwen3.6-FP8 / DeepSeek's `weight_scale_inv`) or "mxfp4" (e2m1 codes
+    two a byte, one e8m0 scale per 32 values, gpt-oss's `_blocks` / `_scales`). The banks
+    themselves are `kernels.quant.QuantBank`s for the quantized formats."""
+
+    name: str = "bfloat16"
+    block: int = 128
+
+    @property
+    def quantized(self) -> bool:
+        return self.name in ("fp8", "mxfp4")
+
+    def bank_nbytes(self, rows: int, cols: int, halves: int = 1) -> int:
+        """Bytes of one expert's [rows, cols] matrix with its scales (a gate_up matrix has
+        halves = 2: gate and up keep their own fp8 block grids)."""
+        if self.name == "fp8":
+            half = rows // halves
+            grid = halves * -(-half // self.block) * -(-cols // self.block)
+            return rows * cols + 4 * grid
+        if self.name == "mxfp4":
+            return rows * cols // 2 + rows * cols // 32
+        return rows * cols * torch.empty((), dtype=getattr(torch, self.name)).element_size()
+
+
+def expert_nbytes(hidden: int, inter: int, dtype: torch.dtype | ExpertFormat) -> int:
+    """Bytes of one routed expert (gate + up + down, scales included) — the one place this is
+    computed. `dtype`: the dense dtype, or the bank format."""
+    if isinstance(dtype, torch.dtype):
+        return 3 * hidden * inter * torch.empty((), dtype=dtype).element_size()
+    return dtype.bank_nbytes(2 * inter, hidden, 2) + dtype.bank_nbytes(hidden, inter)

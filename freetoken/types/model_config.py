@@ -13,6 +13,7 @@ from pathlib import Path
 
 from freetoken.types.config_record import (
     ConfigError,
+    ExpertFormat,
     ModelConfig,
     _get,
     eos_ids_of,
@@ -21,14 +22,36 @@ from freetoken.types.config_record import (
     weight_dtype,
 )
 
-__all__ = ["ConfigError", "ModelConfig", "config_from_dict", "expert_nbytes", "load_config"]
+__all__ = ["ConfigError", "ExpertFormat", "ModelConfig", "config_from_dict", "expert_nbytes",
+           "load_config"]
 
 FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3", "kimi_linear")
 _TEXT_TYPES = {"qwen3_5_moe_text": "qwen3_5_moe"}
 
 
+def expert_format_of(quant: dict | None) -> ExpertFormat | None:
+    """The routed experts' format from a checkpoint's `quantization_config`: FP8 e4m3 with
+    square `weight_block_size` blocks (Qwen3.6-FP8, DeepSeek-V3) gives ExpertFormat("fp8", B);
+    none gives None (the model dtype). Other quantizations are refused by name."""
+    if not quant:
+        return None
+    method = str(quant.get("quant_method", ""))
+    if method != "fp8":
+        raise ConfigError(f"quantization_config.quant_method={method!r} is not supported "
+                          "(supported: fp8 with weight_block_size)")
+    if str(quant.get("fmt", "e4m3")) != "e4m3":
+        raise ConfigError(f"fp8 fmt={quant.get('fmt')!r} is not supported (supported: e4m3)")
+    block = quant.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and block[0] == block[1]
+            and int(block[0]) > 0):
+        raise ConfigError(f"fp8 weight_block_size={block!r}: square blocks [B, B] only")
+    return ExpertFormat("fp8", int(block[0]))
+
+
 def config_from_dict(raw: dict) -> ModelConfig:
     raw = dict(raw)
+    expert_format = expert_format_of(raw.get("quantization_config") or (
+        raw.get("text_config") or {}).get("quantization_config"))
     prefix = "model."
     model_type = raw.get("model_type", "")
     if "text_config" in raw and isinstance(raw["text_config"], dict):
@@ -82,6 +105,8 @@ def config_from_dict(raw: dict) -> ModelConfig:
              default=0.25 if hybrid else 1.0))
     )
     n_experts = int(_get(raw, "num_experts", "num_local_experts", default=0))
+    if expert_format is not None:
+        raw["expert_format"] = expert_format  # ModelConfig.expert_format reads it
     return ModelConfig(
         model_type=model_type,
         vocab_size=vocab,

@@ -67,6 +67,15 @@ SHAPES: dict[str, dict] = {
 }
 
 
+# Qwen3.6-35B-A3B-FP8: the same shape as released in FP8 (e4m3, 128x128 blocks with
+# `weight_scale_inv`): 32.2 GB of routed experts instead of 64.4 (issue 25); and the tiny
+# shape in FP8, for tests of the same tooling on a CPU.
+_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128]}
+SHAPES["qwen3.6-35b-a3b-fp8"] = dict(SHAPES["qwen3.6-35b-a3b"], quantization_config=_FP8)
+SHAPES["tiny-qwen3.5-moe-fp8"] = dict(SHAPES["tiny-qwen3.5-moe"], quantization_config=_FP8)
+
+
 def preset_config(name: str, layers: int | None = None) -> ModelConfig:
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")

@@ -16,6 +16,10 @@ Two implementations compute the same function, tested against the one expert ora
   cpu_experts_torch  grouped F.linear in the weights' dtype (torch's own bf16 path).
   cpu_experts        the C++ kernel (kernels/cpu/expert_kernel.cpp) when it builds and the
                      dtypes are supported, else cpu_experts_torch.
+
+Quantized banks (`kernels.quant.QuantBank`: FP8 block-scaled, MXFP4) go to the C++ kernel
+kernels/cpu/expert_quant.cpp, which reads them as stored and converts in registers (H and I
+multiples of 32, fp8 blocks too); cpu_experts_torch dequantizes each routed expert instead.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.logs import get_logger
+from kernels.quant import QuantBank, as_weight
 
 log = get_logger("experts")
 
@@ -87,14 +92,14 @@ def cpu_experts_torch(
     t, k, e_count, h, i = _check_shapes(x, topk_ids, gate_up, down, compute_mask)
     out = _prepare_out(out, t, k, h)
     out_flat = out.view(t * k, h)  # [T*K, H]
-    wdt = gate_up.dtype
+    wdt = torch.float32 if isinstance(gate_up, QuantBank) else gate_up.dtype
     for e, entries in _groups(topk_ids, compute_mask):
         if not 0 <= e < e_count:
             raise IndexError(f"expert id {e} out of range [0, {e_count})")
         xs = x[entries // k].to(wdt)  # [n, H]
-        gu = F.linear(xs, gate_up[e]).float()  # [n, 2I]
+        gu = F.linear(xs, as_weight(gate_up[e], wdt)).float()  # [n, 2I]
         a = F.silu(gu[:, :i]) * gu[:, i:]  # [n, I]
-        out_flat[entries] = F.linear(a.to(down.dtype), down[e]).float()  # [n, H]
+        out_flat[entries] = F.linear(a.to(wdt), as_weight(down[e], wdt)).float()  # [n, H]
     return out
 
 
@@ -119,6 +124,14 @@ def cpu_experts(
 
     t, k, _, h, _ = _check_shapes(x, topk_ids, gate_up, down, compute_mask)
     kern = load_kernel()
+    if isinstance(gate_up, QuantBank):
+        # (a build older than expert_quant.cpp lacks the symbol: the torch path then)
+        if (kern is None or not _quant_usable(gate_up, down)
+                or not hasattr(kern.lib, "ft_cpu_experts_q")):
+            return cpu_experts_torch(x, topk_ids, gate_up, down, compute_mask, out)
+        out = _prepare_out(out, t, k, h)
+        run_quant(kern, x, topk_ids, gate_up, down, compute_mask, out, num_threads)
+        return out
     usable = (
         kern is not None
         and gate_up.dtype in _KERNEL_WEIGHT_DTYPES
@@ -131,3 +144,41 @@ def cpu_experts(
     out = _prepare_out(out, t, k, h)
     kern.run(x, topk_ids, gate_up, down, compute_mask, out, num_threads)
     return out
+
+
+def _quant_usable(gate_up: QuantBank, down: QuantBank) -> bool:
+    """Whether expert_quant.cpp takes these banks: one format, on the CPU, H and I multiples of
+    32 (one scale step), fp8 blocks too."""
+    _, two_i, h = gate_up.shape
+    return (isinstance(down, QuantBank) and down.fmt == gate_up.fmt
+            and down.block == gate_up.block and gate_up.device.type == "cpu"
+            and (gate_up.halves, down.halves) == (2, 1)
+            and h % 32 == 0 and (two_i // 2) % 32 == 0 and gate_up.block % 32 == 0)
+
+
+def run_quant(kern, x: Tensor, topk_ids: Tensor, gate_up: QuantBank, down: QuantBank,
+              compute_mask: Tensor | None, out: Tensor, num_threads: int | None = None) -> None:
+    """Fill `out` [T, K, H] fp32 for masked-in entries from quantized banks through
+    `ft_cpu_experts_q` (shapes checked by the caller, `_quant_usable` true)."""
+    import ctypes
+
+    fn = kern.lib.ft_cpu_experts_q
+    if fn.argtypes is None:
+        p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        fn.restype = c_int
+        fn.argtypes = [p, i64, i64, p, i64, p, p, p, p, p, i64, i64, c_int, i64, p, c_int]
+    t, h = x.shape
+    e, two_i, _ = gate_up.shape
+    xs = x.detach().to(torch.float32).contiguous()  # [T, H]
+    ids = topk_ids.to(torch.int64).contiguous()  # [T, K]
+    mask = None if compute_mask is None else compute_mask.to(torch.uint8).contiguous()
+    gu, dn = gate_up.contiguous(), down.contiguous()
+    nth = num_threads if num_threads is not None else torch.get_num_threads()
+    rc = fn(xs.data_ptr(), t, h, ids.data_ptr(), topk_ids.shape[1],
+            None if mask is None else mask.data_ptr(), gu.data.data_ptr(), gu.scale.data_ptr(),
+            dn.data.data_ptr(), dn.scale.data_ptr(), e, two_i // 2,
+            0 if gate_up.fmt == "fp8" else 1, gate_up.block, out.data_ptr(), nth)
+    if rc == 1:
+        raise IndexError(f"expert id out of range [0, {e})")
+    if rc != 0:
+        raise RuntimeError(f"ft_cpu_experts_q failed rc={rc}")

@@ -1,5 +1,6 @@
 """Builds and loads the C++ CPU kernels (kernels/cpu/expert_kernel.cpp and expert_tiles.cpp:
-routed experts; decode_ops.cpp: decode-size linear layers and in-place decode attention;
+routed experts; expert_quant.cpp: routed experts over FP8 / MXFP4 banks; decode_ops.cpp:
+decode-size linear layers and in-place decode attention;
 bridge_kernel.cpp: the CPU branch of a captured decode step, bound in bridge_ops.py; simd.h,
 expert_call.h: what they share), once per process.
 
@@ -46,7 +47,7 @@ DECODE_TILE_TOKENS = {"avx512bf16": 3, "avx512": 3, "avx2": 2, "scalar": 2}
 PREFETCH_HINTS = ("t0", "t1", "t2", "nta")  # order = the kernel's hint codes
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "expert_kernel.cpp", _DIR / "expert_tiles.cpp", _DIR / "decode_ops.cpp",
-            _DIR / "bridge_kernel.cpp"]
+            _DIR / "bridge_kernel.cpp", _DIR / "expert_quant.cpp"]
 _HEADERS = [_DIR / "simd.h", _DIR / "expert_call.h"]
 
 

@@ -53,3 +53,29 @@ def test_ftw_checkpoint_is_written_directly(tmp_path: Path) -> None:
     ids = generate(model, [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0,
                                                     ignore_eos=True), []).token_ids
     assert len(ids) == 4
+
+
+def test_fp8_checkpoint_as_released_loads_with_fp8_experts(tmp_path: Path) -> None:
+    # issue 25: `ft bench checkpoint` for an FP8 shape writes e4m3 linears beside their
+    # weight_scale_inv (quantization_config at the top level, as Qwen3.6-FP8), which the real
+    # loader takes with its routed experts kept FP8
+    from kernels.quant import QuantBank
+
+    out = tmp_path / "fp8"
+    assert main(["bench", "checkpoint", "--shape", "tiny-qwen3.5-moe-fp8", "--layers", "2",
+                 "--shard-gb", "0.01", "--no-progress", str(out)]) == 0
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["quantization_config"]["weight_block_size"] == [128, 128]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    name = "model.language_model.layers.1.mlp.experts.3.up_proj.weight"
+    with safe_open(str(out / index["weight_map"][name]), framework="pt") as f:
+        assert f.get_tensor(name).dtype == torch.float8_e4m3fn
+        assert list(f.get_tensor(name + "_scale_inv").shape) == [1, 1]
+    gate = "model.language_model.layers.1.mlp.gate.weight"
+    with safe_open(str(out / index["weight_map"][gate]), framework="pt") as f:
+        assert f.get_tensor(gate).dtype == torch.bfloat16  # the router stays BF16
+    model = load_model(out, progress=False)
+    assert isinstance(model.moe_blocks()[0].experts.gate_up_proj, QuantBank)
+    ids = generate(model, [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0,
+                                                    ignore_eos=True), []).token_ids
+    assert len(ids) == 4

@@ -1,0 +1,133 @@
+"""The grouped (prefill) fused MoE path over quantized banks: moe_grouped.py's sorted-entry
+tl.dot GEMMs, each weight tile dequantized in the kernel (moe_quant.py's `_wtile`: FP8 e4m3
+block-scaled or MXFP4, fp32 values) and cast to x's dtype for the dot (bf16 tensor cores on the
+GPU; fp32 "ieee" dots for fp32, the test oracle's precision).
+
+    fused_moe_quant_grouped(x [T, H], ids [T, K], gate_up QuantBank [S, 2I, H],
+                            down QuantBank [S, H, I], y [T, K, H]) -> y
+
+Entries with ids < 0 are not written (the caller zeroes y first when it needs zeros). Each
+expert's codes are read once per row block of its entries, as in the dense grouped path.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels.quant import QuantBank
+from kernels.triton.moe_common import _block, interpreting
+from kernels.triton.moe_grouped import (
+    ALIGN_SMALL_MAX_N,
+    ALIGN_SMALL_MAX_S,
+    _tile_ids,
+    grouped_config,
+    moe_align,
+    moe_align_small,
+)
+from kernels.triton.moe_quant import _check, _operands, _wtile
+
+
+@triton.jit
+def _qg_gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, a_ptr, sorted_ptr, block_row_ptr, total_ptr,
+    N, P, H, I, TOPK, NB,
+    stride_xt, stride_we, stride_wr, stride_se, stride_sr, stride_an,
+    FMT: tl.constexpr, QB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(tl.program_id(0), P, I, BLOCK_M, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    row = tl.load(block_row_ptr + pid_m).to(tl.int64)
+    ent = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
+    ent_ok = ent < N
+    tok = ent // TOPK
+    i = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    i_ok = i < I
+    kk = tl.arange(0, BLOCK_K)
+    w = w_ptr + row * stride_we
+    s = s_ptr + row * stride_se
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + kk
+        xa = tl.load(x_ptr + tok[:, None] * stride_xt + k[None, :],
+                     mask=ent_ok[:, None] & (k < H)[None, :], other=0.0)  # [BM, BK]
+        if UPCAST:  # the interpreter's bf16 tl.dot is wrong (MODEL_FACTS §3)
+            xa = xa.to(tl.float32)
+        g = _wtile(w, s, i, i // QB, k, i_ok, H, stride_wr, stride_sr, FMT, QB)  # [BN, BK]
+        u = _wtile(w, s, I + i, NB + i // QB, k, i_ok, H, stride_wr, stride_sr, FMT, QB)
+        acc_g = tl.dot(xa, tl.trans(g).to(xa.dtype), acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(xa, tl.trans(u).to(xa.dtype), acc_u, input_precision=PRECISION)
+    act = acc_g * tl.sigmoid(acc_g) * acc_u  # [BM, BN]
+    tl.store(a_ptr + ent[:, None] * stride_an + i[None, :], act.to(a_ptr.dtype.element_ty),
+             mask=ent_ok[:, None] & i_ok[None, :])
+
+
+@triton.jit
+def _qg_down_kernel(
+    a_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, block_row_ptr, total_ptr,
+    N, P, H, I, TOPK,
+    stride_an, stride_we, stride_wr, stride_se, stride_sr, stride_yt, stride_yk, stride_yh,
+    FMT: tl.constexpr, QB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(tl.program_id(0), P, H, BLOCK_M, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    row = tl.load(block_row_ptr + pid_m).to(tl.int64)
+    ent = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
+    ent_ok = ent < N
+    h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    h_ok = h < H
+    kk = tl.arange(0, BLOCK_K)
+    w = w_ptr + row * stride_we
+    s = s_ptr + row * stride_se
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k = k0 + kk
+        av = tl.load(a_ptr + ent[:, None] * stride_an + k[None, :],
+                     mask=ent_ok[:, None] & (k < I)[None, :], other=0.0)  # [BM, BK]
+        if UPCAST:
+            av = av.to(tl.float32)
+        wt = _wtile(w, s, h, h // QB, k, h_ok, I, stride_wr, stride_sr, FMT, QB)  # [BN, BK]
+        acc = tl.dot(av, tl.trans(wt).to(av.dtype), acc, input_precision=PRECISION)
+    y_ptrs = (y_ptr + (ent // TOPK)[:, None] * stride_yt + (ent % TOPK)[:, None] * stride_yk
+              + h[None, :] * stride_yh)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ent_ok[:, None] & h_ok[None, :])
+
+
+def fused_moe_quant_grouped(x: Tensor, ids: Tensor, gate_up: QuantBank, down: QuantBank,
+                            y: Tensor, config: tuple[dict, dict] | None = None) -> Tensor:
+    """See the module docstring. `config` = (gate_up cfg, down cfg) as moe_grouped's."""
+    T, K, H, I, fmt, qb = _check(x, ids, gate_up, down, y)
+    N, S = T * K, gate_up.shape[0]
+    if N == 0:
+        return y
+    cu, cd = grouped_config(T) if config is None else config
+    upcast = interpreting() and x.dtype != torch.float32
+    prec = "ieee" if x.dtype == torch.float32 or upcast else None
+    bm = max(16, min(cu["BLOCK_M"], triton.next_power_of_2(N)))
+    small = N <= ALIGN_SMALL_MAX_N and S <= ALIGN_SMALL_MAX_S
+    sorted_entries, block_row, total = (moe_align_small if small else moe_align)(ids, S, bm)
+    P = sorted_entries.numel()
+    gd, gs, dd, ds = _operands(gate_up, down)
+    a = torch.empty((N, I), dtype=x.dtype, device=x.device)  # [N, I] SwiGLU output
+    bn, bk = _block(cu["BLOCK_N"], I, 16), _block(cu["BLOCK_K"], H, 16)
+    _qg_gate_up_kernel[(triton.cdiv(P, bm) * triton.cdiv(I, bn),)](
+        x, gd, gs, a, sorted_entries, block_row, total, N, P, H, I, K, triton.cdiv(I, qb),
+        x.stride(0), gd.stride(0), gd.stride(1), gs.stride(0), gs.stride(1), a.stride(0),
+        FMT=fmt, QB=qb, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cu["GROUP_M"],
+        UPCAST=upcast, PRECISION=prec, num_warps=cu["num_warps"], num_stages=cu["num_stages"])
+    bn, bk = _block(cd["BLOCK_N"], H, 16), _block(cd["BLOCK_K"], I, 16)
+    _qg_down_kernel[(triton.cdiv(P, bm) * triton.cdiv(H, bn),)](
+        a, dd, ds, y, sorted_entries, block_row, total, N, P, H, I, K,
+        a.stride(0), dd.stride(0), dd.stride(1), ds.stride(0), ds.stride(1),
+        y.stride(0), y.stride(1), y.stride(2),
+        FMT=fmt, QB=qb, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cd["GROUP_M"],
+        UPCAST=upcast, PRECISION=prec, num_warps=cd["num_warps"], num_stages=cd["num_stages"])
+    return y
