@@ -26,8 +26,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from freetoken.cli.proxy import free_port  # noqa: E402
-from freetoken.proxy.launch import Limits, find_harness, plan_for  # noqa: E402
+from freetoken.cli.proxy import free_port
+from freetoken.proxy.launch import Limits, find_harness, plan_for
 
 TASKS = ["list the files", "what does README say", "read main.py", "What files are here?",
          "show me notes.txt", "run `git status`", "What does README.md say?", "cat main.py",

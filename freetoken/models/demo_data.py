@@ -16,7 +16,8 @@ Codex: exec_command; mini-swe-agent: its `bash` tool, or its text protocol with
 ```mswea_bash_command blocks and `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT` to finish).
 
 Everything comes from `random.Random` seeded by (seed, harness, shard): the same (version, seed,
-counts) gives the same samples, however many worker processes make them. Bump `DATA_VERSION` whenever the output for a seed changes.
+counts) gives the same samples, however many worker processes make them. Bump `DATA_VERSION`
+whenever the output for a seed changes.
 """
 from __future__ import annotations
 

@@ -157,17 +157,20 @@ def test_held_out_requests_end_with_a_valid_call_then_an_answer(model, tok, name
 _KEY_ARGS = ("command", "cmd", "file_path", "filePath", "path")
 
 
+@pytest.mark.xfail(strict=True, reason="issue 27 open: the shipped 340-step v3 model does not "
+                   "condition on the task (its first call is the same whatever the request)")
 @pytest.mark.parametrize("name", sorted(dd.HARNESSES))
 def test_first_command_follows_the_task(model, tok, name) -> None:
-    """Bug this catches: a first call that ignores the task (the v2 model ran `ls` for "what
-    does README say", or read a file for "list the files"): on held-out conversations whose
-    first task lists the files or reads one, every harness's first call is the tool and the
-    command / path the task asks for (what the generator's gold call holds)."""
+    """Bug this catches: a first call that ignores the task (the v2 and v3 models run the same
+    command for "what does README say" as for "list the files"): on a held-out list task and a
+    held-out read task, each harness's first call is the tool and the command / path the task
+    asks for (what the generator's gold call holds). One of each kind, so a model that always
+    makes the same call cannot pass."""
     h = dd.HARNESSES[name]
-    seen = 0
-    for seed in range(HELD_OUT_SEED, HELD_OUT_SEED + 40):
+    seen: set[str] = set()
+    for seed in range(HELD_OUT_SEED, HELD_OUT_SEED + 60):
         body, tasks = dd.conversation(h, random.Random(seed), corpus=dd.corpus_lines())
-        if tasks[0].kind not in ("list", "read"):
+        if tasks[0].kind not in {"list", "read"} - seen:
             continue
         ti = dd.template_input(h, body)
         first = next(i for i, m in enumerate(ti.messages) if m["role"] == "assistant")
@@ -181,7 +184,7 @@ def test_first_command_follows_the_task(model, tok, name) -> None:
             assert call is not None and call[0] == gold["name"], (tasks[0].request, text)
             for key in set(_KEY_ARGS) & set(gold["arguments"]):
                 assert call[1].get(key) == gold["arguments"][key], (tasks[0].request, text)
-        seen += 1
-        if seen == 2:  # one list and one read task, or two of one kind
+        seen.add(tasks[0].kind)
+        if len(seen) == 2:
             break
-    assert seen == 2
+    assert seen == {"list", "read"}
