@@ -104,15 +104,17 @@ def main() -> int:
     metrics = tmp / "proxy.jsonl"
     proc, url = start_proxy(args.model, metrics)
     out = []
+    # one repo and one HOME for every task, as a user's sessions have: Claude Code writes the
+    # working directory into its system prompt, so another directory would be another prefix
+    work, home = tmp / "repo", tmp / "home"
+    home.mkdir()
+    work.mkdir()
+    subprocess.run(["git", "init", "-q"], cwd=work, check=True)
     try:
-        for i, task in enumerate(TASKS[:args.tasks]):
-            work = tmp / f"repo{i}"
-            work.mkdir()
-            for name, text in FILES.items():
+        for task in TASKS[:args.tasks]:
+            for name, text in FILES.items():  # what an earlier task wrote is undone
                 (work / name).write_text(text)
-            subprocess.run(["git", "init", "-q"], cwd=work, check=True)
-            (tmp / f"home{i}").mkdir()
-            r = run_task(claude, task, url, tmp / f"home{i}", work)
+            r = run_task(claude, task, url, home, work)
             out.append(r)
             print(json.dumps({k: r[k] for k in ("task", "ok", "calls", "executed", "final",
                                                 "seconds")}), flush=True)

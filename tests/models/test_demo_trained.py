@@ -120,7 +120,19 @@ def _call(text: str) -> tuple[str, dict] | None:
     return parsed[0], json.loads(parsed[1])
 
 
-@pytest.mark.parametrize("name", ["mini_tool", "opencode", "claude_code"])
+def _gap(reason: str):
+    return pytest.mark.xfail(strict=True, reason=f"issue 27 open, the 340-step v3 model: {reason}")
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param("mini_tool", marks=_gap("after the result it answers in text instead of "
+                                         "submitting with echo COMPLETE_TASK_AND_SUBMIT_...")),
+    pytest.param("opencode", marks=_gap("it calls OpenCode's read with OpenClaw's argument "
+                                        "name (path, not filePath)")),
+    pytest.param("claude_code", marks=_gap("its first call is Claude Code's own (Bash, not v2's "
+                                           "exec_command), but its answer after the result "
+                                           "repeats a line to the cap")),
+])
 def test_held_out_requests_end_with_a_valid_call_then_an_answer(model, tok, name) -> None:
     """Bug this catches: a demo that never ends its turn (the random one runs to the cap) or
     calls a tool the request does not offer / with arguments its schema refuses (the 181-step
