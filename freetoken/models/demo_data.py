@@ -15,8 +15,9 @@ file (Claude Code: Bash/Read/Write; OpenCode: bash/read/write; OpenClaw: ls/read
 Codex: exec_command; mini-swe-agent: its `bash` tool, or its text protocol with
 ```mswea_bash_command blocks and `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT` to finish).
 
-Everything comes from one `random.Random(seed)`: the same (version, seed, count) gives the same
-samples. Bump `DATA_VERSION` whenever the output for a seed changes.
+Everything comes from `random.Random` seeded by (seed, harness, shard): the same (version, seed,
+counts) gives the same samples, however many worker processes make them. Bump `DATA_VERSION`
+whenever the output for a seed changes.
 """
 from __future__ import annotations
 
@@ -35,7 +36,11 @@ from freetoken.models.demo_harnesses import HARNESSES, MINI_DONE, Harness
 from freetoken.models.demo_tasks import Task, Turn, make_task
 from freetoken.models.tool_schema import schema_errors, tool_call_errors  # noqa: F401
 
-DATA_VERSION = 2  # v2: two to five tasks a conversation (more targets per long prompt)
+# v2: two to five tasks a conversation (more targets per long prompt)
+# v3: twice the Claude Code conversations (the `ft launch` default; the 181-step v2 model named
+#     another harness's tool on its prompt); generated in shards of one harness, each with its
+#     own seeded rng, so they can run in parallel
+DATA_VERSION = 3
 TRACES = Path(__file__).resolve().parents[2] / "tests" / "data" / "harness_traces"
 RECORDED_CWD = "/home/dev/project"
 _RECORDED_TASK = re.compile(r"Explore this repo:[^\n\"]*?summarize\.")
@@ -263,22 +268,62 @@ def render_sample(h: Harness, body: dict[str, Any], enc: _Encoder,
     return Sample(h.name, ids + tail, mask + [1] * len(tail))
 
 
-def generate(counts: dict[str, int], seed: int, tok: ChatTokenizer,
-             traces: Path = TRACES) -> list[Sample]:
-    """`counts[harness]` samples of each harness, interleaved, from one seed."""
-    rng = random.Random(seed)
+SHARD = 100  # samples of one harness per shard; each shard has its own seeded rng
+
+
+def _shards(counts: dict[str, int]) -> list[tuple[str, int, int]]:
+    """(harness, shard index, samples) covering `counts`, in a fixed order."""
+    return [(name, k, min(SHARD, n - k * SHARD))
+            for name, n in sorted(counts.items()) for k in range(-(-n // SHARD))]
+
+
+def generate_shard(name: str, k: int, n: int, seed: int, tok: ChatTokenizer,
+                   traces: Path = TRACES) -> list[Sample]:
+    """Shard `k` of harness `name`: `n` samples from `random.Random(f"{seed}:{name}:{k}")`
+    (a string seed is hashed the same way on every run and machine)."""
+    rng = random.Random(f"{seed}:{name}:{k}")
     enc = _Encoder(tok)
     corpus = corpus_lines(traces)
-    order = sorted((i / n, name) for name, n in counts.items() for i in range(n))
+    h = HARNESSES[name]
     out = []
-    for _, name in order:
-        h = HARNESSES[name]
+    for _ in range(n):
         body, _ = conversation(h, rng, traces, corpus)
         out.append(render_sample(h, body, enc, think_off=rng.random() < 0.3))
     return out
 
 
-DEFAULT_COUNTS = {"claude_code": 300, "openclaw": 200, "opencode": 200, "codex": 200,
+_WORKER_TOK: ChatTokenizer | None = None
+
+
+def _worker_init(tok_dir: str) -> None:
+    global _WORKER_TOK
+    _WORKER_TOK = ChatTokenizer.from_dir(Path(tok_dir))
+
+
+def _worker(job: tuple[str, int, int, int, str]) -> list[Sample]:
+    name, k, n, seed, traces = job
+    assert _WORKER_TOK is not None
+    return generate_shard(name, k, n, seed, _WORKER_TOK, Path(traces))
+
+
+def generate(counts: dict[str, int], seed: int, tok: ChatTokenizer,
+             traces: Path = TRACES, jobs: int = 1, tok_dir: Path | None = None) -> list[Sample]:
+    """`counts[harness]` samples of each harness from one seed, shard by shard (`_shards`):
+    the same samples whatever `jobs` (worker processes, which load the tokenizer from
+    `tok_dir`)."""
+    shards = _shards(counts)
+    if jobs <= 1 or tok_dir is None:
+        parts = [generate_shard(name, k, n, seed, tok, traces) for name, k, n in shards]
+    else:
+        import multiprocessing as mp
+
+        with mp.get_context("fork").Pool(jobs, _worker_init, (str(tok_dir),)) as pool:
+            parts = pool.map(_worker, [(name, k, n, seed, str(traces))
+                                       for name, k, n in shards], chunksize=1)
+    return [x for part in parts for x in part]
+
+
+DEFAULT_COUNTS = {"claude_code": 600, "openclaw": 200, "opencode": 200, "codex": 200,
                   "mini_tool": 1500, "mini_text": 1500}
 
 
@@ -292,11 +337,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scale", type=float, default=1.0, help="multiply every harness's count")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes (same samples)")
     args = p.parse_args(argv)
     tok_dir = tokenizer_source_dir()
     tok = ChatTokenizer.from_dir(tok_dir)
     counts = {k: max(1, round(v * args.scale)) for k, v in DEFAULT_COUNTS.items()}
-    samples = generate(counts, args.seed, tok)
+    samples = generate(counts, args.seed, tok, jobs=args.jobs, tok_dir=tok_dir)
     vocab = -(-tokenizer_size(tok_dir / "tokenizer.json") // 64) * 64
     meta = {"data_version": DATA_VERSION, "seed": args.seed, "counts": counts,
             "vocab_size": vocab, "tokens": sum(len(s.ids) for s in samples),

@@ -17,6 +17,8 @@ reads as OTHER). `freetoken.models.demo_weights` expands the result to the full 
 
 Reproducible from `--seed`: init on the CPU from the seed, batches from a seeded generator; the
 step count is fixed by `--steps` (or measured once from `--time-budget`, and recorded).
+`--max-seconds` stops a run early by wall clock (the GPU machine's per-call limit); the steps it
+reached and the count its schedule was set for (`planned_steps`) are both recorded.
 """
 from __future__ import annotations
 
@@ -32,10 +34,10 @@ from typing import Any
 
 import numpy as np
 
-TRAIN_VERSION = 2
-# how often each harness's batch comes up: Claude Code (the default `ft launch`) and mini (the
-# end-to-end test) most
-HARNESS_WEIGHTS = {"claude_code": 2.0, "mini_tool": 2.0, "mini_text": 2.0}
+TRAIN_VERSION = 3  # v3: Claude Code's batches twice as often; a hard wall-clock stop
+# how often each harness's batch comes up: Claude Code (the default `ft launch`, whose long prompt
+# holds the most tools to tell apart) most, then mini (the end-to-end test)
+HARNESS_WEIGHTS = {"claude_code": 4.0, "mini_tool": 2.0, "mini_text": 2.0}
 # linear, full, linear, full: a DeltaNet (with its short conv: the previous-token features) before
 # each attention layer, so copying from the prompt (file names, tool output) is learnable.
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
@@ -198,9 +200,14 @@ def train(args: argparse.Namespace) -> None:
                             weight_decay=0.0, eps=1e-8)
     gen = batches(data, args.seed, args.tokens_per_step)
     steps, log = args.steps, []
+    planned = None  # the step count the lr schedule was set for, when the wall clock cut it
     t0 = time.time()
     step, t6 = 0, 0.0
     while steps is None or step < steps:
+        if time.time() - t0 > args.max_seconds:  # the machine's limit comes first: stop, save
+            print(f"wall-clock stop at step {step} of {steps}", flush=True)
+            planned, steps = steps, step
+            break
         idx, rng = next(gen)
         inputs, targets, mask = (t.to(dev) for t in make_batch(data, idx, rng, other,
                                                                args.unk_rate))
@@ -240,7 +247,8 @@ def train(args: argparse.Namespace) -> None:
              for k, v in model.state_dict().items()}
     save_file(state, str(out / "compact.safetensors"))
     np.save(out / "used.npy", used)
-    meta = {"train_version": TRAIN_VERSION, "seed": args.seed, "steps": steps, "lr": args.lr,
+    meta = {"train_version": TRAIN_VERSION, "seed": args.seed, "steps": steps,
+            "planned_steps": planned, "lr": args.lr,
             "init": args.init and json.loads((Path(args.init) / "train_meta.json").read_text()),
             "harnesses": args.harnesses,
             "tokens_per_step": args.tokens_per_step, "unk_rate": args.unk_rate,
@@ -267,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="without --steps: seconds to train, turned into a step count after "
                         "--probe-steps steps")
     p.add_argument("--probe-steps", type=int, default=20)
+    p.add_argument("--max-seconds", type=float, default=float("inf"),
+                   help="stop (and save) once training has run this long, whatever the steps")
     p.add_argument("--lr", type=float, default=4e-3)
     p.add_argument("--tokens-per-step", type=int, default=300000)
     p.add_argument("--unk-rate", type=float, default=0.003)

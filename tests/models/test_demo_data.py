@@ -87,6 +87,10 @@ def test_samples_are_seeded_and_train_only_assistant_turns(tok) -> None:
     b = dd.generate(counts, 5, tok)
     assert [(s.ids, s.mask) for s in a] == [(s.ids, s.mask) for s in b]
     assert [s.ids for s in dd.generate(counts, 6, tok)] != [s.ids for s in a]
+    # worker processes make the same samples (each shard has its own seeded rng); bug this
+    # catches: a shared rng whose draws depend on which process ran which shard
+    par = dd.generate(counts, 5, tok, jobs=2, tok_dir=tokenizer_source_dir())
+    assert [(s.ids, s.mask) for s in par] == [(s.ids, s.mask) for s in a]
     im_start, im_end = tok.special_ids["<|im_start|>"], tok.special_ids["<|im_end|>"]
     for s in a:
         assert s.ids[-1] == im_end and s.mask[-1] == 1
