@@ -87,8 +87,14 @@ def _elastic(engine: AsyncEngine, cfg: EngineConfig, moe, rt) -> None:
     interval = WATCH_INTERVAL_S if v.watch_interval_s is None else v.watch_interval_s
     knobs = VramKnobs(hysteresis_bytes=HYSTERESIS_BYTES if v.hysteresis_bytes is None
                       else v.hysteresis_bytes)
+    # an expert budget the user gave is a ceiling for the watcher (bug: a 20-layer server
+    # started with --moe-cache-rate 0.37 grew to every expert 3 s after ready, H200 2026-12-02)
+    given = moe is not None and any(x is not None for x in (moe.cache_size, moe.cache_rate,
+                                                            moe.cache_mem))
+    ceiling = rt.cache.num_slots if given and rt is not None and rt.cache is not None else None
     attach_elastic(engine, knobs, interval_s=interval,
                    kv_floor=moe.kv_reserve_tokens if moe is not None else None,
+                   max_expert_slots=ceiling,
                    rebuild_wait_s=REBUILD_WAIT_S if v.rebuild_wait_s is None
                    else v.rebuild_wait_s)
     steps = v.bw_reprofile_steps

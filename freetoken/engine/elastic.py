@@ -50,8 +50,12 @@ class ElasticVram:
     async engine answers new requests 503 past its wait)."""
 
     def __init__(self, core, knobs: VramKnobs | None = None, kv_floor: int | None = None,
-                 kv_cap: int | None = None, min_expert_slots: int | None = None) -> None:
+                 kv_cap: int | None = None, min_expert_slots: int | None = None,
+                 max_expert_slots: int | None = None) -> None:
         self.core, self.knobs = core, knobs or VramKnobs()
+        # the automatic re-plan never grows the expert cache past this (None: the pool); a
+        # `ft ctl vram --expert-slots N` sets it to N
+        self.max_expert_slots = max_expert_slots
         self.kv_floor = max(kv_floor or 0, core.max_context)
         self.kv_cap = max(kv_cap or core.sched.max_running * core.max_context, self.kv_floor)
         moe = core.moe
@@ -94,7 +98,8 @@ class ElasticVram:
             kv_tokens=self.kv_tokens,
             kv_token_bytes=KVPool.bytes_per_token(core.cfg, core.dtype),
             kv_floor=self.kv_floor, kv_live=self.kv_live(), kv_cap=self.kv_cap,
-            min_expert_slots=self.min_expert_slots if self.has_experts else 0)
+            min_expert_slots=self.min_expert_slots if self.has_experts else 0,
+            max_expert_slots=self.max_expert_slots)
 
     # -- deciding --------------------------------------------------------------------------
 
@@ -135,7 +140,10 @@ class ElasticVram:
         if not self.kv_floor <= tokens <= 2**31:
             raise AdmissionError(f"the KV pool must hold at least {self.kv_floor} tokens "
                                  f"(the context) (got {tokens})", "kv_tokens")
-        return self._rebuild(VramPlan(slots, tokens, "ctl"))
+        out = self._rebuild(VramPlan(slots, tokens, "ctl"))
+        if expert_slots is not None:  # the operator's budget: the watcher keeps to it
+            self.max_expert_slots = expert_slots
+        return out
 
     # -- rebuilding ------------------------------------------------------------------------
 

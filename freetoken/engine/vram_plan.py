@@ -10,8 +10,10 @@ without a GPU. `plan` returns the new sizes, or None when nothing should change:
 2. **KV pressure** (live KV tokens past `kv_high` of the pool, pool below `kv_cap`): grow the
    pool to `kv_growth` x live, paid from free memory above the margin first, then from expert
    slots (agent contexts grow: budget moves from experts to KV above the reserve);
-3. **memory returned** (free > margin + hysteresis): the expert cache grows into it (up to the
-   whole pool); KV grows only on demand (rule 2).
+3. **memory returned** (free > margin + hysteresis): the expert cache grows into it (up to
+   `max_expert_slots`: the whole pool, or the budget the user set with `--moe-cache-size`,
+   `--moe-cache-rate` or `--moe-cache-mem`, which rules 1 and 2 may go below but this rule
+   never past); KV grows only on demand (rule 2).
 
 The hysteresis band keeps a reading that wobbles around the margin from re-planning: after a
 rebuild the free memory sits at the margin, inside the band.
@@ -43,6 +45,7 @@ class VramState:
     kv_live: int  # tokens running requests hold (they cannot be evicted)
     kv_cap: int  # tokens the pool never grows past
     min_expert_slots: int = 1
+    max_expert_slots: int | None = None  # rule 3's ceiling (None: the whole pool)
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,11 @@ class VramPlan:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // max(1, b))
+
+
+def _ceiling(s: VramState) -> int:
+    top = s.expert_pool if s.max_expert_slots is None else s.max_expert_slots
+    return min(s.expert_pool, top)
 
 
 def plan(s: VramState, k: VramKnobs | None = None) -> VramPlan | None:
@@ -88,8 +96,8 @@ def plan(s: VramState, k: VramKnobs | None = None) -> VramPlan | None:
             if short > 0:  # the experts cannot pay it all: grow as far as they do
                 want -= _ceil_div(short, s.kv_token_bytes)
         out = VramPlan(slots, max(s.kv_tokens, want), "kv_pressure", s.free_bytes)
-    elif surplus > k.hysteresis_bytes and s.expert_slots < s.expert_pool:
-        add = min(s.expert_pool - s.expert_slots, surplus // max(1, s.slot_bytes))
+    elif surplus > k.hysteresis_bytes and s.expert_slots < _ceiling(s):
+        add = min(_ceiling(s) - s.expert_slots, surplus // max(1, s.slot_bytes))
         out = VramPlan(s.expert_slots + add, s.kv_tokens, "memory_returned", s.free_bytes)
     else:
         return None

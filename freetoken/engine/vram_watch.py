@@ -68,15 +68,18 @@ class VramWatcher:
 
 def attach_elastic(engine, knobs=None, interval_s: float = WATCH_INTERVAL_S,
                    read_free: Callable[[], int] | None = None, kv_floor: int | None = None,
-                   rebuild_wait_s: float | None = None):
+                   rebuild_wait_s: float | None = None, max_expert_slots: int | None = None):
     """Give `engine` (an AsyncEngine) its `ElasticVram` and, with `interval_s > 0`, a
     started watcher (`read_free`: default the CUDA device's free memory; without CUDA and
-    without a reader there is nothing to watch). Returns the ElasticVram."""
+    without a reader there is nothing to watch). `max_expert_slots`: the expert budget the
+    user set (the watcher may shrink below it, never grow past it; None: the pool). Returns
+    the ElasticVram."""
     from freetoken.engine.elastic import ElasticVram
     from freetoken.engine.vram_plan import VramKnobs
 
     core = engine.core
-    el = ElasticVram(core, knobs or VramKnobs(), kv_floor=kv_floor)
+    el = ElasticVram(core, knobs or VramKnobs(), kv_floor=kv_floor,
+                     max_expert_slots=max_expert_slots)
     engine.elastic = el
     if rebuild_wait_s is not None:
         engine.rebuild_wait_s = rebuild_wait_s
@@ -87,6 +90,7 @@ def attach_elastic(engine, knobs=None, interval_s: float = WATCH_INTERVAL_S,
                                      interval_s).start()
     log.info(kv("elastic", watch=engine.watcher is not None, interval_s=interval_s,
                 kv_floor=el.kv_floor, kv_cap=el.kv_cap, min_expert_slots=el.min_expert_slots,
+                max_expert_slots=el.max_expert_slots,
                 hysteresis_mb=el.knobs.hysteresis_bytes // 2**20,
                 margin_mb=el.knobs.margin_bytes // 2**20))
     return el

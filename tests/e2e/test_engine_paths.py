@@ -150,6 +150,9 @@ def test_build_engine_from_serve_flags(tiny_chat_dir: Path, tmp_path: Path, monk
         assert {"vocab_size", "resize_experts", "max_output_tokens", "model_dir"} <= members
         assert all(hasattr(engine, n) for n in members), members - set(dir(engine))
         assert engine.vocab_size == model.cfg.vocab_size
+        # the expert budget given (0.5) is the elastic watcher's ceiling (H200 bug: a server
+        # at --moe-cache-rate 0.37 grew to every expert 3 s after ready)
+        assert engine.elastic.max_expert_slots == rt.cache.num_slots < pool
         assert asyncio.run(asyncio.wait_for(_collect(engine, _req(5)), 60))
         saves = [f for f in at_exit if f.__qualname__.startswith("attach_recorder")]
         assert len(saves) == 1
@@ -166,6 +169,7 @@ def test_build_engine_from_serve_flags(tiny_chat_dir: Path, tmp_path: Path, monk
     try:  # an explicit pool bounds the context; no flag: fused, nothing recorded
         assert engine.core.sched.kv_alloc.num_slots == 1500 and engine.max_context == 1500
         assert engine.core.moe is None or engine.core.moe.backend == "fused"
+        assert engine.elastic.max_expert_slots is None  # no budget given: the pool
         assert all(b.route_hook is None for b in engine.core.model.moe_blocks())
     finally:
         engine.shutdown()

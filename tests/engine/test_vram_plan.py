@@ -37,6 +37,21 @@ def test_returned_memory_grows_the_experts_up_to_the_pool() -> None:
     assert plan(_st(M + 100 * S, slots=64), K) is None  # experts full: KV grows on demand only
 
 
+def test_a_budget_the_user_set_caps_the_growth_not_the_shrink() -> None:
+    """`max_expert_slots` (the user's --moe-cache-rate/-size/-mem): returned memory grows the
+    experts back up to it and no further; a claim still shrinks below it. Bug it catches: a
+    20-layer H200 server started at --moe-cache-rate 0.37 (1,894 slots) grew to all 5,120
+    experts 3 s after ready, so its figures were no longer those of a 37 % cache."""
+    from dataclasses import replace
+
+    st = replace(_st(M + 100 * S), max_expert_slots=50)
+    assert plan(st, K).expert_slots == 50
+    assert plan(replace(st, expert_slots=50), K) is None
+    p = plan(replace(_st(M - 3 * S, slots=50), max_expert_slots=50), K)
+    assert (p.expert_slots, p.reason) == (47, "memory_claimed")
+    assert plan(replace(_st(M + 100 * S), max_expert_slots=500), K).expert_slots == 64  # pool
+
+
 def test_kv_pressure_moves_budget_from_experts() -> None:
     """Live tokens past 85% of the pool: the pool grows to 1.5x live, paid from the memory
     above the margin first, then by expert slots; never past the cap."""
