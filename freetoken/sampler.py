@@ -4,8 +4,8 @@ No sampling parameter that passes validation can make a draw fail: a temperature
 (0, MIN_TEMPERATURE) is sampled at MIN_TEMPERATURE (the device sampler's clamp, so both samplers
 agree; 1e-300 or any subnormal used to divide the logits into inf and the draw raised), top-p
 always keeps the most likely token, and a distribution that still comes out non-finite or empty
-falls back to the argmax. Logits that are themselves non-finite (NaN, or no finite value: the
-model's computation of this row failed) raise `RowFailure`, which the engine answers by failing
+falls back to the argmax. Logits that are themselves non-finite (the largest is NaN, -inf or +inf:
+the model's computation of this row failed) raise `RowFailure`, which the engine answers by failing
 this request alone (`EngineCore._sample`): the other rows of the batch go on.
 
 Shapes: B rows (one per sequence), V vocab.
@@ -71,7 +71,9 @@ class RequestSampler:
     def sample(self, logits: torch.Tensor, num_generated: int) -> int:
         """logits [V] fp32 -> next token id."""
         logits = self.mask(logits, num_generated)
-        if bool(torch.isnan(logits).any()) or not bool(torch.isfinite(logits).any()):
+        # the largest logit not finite (max takes a NaN as the largest): the same rule as
+        # the device sampler's `checked_argmax`
+        if not bool(torch.isfinite(logits.max())):
             raise RowFailure("the model computed non-finite logits for this request")
         if self.params.temperature <= 0 or self.gen is None:
             return int(torch.argmax(logits))

@@ -384,6 +384,14 @@ class HybridRadixCache:
         node = path[-1] if partial is None else self.radix.split(partial, k)
         return self.attach_snapshot(node, state_slot, cls, user)
 
+    def room_without_drop(self) -> bool:
+        """A device state slot can be had without dropping a snapshot: one is free, or the
+        host tier has room for the device tier's victim to spill into."""
+        if self.state_pool is None:
+            return False
+        host = self.tiers.host
+        return self.state_pool.num_free > 0 or (host is not None and host.num_free > 0)
+
     def evict_states(self, n: int) -> int:
         """Free up to `n` device slots held by unpinned snapshots, lowest value first; each
         moves to the host tier when it has room worth giving (a `spill` op) or is dropped.

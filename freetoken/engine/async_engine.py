@@ -37,7 +37,6 @@ class AsyncEngine:
         self.model_name = model_name
         self.max_context = core.max_context
         self.max_output_tokens: int | None = None  # server-side ceiling on max_tokens
-        self.vocab_size: int = core.cfg.vocab_size  # the model's (padded) vocabulary
         # elastic VRAM (engine/elastic.py, attached by engine/elastic_setup.py): the rebuild
         # controller, its watcher, and how long a new request waits out a rebuild before 503
         self.elastic: ElasticVram | None = None
@@ -50,6 +49,11 @@ class AsyncEngine:
         self._thread.start()
 
     # -- EngineClient ------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's (padded) vocabulary: token-id prompts are bounded by it."""
+        return self.core.cfg.vocab_size
 
     def check(self, req: GenerateRequest) -> None:
         """The admission check, on the caller's thread (for callers without an event loop;
@@ -174,7 +178,9 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while not self._stop:
-            idle_work = self.core.warmup.pending > 0  # warm-up tasks run only while idle
+            # warm-up tasks run only while idle (a core without a warm-up queue has none)
+            warmup = getattr(self.core, "warmup", None)
+            idle_work = warmup is not None and warmup.pending > 0
             self._drain(block=not self.core.has_work() and not idle_work)
             if not self.core.has_work():
                 if idle_work and not self._stop:

@@ -37,7 +37,7 @@ def add_front_door_args(p: argparse.ArgumentParser, what: str = "server") -> Non
     p.add_argument("--stall-timeout", type=float, default=30.0,
                    help="seconds a streaming client may take none of the bytes queued to it "
                         "before its request is aborted and its slot freed")
-    p.add_argument("--stall-unread-kb", type=float, default=32.0,
+    p.add_argument("--stall-unread-kb", type=float, default=32,
                    help="KiB queued unread towards a streaming client past which its request "
                         "is aborted (its own receive buffer comes on top)")
 

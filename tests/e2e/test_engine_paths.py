@@ -87,7 +87,8 @@ def test_failed_step_fails_the_requests_in_flight_and_frees_them(small, monkeypa
         return real_forward(self, batch, caches)
 
     monkeypatch.setattr(type(model), "forward", flaky)
-    with pytest.raises(RuntimeError, match="engine step failed.*injected device fault"):
+    # (a lone request: isolation fails it with the forward pass's error, engine/isolation.py)
+    with pytest.raises(RuntimeError, match="forward pass of this request failed.*injected device"):
         asyncio.run(asyncio.wait_for(_collect(engine, _req()), 60))
     monkeypatch.setattr(type(model), "forward", real_forward)
     sched, cache = core.sched, core.sched.cache

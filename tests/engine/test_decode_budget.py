@@ -45,8 +45,9 @@ BLOCKING_BUDGET = 0
 # one kernel). No headroom: each launch is ~2 us of the step.
 CUDA_LAYER_BUDGET = {"gdn": 11, "attn": 13}
 # 4 layers + input-id gather (chained steps), embedding, rotary tables, final norm, LM head,
-# sampling
-CUDA_STEP_TOTAL = 66
+# sampling; + 6 since 2026-12-02 for row isolation (issue #22): the failed-row check of the
+# sampler (gather, sub, eq, where on [B]) and the clamp of chained ids the runner feeds
+CUDA_STEP_TOTAL = 72
 
 
 class _Count(TorchDispatchMode):

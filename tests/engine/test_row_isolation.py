@@ -165,10 +165,14 @@ def test_device_sampler_marks_only_the_non_finite_rows() -> None:
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
     logits[1, 7] = float("nan")
     logits[2] = float("-inf")
+    logits[3, 3] = float("-inf")  # some -inf (blocked ids look like this): still sampled
     for t in (0.0, 0.7):
         rows = [RowSampling(temperature=t, seed=i) for i in range(4)]
         ids = sample_rows(logits, rows, torch.device("cpu"))
         assert ids[1] == ids[2] == FAILED_ROW and min(ids[0], ids[3]) >= 0
+        over = logits.clone()
+        over[0, 9] = float("inf")  # an overflow is a failed computation too
+        assert sample_rows(over, rows, torch.device("cpu"))[0] == FAILED_ROW
         if t == 0.0:
             assert [ids[0], ids[3]] == [int(logits[0].argmax()), int(logits[3].argmax())]
 
