@@ -154,27 +154,33 @@ class AsyncEngine:
         except queue.Empty:
             return
         while True:
-            op, a, b = msg
-            if op == "add":
-                emit, report = b
-                try:
-                    self.core.add(a, emit)
-                except Exception as e:  # noqa: BLE001  (refused or failed: report, never crash)
-                    report(e)
-                else:
-                    report(None)
-            elif op == "abort":
-                self.core.abort(a)
-            elif op == "call":
-                fn, args, kwargs = a
-                try:
-                    b.set_result(fn(*args, **kwargs))
-                except Exception as e:  # noqa: BLE001  (handed to the caller)
-                    b.set_exception(e)
+            try:
+                self._handle(*msg)
+            except Exception as e:  # noqa: BLE001  (one message's failure never ends the thread)
+                # e.g. a report to an event loop that has closed since (the caller is gone)
+                log.warning(kv("inbox_op_failed", op=msg[0], error=repr(e)[:200]))
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _handle(self, op: str, a, b) -> None:
+        if op == "add":
+            emit, report = b
+            try:
+                self.core.add(a, emit)
+            except Exception as e:  # noqa: BLE001  (refused or failed: report, never crash)
+                report(e)
+            else:
+                report(None)
+        elif op == "abort":
+            self.core.abort(a)
+        elif op == "call":
+            fn, args, kwargs = a
+            try:
+                b.set_result(fn(*args, **kwargs))
+            except Exception as e:  # noqa: BLE001  (handed to the caller)
+                b.set_exception(e)
 
     def _loop(self) -> None:
         while not self._stop:

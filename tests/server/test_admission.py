@@ -100,3 +100,17 @@ def test_dropped_stream_aborts(eng: AsyncEngine) -> None:
     asyncio.run(run())
     gc.collect()
     _wait_for(lambda: ("abort", "r3", "ft-engine") in eng.core.calls)
+
+
+def test_a_failing_report_does_not_end_the_engine_thread(eng: AsyncEngine) -> None:
+    """Bug caught: an exception while handing a result back (a report to an event loop that
+    had closed, as with two `asyncio.run` calls) killed the engine thread, so every later
+    request hung. Now it is logged and the thread serves on."""
+    def report(_e: object) -> None:
+        raise RuntimeError("Event loop is closed")
+
+    eng._inbox.put(("add", _req("gone"), (lambda ev: None, report)))
+    with pytest.raises(AdmissionError):  # the thread still answers the next request
+        asyncio.run(asyncio.wait_for(eng.start(_req("long", 500)), 10))
+    assert eng._thread.is_alive()
+    assert ("check", "long", "ft-engine") in eng.core.calls
