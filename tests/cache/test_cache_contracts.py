@@ -144,3 +144,20 @@ def test_hybrid_counters_accumulate_and_empty_matches_index() -> None:
     st = c.stats()
     assert (st["snapshots_taken"], st["snapshots_evicted"], st["snapshots_dropped"]) == (4, 2, 2)
     assert st["snapshots"] == 0 and st["state_free"] == 4
+
+
+def test_room_without_drop_counts_free_device_slots_and_host_room() -> None:
+    """`room_without_drop` (the kept-logits prompt-end snapshot's rule): a device slot is free,
+    or the host tier has room for the device victim to spill into; never by a drop."""
+    c = HybridRadixCache(SlotAllocator(32), StatePool(1), create_policy("end_only"))
+    assert c.room_without_drop()
+    slot = c.state_pool.alloc_one()
+    assert slot is not None and not c.room_without_drop()  # full, no host tier
+    h = HybridRadixCache(SlotAllocator(32), StatePool(1), create_policy("end_only"),
+                         host_pool=StatePool(1))
+    h.state_pool.alloc_one()
+    assert h.room_without_drop()  # the victim would spill, not drop
+    h.tiers.host.alloc_one()
+    assert not h.room_without_drop()
+    kv_only = HybridRadixCache(SlotAllocator(8), None, create_policy("end_only"))
+    assert not kv_only.room_without_drop()
