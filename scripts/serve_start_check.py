@@ -11,7 +11,6 @@ the server's log OUT_DIR/serve-LABEL.log. The kernel caches are the environment'
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 from freetoken.bench.serve_process import ServerProcess, parse_phases
 
 # prompt lengths in words (about tokens): short, a chunk, past the prefill stream threshold
-PROMPTS = tuple(int(x) for x in os.environ.get("FT_START_PROMPTS", "160,1000,3000").split(","))
+PROMPTS = (160, 1000, 3000)
 
 
 def _warm_up_done(srv: ServerProcess, timeout_s: float) -> dict:

@@ -19,6 +19,8 @@ down GEMM, as vLLM); in fp32 it is fp32.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -234,13 +236,25 @@ def _grouped_down_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ent_ok[:, None] & h_ok[None, :])
 
 
-def fused_moe_grouped(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor,
-                      config: tuple[dict, dict] | None = None) -> Tensor:
-    """The grouped path. `config` = (gate_up cfg, down cfg) overrides `grouped_config(T)`."""
-    T, K, H, I = check_args(x, ids, gate_up, down, y)
-    N, S = T * K, gate_up.shape[0]
-    if N == 0:
-        return y
+
+class GroupedSetup(NamedTuple):
+    """What both grouped launches (dense and quantized) share: the tile configs, the
+    interpreter's upcast, the dot precision, BLOCK_M and the sorted entries."""
+
+    cu: dict
+    cd: dict
+    upcast: bool
+    prec: str | None
+    bm: int
+    sorted_entries: Tensor  # [P]
+    block_row: Tensor  # [cdiv(P, BM)]
+    total: Tensor  # [1]
+
+
+def grouped_setup(x: Tensor, ids: Tensor, S: int, config: tuple[dict, dict] | None
+                  ) -> GroupedSetup:
+    T, K = ids.shape
+    N = T * K
     cu, cd = grouped_config(T) if config is None else config
     upcast = interpreting() and x.dtype != torch.float32
     # fp32 operands stay exact ("ieee"), not tf32: fp32 runs are the bit-level test oracle
@@ -249,7 +263,17 @@ def fused_moe_grouped(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: 
     bm = max(16, min(cu["BLOCK_M"], triton.next_power_of_2(N)))
     small = N <= ALIGN_SMALL_MAX_N and S <= ALIGN_SMALL_MAX_S
     align = moe_align_small if small else moe_align
-    sorted_entries, block_row, total = align(ids, S, bm)  # [P], [cdiv(P, BM)], [1]
+    return GroupedSetup(cu, cd, upcast, prec, bm, *align(ids, S, bm))
+
+
+def fused_moe_grouped(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor,
+                      config: tuple[dict, dict] | None = None) -> Tensor:
+    """The grouped path. `config` = (gate_up cfg, down cfg) overrides `grouped_config(T)`."""
+    T, K, H, I = check_args(x, ids, gate_up, down, y)
+    N, S = T * K, gate_up.shape[0]
+    if N == 0:
+        return y
+    cu, cd, upcast, prec, bm, sorted_entries, block_row, total = grouped_setup(x, ids, S, config)
     P = sorted_entries.numel()
     a = torch.empty((N, I), dtype=x.dtype, device=x.device)  # [N, I] SwiGLU output
     bn, bk = _block(cu["BLOCK_N"], I, 16), _block(cu["BLOCK_K"], H, 16)

@@ -17,15 +17,8 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.quant import QuantBank
-from kernels.triton.moe_common import _block, interpreting
-from kernels.triton.moe_grouped import (
-    ALIGN_SMALL_MAX_N,
-    ALIGN_SMALL_MAX_S,
-    _tile_ids,
-    grouped_config,
-    moe_align,
-    moe_align_small,
-)
+from kernels.triton.moe_common import _block
+from kernels.triton.moe_grouped import _tile_ids, grouped_setup
 from kernels.triton.moe_quant import _check, _operands, _wtile
 
 
@@ -108,12 +101,7 @@ def fused_moe_quant_grouped(x: Tensor, ids: Tensor, gate_up: QuantBank, down: Qu
     N, S = T * K, gate_up.shape[0]
     if N == 0:
         return y
-    cu, cd = grouped_config(T) if config is None else config
-    upcast = interpreting() and x.dtype != torch.float32
-    prec = "ieee" if x.dtype == torch.float32 or upcast else None
-    bm = max(16, min(cu["BLOCK_M"], triton.next_power_of_2(N)))
-    small = N <= ALIGN_SMALL_MAX_N and S <= ALIGN_SMALL_MAX_S
-    sorted_entries, block_row, total = (moe_align_small if small else moe_align)(ids, S, bm)
+    cu, cd, upcast, prec, bm, sorted_entries, block_row, total = grouped_setup(x, ids, S, config)
     P = sorted_entries.numel()
     gd, gs, dd, ds = _operands(gate_up, down)
     a = torch.empty((N, I), dtype=x.dtype, device=x.device)  # [N, I] SwiGLU output
