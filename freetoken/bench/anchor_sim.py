@@ -174,9 +174,8 @@ def replay(reqs: list[SimRequest], spec: str, device_slots: int, host_slots: int
         for p, cls in points:
             if p <= m.length:
                 continue
-            if keep and p == len(ids) and not cache.room_without_drop():
-                continue  # the prompt-end point never drops a snapshot (as the scheduler)
-            fresh = cache.alloc_state()
+            # the prompt-end point never drops a snapshot (as the scheduler)
+            fresh = cache.alloc_state(may_drop=not (keep and p == len(ids)))
             if fresh is None:
                 continue
             cache.copy_state(work, fresh)

@@ -321,11 +321,15 @@ class HybridRadixCache:
 
     # -- snapshots ----------------------------------------------------------------------------
 
-    def alloc_state(self) -> int | None:
+    def alloc_state(self, may_drop: bool = True) -> int | None:
         """One caller-owned device state slot, moving one snapshot out of the device tier if
-        the pool is full; None when every slot is a working state or a pinned snapshot."""
+        the pool is full; None when every slot is a working state or a pinned snapshot.
+        `may_drop=False`: None rather than drop a snapshot (a slot is free, or the victim
+        spills to the host tier: `room_without_drop`)."""
         if self.state_pool is None:
             raise ValueError("alloc_state on a cache without a state pool")
+        if not may_drop and not self.room_without_drop():
+            return None
         if self.state_pool.num_free == 0:
             self.evict_states(1)
         return self.state_pool.alloc_one()

@@ -324,17 +324,14 @@ class Scheduler:
         cls = next((c for p, c in r.snap_points if p == end), None)
         if cls is None or r.state_slot is None:
             return None
-        if (self.keeps_logits and end == r.prompt_len and not r.num_generated
-                and not self.cache.room_without_drop()):
-            # the prompt-end point is kept-logits' own (a resend feeds nothing): taken from a
-            # free slot, or by spilling one to the host tier, never by dropping a snapshot
-            # (bug: at 3 device slots and no host tier a sub-agent's prompt end pushed out its
-            # waiting parent's latest snapshot)
-            log.info(kv("snapshot_skip", rid=r.rid, pos=end, cls=cls, why="prompt_end_no_free"))
-            return None
-        slot = self.cache.alloc_state()
+        # the prompt-end point is kept-logits' own (a resend feeds nothing): it never drops a
+        # snapshot (bug: at 3 device slots and no host tier a sub-agent's prompt end pushed out
+        # its waiting parent's latest snapshot)
+        kept_end = self.keeps_logits and end == r.prompt_len and not r.num_generated
+        slot = self.cache.alloc_state(may_drop=not kept_end)
         if slot is None:
-            log.info(kv("snapshot_skip", rid=r.rid, pos=end, cls=cls, why="state_pool_full"))
+            why = "prompt_end_no_free" if kept_end else "state_pool_full"
+            log.info(kv("snapshot_skip", rid=r.rid, pos=end, cls=cls, why=why))
             return None
         self.cache.copy_state(r.state_slot, slot)
         return (end, cls, slot)
