@@ -87,7 +87,10 @@ def test_engine_traffic_measures_a_slowed_cpu_branch(tiny_hf, monkeypatch) -> No
                                   dtype=torch.float32, progress=False)
     core = EngineCore(model, [], kv_tokens=600, state_slots=12, max_running=2, chunk_tokens=32,
                       decode_runner=False, moe=rt)
-    rp = rt.enable_reprofile(every_steps=4, min_bytes=0)
+    # drift 0: every fold that moves an estimate writes it, so the rule equals the estimate
+    # after any run (at the default 10 % the last fold's small move stays unwritten, and the
+    # equalities below failed under load)
+    rp = rt.enable_reprofile(every_steps=4, drift=0.0, min_bytes=0)
     assert rp is not None
     V = core.cfg.vocab_size
     _run(core, [_req(f"a{i}", _prompt(V, 20, i), 12) for i in range(2)])
