@@ -52,7 +52,8 @@ CK=/tmp/ft-ck-$SHAPE-$LAYERS
 if stage ckpt 60 && [ ! -f "$CK/config.json" ]; then
   timeout "$(left)" $FT bench checkpoint --shape "$SHAPE" --layers "$LAYERS" \
     --format ftw --no-progress "$CK" > "$OUT/checkpoint.log" 2>&1
-  tail -3 "$OUT/checkpoint.log"; du -sh "$CK" 2>/dev/null
+  echo "[gpu_serve_check] checkpoint written at +$(( $(date +%s) - T0 ))s: $(du -sh "$CK" | cut -f1)" \
+    | tee -a "$OUT/summary.txt"; tail -3 "$OUT/checkpoint.log"
 fi
 [ -f "$CK/config.json" ] || { echo "no checkpoint at $CK" | tee -a "$OUT/summary.txt"; exit 1; }
 SERVE=(--moe-backend hybrid --moe-cache-rate "$RATE" "${EXTRA[@]}")
@@ -62,6 +63,8 @@ if stage start 150; then
       2>&1 | grep "^\[start\|Error\|error" | tee -a "$OUT/summary.txt"
   done
   ls "$XDG_CACHE_HOME"/freetoken/kernels/*/ 2>/dev/null | head -8 >> "$OUT/summary.txt"
+  python3 scripts/compile_inventory.py "$XDG_CACHE_HOME" > "$OUT/compile_inventory.txt" 2>&1
+  head -40 "$OUT/compile_inventory.txt" >> "$OUT/summary.txt"
 fi
 bench_serve() {  # NAME MIN_SECONDS ft-bench-serve-args...
   local name=$1 min=$2; shift 2
