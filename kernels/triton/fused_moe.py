@@ -71,7 +71,7 @@ def _decode_config(device_index: int | None, H: int, I: int) -> dict:
     return lookup("fused_moe_decode", f"H={H},I={I}", DECODE_CONFIG, name)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # sizes/indices: 1 compile
 def _decode_gate_up_kernel(
     x_ptr, ids_ptr, w_ptr, sw_ptr, a_ptr,
     H, I, TOPK, N,
@@ -119,7 +119,7 @@ def _decode_gate_up_kernel(
     tl.store(a_ptr + n.to(tl.int64) * stride_an + i, act, mask=i < I)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # sizes/indices: 1 compile
 def _decode_down_kernel(
     a_ptr, ids_ptr, w_ptr, sw_ptr, y_ptr, so_ptr,
     H, I, TOPK, N,

@@ -175,7 +175,7 @@ def _gates(a, b, a_log, dt_bias, BETA_DT: tl.constexpr):
     return -tl.exp(a_log) * sp, tl.sigmoid(b).to(BETA_DT).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # sizes/indices: 1 compile
 def _gdn_gates_kernel(
     a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, N, HV, s_a, s_b,
     BLOCK: tl.constexpr,
@@ -207,7 +207,9 @@ def gdn_gates(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Ten
     beta = torch.empty(B, hv, dtype=b.dtype, device=a.device)  # [B, Hv]
     n = B * hv
     if n:
-        block = min(1024, triton.next_power_of_2(n))
+        # the decode buckets' own sizes (B * Hv <= 128), one block for every prefill: each
+        # BLOCK is a compile
+        block = triton.next_power_of_2(n) if n <= 128 else 1024
         _gdn_gates_kernel[(triton.cdiv(n, block),)](
             a, b, a_log, dt_bias, g, beta, n, hv, a.stride(0), b.stride(0),
             BLOCK=block, num_warps=4,

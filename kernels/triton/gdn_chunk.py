@@ -31,7 +31,7 @@ log = get_logger("kernels")
 _TOO_BIG: set[tuple[int, int, int]] = set()  # tiles this GPU refused
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # sizes/indices: 1 compile
 def _scan_kernel(u_ptr, w_ptr, qd_ptr, kd_ptr, a_ptr, dec_ptr, s_ptr, out_ptr, N,
                  C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                  PREC: tl.constexpr):

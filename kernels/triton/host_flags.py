@@ -29,12 +29,12 @@ from torch import Tensor
 MAX_POLLS = 1 << 19
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["i"])  # sizes/indices: 1 compile
 def _raise_kernel(flags_ptr, seq_ptr, i):
     tl.store(flags_ptr + i, tl.load(seq_ptr))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["i", "max_polls", "n_need"])  # sizes/indices: 1 compile
 def _wait_kernel(flags_ptr, seq_ptr, err_ptr, i, max_polls, need_ptr, n_need,
                  BLOCK: tl.constexpr):
     seq = tl.load(seq_ptr)
@@ -49,7 +49,7 @@ def _wait_kernel(flags_ptr, seq_ptr, err_ptr, i, max_polls, need_ptr, n_need,
         tl.store(err_ptr, 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_x", "n_k"])  # sizes/indices: 1 compile
 def _store_rows_kernel(x_ptr, hx_ptr, n_x, ids_ptr, hids_ptr, mask_ptr, hmask_ptr, n_k,
                        BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)

@@ -86,7 +86,7 @@ def moe_align(ids: Tensor, num_rows: int, block_m: int) -> tuple[Tensor, Tensor,
     return sorted_entries[:P], block_row, total
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "P", "NB"])  # sizes/indices: 1 compile
 def _align_small_kernel(
     ids_ptr, sorted_ptr, block_row_ptr, total_ptr, pad_start_ptr,
     N, S, P, NB,
@@ -157,7 +157,7 @@ def _tile_ids(pid, P, NCOLS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
     return pid_m, pid_n
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "P"])  # sizes/indices: 1 compile
 def _grouped_gate_up_kernel(
     x_ptr, w_ptr, a_ptr, sorted_ptr, block_row_ptr, total_ptr,
     N, P, H, I, TOPK,
@@ -199,7 +199,7 @@ def _grouped_gate_up_kernel(
     tl.store(a_ptrs, act.to(a_ptr.dtype.element_ty), mask=ent_ok[:, None] & i_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "P"])  # sizes/indices: 1 compile
 def _grouped_down_kernel(
     a_ptr, w_ptr, y_ptr, sorted_ptr, block_row_ptr, total_ptr,
     N, P, H, I, TOPK,

@@ -22,7 +22,7 @@ from kernels.triton.moe_grouped import _tile_ids, grouped_setup
 from kernels.triton.moe_quant import _check, _operands, _wtile
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "P"])  # sizes/indices: 1 compile
 def _qg_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, a_ptr, sorted_ptr, block_row_ptr, total_ptr,
     N, P, H, I, TOPK, NB,
@@ -60,7 +60,7 @@ def _qg_gate_up_kernel(
              mask=ent_ok[:, None] & i_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "P"])  # sizes/indices: 1 compile
 def _qg_down_kernel(
     a_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, block_row_ptr, total_ptr,
     N, P, H, I, TOPK,

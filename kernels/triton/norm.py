@@ -23,7 +23,7 @@ from torch import Tensor
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # sizes/indices: 1 compile
 def _rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, R, N, eps,
     s_x, s_r, s_y, s_s,
@@ -49,7 +49,7 @@ def _rmsnorm_kernel(
     tl.store(y_ptr + r[:, None] * s_y + n[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # sizes/indices: 1 compile
 def _gated_rmsnorm_kernel(
     x_ptr, z_ptr, w_ptr, y_ptr, R, N, HH, eps,
     s_xt, s_xh, s_zt, s_zh, s_y,
@@ -168,7 +168,7 @@ def _norm_value(xn, w, X_DT: tl.constexpr, NORM_DT: tl.constexpr, ZERO_CENTERED:
     return y.to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # sizes/indices: 1 compile
 def _rmsnorm_rope_kernel(
     x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, rows_ptr, v_ptr, vo_ptr, R, H, N, eps,
     s_xt, s_xh, s_c, s_s, s_yt, s_yh, s_vt, s_vh, s_vot, s_voh,

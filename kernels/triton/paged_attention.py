@@ -171,7 +171,7 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, kv_indptr:
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])  # sizes/indices: 1 compile
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, qo_indptr_ptr, kv_indptr_ptr, indices_ptr, out_ptr,
     scale_log2, B,

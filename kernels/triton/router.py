@@ -34,7 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # sizes/indices: 1 compile
 def _router_topk_kernel(
     logits_ptr, w_ptr, ids_ptr, mask_ptr,
     T, E, stride_lt,
@@ -90,8 +90,9 @@ def router_topk(logits: Tensor, top_k: int, renormalize: bool, out_dtype: torch.
         raise ValueError(f"row_mask must be bool [T={T}], got {row_mask.dtype} "
                          f"{tuple(row_mask.shape)}")
     block_e = max(16, triton.next_power_of_2(E))
-    # a program keeps a few BLOCK_T x BLOCK_E fp32 arrays live: 4k values each at 4 warps
-    block_t = max(1, min(triton.next_power_of_2(T), 4096 // block_e))
+    # a program keeps a few BLOCK_T x BLOCK_E fp32 arrays live: 4k values each at 4 warps. Not
+    # sized from T: each BLOCK_T is a compile, and a decode row more or less costs nothing
+    block_t = max(1, min(16, 4096 // block_e))
     _router_topk_kernel[(triton.cdiv(T, block_t),)](
         logits, w, ids, row_mask if row_mask is not None else ids, T, E, logits.stride(0),
         TOPK=top_k, RENORM=bool(renormalize), HAS_MASK=row_mask is not None,

@@ -39,29 +39,43 @@ SMALL_Q = 16
 
 
 @triton.jit
-def _store_smallest(keys, q, out_ptr, F, BLOCK: tl.constexpr, SMALL: tl.constexpr):
-    """out[j] = (j-th smallest of keys) % BLOCK for j < q, -1 for q <= j < F. The keys below
-    _EXCLUDED are distinct (each carries its index), so both ways give the sorted order."""
-    idx = tl.arange(0, BLOCK)
-    tl.store(out_ptr + idx, tl.full([BLOCK], -1, tl.int64), mask=(idx >= q) & (idx < F))
-    if q <= SMALL:
-        rest = keys
-        for j in range(q):
-            low = tl.min(rest, axis=0)
-            tl.store(out_ptr + j, low % BLOCK)
-            rest = tl.where(rest == low, _EXCLUDED, rest)
-    else:
-        ordered = tl.sort(keys)
-        tl.store(out_ptr + idx, ordered % BLOCK, mask=(idx < q) & (idx < F))
+def _store_by_min(keys, q, out_ptr, BLOCK: tl.constexpr):
+    """out[j] = (j-th smallest of keys) % BLOCK for j < q, by q block-wide reductions."""
+    rest = keys
+    for j in range(q):
+        low = tl.min(rest, axis=0)
+        tl.store(out_ptr + j, low % BLOCK)
+        rest = tl.where(rest == low, _EXCLUDED, rest)
 
 
 @triton.jit
+def _store_smallest(keys, q, out_ptr, F, BLOCK: tl.constexpr, SMALL: tl.constexpr,
+                    SORT: tl.constexpr):
+    """out[j] = (j-th smallest of keys) % BLOCK for j < q, -1 for q <= j < F. The keys below
+    _EXCLUDED are distinct (each carries its index), so both ways give the sorted order.
+    Without SORT (the launch knows q <= F <= SMALL) the sort is not compiled at all."""
+    idx = tl.arange(0, BLOCK)
+    tl.store(out_ptr + idx, tl.full([BLOCK], -1, tl.int64), mask=(idx >= q) & (idx < F))
+    if SORT:
+        if q <= SMALL:
+            _store_by_min(keys, q, out_ptr, BLOCK)
+        else:
+            ordered = tl.sort(keys)
+            tl.store(out_ptr + idx, ordered % BLOCK, mask=(idx < q) & (idx < F))
+    else:
+        _store_by_min(keys, q, out_ptr, BLOCK)
+
+
+# every int that follows the step's token count, layer or cache size is left unspecialised:
+# Triton would otherwise compile a variant per (== 1, % 16 == 0) class of each (issue 20 item 6:
+# 42 compiles of ~6 s each on a first start of the 20-layer model)
+@triton.jit(do_not_specialize=["layer", "TK", "S", "F"])
 def _slot_decide_kernel(
     ids_ptr, num_fetch_ptr, owner_ptr, eslot_ptr, last_ptr, clock_ptr,
     slot_ids_ptr, cpu_ptr, fetch_e_ptr, fetch_s_ptr, counters_ptr, acc_ptr,
     layer, TK, E, S, F,
     BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr,
-    TABLE: tl.constexpr, SMALL: tl.constexpr, ACC: tl.constexpr,
+    TABLE: tl.constexpr, SMALL: tl.constexpr, SORT: tl.constexpr, ACC: tl.constexpr,
 ):
     base = layer * E
     e = tl.arange(0, BLOCK_E)  # [BE]
@@ -89,7 +103,7 @@ def _slot_decide_kernel(
     q = tl.minimum(q, S - n_hit)
 
     mkey = tl.where(miss, (TK - counts).to(tl.int64) * BLOCK_E + e, _EXCLUDED)  # [BE]
-    _store_smallest(mkey, q, fetch_e_ptr, F, BLOCK_E, SMALL)
+    _store_smallest(mkey, q, fetch_e_ptr, F, BLOCK_E, SMALL, SORT)
     # Refreshing the hit slots first marks them: after the barrier, last_use == now holds for
     # exactly the slots this step uses (the clock only grows), which keeps them from eviction.
     now = tl.load(clock_ptr) + 1
@@ -101,7 +115,7 @@ def _slot_decide_kernel(
     age = tl.where(owner >= 0, last, -1)  # [BS]
     candidate = s_ok & (last != now)
     vkey = tl.where(candidate, (age + 1) * BLOCK_S + s, _EXCLUDED)  # [BS]
-    _store_smallest(vkey, q, fetch_s_ptr, F, BLOCK_S, SMALL)
+    _store_smallest(vkey, q, fetch_s_ptr, F, BLOCK_S, SMALL, SORT)
     # every thread has read the clock before the first barrier; only now may it move
     tl.store(clock_ptr, now)
     tl.store(counters_ptr + 0, n_hit)
@@ -173,13 +187,16 @@ def slot_decide(
     fetch_s = torch.empty((F,), dtype=torch.int64, device=dev)  # [F]
     counters = torch.empty((3,), dtype=torch.int64, device=dev)  # [3]
     block_s = _pow2(S)
+    # constexprs take few values (each is a compile): the decode buckets' small fetch lists
+    # (F <= 32: no sort compiled), else one block of E; ids in chunks of 32 at every T
+    block_f = _pow2(F) if F <= 32 else _pow2(E)
     _slot_decide_kernel[(1,)](
         ids, nf, slot_owner, expert_slot, slot_last_use, clock,
         slot_ids, cpu_mask, fetch_e, fetch_s, counters,
         counters if accumulate is None else accumulate,
         layer, T * K, E, S, F,
-        BLOCK_TK=min(_pow2(T * K), 32), BLOCK_E=_pow2(E), BLOCK_S=block_s, BLOCK_F=_pow2(F),
-        TABLE=table, SMALL=SMALL_Q, ACC=accumulate is not None,
+        BLOCK_TK=32, BLOCK_E=_pow2(E), BLOCK_S=block_s, BLOCK_F=block_f,
+        TABLE=table, SMALL=SMALL_Q, SORT=block_f > SMALL_Q, ACC=accumulate is not None,
         num_warps=8 if block_s >= 2048 else 4,
     )
     return slot_ids, cpu_mask, fetch_e, fetch_s, counters
