@@ -68,12 +68,21 @@ class _Layout:
         return [buf[at:at + n].view(dt).view(shape) for at, dt, shape, n in self.specs]
 
 
+# a bucket whose capture failed this many times decodes eagerly from then on (a failure can be
+# transient: work of another thread that invalidated the capture)
+CAPTURE_TRIES = 3
+
+
 class _Bucket:
     def __init__(self, size: int):
         self.size = size
         self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}  # greedy? -> graph
-        self.failed = False
+        self.failures = 0  # failed captures since the graphs were last dropped
         self.attn: PagedDecode | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.failures >= CAPTURE_TRIES
 
 
 class DecodeStaging:

@@ -118,7 +118,7 @@ class DecodeRunner(DecodeStaging):
     def _drop_graphs(self) -> None:
         for b in self.buckets.values():
             b.graphs.clear()
-            b.failed = False
+            b.failures = 0
 
     def bucket(self, n: int) -> _Bucket | None:
         for b in sorted(self.buckets):
@@ -186,13 +186,17 @@ class DecodeRunner(DecodeStaging):
             torch.cuda.current_stream().wait_stream(s)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool):
+            # thread_local: only this thread's unsafe calls break the capture; the state host
+            # tier's filler and the CPU bridge allocate pinned memory on their own threads
+            # meanwhile (in "global" mode their cudaHostAlloc invalidated the capture, H200)
+            with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
                 self._forward(Bk, attn, greedy)
             torch.cuda.synchronize()
         except RuntimeError as e:  # a host sync or an uncapturable op somewhere in the step
-            log.warning(kv("capture_failed", bucket=Bk, greedy=greedy, error=repr(e)[:200]))
+            bk.failures += 1
+            log.warning(kv("capture_failed", bucket=Bk, greedy=greedy, tries=bk.failures,
+                           eager_from_now=bk.failed, error=repr(e)[:200]))
             torch.cuda.synchronize()
-            bk.failed = True
             return None
         finally:
             if self.moe is not None:  # the warm-up's routing is not the workload's

@@ -31,6 +31,9 @@ _ALIGN = 64
 CHUNK_TARGET = 64 << 20  # bytes per chunk, at least (one slot per chunk when a slot is larger)
 
 
+FILL_TRIES, FILL_RETRY_S = 4, 0.5  # a failed background allocation: retries, first pause
+
+
 @dataclass(frozen=True)
 class _Part:
     """One layer tensor's place inside a slot: byte offset, shape, dtype."""
@@ -110,9 +113,7 @@ class HostStates:
             if buf is None:
                 t0 = time.perf_counter()
                 slots = min(self.chunk_slots, self.num_slots - c * self.chunk_slots)
-                # empty: a slot is always written by a spill before a restore reads it
-                buf = torch.empty(slots * self.slot_bytes, dtype=torch.uint8,
-                                  pin_memory=self.pinned)
+                buf = self._alloc(slots * self.slot_bytes)
                 self.alloc_seconds += time.perf_counter() - t0
                 self._chunks[c] = buf
                 if on_demand:
@@ -120,6 +121,10 @@ class HostStates:
                     log.info(kv("state_host_chunk_on_demand", chunk=c, slots=slots,
                                 ms=f"{(time.perf_counter() - t0) * 1e3:.1f}"))
         return buf
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        # empty: a slot is always written by a spill before a restore reads it
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
 
     def views(self, slot: int) -> list[torch.Tensor]:
         """The slot's tensors, `like.conv + like.ssm` order (views into its chunk)."""
@@ -137,7 +142,8 @@ class HostStates:
             if self._stop.is_set():
                 return
             t = time.perf_counter()
-            self._chunk(c, on_demand=False)
+            if not self._fill_chunk(c):
+                return
             # paced: sleep as long as the allocation took (x pace), so the engine thread gets
             # the interpreter and the driver at least half of the time
             self._stop.wait((time.perf_counter() - t) * self._pace)
@@ -145,6 +151,22 @@ class HostStates:
                     mb=self.num_slots * self.slot_bytes // 2**20,
                     seconds=f"{time.perf_counter() - t0:.1f}",
                     alloc_seconds=f"{self.alloc_seconds:.1f}", on_demand=self.on_demand))
+
+    def _fill_chunk(self, c: int, tries: int = FILL_TRIES) -> bool:
+        """Allocate chunk c for the background fill; an allocation that fails (the driver
+        refused pinned memory for a moment: H200, a graph capture in "global" mode on the
+        engine thread) is retried after a pause, `tries` times in all. False: the fill stops
+        there, and the chunks left come on demand, as they do before the fill reaches them."""
+        for k in range(1, tries + 1):
+            try:
+                self._chunk(c, on_demand=False)
+                return True
+            except RuntimeError as e:
+                log.warning(kv("state_host_chunk_failed", chunk=c, attempt=k, tries=tries,
+                               error=repr(e)[:160]))
+                if self._stop.wait(FILL_RETRY_S * k):
+                    return False
+        return False
 
     def wait_filled(self, timeout: float | None = None) -> bool:
         """Block until the background fill is done (tests, benchmarks); True when it is."""

@@ -103,3 +103,33 @@ def test_spill_and_restore_round_trip_bit_for_bit() -> None:
         assert torch.equal(t[2], w)
     assert ops.counts["spill"] == ops.counts["restore"] == 1
     h.close()
+
+
+def test_background_fill_survives_failed_allocations(monkeypatch) -> None:
+    """A pinned allocation the driver refuses for a moment (on the H200: while the engine
+    thread captured a graph in "global" mode) is retried; the fill thread used to die on it,
+    leaving the rest of the tier to on-demand allocations in requests. Past its tries the fill
+    stops and the chunks left still come on demand."""
+    import freetoken.engine.host_states as hs
+
+    monkeypatch.setattr(hs, "FILL_RETRY_S", 0.01)
+
+    class Flaky(HostStates):
+        fails: dict[int, int] = {}
+
+        def _alloc(self, nbytes: int) -> torch.Tensor:
+            n = sum(c is not None for c in self._chunks)
+            if self.fails.get(n, 0) > 0:
+                self.fails[n] -= 1
+                raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+            return super()._alloc(nbytes)
+
+    like = _FakeState(2)
+    Flaky.fails = {3: 2}  # the 4th chunk fails twice, then succeeds
+    h = Flaky(like, 40, fill=True, chunk_target=1)
+    assert h.wait_filled(timeout=30) and h.on_demand == 0
+    Flaky.fails = {2: hs.FILL_TRIES}  # the 3rd chunk never succeeds in the fill's tries
+    h2 = Flaky(like, 40, fill=True, chunk_target=1)
+    assert not h2.wait_filled(timeout=30) and h2.chunks_ready == 2
+    h2.views(39)  # on demand, once the driver allows it again
+    assert h2.on_demand == 1 and h2.chunks_ready == 3
