@@ -2,13 +2,19 @@
 
 Read them through `VAR.get()` at the point of use (never at import time), so a test or a
 launcher that sets one before the call is honoured. The kernels read `FT_CPU_ISA` from here
-(the one freetoken module they import).
+(the one freetoken module they import). `tests/structure/test_envs.py` checks that every
+`FT_*` name in the sources is declared here and that nothing reads one past `EnvVar.get`.
+
+Paths the environment can move have one resolver each here, with the default and the error
+for a missing directory in one place: `routing_traces_dir()`, `harness_traces_dir()`.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -31,5 +37,58 @@ FT_LOG_LEVEL = EnvVar("FT_LOG_LEVEL", "INFO", "the `ft` commands' log level (--l
 FT_HARNESS_PREFIX = EnvVar("FT_HARNESS_PREFIX", None,
                            "where scripts/install_harnesses.sh installs the harnesses and "
                            "`ft launch` finds them (default $XDG_CACHE_HOME/freetoken/harnesses)")
+FT_ROUTING_TRACES = EnvVar("FT_ROUTING_TRACES", None,
+                           "the directory of the shared routing traces (`--route-trace "
+                           "shared`): decode_routing.npy, prefill_routing.npy, meta.json "
+                           "(default: the copy in the workloads package, "
+                           "workloads/data/routing_traces)")
+FT_HARNESS_TRACES = EnvVar("FT_HARNESS_TRACES", None,
+                           "the directory of the recorded harness traces (`ft bench anchors`' "
+                           "default, the demo checkpoint's training data; default: the "
+                           "checkout's tests/data/harness_traces)")
+# read by the test suite and its script, not by the package
+FT_PROXY_E2E_ALL = EnvVar("FT_PROXY_E2E_ALL", None,
+                          "1: tests/e2e/test_proxy_engine.py replays all seven harness traces "
+                          "(about 160 s), not the default few")
+FT_TEST_JOBS = EnvVar("FT_TEST_JOBS", "auto",
+                      "scripts/test.sh's pytest-xdist workers (0: in this process, for -x or "
+                      "--pdb); the script reads it")
 
-ALL = (FT_API_KEY, FT_CPU_ISA, FT_LOG_LEVEL, FT_HARNESS_PREFIX)
+ALL = (FT_API_KEY, FT_CPU_ISA, FT_LOG_LEVEL, FT_HARNESS_PREFIX, FT_ROUTING_TRACES,
+       FT_HARNESS_TRACES, FT_PROXY_E2E_ALL, FT_TEST_JOBS)
+
+
+def routing_traces_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """The shared routing traces' directory (a trained router's routing, replayed by
+    `--route-trace shared`): `FT_ROUTING_TRACES`, else `data/routing_traces` of the installed
+    `workloads` package (found through the import system, which does not import it). Raises
+    FileNotFoundError, naming the directory and the variable, when it holds no
+    decode_routing.npy."""
+    def default() -> Path:
+        spec = importlib.util.find_spec("workloads")
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError("the shared routing traces ship in the workloads package, "
+                                    f"which is not installed: set {FT_ROUTING_TRACES.name}=DIR")
+        return Path(next(iter(spec.submodule_search_locations))) / "data" / "routing_traces"
+
+    return _data_dir(FT_ROUTING_TRACES, default, "decode_routing.npy", environ)
+
+
+def harness_traces_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """The recorded harness traces (one directory per harness of `.jsonl` files: `ft bench
+    anchors`' default, the demo checkpoint's training data): `FT_HARNESS_TRACES`, else the
+    checkout's tests/data/harness_traces (a checkout only: `tests` is not installed). Raises
+    FileNotFoundError, naming the directory and the variable, when it holds no trace."""
+    return _data_dir(FT_HARNESS_TRACES,
+                     lambda: Path(__file__).resolve().parent.parent / "tests" / "data"
+                     / "harness_traces", "*/*.jsonl", environ)
+
+
+def _data_dir(var: EnvVar, default: Callable[[], Path], holds: str,
+              environ: Mapping[str, str] | None) -> Path:
+    given = var.get(environ)
+    path = Path(given) if given else default()
+    if not (path.is_dir() and next(path.glob(holds), None) is not None):
+        raise FileNotFoundError(f"{path} holds no {holds}: set {var.name}=DIR to the "
+                                "directory that does")
+    return path

@@ -6,7 +6,7 @@ agree; 1e-300 or any subnormal used to divide the logits into inf and the draw r
 always keeps the most likely token, and a distribution that still comes out non-finite or empty
 falls back to the argmax. Logits that are themselves non-finite (the largest is NaN, -inf or +inf:
 the model's computation of this row failed) raise `RowFailure`, which the engine answers by failing
-this request alone (`EngineCore._sample`): the other rows of the batch go on.
+this request alone (`EagerStep.sample`, engine/eager.py): the other rows of the batch go on.
 
 Shapes: B rows (one per sequence), V vocab.
 """

@@ -55,11 +55,10 @@ def main() -> int:
         import numpy as np
 
         from freetoken.bench.moe import TraceRouter, install_trace
-        from freetoken.bench.routing_trace import SHARED_TRACE_DIR
+        from freetoken.bench.route_trace import trace_path
 
-        path = (str(SHARED_TRACE_DIR / "decode_routing.npy") if a.route_trace == "shared"
-                else a.route_trace)
-        install_trace(model, TraceRouter(np.load(path), cfg.num_experts, cfg.top_k, device))
+        install_trace(model, TraceRouter(np.load(trace_path(a.route_trace)), cfg.num_experts,
+                                         cfg.top_k, device))
     if a.prefill_tokens:
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, cfg.vocab_size, (a.prefill_tokens,), generator=g).tolist()

@@ -39,14 +39,12 @@ from freetoken.bench.traces import (
     load_trace,
 )
 from freetoken.chat import ChatTokenizer
+from freetoken.envs import harness_traces_dir
 
 # Qwen3.6-35B-A3B: 30 gated-DeltaNet layers x (fp32 ssm 32 heads x 128 x 128 = 2 MiB + bf16 conv
 # 8192 channels x 3 = 48 KiB)
 QWEN36_SLOT_BYTES = 30 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)
 POLICIES = ["semantic", "semantic+cuts", "interval:4096", "end_only", "upstream", "llamacpp"]
-# the recorded harness traces that travel with the checkout (a byte-for-byte copy of the
-# team's shared/harness_traces); anything else comes through --traces
-DEFAULT_TRACES = Path(__file__).resolve().parents[2] / "tests" / "data" / "harness_traces"
 
 
 def adapter_cuts(req: Any, anchors: list, messages: list) -> list[int]:
@@ -151,7 +149,8 @@ def budgets(args: argparse.Namespace) -> list[tuple[int, int]]:
 
 
 def trace_files(specs: list[str] | None) -> list[Path]:
-    paths = [Path(x) for x in (specs or [str(DEFAULT_TRACES)])]
+    # default: the recorded traces of the checkout (envs.harness_traces_dir)
+    paths = [Path(x) for x in specs] if specs else [harness_traces_dir()]
     files = []
     for p in paths:
         if p.is_dir():

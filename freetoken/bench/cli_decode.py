@@ -124,6 +124,7 @@ def run_shape(args: argparse.Namespace) -> int:
 
     from freetoken.bench.moe import TraceRouter, bench_profile, install_trace, uniform_trace
     from freetoken.bench.random_model import random_model, random_quant_banks
+    from freetoken.bench.route_trace import trace_path
     from freetoken.cli.options import moe_options, resolve_device, resolve_dtype
     from freetoken.experts.store import ExpertStore
     from freetoken.types.model_config import ExpertFormat
@@ -174,13 +175,8 @@ def run_shape(args: argparse.Namespace) -> int:
                 uniform_trace(steps, len(blocks), rows, cfg.num_experts, cfg.top_k),
                 cfg.num_experts, cfg.top_k, device, rows))
         elif trace != "model":
-            path = trace
-            if path == "shared":  # a copy of ../shared/routing_traces travels with the repo
-                from freetoken.bench.routing_trace import SHARED_TRACE_DIR
-
-                path = str(SHARED_TRACE_DIR / "decode_routing.npy")
-            install_trace(model, TraceRouter(np.load(path), cfg.num_experts, cfg.top_k, device,
-                                             rows))
+            install_trace(model, TraceRouter(np.load(trace_path(trace)), cfg.num_experts,
+                                             cfg.top_k, device, rows))
         for batch in parse_batches(args.batch):
             print(f"[bench] routing {trace}, batch {batch}", flush=True)
             best = bench_rounds(args, model, store, opts, device, prompt, backends, batch)

@@ -6,7 +6,8 @@ Trace file format (`.npz`, written by `RoutingRecorder.save`, one decoded sequen
   decode       uint8 (E <= 256) or int16 `[steps, L, K]`: expert ids chosen at each decode step
   prefill      optional, same dtype, `[L, T, K]`: expert ids of the prompt's T tokens
   num_experts  int64 scalar; top_k int64 scalar
-The shared traces (a copy of ../shared/routing_traces in workloads/data: decode_routing.npy
+The shared traces (`envs.routing_traces_dir()`: FT_ROUTING_TRACES, else the copy in
+workloads/data/routing_traces; decode_routing.npy
 `[steps, L, N, K]`, prefill_routing.npy `[L, N, T, K]`) load into the same in-memory form,
 `RoutingTrace`, which is sequence-major: decode `[N, steps, L, K]`, prefill `[N, L, T, K]`
 (or None).
@@ -19,11 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from freetoken.models.routing_hooks import (  # noqa: F401
-    SHARED_TRACE_DIR,
-    RoutingRecorder,
-    attach_recorder,
-)
+from freetoken.envs import routing_traces_dir
+from freetoken.models.routing_hooks import RoutingRecorder, attach_recorder  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -48,7 +46,7 @@ class RoutingTrace:
 def load_trace(source: str | Path) -> RoutingTrace:
     """Load a recorder `.npz` file, or a directory in the shared-trace layout ("shared" = the
     shared traces)."""
-    path = SHARED_TRACE_DIR if str(source) == "shared" else Path(source)
+    path = routing_traces_dir() if str(source) == "shared" else Path(source)
     if path.is_dir():
         decode = np.load(path / "decode_routing.npy")  # [steps, L, N, K]
         pre_path = path / "prefill_routing.npy"

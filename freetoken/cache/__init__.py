@@ -1,5 +1,7 @@
-"""Prefix caches: KV slot allocator, radix tree, recurrent-state pool, hybrid radix cache and
-snapshot placement policies. Pure bookkeeping over integer slot ids; the engine owns tensors and
+"""Prefix caches: KV slot allocator, radix tree, recurrent-state pool, the hybrid-state radix
+cache (`hybrid.py`; its reuse rule in `reuse.py`, its snapshot table in `tiers.py`) and
+snapshot placement policies. Bookkeeping over integer slot ids, except `tensors.py`: the device
+pools the ids index, which the engine allocates and the scheduler never imports; the engine
 carries out the state ops the cache decides (`HybridRadixCache.take_ops`).
 
 Snapshot eviction (what survives when the device state pool is full):

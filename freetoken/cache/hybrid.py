@@ -1,18 +1,10 @@
-"""Hybrid radix cache: attention KV for any prefix, recurrent state only at snapshots.
+"""Hybrid-state radix cache: attention KV for any prefix, recurrent state only at snapshots.
 
 A snapshot is a state-pool slot attached to a radix node: it holds the linear-attention state
-(conv + ssm, every linear layer) covering exactly `[0, node.depth)`. Linear layers can only
-resume from a snapshot, so for a hybrid model the reusable prefix of `ids` is
-
-    usable = deepest snapshot position s with s <= min(KV match of ids, len(ids) - 1)
-
-(0 with a zero state when there is none); for a model without linear layers (`state_pool=None`)
-usable = min(KV match, len(ids) - 1). The `len(ids) - 1` cap exists because the caller must
-feed at least the last prompt token to get logits, except where the logits are kept
-(`logits.py`): when the whole of `ids` is cached and the node ending at `len(ids)` holds both a
-snapshot and a kept logits row, usable = len(ids) and `HybridMatch.logits_slot` names the row,
-so an exact repeat (and, with the rows the scheduler keeps at L - 1, a resend one token back)
-computes nothing before its first token.
+(conv + ssm, every linear layer) covering exactly `[0, node.depth)`. How much of a prompt a
+match reuses (the deepest snapshot within the KV match, the `len - 1` cap, kept logits) is the
+rule in `reuse.py`; this class owns the tree, the snapshot tiers, the kept logits and the pins,
+and keeps them consistent.
 
 Ownership of state slots: `alloc_state` hands a slot to the caller (a running request's
 working state, or the target of a mid-prefill copy). `attach_snapshot`/`insert_snapshot`
@@ -45,44 +37,16 @@ import torch
 from freetoken.cache.allocator import SlotAllocator
 from freetoken.cache.lineage import Lineage
 from freetoken.cache.logits import KeptLogits
-from freetoken.cache.node import TreeNode, as_ids
+from freetoken.cache.node import Pins, TreeNode, as_ids
 from freetoken.cache.policy import END, CheckpointPolicy, class_rank, create_policy
 from freetoken.cache.radix import Committed, RadixCache
+from freetoken.cache.reuse import HybridMatch, find_reuse
 from freetoken.cache.snapshots import COPY, DEVICE, HOST, RESET, RESTORE, Snapshot, StateOp
 from freetoken.cache.state_pool import StatePool
 from freetoken.cache.tiers import SnapshotTiers
 from freetoken.log import get_logger, kv
 
 log = get_logger("cache")
-
-
-class HybridMatch(NamedTuple):
-    """Reuse decision for one prompt.
-
-    `length`: tokens `[0, length)` need no recompute; `kv_slots` (`[length]`, tree-owned) are
-    their KV; `node` ends at `length` (lock it). `kv_len`: raw KV match of `ids[:len-1]`.
-    `state_len`/`state_slot`/`state_class`: the snapshot resumed from (`state_len == length`,
-    slot -1 and class None when none: start from a zero state; always so without a state pool).
-    `reason`: why no longer reuse: `last_token` (capped at len-1), `no_snapshot_after=S` (KV
-    matched further but no snapshot past S), `kv_miss_at=K` (the KV prefix diverges at K).
-    `state_tier`: `device`/`host` (None without a snapshot). `lost`: when a snapshot deeper
-    than `length` within the KV match existed and went away, `why:tier@pos` of the deepest
-    (`device_full`: evicted with no host room, `host_full`: evicted from the host tier);
-    empty otherwise. `logits_slot`: the kept logits row of the whole prompt (`length ==
-    len(ids)`, reason `kept_logits`; sample the first token from it, feed nothing), else -1.
-    """
-
-    length: int
-    kv_len: int
-    state_len: int
-    state_slot: int
-    node: TreeNode
-    kv_slots: torch.Tensor  # [length]
-    reason: str
-    state_class: str | None
-    state_tier: str | None = None
-    lost: str = ""
-    logits_slot: int = -1
 
 
 class Released(NamedTuple):
@@ -105,14 +69,13 @@ class HybridRadixCache:
         self.state_pool = state_pool
         self.host_pool = host_pool
         self.policy = policy if policy is not None else create_policy("semantic")
+        self.lineage = Lineage()
         self.tiers = SnapshotTiers(state_pool if state_pool is not None else StatePool(0),
                                    host_pool, eviction, horizon, lambda n: n.depth,
-                                   lambda n: n.parent)
-        self.lineage = Lineage()
-        self.tiers.lineage = self.lineage
+                                   lambda n: n.parent, self.lineage)
         self.logits = KeptLogits(logits_slots if state_pool is not None else 0)
         self.tiers.on_drop = self.logits.drop
-        self._pins: dict[TreeNode, int] = {}
+        self._pins = Pins()  # nodes locked by running requests: their snapshots stay
         self.counters = {"matches": 0, "reused_tokens": 0, "snapshot_hits": 0}
 
     @property
@@ -148,71 +111,19 @@ class HybridRadixCache:
     # -- lookup -------------------------------------------------------------------------------
 
     def match(self, ids: Sequence[int] | torch.Tensor, user: str | None = None) -> HybridMatch:
-        """Longest reusable prefix of `ids` under the rule in the module docstring. Marks the
-        used path and snapshot recently used, counts the resume (and `user`, the session) on
-        the snapshot. Nothing is locked: lock `node` before anything can evict."""
+        """Longest reusable prefix of `ids` (`reuse.py`'s rule). Marks the used path and
+        snapshot recently used, counts the resume (and `user`, the session) on the snapshot.
+        Nothing is locked: lock `node` before anything can evict."""
         key = as_ids(ids)
-        cap = max(len(key) - 1, 0)
-        tier, lost = None, ""
-        if not self.has_state_pool:
-            m = self.radix.lookup(key[:cap])
-            kv_len = length = m.length
-            state_len, node, slots, slot, cls = 0, m.node, m.slots, -1, None
-        else:
-            path, n, _, k = self.radix.walk(key[:cap])
-            kv_len = n + k
-            whole = self._kept_whole(key)
-            if whole is not None:
-                path, kv_len = whole, len(key)
-            i = len(path) - 1
-            while i >= 0 and path[i] not in self._snaps:
-                i -= 1
-            gone = [x for x in path[i + 1:] if x in self.tiers.gone]
-            if gone:
-                lost = f"{self.tiers.gone[gone[-1]]}@{gone[-1].depth}"
-            use = path[: i + 1]
-            self.radix.touch(use)
-            node = use[-1] if use else self.radix.root
-            length = state_len = node.depth
-            slots = torch.cat([x.value for x in use]) if use else torch.empty(0, dtype=torch.long)
-            snap = self._snaps.get(node)
-            slot, cls = (-1, None) if snap is None else (snap.slot, snap.cls)
-            if snap is not None:
-                tier = snap.tier
-                snap.last_access = self.tiers.tick()
-                snap.hits += 1
-                if user is not None:
-                    snap.users.add(user)
-                    self.lineage.touch(user, node)
-                self.counters["snapshot_hits"] += 1
-        logits_slot = -1
-        if len(key) == 0:
-            reason = "empty"
-        elif length == len(key):
-            reason, logits_slot = "kept_logits", self.logits.hit(node)
-        elif length == cap:
-            reason = "last_token"
-        elif length < kv_len:
-            reason = f"no_snapshot_after={length}"
-        else:
-            reason = f"kv_miss_at={kv_len}"
+        m = find_reuse(self.radix, self.tiers if self.has_state_pool else None, self.logits,
+                       key, user)
         self.counters["matches"] += 1
-        self.counters["reused_tokens"] += length
-        log.debug(kv("match", tokens=len(key), kv=kv_len, state=state_len, reused=length,
-                     cls=cls, tier=tier, reason=reason, lost=lost or None))
-        return HybridMatch(length, kv_len, state_len, slot, node, slots, reason, cls, tier, lost,
-                           logits_slot)
-
-    def _kept_whole(self, key: list[int]) -> list[TreeNode] | None:
-        """The path to the node ending at `len(key)` when all of `key` is cached there and that
-        node holds a snapshot and a kept logits row, else None."""
-        if not self.logits.at or not key:
-            return None
-        path, n, partial, _ = self.radix.walk(key)
-        if partial is not None or n != len(key) or not path:
-            return None
-        end = path[-1]
-        return path if end in self._snaps and end in self.logits.at else None
+        self.counters["reused_tokens"] += m.length
+        self.counters["snapshot_hits"] += m.state_tier is not None
+        log.debug(kv("match", tokens=len(key), kv=m.kv_len, state=m.state_len, reused=m.length,
+                     cls=m.state_class, tier=m.state_tier, reason=m.reason,
+                     lost=m.lost or None))
+        return m
 
     def alloc_logits(self) -> int | None:
         """A caller-owned kept-logits slot (`logits.py`), or None (none configured, or every
@@ -267,15 +178,11 @@ class HybridRadixCache:
     def lock(self, node: TreeNode) -> None:
         """Lock `node`'s path against KV eviction and pin the snapshot at `node` (if any)."""
         self.radix.lock(node)
-        self._pins[node] = self._pins.get(node, 0) + 1
+        self._pins.add(node)
 
     def unlock(self, node: TreeNode) -> None:
         self.radix.unlock(node)
-        left = self._pins[node] - 1
-        if left:
-            self._pins[node] = left
-        else:
-            del self._pins[node]
+        self._pins.remove(node)
 
     def insert(self, ids: Sequence[int] | torch.Tensor, slots: torch.Tensor) -> int:
         """`RadixCache.insert`: same return value and slot ownership."""
@@ -285,12 +192,8 @@ class HybridRadixCache:
                tree_len: int) -> Committed:
         """`RadixCache.commit` (same contract); the snapshot pin moves with the lock."""
         c = self.radix.commit(ids, slots, node, tree_len)
-        self._pins[c.node] = self._pins.get(c.node, 0) + 1
-        left = self._pins[node] - 1
-        if left:
-            self._pins[node] = left
-        else:
-            del self._pins[node]
+        self._pins.add(c.node)
+        self._pins.remove(node)
         return c
 
     def release(self, ids: Sequence[int] | torch.Tensor, slots: torch.Tensor, node: TreeNode,
@@ -342,39 +245,21 @@ class HybridRadixCache:
         `user` counted); the caller keeps `state_slot`."""
         if self.state_pool is None:
             raise ValueError("attach_snapshot on a cache without a state pool")
-        rank = class_rank(cls)
+        class_rank(cls)  # an unknown class raises before anything changes
         if node is self.radix.root:
             raise ValueError("a snapshot at position 0 is the zero state; nothing to attach")
         self.radix.path_to_root(node)  # raises on a detached (evicted) handle
         if self.state_pool.is_free(state_slot):
             raise ValueError(f"state slot {state_slot} is not allocated")
-        old = self._snaps.get(node)
-        if old is not None:
-            if rank > class_rank(old.cls):
-                old.cls = cls
-            old.last_access = self.tiers.tick()
-            if user is not None:
-                old.users.add(user)
-                self.lineage.touch(user, node)
+        if node in self._snaps:
+            old = self.tiers.keep(node, cls, user)
             log.debug(kv("snapshot_keep", pos=node.depth, slot=old.slot, tier=old.tier,
                          cls=old.cls))
             return False
         self.tiers.attach(node, state_slot, cls, user)
-        self._supersede(node, user)
+        self.tiers.supersede(node, user)
         log.debug(kv("snapshot", pos=node.depth, slot=state_slot, cls=cls))
         return True
-
-    def _supersede(self, node: TreeNode, user: str | None) -> None:
-        """A deeper snapshot of the same session now covers the path: the plain snapshots above
-        it (class <= anchor, no other session) lose their resume bonus; a session that keeps
-        appending resumed from them only because they were its latest."""
-        mine = {user} if user is not None else set()
-        x = node.parent
-        while x is not None and x is not self.radix.root:
-            s = self._snaps.get(x)
-            if s is not None and s.hits and s.users <= mine and class_rank(s.cls) <= 1:
-                s.hits = 0
-            x = x.parent
 
     def insert_snapshot(self, ids_prefix: Sequence[int] | torch.Tensor, state_slot: int,
                         cls: str, user: str | None = None) -> bool:

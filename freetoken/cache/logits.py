@@ -14,7 +14,7 @@ recently used row whose node no running request has locked is taken back.
 """
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Container, Hashable
 
 from freetoken.cache.state_pool import StatePool
 from freetoken.log import get_logger, kv
@@ -39,7 +39,7 @@ class KeptLogits:
         self._clock += 1
         return self._clock
 
-    def alloc(self, pinned: dict) -> int | None:
+    def alloc(self, pinned: Container[Node]) -> int | None:
         """One caller-owned slot, taking back the least recently used unpinned row if none is
         free; None when there are no slots or every row's node is pinned."""
         if self.pool.num_slots == 0:

@@ -27,6 +27,27 @@ class TreeNode:
                 f"lock={self.lock_ref})")
 
 
+class Pins:
+    """Nodes pinned by locks, counted: a node locked twice stays pinned until its second
+    unlock. The snapshot tiers and the kept logits never move what is pinned (`in`)."""
+
+    def __init__(self) -> None:
+        self._count: dict[TreeNode, int] = {}
+
+    def add(self, node: TreeNode) -> None:
+        self._count[node] = self._count.get(node, 0) + 1
+
+    def remove(self, node: TreeNode) -> None:
+        left = self._count[node] - 1
+        if left:
+            self._count[node] = left
+        else:
+            del self._count[node]
+
+    def __contains__(self, node: object) -> bool:
+        return node in self._count
+
+
 def as_ids(ids: Sequence[int] | torch.Tensor) -> list[int]:
     return ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
 

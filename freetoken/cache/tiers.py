@@ -7,9 +7,10 @@ request) are never moved or dropped here.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Container, Hashable
 
 from freetoken.cache.lineage import Lineage
+from freetoken.cache.policy import class_rank
 from freetoken.cache.snapshots import (
     DEVICE,
     EVICTIONS,
@@ -66,7 +67,7 @@ class SnapshotTiers:
         return victim_key(s, self.eviction, self.horizon, node in self._covered,
                           self.lineage.bonus(node, s.users))
 
-    def _victims(self, tier: str, pinned: dict) -> list[Node]:
+    def _victims(self, tier: str, pinned: Container[Node]) -> list[Node]:
         """Unpinned snapshots of `tier`, first victim first. Refreshes which snapshots have
         another snapshot below them (`_covered`), which `_key` reads until the next call."""
         covered: set[Node] = set()
@@ -89,6 +90,31 @@ class SnapshotTiers:
         self.counters["snapshots_taken"] += 1
         return s
 
+    def keep(self, node: Node, cls: str, user: str | None) -> Snapshot:
+        """A snapshot already sits at `node` (same tokens, same state) and another is offered:
+        the one there stays, its class raised to `cls` if higher, its use refreshed, `user`
+        counted."""
+        s = self.snaps[node]
+        if class_rank(cls) > class_rank(s.cls):
+            s.cls = cls
+        s.last_access = self.tick()
+        if user is not None:
+            s.users.add(user)
+            self.lineage.touch(user, node)
+        return s
+
+    def supersede(self, node: Node, user: str | None) -> None:
+        """A deeper snapshot of `user`'s session now covers the path to `node`: the plain
+        snapshots above it (class <= anchor, no other session) lose their resume bonus; a
+        session that keeps appending resumed from them only because they were its latest."""
+        mine = {user} if user is not None else set()
+        x = self.parent(node)
+        while x is not None:
+            s = self.snaps.get(x)
+            if s is not None and s.hits and s.users <= mine and class_rank(s.cls) <= 1:
+                s.hits = 0
+            x = self.parent(x)
+
     def drop(self, node: Node, why: str, counter: str = "snapshots_dropped") -> None:
         s = self.snaps.pop(node)
         self.lineage.forget_node(node)
@@ -104,7 +130,7 @@ class SnapshotTiers:
         """The node left the tree: no reason to remember about it."""
         self.gone.pop(node, None)
 
-    def _host_slot_for(self, node: Node, pinned: dict) -> int | None:
+    def _host_slot_for(self, node: Node, pinned: Container[Node]) -> int | None:
         """A host slot for `node`'s snapshot, dropping a host snapshot of lower value if the
         host tier is full; None when there is no host tier or everything there is worth more."""
         if self.host is None or self.host.num_slots == 0:
@@ -116,7 +142,7 @@ class SnapshotTiers:
             self.drop(cands[0], "host_full", "snapshots_evicted")
         return self.host.alloc_one()
 
-    def evict_device(self, n: int, pinned: dict) -> int:
+    def evict_device(self, n: int, pinned: Container[Node]) -> int:
         """Free up to `n` device slots: each victim (lowest value first) moves to the host tier
         (one spill op) or, when the host keeps everything it has, is dropped."""
         if n <= 0:

@@ -13,7 +13,7 @@ A row whose largest logit (after the blocked stop ids) is not finite (a NaN anyw
 -inf, or an overflow to +inf: the model computed it wrong) draws no token: its id is
 `FAILED_ROW` (-1), checked per row on the device without a host sync (so it can be captured),
 and the engine fails that request alone
-(`EngineCore._on_token`; the CPU sampler raises `RowFailure` for the same rows). A decode step
+(`EngineCore._postprocess`; the CPU sampler raises `RowFailure` for the same rows). A decode step
 chained on a failed row feeds it token 0 instead (graph_runner), never an id out of range.
 
 Shapes: B rows, V vocabulary, NB blocked-id columns.

@@ -6,7 +6,7 @@ import torch
 
 from freetoken.engine.decode_staging import DecodeRow
 from freetoken.engine.gpu_sampler import RowSampling
-from freetoken.scheduler.scheduler import BatchItem
+from freetoken.scheduler.plan import BatchItem
 from freetoken.types.forward_batch import ForwardBatch, MoEStep
 
 

@@ -32,6 +32,7 @@ from typing import Any
 from freetoken.chat.anthropic_map import anthropic_to_template
 from freetoken.chat.openai_map import openai_to_template
 from freetoken.chat.tokenizer import ChatTokenizer
+from freetoken.envs import harness_traces_dir
 from freetoken.models.demo_harnesses import HARNESSES, MINI_DONE, Harness
 from freetoken.models.demo_tasks import Task, Turn, make_task
 from freetoken.models.tool_schema import schema_errors, tool_call_errors  # noqa: F401
@@ -41,13 +42,14 @@ from freetoken.models.tool_schema import schema_errors, tool_call_errors  # noqa
 #     another harness's tool on its prompt); generated in shards of one harness, each with its
 #     own seeded rng, so they can run in parallel
 DATA_VERSION = 3
-TRACES = Path(__file__).resolve().parents[2] / "tests" / "data" / "harness_traces"
 RECORDED_CWD = "/home/dev/project"
 _RECORDED_TASK = re.compile(r"Explore this repo:[^\n\"]*?summarize\.")
 
 
-def recorded_body(h: Harness, traces: Path = TRACES) -> dict[str, Any]:
-    with open(traces / h.trace, encoding="utf-8") as f:
+def recorded_body(h: Harness, traces: Path | None = None) -> dict[str, Any]:
+    """The request `h` names in the recorded traces (`traces`: default
+    `envs.harness_traces_dir()`)."""
+    with open((traces or harness_traces_dir()) / h.trace, encoding="utf-8") as f:
         for line in f:
             rec = json.loads(line)
             if rec["seq"] == h.seq:
@@ -87,7 +89,7 @@ def _replace_task(obj: Any, task_text: str, cwd: str) -> Any:
 
 
 def base_request(h: Harness, task_text: str, cwd: str,
-                 traces: Path = TRACES) -> dict[str, Any]:
+                 traces: Path | None = None) -> dict[str, Any]:
     body = recorded_body(h, traces)
     if h.api == "responses":
         body = responses_to_openai(body)
@@ -151,7 +153,7 @@ class Sample:
     mask: list[int]  # 1 where the token is an assistant output the loss trains on
 
 
-def corpus_lines(traces: Path = TRACES) -> list[str]:
+def corpus_lines(traces: Path | None = None) -> list[str]:
     """Plain lines of the recorded system prompts (20-90 characters, no markup): file contents
     for the read tasks."""
     seen: set[str] = set()
@@ -169,7 +171,7 @@ def corpus_lines(traces: Path = TRACES) -> list[str]:
     return sorted(seen)
 
 
-def conversation(h: Harness, rng: random.Random, traces: Path = TRACES,
+def conversation(h: Harness, rng: random.Random, traces: Path | None = None,
                  corpus: list[str] | None = None) -> tuple[dict[str, Any], list[Task]]:
     """One synthetic conversation body (API shape) of one to three tasks."""
     cwd = rng.choice(["/home/dev/project", "/home/user/app", "/work/repo", "/tmp/demo",
@@ -278,7 +280,7 @@ def _shards(counts: dict[str, int]) -> list[tuple[str, int, int]]:
 
 
 def generate_shard(name: str, k: int, n: int, seed: int, tok: ChatTokenizer,
-                   traces: Path = TRACES) -> list[Sample]:
+                   traces: Path | None = None) -> list[Sample]:
     """Shard `k` of harness `name`: `n` samples from `random.Random(f"{seed}:{name}:{k}")`
     (a string seed is hashed the same way on every run and machine)."""
     rng = random.Random(f"{seed}:{name}:{k}")
@@ -307,10 +309,12 @@ def _worker(job: tuple[str, int, int, int, str]) -> list[Sample]:
 
 
 def generate(counts: dict[str, int], seed: int, tok: ChatTokenizer,
-             traces: Path = TRACES, jobs: int = 1, tok_dir: Path | None = None) -> list[Sample]:
+             traces: Path | None = None, jobs: int = 1, tok_dir: Path | None = None
+             ) -> list[Sample]:
     """`counts[harness]` samples of each harness from one seed, shard by shard (`_shards`):
     the same samples whatever `jobs` (worker processes, which load the tokenizer from
-    `tok_dir`)."""
+    `tok_dir`). `traces`: default `envs.harness_traces_dir()`."""
+    traces = traces or harness_traces_dir()
     shards = _shards(counts)
     if jobs <= 1 or tok_dir is None:
         parts = [generate_shard(name, k, n, seed, tok, traces) for name, k, n in shards]

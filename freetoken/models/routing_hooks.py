@@ -25,11 +25,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from freetoken.envs import routing_traces_dir
 from freetoken.log import get_logger, kv
 from freetoken.models.qwen import QwenMoE
-
-# A copy of ../shared/routing_traces (a trained router's routing) travels with the package.
-SHARED_TRACE_DIR = Path(__file__).resolve().parents[2] / "workloads" / "data" / "routing_traces"
 
 log = get_logger("experts")
 replay_log = get_logger("engine")
@@ -111,8 +109,11 @@ def attach_recorder(model: QwenMoE, path: str | None = None) -> RoutingRecorder:
 
 
 def trace_path(spec: str) -> Path:
-    if spec == "shared":  # a copy of ../shared/routing_traces travels with the repo
-        return SHARED_TRACE_DIR / "decode_routing.npy"
+    """The decode trace `spec` names: "shared", the shared traces' decode_routing.npy
+    (`envs.routing_traces_dir`: FT_ROUTING_TRACES or the workloads package's copy), else the
+    path itself."""
+    if spec == "shared":
+        return routing_traces_dir() / "decode_routing.npy"
     return Path(spec)
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.scheduler.finish import ends_by_length_next
-from freetoken.scheduler.scheduler import BatchItem, Scheduler
+from freetoken.scheduler.plan import BatchItem
+from freetoken.scheduler.scheduler import Scheduler
 
 
 @dataclass

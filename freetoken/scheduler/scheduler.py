@@ -18,10 +18,9 @@ KV slots are allocated per chunk; when the pool runs dry the newest request is p
 computed prefix is committed to the tree and its working state donated as a snapshot, so it
 resumes from where it stopped if nothing evicts them meanwhile.
 
-Kept logits (hybrid models, `cache/logits.py`): the prompt chunks ending at `prompt_len - 1`
-and `prompt_len` keep their last row's logits beside the snapshot there (the scheduler adds the
-`prompt_len` snapshot point); a prompt whose whole length matches such a node is admitted with
-nothing to feed, and its first step is a row of 0 tokens that samples from the kept logits.
+What each request holds in the cache (its match, KV row, working state, the snapshots and
+kept logits its chunks take) is `CacheManager`'s (cache_manager.py); the plan's types and the
+budget's split are in plan.py.
 
 Siblings (sub-agents fanned out together): a waiting request whose prompt shares a long prefix
 with a running request's prefill still to compute waits until that sibling has passed it, then
@@ -32,61 +31,29 @@ than without the waiting sibling.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from freetoken.cache import HybridRadixCache, SlotAllocator, StateOp, StatePool, create_policy
-from freetoken.cache.policy import END
 from freetoken.log import get_logger, kv
+from freetoken.scheduler.cache_manager import CacheManager
+from freetoken.scheduler.plan import BatchItem, StepPlan, water_fill
 from freetoken.scheduler.request import Request
 
+__all__ = ["BatchItem", "Scheduler", "StepPlan"]
 log = get_logger("sched")
-
-
-@dataclass
-class BatchItem:
-    """One sequence's rows this step: `token_ids` at positions `[start, start + n)`, whose KV
-    goes to `kv_slots[start:]` (`kv_slots[:start]` hold the cached prefix)."""
-
-    req: Request
-    n: int  # tokens fed this step
-    wants_logits: bool
-    start: int = 0
-    token_ids: list[int] | None = None
-    kv_slots: torch.Tensor | None = None  # [start + n]
-    snapshot: tuple[int, str, int] | None = None  # (position, class, fresh state slot)
-    keep_logits: int | None = None  # kept-logits slot the engine writes this item's last row to
-    logits_from: int | None = None  # n == 0: the kept row its first token is sampled from
-
-
-@dataclass
-class StepPlan:
-    """What the engine carries out this step, in order: `pre_ops`, the forward of `items`,
-    `post_ops`, then `after_forward` per item."""
-
-    items: list[BatchItem]
-    pre_ops: list[StateOp]
-    post_ops: list[StateOp]
 
 
 class Scheduler:
     def __init__(self, kv_slots: int, state_slots: int, has_state: bool,
                  max_running: int = 4, chunk_tokens: int = 512, policy: str = "semantic",
                  host_slots: int = 0, eviction: str = "value", logits_slots: int = 0):
-        self.kv_alloc = SlotAllocator(kv_slots)
+        self.cm = CacheManager(kv_slots, state_slots, has_state, chunk_tokens, policy,
+                               host_slots, eviction, logits_slots)
         self.has_state = has_state  # the model has linear-attention layers (a state pool)
-        # interval snapshots no finer than a prefill chunk: each chunk ends at a snapshot
-        # point, and with layer streaming every chunk costs a pass of the experts over the link
-        self.policy = create_policy(policy, **({"fill_every": max(4096, chunk_tokens)}
-                                               if policy == "semantic" else {}))
-        self.cache = HybridRadixCache(self.kv_alloc, StatePool(state_slots) if has_state else None,
-                                      self.policy,
-                                      StatePool(host_slots) if has_state and host_slots else None,
-                                      eviction, logits_slots=logits_slots)
+        self.cache, self.kv_alloc, self.policy = self.cm.cache, self.cm.kv_alloc, self.cm.policy
+        self.reuse = self.cm.reuse  # why prompts resumed short of their KV match, counted
         self.max_running, self.chunk_tokens = max_running, chunk_tokens
-        self.reuse: dict[str, int] = {}  # why prompts resumed short of their KV match, counted
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # requests of a failed batch, re-run alone (`retry_alone`): id(request) -> the position
@@ -116,83 +83,23 @@ class Scheduler:
                     # a cancelled prefill (a client that gave up, e.g. Claude Code after 300 s
                     # without a byte, then re-sends it): keep its completed chunks, as a
                     # preemption does, so the re-sent prompt resumes there
-                    self.release(r)
+                    self.cm.release(r)
                 else:
-                    self._drop(r)
+                    self.cm.drop(r)
                 self.running.remove(r)
-                self._end_lineage(r)
+                self.cm.end_lineage(r)
                 self.alone.pop(id(r), None)
                 r.aborted = True
                 log.info(kv("abort", rid=rid, computed=r.computed, generated=r.num_generated))
                 return True
         return False
 
-    @property
-    def keeps_logits(self) -> bool:
-        """Whether prompts keep their last logits rows (`cache/logits.py`)."""
-        return self.cache.logits.pool.num_slots > 0
-
-    def user(self, r: Request) -> str:
-        """Who shares a snapshot: the session key, else the request itself."""
-        return r.req.session_key or r.rid
-
-    def _admit(self, r: Request) -> bool:
-        m = self.cache.match(r.ids, self.user(r))
-        self.cache.lock(m.node)
-        slot = None
-        if self.has_state:
-            slot = self.cache.alloc_state()
-            if slot is None:
-                self.cache.unlock(m.node)
-                return False
-            self.cache.load_state(m, slot)
-        r.node, r.tree_len, r.computed, r.state_slot = m.node, m.length, m.length, slot
-        if not r.in_lineage:  # once per request: a preempted one is re-admitted, not new
-            r.in_lineage = True
-            self.cache.begin(self.user(r), r.req.parent_key, m)
-        r.row = m.kv_slots.clone()
-        if r.num_generated == 0:
-            r.cached_tokens, r.reuse_reason = m.length, m.reason
-            r.kv_match, r.state_tier, r.lost = m.kv_len, m.state_tier, m.lost
-            why = m.reason.split("=")[0] + (f"({m.lost.split('@')[0]})" if m.lost else "")
-            tier = f"resumed_{m.state_tier or 'none'}"
-            for k in (why, tier):
-                self.reuse[k] = self.reuse.get(k, 0) + 1
-        points = self.policy.positions(r.prompt_len, r.req.anchors) if self.has_state else []
-        if self.keeps_logits and r.num_generated == 0:
-            points.append((r.prompt_len, END))  # the state beside the prompt's kept logits
-        r.snap_points = [(p, c) for p, c in points if p > m.length]
-        r.logits_from = m.logits_slot if m.logits_slot >= 0 else None
-        log.info(kv("admit", rid=r.rid, prompt=r.prompt_len, reused=m.length, kv_match=m.kv_len,
-                    state_from=m.state_len, state_cls=m.state_class, tier=m.state_tier,
-                    reason=m.reason, lost=m.lost or None, snapshots=len(r.snap_points)))
-        return True
-
     # -- releasing ---------------------------------------------------------------------------
 
-    def _drop(self, r: Request) -> None:
-        """Abort: free what the request owns, keep what the tree owns."""
-        self.kv_alloc.free(r.row[r.tree_len:])
-        self.cache.unlock(r.node)
-        if r.state_slot is not None:
-            assert self.cache.state_pool is not None
-            self.cache.state_pool.free([r.state_slot])
-        r.node, r.row, r.state_slot = None, torch.empty(0, dtype=torch.long), None
-
-    def release(self, r: Request) -> None:
-        """Finish or preempt: commit the computed prefix, donate the working state there."""
-        n = r.computed
-        rel = self.cache.release(r.ids[:n], r.row[:n], r.node, r.tree_len,
-                                 r.state_slot if n > 0 else None, END, self.user(r))
-        if r.state_slot is not None and not rel.snapshot_taken:
-            assert self.cache.state_pool is not None
-            self.cache.state_pool.free([r.state_slot])
-        r.node, r.row, r.state_slot, r.tree_len = None, torch.empty(0, dtype=torch.long), None, 0
-
     def finish(self, r: Request) -> None:
-        self.release(r)
+        self.cm.release(r)
         self.running.remove(r)
-        self._end_lineage(r)
+        self.cm.end_lineage(r)
         self.alone.pop(id(r), None)
 
     def retry_alone(self, r: Request, until: int) -> None:
@@ -201,16 +108,11 @@ class Scheduler:
         `r` waits at the front of the queue to recompute from its cached prefix, admitted only
         into an empty batch and batched with no one until it has computed `ids[:until]`: a
         failure that follows it there is its own (engine/isolation.py)."""
-        self._drop(r)
+        self.cm.drop(r)
         r.computed = r.tree_len = 0
         self.running.remove(r)
         self.waiting.appendleft(r)
         self.alone[id(r)] = until
-
-    def _end_lineage(self, r: Request) -> None:
-        if r.in_lineage:
-            r.in_lineage = False
-            self.cache.end(self.user(r))
 
     def _preempt_newest(self, keep: set[int]) -> bool:
         for r in reversed(self.running):
@@ -218,7 +120,7 @@ class Scheduler:
                 log.info(
                     kv("preempt", rid=r.rid, computed=r.computed, kv_free=self.kv_alloc.num_free)
                 )
-                self.release(r)
+                self.cm.release(r)
                 r.computed = 0
                 self.running.remove(r)
                 self.waiting.appendleft(r)
@@ -263,7 +165,7 @@ class Scheduler:
                                 sibling_computed=sib.computed, queued=len(self.waiting) - 1))
                 held.append(self.waiting.popleft())
                 continue
-            if not self._admit(r):
+            if not self.cm.admit(r):
                 break
             self.waiting.popleft()
             self.running.append(r)
@@ -274,14 +176,8 @@ class Scheduler:
     def _shares(self) -> dict[int, int]:
         """Prefill tokens per request this step: water-filling of the chunk budget, smallest
         need first (each need ends at the request's next snapshot point)."""
-        need = sorted(((r.next_stop() - r.computed, id(r)) for r in self.running
-                       if r.remaining > 1), key=lambda x: x[0])
-        out, left = {}, self.chunk_tokens
-        for i, (want, key) in enumerate(need):
-            give = min(want, max(left // (len(need) - i), 1))
-            out[key] = give
-            left = max(left - give, 0)
-        return out
+        return water_fill([(r.next_stop() - r.computed, id(r)) for r in self.running
+                           if r.remaining > 1], self.chunk_tokens)
 
     def schedule(self) -> StepPlan:
         self._admit_waiting()
@@ -305,47 +201,10 @@ class Scheduler:
                 break
             r.row = torch.cat([r.row, slots])
             end = r.computed + n
-            snap = self._plan_snapshot(r, end)
+            snap = self.cm.plan_snapshot(r, end)
             items.append(BatchItem(r, n, end == len(r.ids), r.computed, r.ids[r.computed:end],
-                                   r.row[:end], snap, self._plan_logits(r, end, snap)))
+                                   r.row[:end], snap, self.cm.plan_logits(r, end, snap)))
         return StepPlan(items, pre_ops, self.cache.take_ops())
-
-    def _plan_logits(self, r: Request, end: int, snap: tuple | None) -> int | None:
-        """A kept-logits slot for a prompt chunk ending at `prompt_len - 1` or `prompt_len`
-        with a snapshot planned there (`cache/logits.py`: a resend of the prompt, or of the
-        prompt one token back, then computes nothing)."""
-        if (snap is None or r.num_generated or end < r.prompt_len - 1
-                or not self.keeps_logits):
-            return None
-        return self.cache.alloc_logits()
-
-    def _plan_snapshot(self, r: Request, end: int) -> tuple[int, str, int] | None:
-        """A fresh state slot and the copy into it, when this chunk ends at a snapshot point."""
-        cls = next((c for p, c in r.snap_points if p == end), None)
-        if cls is None or r.state_slot is None:
-            return None
-        # the prompt-end point is kept-logits' own (a resend feeds nothing): it never drops a
-        # snapshot (bug: at 3 device slots and no host tier a sub-agent's prompt end pushed out
-        # its waiting parent's latest snapshot)
-        kept_end = self.keeps_logits and end == r.prompt_len and not r.num_generated
-        slot = self.cache.alloc_state(may_drop=not kept_end)
-        if slot is None:
-            why = "prompt_end_no_free" if kept_end else "state_pool_full"
-            log.info(kv("snapshot_skip", rid=r.rid, pos=end, cls=cls, why=why))
-            return None
-        self.cache.copy_state(r.state_slot, slot)
-        return (end, cls, slot)
-
-    def discard(self, items: list[BatchItem]) -> None:
-        """A planned step failed before `after_forward`: give back the state slots of the
-        snapshots it planned and its kept-logits slots (its requests are aborted next)."""
-        for it in items:
-            if it.snapshot is not None:
-                assert self.cache.state_pool is not None
-                self.cache.state_pool.free([it.snapshot[2]])
-            if it.keep_logits is not None:
-                self.cache.free_logits(it.keep_logits)
-            it.snapshot = it.keep_logits = None
 
     def _alloc(self, n: int, keep: set[int]) -> torch.Tensor | None:
         while True:
@@ -353,34 +212,19 @@ class Scheduler:
             if slots is not None or not self._preempt_newest(keep):
                 return slots
 
+    def discard(self, items: list[BatchItem]) -> None:
+        """A planned step failed: give back the slots its snapshots and kept logits were to
+        take (`CacheManager.discard`)."""
+        self.cm.discard(items)
+
     def after_forward(self, item: BatchItem) -> None:
-        """Advance `computed`; attach the snapshot the plan copied (bookkeeping only)."""
+        """Advance `computed`; publish the chunk and attach the snapshot the plan copied
+        (`CacheManager.advance`; bookkeeping only)."""
         r = item.req
         r.computed += item.n
         if self.alone.get(id(r), r.computed + 1) <= r.computed:
             del self.alone[id(r)]  # past the failed step: it is batched again
-        if not self.has_state and item.n > 1:
-            # attention-only models can share KV at any prefix: publish each prefill chunk
-            c = self.cache.commit(r.ids[:r.computed], r.row[:r.computed], r.node, r.tree_len)
-            r.row, r.node, r.tree_len = c.slots, c.node, r.computed
-        while r.snap_points and r.snap_points[0][0] <= r.computed:
-            r.snap_points.pop(0)
-        if item.snapshot is not None:
-            p, cls, slot = item.snapshot
-            assert p == r.computed
-            c = self.cache.commit(r.ids[:p], r.row[:p], r.node, r.tree_len)
-            r.row, r.node, r.tree_len = torch.cat([c.slots, r.row[p:]]), c.node, p
-            if not self.cache.attach_snapshot(c.node, slot, cls, self.user(r)):
-                assert self.cache.state_pool is not None
-                self.cache.state_pool.free([slot])
-            kept = item.keep_logits
-            if kept is not None and not self.cache.attach_logits(c.node, kept):
-                self.cache.free_logits(kept)
-        elif item.keep_logits is not None:
-            self.cache.free_logits(item.keep_logits)
+        self.cm.advance(item)
 
     def stats(self) -> dict:
-        s = dict(self.cache.stats())
-        s.update(reuse=dict(self.reuse), running=len(self.running), waiting=len(self.waiting),
-                 kv_used=self.kv_alloc.num_used, kv_total=self.kv_alloc.num_slots)
-        return s
+        return dict(self.cm.stats(), running=len(self.running), waiting=len(self.waiting))

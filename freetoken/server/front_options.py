@@ -9,6 +9,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from freetoken.envs import FT_API_KEY
+
 if TYPE_CHECKING:
     from freetoken.server.limits import ServerLimits
 
@@ -59,12 +61,12 @@ def api_key_from(args: argparse.Namespace, environ: dict[str, str],
     """The key from --api-key, else --api-key-file, else FT_API_KEY; at most one may be given
     (SystemExit otherwise, or for an unreadable or empty file)."""
     given = [n for n, v in (("--api-key", args.api_key), ("--api-key-file", args.api_key_file),
-                            ("FT_API_KEY", environ.get("FT_API_KEY"))) if v]
+                            (FT_API_KEY.name, FT_API_KEY.get(environ))) if v]
     if len(given) > 1:
         raise SystemExit(f"{prog}: give the API key one way, not {' and '.join(given)}")
     if args.api_key_file:
         return key_file(args.api_key_file, "--api-key-file", prog)
-    return args.api_key or environ.get("FT_API_KEY") or None
+    return args.api_key or FT_API_KEY.get(environ) or None
 
 
 def other_key(value: str | None, path: str | None, flag: str, prog: str) -> str | None:

@@ -13,6 +13,7 @@ from freetoken.bench.anchor_sim import (
 )
 from freetoken.cache import create_policy
 from freetoken.cli import main
+from freetoken.envs import harness_traces_dir
 from freetoken.types.api import Anchor
 
 TRACES = Path(__file__).parents[1] / "data" / "harness_traces"
@@ -131,11 +132,11 @@ def test_default_traces_are_the_checkouts_own() -> None:
     """`ft bench anchors` without --traces reads tests/data/harness_traces of this checkout.
     Bug it catches: a default that looked for ../shared/harness_traces outside the checkout,
     so the same command read different files on different machines (issue #21)."""
-    from freetoken.bench.cli_anchors import DEFAULT_TRACES
+    from freetoken.bench.cli_anchors import trace_files
 
-    root = Path(__file__).resolve().parents[2]
-    assert DEFAULT_TRACES == root / "tests" / "data" / "harness_traces" == TRACES.resolve()
-    assert sorted(DEFAULT_TRACES.rglob("*.jsonl"))
+    assert harness_traces_dir({}) == TRACES.resolve()
+    files = [p.resolve() for p in trace_files(None)]
+    assert files and files == [p.resolve() for p in trace_files([str(TRACES)])]
 
 
 def test_a_resent_sub_agent_prompt_is_reused_whole() -> None:

@@ -21,11 +21,11 @@ from freetoken.bench.routing import (
     synthetic_trace,
 )
 from freetoken.bench.routing_trace import (
-    SHARED_TRACE_DIR,
     RoutingRecorder,
     RoutingTrace,
     load_trace,
 )
+from freetoken.envs import routing_traces_dir
 from freetoken.experts.residency import ResidencyTable
 from tests.experts.lru_model import LruModel
 
@@ -51,10 +51,9 @@ def test_recorder_round_trip(tmp_path) -> None:
         rec.record(0, np.array([8, 1]))
 
 
-@pytest.mark.skipif(not SHARED_TRACE_DIR.exists(), reason="shared traces not present")
 def test_shared_trace_loads_sequence_major() -> None:
     tr = load_trace("shared")
-    raw = np.load(SHARED_TRACE_DIR / "decode_routing.npy")  # [steps, L, N, K]
+    raw = np.load(routing_traces_dir() / "decode_routing.npy")  # [steps, L, N, K]
     assert tr.decode.shape == (24, 511, 8, 8) and tr.prefill.shape == (24, 8, 256, 8)
     assert (tr.decode[3, 10, 2] == raw[10, 2, 3]).all() and tr.num_experts == 256
 
@@ -90,10 +89,8 @@ def test_calibrated_locality_gives_paper_miss_rate() -> None:
 
 
 def small_trace() -> RoutingTrace:
-    if SHARED_TRACE_DIR.exists():
-        tr = load_trace("shared")  # two sequences, 12 prompt tokens, 25 decode steps
-        return RoutingTrace(tr.decode[:2, :25], tr.prefill[:2, :, :12], 256, 8)
-    return synthetic_routing(8, 256, 8, 25, 0.5, prompt_tokens=12)
+    tr = load_trace("shared")  # two sequences, 12 prompt tokens, 25 decode steps
+    return RoutingTrace(tr.decode[:2, :25], tr.prefill[:2, :, :12], 256, 8)
 
 
 @pytest.mark.parametrize("slots", [3, 40, 300])

@@ -7,7 +7,6 @@ computed here from the proxy's own rendering, independently of the engine."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from freetoken.cache.policy import create_policy
 from freetoken.chat import ChatTokenizer
 from freetoken.engine.async_engine import AsyncEngine
 from freetoken.engine.core import EngineCore
+from freetoken.envs import FT_PROXY_E2E_ALL
 from freetoken.models.loader import load_model
 from freetoken.proxy.app import create_proxy_app
 from freetoken.proxy.config import ProxyConfig
@@ -35,7 +35,7 @@ SUBSET = {"oc_prune": {1, 2, 3, 13}}  # 144k-token requests otherwise; 3 -> 13 i
 # context, mini-swe-agent); all seven with FT_PROXY_E2E_ALL=1 (about 160 s on the dev machine,
 # most of it prefilling OpenCode's 59k-token prune request on CPU).
 DEFAULT = {"cc_try1", "ocl_try1", "mini_tool"}
-PATHS = [f for f in FILES if f.stem in DEFAULT or os.environ.get("FT_PROXY_E2E_ALL")]
+PATHS = [f for f in FILES if f.stem in DEFAULT or FT_PROXY_E2E_ALL.get()]
 
 
 @pytest.fixture(scope="module")

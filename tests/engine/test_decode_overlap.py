@@ -97,7 +97,7 @@ def test_abort_with_a_step_in_flight(tiny_hf) -> None:
     while core.has_work():
         core.step()
         if not aborted and len(got["x"]) >= 5:
-            assert core._inflight is not None  # the abort lands on a step in flight
+            assert core.overlap.current is not None  # the abort lands on a step in flight
             core.abort("x")
             aborted = True
     assert aborted and len(got["x"]) < 20 and len(got["y"]) == 20
@@ -127,7 +127,7 @@ def test_resize_with_a_step_in_flight(tiny_hf) -> None:
     resized = False
     while core.has_work():
         core.step()
-        if not resized and len(got["r0"]) >= 4 and core._inflight is not None:
+        if not resized and len(got["r0"]) >= 4 and core.overlap.current is not None:
             core.resize_experts(slots=9)
             resized = True
     assert resized and got == want

@@ -27,14 +27,14 @@ def _run_all(core: EngineCore, prompts: list[list[int]], n: int) -> tuple[list[l
         core.add(GenerateRequest(p, SamplingParams(max_tokens=n, temperature=0.0,
                                                    ignore_eos=True), request_id=str(i)),
                  lambda ev, i=i: out[i].extend(ev.token_ids))
-    widest, real_batch = 0, core._batch
+    widest, real_batch = 0, core.eager.batch
 
     def spy(items, moe):
         nonlocal widest
         widest = max(widest, sum(1 for it in items if it.n == 1))
         return real_batch(items, moe)
 
-    core._batch = spy  # type: ignore[method-assign]
+    core.eager.batch = spy  # type: ignore[method-assign]
     steps = 0
     while core.has_work():
         core.step()

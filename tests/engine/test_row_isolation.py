@@ -116,7 +116,7 @@ def _poisoned_run(tiny_hf, poison, decode_runner: bool, device_sampler: bool) ->
     poison(model, P)
     core = EngineCore(model, [], kv_tokens=2048, state_slots=16, max_running=4,
                       decode_runner=decode_runner)
-    core.device_sampler = device_sampler
+    core.eager.device_sampler = device_sampler
     got, errors = _run(core, prompts, [greedy] * 4)
     assert isinstance(errors[1], RowFailure), errors
     assert got[1] == alone[1][:k + 1]

@@ -1,11 +1,10 @@
 """CPU expert kernel and torch fallback against the float64 per-token reference."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from freetoken.envs import FT_CPU_ISA
 from kernels.cpu.expert_ops import cpu_experts, cpu_experts_torch
 from kernels.cpu.ext import ISAS, CpuKernel, build, detect_isa, runnable_isas
 from kernels.reference import expert_ffn_reference
@@ -40,7 +39,7 @@ def _tol(dtype: torch.dtype) -> float:
 def _forced_isa() -> str | None:
     """FT_CPU_ISA=<isa> (docs/testing.md) runs the ISA-specific tests under that build only;
     unset (or `auto`), they run under every build this CPU can run."""
-    want = os.environ.get("FT_CPU_ISA", "auto")
+    want = FT_CPU_ISA.get()
     return None if want in ("auto", "torch") else want
 
 

@@ -33,6 +33,6 @@ def test_the_routing_hooks_are_importable_from_the_benches_too() -> None:
 
     assert routing_trace.attach_recorder is h.attach_recorder
     assert routing_trace.RoutingRecorder is h.RoutingRecorder
-    assert routing_trace.SHARED_TRACE_DIR == h.SHARED_TRACE_DIR
+    assert route_trace.trace_path is h.trace_path
     assert route_trace.install_serve_trace is h.install_serve_trace
     assert route_trace.TraceRouter is h.TraceRouter and route_trace.install_trace is h.install_trace

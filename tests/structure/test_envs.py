@@ -1,0 +1,110 @@
+"""Environment variables have one home (freetoken/envs.py) and data directories one resolver.
+
+Bugs they catch: an `FT_*` switch read ad hoc where it is used (an experiment toggle nobody
+documents, or one read at import time; issue #21 found `FT_GDN_SCAN`, `FT_BRIDGE_PIN`,
+`FT_STATE_HOST_MEM`), and the shared routing traces found through `parents[2]` of a module
+file (`SHARED_TRACE_DIR`), which breaks as soon as the module moves or the package is
+installed, with a `FileNotFoundError` naming a .npy file instead of how to point at one.
+"""
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from freetoken import envs
+from freetoken.bench.routing_trace import load_trace
+from freetoken.models.routing_hooks import trace_path
+from tests.structure.test_import_layers import ROOT
+
+SOURCES = ("freetoken", "kernels", "workloads", "harness_adapters", "scripts", "tests")
+# C preprocessor names of kernels/cpu (passed with -D), not environment variables
+NOT_ENV = {"FT_SIMD_H", "FT_HAVE_DPBF16", "FT_ISA"}
+NAME = re.compile(r"\bFT_[A-Z][A-Z0-9_]*\b")
+
+
+def _files(*suffixes: str):
+    for top in SOURCES:
+        for p in sorted((ROOT / top).rglob("*")):
+            if p.suffix in suffixes and "data" not in p.relative_to(ROOT).parts[:2] \
+                    and p.resolve() != Path(__file__).resolve():  # (names planted here)
+                yield p
+
+
+def test_every_ft_name_in_the_sources_is_declared_in_envs() -> None:
+    declared = {v.name for v in envs.ALL}
+    seen = {}
+    for p in _files(".py", ".sh"):
+        for name in NAME.findall(p.read_text(errors="replace")):
+            seen.setdefault(name, p.relative_to(ROOT))
+    unknown = {n: str(p) for n, p in seen.items() if n not in declared | NOT_ENV}
+    assert not unknown, f"FT_* names not declared in freetoken/envs.py: {unknown}"
+    assert "FT_ROUTING_TRACES" in seen and "FT_TEST_JOBS" in seen  # the scan sees .py and .sh
+
+
+def _direct_reads(tree: ast.AST) -> list[str]:
+    """`os.environ.get("FT_..")`, `os.getenv("FT_..")`, `environ["FT_.."]`, `x.get("FT_..")`
+    on anything called environ: reads that bypass `EnvVar.get`."""
+    out = []
+    for node in ast.walk(tree):
+        key = None
+        if isinstance(node, ast.Call) and node.args and isinstance(node.func, ast.Attribute):
+            owner = ast.unparse(node.func.value)
+            if (node.func.attr == "get" and owner.endswith("environ")) or \
+                    ast.unparse(node.func) == "os.getenv":
+                key = node.args[0]
+        elif isinstance(node, ast.Subscript) and ast.unparse(node.value).endswith("environ") \
+                and isinstance(node.ctx, ast.Load):
+            key = node.slice
+        if isinstance(key, ast.Constant) and str(key.value).startswith("FT_"):
+            out.append(ast.unparse(node))
+    return out
+
+
+def test_nothing_reads_an_ft_variable_past_envvar_get() -> None:
+    bad = {}
+    for p in _files(".py"):
+        if p == ROOT / "freetoken" / "envs.py":
+            continue
+        reads = _direct_reads(ast.parse(p.read_text(), str(p)))
+        if reads:
+            bad[str(p.relative_to(ROOT))] = reads
+    assert not bad, f"read FT_* through freetoken/envs.py's EnvVar.get: {bad}"
+
+
+def test_the_direct_read_finder_finds_planted_reads() -> None:
+    """The checker itself can fail: each form of a direct read is found, `EnvVar.get` not."""
+    src = ('os.environ.get("FT_X")\nos.getenv("FT_Y", "1")\nenviron["FT_Z"]\n'
+           'self.environ.get("FT_W")\nFT_CPU_ISA.get()\nos.environ.get("HOME")\n')
+    assert len(_direct_reads(ast.parse(src))) == 4
+
+
+def test_routing_traces_default_to_the_workloads_copy() -> None:
+    want = ROOT / "workloads" / "data" / "routing_traces"
+    assert envs.routing_traces_dir({}).resolve() == want.resolve()
+    assert trace_path("shared").resolve() == (want / "decode_routing.npy").resolve()
+
+
+def test_ft_routing_traces_moves_them(tmp_path, monkeypatch) -> None:
+    src = envs.routing_traces_dir({})
+    for f in ("decode_routing.npy", "meta.json"):
+        shutil.copy(src / f, tmp_path / f)
+    monkeypatch.setenv("FT_ROUTING_TRACES", str(tmp_path))
+    assert trace_path("shared") == tmp_path / "decode_routing.npy"
+    tr = load_trace("shared")  # read at the call, not at import: the variable is honoured
+    assert tr.prefill is None and tr.num_experts == 256  # no prefill_routing.npy copied
+
+
+def test_a_directory_without_traces_is_a_clear_error(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="FT_ROUTING_TRACES=DIR"):
+        envs.routing_traces_dir({"FT_ROUTING_TRACES": str(tmp_path)})
+    with pytest.raises(FileNotFoundError, match="FT_HARNESS_TRACES=DIR"):
+        envs.harness_traces_dir({"FT_HARNESS_TRACES": str(tmp_path / "none")})
+
+
+def test_harness_traces_default_to_the_checkouts_own() -> None:
+    want = ROOT / "tests" / "data" / "harness_traces"
+    assert envs.harness_traces_dir({}).resolve() == want.resolve()
