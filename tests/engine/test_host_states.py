@@ -7,6 +7,7 @@ Bug it guards: pinning the whole tier at start-up (21 s of the H200 server's sta
 from __future__ import annotations
 
 import threading
+from typing import ClassVar
 
 import pytest
 import torch
@@ -115,7 +116,7 @@ def test_background_fill_survives_failed_allocations(monkeypatch) -> None:
     monkeypatch.setattr(hs, "FILL_RETRY_S", 0.01)
 
     class Flaky(HostStates):
-        fails: dict[int, int] = {}
+        fails: ClassVar[dict[int, int]] = {}
 
         def _alloc(self, nbytes: int) -> torch.Tensor:
             n = sum(c is not None for c in self._chunks)
