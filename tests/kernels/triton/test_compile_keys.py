@@ -2,7 +2,7 @@
 
 For each Triton wrapper on the served path, the compile keys (tests/kernels/triton/
 compile_keys.py: Triton's own specialisation function, the kernels' `do_not_specialize`
-lists, constexprs and launch options) of launches at every prompt length 1..600 plus long
+lists, constexprs and launch options) of launches at every prompt length 1..299 plus 40 long
 ones, every decode bucket and every layer, must all be among the keys the warm-up plan's shapes
 produce (`engine/warm_up.prefill_shapes`, the decode buckets): a key outside is a kernel that
 compiles inside a request (on the H200 a `_slot_decide_kernel` compile took ~6 s, and a first
@@ -34,7 +34,7 @@ CHUNK, THRESHOLD = 8192, 6334
 BUCKETS = (1, 2, 4)
 WARM = sorted(set(BUCKETS) | set(prefill_shapes(CHUNK, 262_144, THRESHOLD)))
 rng = random.Random(0)
-SWEEP = sorted(set(range(1, 601)) | {rng.randrange(601, CHUNK + 1) for _ in range(60)}
+SWEEP = sorted(set(range(1, 300)) | {rng.randrange(300, CHUNK + 1) for _ in range(40)}
                | {THRESHOLD - 1, THRESHOLD, CHUNK})
 # per kernel, at most this many compiles on the whole served path (each costs seconds)
 MOST = {"_slot_decide_kernel": 5, "_router_topk_kernel": 2, "_rmsnorm_kernel": 2,
