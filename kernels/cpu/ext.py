@@ -245,7 +245,12 @@ def build(isa: str, verbose: bool = False) -> CpuKernel:
     """Compile (or reuse the cached build) for `isa` and load it. Raises on failure."""
     from torch.utils import cpp_extension
 
-    build_dir = cache_root() / "ext" / isa
+    # one build directory per version of the sources and headers: checkouts of different
+    # versions on one machine (worktrees, an installed copy) would otherwise rebuild into the
+    # same directory in turn, and a process could load another version's library (whose C ABI
+    # may differ from the ctypes signatures this checkout declares)
+    srcs = hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS)))
+    build_dir = cache_root() / "ext" / isa / srcs.hexdigest()[:16]
     build_dir.mkdir(parents=True, exist_ok=True)
     # torch re-builds when a source or a flag changes, not a header: the headers' hash rides
     # in the flags
