@@ -64,6 +64,11 @@ class GptOssMoE(MoEBlock):
         self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
         self.route_hook = None
 
+    @property
+    def gate(self) -> GptOssRouter:
+        """The router under MoEBlock's name (routing traces wrap `block.gate.forward`)."""
+        return self.router
+
     def expert_act(self) -> ExpertAct:
         """The experts' activation and biases (unbound; what the runtime copies to the host)."""
         return ExpertAct(self.alpha, self.limit, self.gate_up_bias, self.down_bias)

@@ -92,7 +92,7 @@ def cpu_experts_torch(
     all tokens routed to it. Activations are cast to the weights' dtype (torch's bf16 path),
     so bf16 weights give bf16-operand accuracy. Returns `out` (float32 [T, K, H]). `act`:
     gpt-oss's biases and clamped SwiGLU (kernels/expert_act.py), bound to the logical ids."""
-    t, k, e_count, h, i = _check_shapes(x, topk_ids, gate_up, down, compute_mask)
+    t, k, e_count, h, _ = _check_shapes(x, topk_ids, gate_up, down, compute_mask)
     out = _prepare_out(out, t, k, h)
     out_flat = out.view(t * k, h)  # [T*K, H]
     wdt = torch.float32 if isinstance(gate_up, QuantBank) else gate_up.dtype

@@ -26,14 +26,16 @@ from safetensors.torch import load_file, save_file
 
 from kernels.quant import quantize_mxfp4
 
-CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
-              num_experts_per_tok=2, sliding_window=6, max_position_embeddings=2048,
-              rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-              pad_token_id=0, attention_bias=True,
-              rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
-                               "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                               "original_max_position_embeddings": 64})
+CONFIG = {
+    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "sliding_window": 6, "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+    "pad_token_id": 0, "attention_bias": True,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                        "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                        "original_max_position_embeddings": 64},
+}
 
 
 def _randomise(model: torch.nn.Module) -> None:
