@@ -15,10 +15,10 @@ from freetoken.chat.tokenizer import ChatTokenizer
 
 SPECIAL = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>",
            "<|constrain|>"]
-WORDS = ("system developer user assistant analysis commentary final json "
+_TEXT = ("system developer user assistant analysis commentary final json "
          "to=functions.get_weather functions.get_weather to=assistant You are helpful. "
-         "Weather? Need the tool. It is 20 degrees. # Tools").split()  # noqa: SIM905
-WORDS += ['{"city":"Paris"}', '{"temp":20}']
+         "Weather? Need the tool. It is 20 degrees. # Tools")
+WORDS = [*_TEXT.split(), '{"city":"Paris"}', '{"temp":20}']
 TEMPLATE = (
     "<|start|>system<|message|>You are helpful.<|end|>"
     "{% for m in messages %}"
