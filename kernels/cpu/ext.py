@@ -5,7 +5,8 @@ bridge_kernel.cpp: the CPU branch of a captured decode step, bound in bridge_ops
 expert_call.h: what they share), once per process.
 
 The sources are compiled lazily at first use with torch.utils.cpp_extension.load (ninja, JIT),
-into `<cache>/freetoken/ext/<isa>/` so later processes reuse the build. The ISA is read from the
+into `<cache>/freetoken/ext/<isa>/<sources hash>/` so later processes reuse the build (and
+checkouts of other versions on the machine build beside it, never over it). The ISA is read from the
 CPU's feature flags and selects the compiler flags, hence the code path inside the source:
 `avx512bf16`, `avx512`, `avx2` or `scalar`. `FT_CPU_ISA` overrides it (one of those names, or
 `torch` to disable the kernel). If the build or load fails, `load_kernel()` returns None, logs
