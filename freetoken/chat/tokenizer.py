@@ -26,8 +26,8 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from freetoken.chat.anchors import ROLES, AnchorTokens, detect_anchors
-from freetoken.chat.harmony_anchors import HarmonyTokens, detect_harmony_anchors
 from freetoken.chat.errors import ChatInputError
+from freetoken.chat.harmony_anchors import HarmonyTokens, detect_harmony_anchors
 from freetoken.chat.plain_text import PlainTextEscaper
 from freetoken.chat.template import (
     KEEP_REASONING_VAR,
