@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels.expert_act import ExpertAct
 from kernels.quant import QuantBank
 
 
@@ -17,10 +18,11 @@ def _f64(w: Tensor | QuantBank) -> Tensor:
 
 
 def expert_ffn_reference(x: Tensor, topk_ids: Tensor, gate_up: Tensor, down: Tensor,
-                         mask: Tensor | None = None) -> Tensor:
+                         mask: Tensor | None = None, act: ExpertAct | None = None) -> Tensor:
     """y [T, K, H] float64: y[t, k] = down[e] · (silu(gate[e] · x[t]) ⊙ (up[e] · x[t])) with
     e = topk_ids[t, k], for entries with e >= 0 (and mask[t, k] when a mask is given); 0
-    elsewhere. x [T, H]; gate_up [E, 2I, H] rows [gate | up]; down [E, H, I]."""
+    elsewhere. x [T, H]; gate_up [E, 2I, H] rows [gate | up]; down [E, H, I]. With `act`
+    (kernels/expert_act.py, bound to the logical ids) gpt-oss's biased, clamped SwiGLU."""
     T, K = topk_ids.shape
     inter = gate_up.shape[1] // 2
     out = torch.zeros(T, K, x.shape[-1], dtype=torch.float64)
@@ -32,6 +34,14 @@ def expert_ffn_reference(x: Tensor, topk_ids: Tensor, gate_up: Tensor, down: Ten
                 continue
             w = _f64(gate_up[e])  # [2I, H]
             g, u = w[:inter] @ xd[t], w[inter:] @ xd[t]  # [I]
-            out[t, k] = _f64(down[e]) @ (g * torch.sigmoid(g) * u)  # [H]
+            if act is None:
+                out[t, k] = _f64(down[e]) @ (g * torch.sigmoid(g) * u)  # [H]
+                continue
+            le = int(act.ids[t, k]) if act.ids is not None else e  # the bias's logical id
+            gb = act.gate_up_bias[le].detach().double().cpu()  # [2I]
+            g, u = (g + gb[:inter]).clamp(max=act.limit), (u + gb[inter:]).clamp(
+                -act.limit, act.limit)
+            a = (u + 1) * g * torch.sigmoid(act.alpha * g)  # [I]
+            out[t, k] = _f64(down[e]) @ a + act.down_bias[le].detach().double().cpu()  # [H]
     return out
 

@@ -39,7 +39,10 @@ from kernels.quant import fp8_scale_grid, quantize_fp8
 log = get_logger("bench")
 
 _ST_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
-             torch.float8_e4m3fn: "F8_E4M3"}
+             torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8"}
+# gpt-oss's MXFP4 experts: random e2m1 codes under e8m0 scales of 2^-9 .. 2^-7 (|w| <= 6·2^-7,
+# about the N(0, 0.02) of the other matrices)
+_MX_SCALE_LO, _MX_SCALE_SPAN = 118, 3
 _STD = 0.02
 # Qwen3 special tokens (MODEL_FACTS): <|endoftext|>, <|im_end|>
 ENDOFTEXT, IM_END = 151643, 151645
@@ -65,8 +68,23 @@ class _Block:
         return out
 
 
+def _is_mx(name: str) -> bool:
+    return name.endswith(("_blocks", "_scales"))
+
+
+def _mx_value(name: str, shape: tuple[int, ...], k: int) -> Tensor:
+    """gpt-oss MXFP4 `*_blocks` (random codes) or `*_scales` (module constants) of `shape`."""
+    g = torch.Generator().manual_seed(k)
+    if name.endswith("_blocks"):
+        return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+    return torch.randint(_MX_SCALE_LO, _MX_SCALE_LO + _MX_SCALE_SPAN, shape, dtype=torch.uint8,
+                         generator=g)
+
+
 def _value(name: str, shape: tuple[int, ...], cfg: ModelConfig, block: _Block, k: int,
            dtype: torch.dtype) -> Tensor:
+    if _is_mx(name):
+        return _mx_value(name, shape, k)
     if name.endswith("A_log"):
         return torch.empty(shape).uniform_(1, 16).log_().to(dtype)
     if name.endswith("dt_bias") or (name.endswith("norm.weight") and "linear_attn" in name):
@@ -90,6 +108,8 @@ class _Fp8:
         return bool(self.block) and is_fp8_linear(name, shape)
 
     def nbytes(self, name: str, shape: tuple[int, ...], es: int) -> int:
+        if _is_mx(name):
+            return math.prod(shape)
         if not self.quantized(name, shape):
             return math.prod(shape) * es
         return math.prod(shape) + 4 * math.prod(fp8_scale_grid(*shape, self.block))
@@ -112,6 +132,13 @@ def released_config(shape: str, layers: int | None) -> dict[str, Any]:
     if layers:
         raw["num_hidden_layers"] = layers
     dtype = raw.get("dtype", "bfloat16")
+    if raw["model_type"] == "gpt_oss":  # as openai/gpt-oss-* ship it: MXFP4 experts
+        n = raw["num_hidden_layers"]
+        raw["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                              for i in range(n)]
+        raw.update(architectures=["GptOssForCausalLM"], hidden_act="silu",
+                   transformers_version="5.24.0")
+        return raw
     if raw["model_type"].startswith("qwen3_5_moe"):
         n, every = raw["num_hidden_layers"], raw.pop("full_attention_interval", 4)
         raw["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
@@ -193,8 +220,9 @@ def write_checkpoint(shape: str, layers: int | None, out: str | Path, fmt: str =
         names = list(shapes)
     es = torch.empty((), dtype=dtype).element_size()
     fp8 = _Fp8(cfg)
-    if fp8.block and fmt == "ftw":
-        raise ValueError(f"shape {shape!r} is FP8: FTW holds dense banks only; write safetensors")
+    if isinstance(cfg.expert_format, ExpertFormat) and fmt == "ftw":
+        raise ValueError(f"shape {shape!r} is {cfg.expert_format.name}: FTW holds dense banks "
+                         "only; write safetensors")
     total = sum(fp8.nbytes(n, shapes[n], es) for n in names)
     bar = tqdm(total=total, desc=f"writing {fmt}", unit="B", unit_scale=True, disable=not progress)
     if fmt == "ftw":

@@ -27,6 +27,7 @@ from tokenizers import Tokenizer
 
 from freetoken.chat.anchors import ROLES, AnchorTokens, detect_anchors
 from freetoken.chat.errors import ChatInputError
+from freetoken.chat.harmony_anchors import HarmonyTokens, detect_harmony_anchors
 from freetoken.chat.plain_text import PlainTextEscaper
 from freetoken.chat.template import (
     KEEP_REASONING_VAR,
@@ -152,6 +153,8 @@ class ChatTokenizer:
         self._escaper = PlainTextEscaper(tokenizer)
         roles = {r: self.encode(r) for r in ROLES}
         self.anchor_tokens = AnchorTokens.from_vocab(self.special_ids, roles)
+        # gpt-oss's harmony vocabulary: anchors from its message headers instead
+        self.harmony = HarmonyTokens.from_vocab(self.special_ids)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ChatTokenizer:
@@ -245,7 +248,9 @@ class ChatTokenizer:
             ids = list(enc.ids)
             if tools:
                 defs = tool_def_anchors(text, enc.offsets, tools)
-        anchors = detect_anchors(ids, self.anchor_tokens)
+        anchors = (detect_anchors(ids, self.anchor_tokens) if self.harmony is None else
+                   detect_harmony_anchors(ids, self.harmony,
+                                          lambda h: self._tok.decode(h, skip_special_tokens=False)))
         if defs:
             anchors = sorted([*anchors, *defs], key=lambda a: a.position)  # stable on ties
         return Prompt(ids, anchors, text)

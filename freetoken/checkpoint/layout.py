@@ -84,6 +84,10 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, Shape]:
         from freetoken.checkpoint.layout_mla import expected_tensors_mla
 
         return expected_tensors_mla(cfg)
+    if cfg.model_type == "gpt_oss":  # fused experts with biases, MXFP4 or dense
+        from freetoken.checkpoint.gpt_oss import expected_tensors_gpt_oss
+
+        return expected_tensors_gpt_oss(cfg)
     def attention(i: int, lp: str) -> dict[str, Shape]:
         if cfg.layer_types[i] == "linear_attention":
             return _linear_attention(cfg, f"{lp}linear_attn.")

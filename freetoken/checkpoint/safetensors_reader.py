@@ -95,6 +95,8 @@ def resolve_expected(cfg: ModelConfig, found: dict[str, TensorInfo]) -> dict[str
     """`expected_tensors(cfg)`, with a layer's per-expert names swapped for the fused banks
     wherever the checkpoint stores that layer fused."""
     expected = expected_tensors(cfg)
+    if cfg.model_type == "gpt_oss":  # its experts are always fused (checkpoint/gpt_oss.py)
+        return expected
     for i in cfg.moe_layers:
         gate_up, down = expert_bank_names(cfg, i)
         if gate_up not in found and down not in found:
@@ -216,6 +218,8 @@ def load_checkpoint(
     found = scan_headers(files)
     expected = validate(cfg, found, model_dir)
     dev = torch.device(device)
+    if cfg.model_type == "gpt_oss":
+        return _load_gpt_oss(cfg, found, dtype, dev, progress)
     t0 = time.perf_counter()
     fp32 = fp32_tensors(cfg)  # kept in float32 whatever `dtype` is (deepseek's router)
     fmt = cfg.expert_format
@@ -274,5 +278,23 @@ def load_checkpoint(
     log.info(kv("loaded", dir=model_dir, files=len(files), tensors=len(out), dtype=dtype,
                 device=dev, skipped=len(found) - len(expected), in_place=len(plan.consumed),
                 in_place_gb=f"{nbytes / 1e9:.2f}", in_place_s=f"{t_inplace:.2f}",
+                seconds=f"{time.perf_counter() - t0:.2f}"))
+    return out
+
+
+def _load_gpt_oss(cfg: ModelConfig, found: dict[str, TensorInfo], dtype: torch.dtype,
+                  dev: torch.device, progress: bool) -> dict[str, Tensor]:
+    """gpt-oss: every tensor through the converting path (checkpoint/gpt_oss.py: the experts
+    transposed and regrouped, or kept MXFP4)."""
+    from freetoken.checkpoint.gpt_oss import runtime_tensors
+
+    t0 = time.perf_counter()
+    with ExitStack() as stack:
+        bar = stack.enter_context(tqdm(total=len(found), desc="converting weights", unit="t",
+                                       leave=False, disable=not progress))
+        rd = _Reader(stack, found, dtype, dev, bar)
+        out = {n: t.to(dev) for n, t in runtime_tensors(cfg, rd.raw, dtype).items()}
+    log.info(kv("loaded", family="gpt_oss", tensors=len(out), dtype=dtype, device=dev,
+                experts=getattr(cfg.expert_format, "name", str(dtype)),
                 seconds=f"{time.perf_counter() - t0:.2f}"))
     return out

@@ -80,10 +80,11 @@ class DecodeRunner(DecodeStaging):
         self._last: Pending | None = None  # the step launched last (chain refers to its rows)
         self._open: list[Pending] = []  # launched and not collected yet (at most one before a
         # launch: its ids and the next step's land in the two alternating pinned buffers)
-        # MLA (a latent pool, absorbed queries) has no flashinfer / Triton plan yet: torch
+        # MLA (a latent pool, absorbed queries) and sink / sliding-window attention (gpt_oss)
+        # have no flashinfer / Triton plan yet: torch
         self.attention = (choose_backend(attention, self.dtype, cfg.head_dim)
                           if self.device.type == "cuda" and not cfg.is_mla
-                          else "torch")
+                          and not cfg.attention_sinks else "torch")
         if self.attention == "torch":  # per-row slot lists: not capturable
             self.use_graphs = False
         self._workspace = None

@@ -23,7 +23,7 @@ SharedWeights = tuple[Tensor, Tensor] | None
 class ExpertBackend(nn.Module):
     """Computes one MoE layer's routed experts for a batch of tokens.
 
-    `forward(x, topk_ids, step, shared=None) -> (y, shared_out)`:
+    `forward(x, topk_ids, step, shared=None, act=None) -> (y, shared_out)`:
       - `x [T, H]`: the block's normalised input, model dtype, on the compute device.
       - `topk_ids [T, K]` int64: routed expert ids in [0, E); entries < 0 are padding (a graph
         bucket's unused rows) and are ignored: nothing is computed or fetched for them and y is
@@ -34,6 +34,10 @@ class ExpertBackend(nn.Module):
         prefill chunk through the layer streamer).
       - `shared`: the block's shared expert (gate_up [2I, H], down [H, I]) where the backend
         can run it in its own launches.
+      - `act`: the experts' biases and clamped SwiGLU (gpt-oss; kernels/expert_act.py), bound
+        to topk_ids (the biases follow the logical ids, whatever slot computes an entry);
+        None: the plain SwiGLU below. The CPU branch of a captured step reads the host copy
+        the runtime took at install (`MoERuntime.acts`).
       - returns `y [T, K, H]` in x's dtype: the UNWEIGHTED output of expert topk_ids[t, k] on
         x[t] (down · (silu(gate · x) ⊙ up · x)); the block applies the routing weights itself,
         in one fixed order, so partial results computed on different devices merge exactly;
@@ -50,7 +54,7 @@ class ExpertBackend(nn.Module):
     name = "base"
 
     def forward(self, x: Tensor, topk_ids: Tensor, step: MoEStep,
-                shared: SharedWeights = None) -> tuple[Tensor, Tensor | None]:
+                shared: SharedWeights = None, act=None) -> tuple[Tensor, Tensor | None]:
         raise NotImplementedError
 
     @property

@@ -16,15 +16,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import dispatch
+from kernels.expert_act import ExpertAct, expert_bias_row, glu
 from kernels.quant import QuantBank, as_weight
 
 
-def expert_group_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
-                         ) -> torch.Tensor:
-    """One expert on the tokens routed to it. x [n, H]; gate_up [2I, H]; down [H, I] -> [n, H]."""
-    gu = F.linear(x, as_weight(gate_up, x.dtype))  # [n, 2I]
-    i = gu.shape[-1] // 2
-    return F.linear(F.silu(gu[:, :i]) * gu[:, i:], as_weight(down, x.dtype))  # [n, H]
+def expert_group_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                         biases: tuple[Tensor | None, Tensor | None] = (None, None),
+                         act: ExpertAct | None = None) -> torch.Tensor:
+    """One expert on the tokens routed to it. x [n, H]; gate_up [2I, H]; down [H, I] -> [n, H].
+    `biases` (gate_up [2I], down [H]) and `act` for gpt-oss's experts (kernels/expert_act.py)."""
+    gu = F.linear(x, as_weight(gate_up, x.dtype), biases[0])  # [n, 2I]
+    return F.linear(glu(gu, act), as_weight(down, x.dtype), biases[1])  # [n, H]
 
 
 # On CUDA, batches of at most this many (token, k) entries take the gathered path: a fixed
@@ -33,8 +35,8 @@ GATHER_MAX_ENTRIES = 64
 
 
 def gathered_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor,
-                     down: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+                     down: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None = None,
+                     act: ExpertAct | None = None) -> torch.Tensor:
     """Decode-sized batches: gather each entry's expert weights and run two batched GEMVs.
     Entries outside `mask` (or with id < 0) keep y's value. N = T*K entries."""
     T, K = topk_ids.shape
@@ -42,23 +44,29 @@ def gathered_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Ten
     flat = topk_ids.clamp(min=0).reshape(-1)  # [N]
     xs = x.repeat_interleave(K, dim=0)[:, :, None]  # [N, H, 1]
     gu = torch.bmm(as_weight(gate_up[flat], x.dtype), xs)[..., 0]  # [N, 2I]
-    i = gu.shape[-1] // 2
-    a = (F.silu(gu[:, :i]) * gu[:, i:])[:, :, None]  # [N, I, 1]
-    o = torch.bmm(as_weight(down[flat], x.dtype), a)[..., 0].view(T, K, -1)  # [T, K, H]
+    le = None if act is None else act.entry_ids().clamp(min=0)  # [N] the biases' logical ids
+    if le is not None:
+        gu = gu + act.gate_up_bias[le].to(x.dtype)  # [N, 2I]
+    a = glu(gu, act)[:, :, None]  # [N, I, 1]
+    o = torch.bmm(as_weight(down[flat], x.dtype), a)[..., 0]  # [N, H]
+    if le is not None:
+        o = o + act.down_bias[le].to(x.dtype)
+    o = o.view(T, K, -1)  # [T, K, H]
     y.copy_(torch.where(keep[..., None], o.to(y.dtype), y))
     return y
 
 
 def dispatch_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None = None,
-                    bank_index: torch.Tensor | None = None, num_threads: int | None = None
-                    ) -> torch.Tensor:
+                    bank_index: torch.Tensor | None = None, num_threads: int | None = None,
+                    act: ExpertAct | None = None) -> torch.Tensor:
     """Fill y [T, K, H] for the (t, k) entries selected by `mask` [T, K] (all if None), reading
     each expert's weights once for all its tokens. `bank_index` maps a logical expert id to its
     row in gate_up/down (slot ids for a slot cache); identity if None. `num_threads`: the C++
-    kernel's threads for a decode row on the CPU (None: torch's thread count)."""
+    kernel's threads for a decode row on the CPU (None: torch's thread count). `act`: gpt-oss's
+    biased, clamped SwiGLU, bound to the entries' logical ids (kernels/expert_act.py)."""
     if (x.is_cuda and bank_index is None and topk_ids.numel() <= GATHER_MAX_ENTRIES):
-        return gathered_experts(x, topk_ids, gate_up, down, y, mask)
+        return gathered_experts(x, topk_ids, gate_up, down, y, mask, act)
     if x.device.type == "cpu" and x.shape[0] == 1 and bank_index is None:
         # One decode row on the CPU: one call of the C++ expert kernel instead of ~25 torch ops
         # per layer. Every backend computes its CPU-side decode rows here (fused, slot hits on
@@ -68,7 +76,7 @@ def dispatch_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Ten
 
         keep = topk_ids >= 0 if mask is None else mask & (topk_ids >= 0)  # [1, K]
         o = cpu_experts(x, topk_ids.clamp(min=0), gate_up, down, compute_mask=keep,
-                        num_threads=num_threads)  # [1, K, H]
+                        num_threads=num_threads, act=act)  # [1, K, H]
         y[keep] = o[keep].to(y.dtype)
         return y
     flat = topk_ids.reshape(-1)  # [T*K]
@@ -85,20 +93,27 @@ def dispatch_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Ten
         ent = order[start:start + c]  # [c] flat (t, k) entries routed to e
         start += c
         row = e if bank_index is None else int(bank_index[e])
-        y2[ent] = expert_group_forward(x[ent // K], gate_up[row], down[row]).to(y.dtype)
+        biases = expert_bias_row(act, int(ent[0]), x.dtype)
+        y2[ent] = expert_group_forward(x[ent // K], gate_up[row], down[row], biases,
+                                       act).to(y.dtype)
     return y
 
 
 def run_experts(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                shared: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                act: ExpertAct | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The routed experts of a bank (`fused`'s experts, or a slot cache's slots through slot
     ids): y [T, K, H] unweighted, zeros where ids < 0 (entries routed elsewhere, padding).
     `shared` = (gate_up [2I, H], down [H, I]) of the block's shared expert: the Triton decode
     path runs it in the routed experts' two launches when its I matches and returns its output
-    [T, H]; otherwise the second value is None and the caller runs it."""
+    [T, H]; otherwise the second value is None and the caller runs it. `act` (gpt-oss's
+    experts, bound to the logical ids): the Triton kernels do not take it yet, so such a layer
+    runs the torch paths on CUDA (the gathered GEMVs for decode, grouped for prefill)."""
     T, K = ids.shape
     H = x.shape[-1]
+    if act is not None:
+        y = torch.zeros(T, K, H, dtype=x.dtype, device=x.device)  # [T, K, H]
+        return dispatch_experts(x, ids, gate_up, down, y, act=act), None
     if isinstance(gate_up, QuantBank):
         qmod = dispatch.triton_for(x, "moe_quant")
         if qmod is not None and ids.numel() <= qmod.DECODE_MAX_ENTRIES:
@@ -123,10 +138,13 @@ def run_experts(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down:
     return mod.fused_moe(x, ids, gate_up, down, y, zero_missing=True), None
 
 
-def fused_moe(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor) -> Tensor | None:
+def fused_moe(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor,
+              act: ExpertAct | None = None) -> Tensor | None:
     """The Triton fused MoE (unweighted [T, K, H] into y, ids < 0 left untouched) on CUDA, or
-    None when it is unavailable or the bank is quantized (the caller keeps its torch path)."""
-    mod = None if isinstance(gate_up, QuantBank) else dispatch.triton_for(x, "fused_moe")
+    None when it is unavailable, the bank is quantized or the experts have an `act` (the
+    caller keeps its torch path)."""
+    mod = (None if isinstance(gate_up, QuantBank) or act is not None
+           else dispatch.triton_for(x, "fused_moe"))
     if mod is None:
         return None
     return mod.fused_moe(x, ids, gate_up, down, y)

@@ -7,6 +7,7 @@ from torch import Tensor, nn
 from freetoken.experts.base import ExpertBackend, SharedWeights
 from freetoken.experts.ffn import run_experts
 from freetoken.types.forward_batch import MoEStep
+from kernels.expert_act import ExpertAct
 from kernels.quant import QuantBank
 
 
@@ -49,6 +50,7 @@ class FusedExperts(ExpertBackend):
         return self
 
     def forward(self, x: Tensor, topk_ids: Tensor, step: MoEStep | None = None,
-                shared: SharedWeights = None) -> tuple[Tensor, Tensor | None]:
+                shared: SharedWeights = None, act: ExpertAct | None = None
+                ) -> tuple[Tensor, Tensor | None]:
         """(y [T, K, H], the shared expert's output [T, H] or None): see `run_experts`."""
-        return run_experts(x, topk_ids, self.gate_up_proj, self.down_proj, shared)
+        return run_experts(x, topk_ids, self.gate_up_proj, self.down_proj, shared, act)

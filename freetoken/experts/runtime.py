@@ -56,6 +56,7 @@ from freetoken.log import get_logger, kv
 from freetoken.types.api import AdmissionError
 from freetoken.types.config import MoEConfig
 from freetoken.types.forward_batch import EAGER, MoEStep
+from kernels.expert_act import ExpertAct
 from kernels.quant import QuantBank
 
 log = get_logger("experts")
@@ -80,6 +81,9 @@ class MoERuntime:
         self.guard, self.streamer, self.cpu_layers = guard, streamer, cpu_layers
         self.device = torch.device(device)
         self.backends: list = []  # one per MoE layer, once installed
+        # per MoE layer: a host copy of its experts' ExpertAct (gpt-oss biases), or None; the
+        # CPU branch of a captured step reads it (the block passes its own to eager steps)
+        self.acts: list[ExpertAct | None] = []
         self._bridges: list[CpuBridge] = []
 
     # -- construction ---------------------------------------------------------------------------
@@ -168,13 +172,17 @@ class MoERuntime:
             on_cpu = i >= len(blocks) - self.cpu_layers
             b.experts = create_backend("cpu" if on_cpu else self.backend, i, self)
             self.backends.append(b.experts)
+            act = b.expert_act() if hasattr(b, "expert_act") else None
+            self.acts.append(None if act is None else ExpertAct(
+                act.alpha, act.limit, act.gate_up_bias.detach().to("cpu", copy=True),
+                act.down_bias.detach().to("cpu", copy=True)))
 
     def uninstall(self, host: MoEHost) -> None:
         """Give every MoE block an empty `fused` bank back (a benchmark frees this runtime's
         device copies before installing the next)."""
         for b in host.moe_blocks():
             b.experts = FusedExperts(1, 1, 1)
-        self.backends = []
+        self.backends, self.acts = [], []
 
     def fused_banks(self, layer: int) -> tuple[Tensor, Tensor]:
         """`fused` over a store: layer `layer`'s banks copied to the device."""
@@ -223,11 +231,19 @@ class MoERuntime:
             return None
         store, threads, L = self.store, self.cpu_threads, self.store.num_layers
         banks = ([store.gate_up(m) for m in range(L)], [store.down(m) for m in range(L)])
+        acts = self.acts or [None] * L
+
+        def compute(m: int, x: Tensor, ids: Tensor, mask: Tensor) -> Tensor:
+            act = acts[m]
+            return cpu_branch(x, ids, mask, store, m, threads,
+                              None if act is None else act.bind(ids))
+
         # (timed for re-profiling when that is on: experts/bw_track.py)
-        branch = timed_branch(lambda m, x, ids, mask: cpu_branch(x, ids, mask, store, m, threads),
-                              self.counters, store.expert_bytes)
+        branch = timed_branch(compute, self.counters, store.expert_bytes)
+        # the native step loop has no expert biases: layers with an act take the Python loop
         bridge = CpuBridge(L, max_batch, k, store.hidden, store.dtype, self.device, branch,
-                           banks=banks, threads=threads)
+                           banks=None if any(a is not None for a in acts) else banks,
+                           threads=threads)
         self._bridges.append(bridge)
         log.info(kv("cpu_bridge", layers=len(layers), rows=max_batch, threads=threads,
                     loop="native" if bridge.native is not None else "python"))

@@ -28,6 +28,7 @@ from freetoken.experts.ffn import dispatch_experts, run_experts
 from freetoken.experts.slot_cache import SlotCache
 from freetoken.experts.store import ExpertStore
 from freetoken.types.forward_batch import MoEStep
+from kernels.expert_act import ExpertAct
 from kernels.quant import QuantBank
 
 # one long-lived worker for the CPU branch (a thread per layer and step costs ~0.1 ms)
@@ -35,18 +36,21 @@ _CPU_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts
 
 
 def cpu_branch(x: Tensor, ids: Tensor, mask: Tensor, store: ExpertStore, layer: int,
-               num_threads: int | None = None) -> Tensor:
-    """y [T, K, H] (model dtype) for the masked entries, computed on the CPU from the store."""
+               num_threads: int | None = None, act: ExpertAct | None = None) -> Tensor:
+    """y [T, K, H] (model dtype) for the masked entries, computed on the CPU from the store
+    (`act`: the layer's ExpertAct, bound to `ids`, or None)."""
     xc, ic, mc = x.cpu(), ids.cpu(), mask.cpu()
+    act = None if act is None else act.to("cpu")
     gu, dn = store.gate_up(layer), store.down(layer)
     if gu.dtype == torch.float32 or isinstance(gu, QuantBank):
         # fp32 and quantized banks: the same function as `fused` on the CPU (grouped F.linear,
         # or the C++ kernel for a single decode row), so results are bit-identical
         y = torch.zeros(*ic.shape, xc.shape[-1], dtype=xc.dtype)
-        return dispatch_experts(xc, ic, gu, dn, y, mask=mc, num_threads=num_threads)
+        return dispatch_experts(xc, ic, gu, dn, y, mask=mc, num_threads=num_threads, act=act)
     from kernels.cpu.expert_ops import cpu_experts
 
-    return cpu_experts(xc, ic, gu, dn, compute_mask=mc, num_threads=num_threads).to(x.dtype)
+    return cpu_experts(xc, ic, gu, dn, compute_mask=mc, num_threads=num_threads,
+                       act=act).to(x.dtype)
 
 
 class FetchRule:
@@ -118,26 +122,28 @@ class CpuSplitExperts(ExpertBackend):
     # -- forward -------------------------------------------------------------------------------
 
     def forward(self, x: Tensor, topk_ids: Tensor, step: MoEStep,
-                shared: SharedWeights = None) -> tuple[Tensor, Tensor | None]:
+                shared: SharedWeights = None, act: ExpertAct | None = None
+                ) -> tuple[Tensor, Tensor | None]:
         """y [T, K, H] (ExpertBackend's contract), and the shared expert's output [T, H] when
         it rode the launches of the GPU's share (decode-sized steps on CUDA), else None."""
         T, K = topk_ids.shape
         if step.mode == "streamed":
-            return self.streamer.forward(self.m, x, topk_ids), None
+            return self.streamer.forward(self.m, x, topk_ids, act), None
         br = step.bridge
         if step.mode == "captured" and br is not None and self.needs_bridge(br.B * br.K):
-            return self._forward_bridged(x, topk_ids, shared, br)
+            return self._forward_bridged(x, topk_ids, shared, br, act)
         if self.device_fill and self.all_fetched(T * K):
-            return self._forward_device(x, topk_ids, shared)
-        return self._forward_synced(x, topk_ids, shared)
+            return self._forward_device(x, topk_ids, shared, act)
+        return self._forward_synced(x, topk_ids, shared, act)
 
-    def _forward_device(self, x: Tensor, topk_ids: Tensor, shared: SharedWeights
-                        ) -> tuple[Tensor, Tensor | None]:
+    def _forward_device(self, x: Tensor, topk_ids: Tensor, shared: SharedWeights,
+                        act: ExpertAct | None = None) -> tuple[Tensor, Tensor | None]:
         """Every miss fetched by the device itself: no host sync (offload, capturable)."""
         d = self.cache.decide(self.m, topk_ids, -1,
                               accumulate=self.stats.device_counters(self.cache.device))
         self.cache.fill_device(self.m, d.fetch_experts, d.fetch_slots, self.store)
-        return run_experts(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots, shared)
+        return run_experts(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots, shared,
+                           act)
 
     def _device_num_fetch(self) -> int | Tensor:
         """The fetch count for a captured step: the fixed count, or the rule as a table [E+1]
@@ -150,8 +156,8 @@ class CpuSplitExperts(ExpertBackend):
                                              dtype=torch.int64, device=self.cache.device)
         return self._fetch_table
 
-    def _forward_bridged(self, x: Tensor, topk_ids: Tensor, shared: SharedWeights, bridge
-                         ) -> tuple[Tensor, Tensor | None]:
+    def _forward_bridged(self, x: Tensor, topk_ids: Tensor, shared: SharedWeights, bridge,
+                         act: ExpertAct | None = None) -> tuple[Tensor, Tensor | None]:
         """The layer inside a captured step: decide on the device, hand the CPU share to the
         bridge's worker, fill and compute the rest meanwhile, merge."""
         d = self.cache.decide(self.m, topk_ids, self._device_num_fetch(),
@@ -162,11 +168,11 @@ class CpuSplitExperts(ExpertBackend):
         else:  # the CPU device (tests): host lists are free there
             self.cache.fill(self.m, d.fetch_experts, d.fetch_slots, self.store)
         y, ys = run_experts(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots,
-                            shared)  # [T, K, H]: zeros on the CPU's entries until the merge
+                            shared, act)  # [T, K, H]: zeros on the CPU's entries until the merge
         return bridge.receive(self.m, d.cpu_mask, y), ys
 
-    def _forward_synced(self, x: Tensor, topk_ids: Tensor, shared: SharedWeights
-                        ) -> tuple[Tensor, Tensor | None]:
+    def _forward_synced(self, x: Tensor, topk_ids: Tensor, shared: SharedWeights,
+                        act: ExpertAct | None = None) -> tuple[Tensor, Tensor | None]:
         """The eager path: one device-to-host read for the decision; the CPU branch first, on
         its worker, while this thread fills slots and computes the hits."""
         q = self.rule.fixed if self.rule.fixed is not None else self.rule(
@@ -182,23 +188,24 @@ class CpuSplitExperts(ExpertBackend):
         worker: Future | None = None
         rp = self.stats.reprofiler  # re-profiling (experts/bw_track.py): time both branches
         if n_cpu:
-            worker = _CPU_POOL.submit(self._cpu_share, x, topk_ids, d.cpu_mask, n_cpu)
+            worker = _CPU_POOL.submit(self._cpu_share, x, topk_ids, d.cpu_mask, n_cpu, act)
         t_fill = rp.link_begin(self.cache.device) if rp is not None and fetched else None
         self.cache.fill(self.m, fetch_experts, fetch_slots, self.store)
         if t_fill is not None:
             rp.link_end(t_fill, fetched * self.store.expert_bytes)
         y, ys = run_experts(x, d.slot_ids, self.cache.gate_up_slots, self.cache.down_slots,
-                            shared)  # [T, K, H]
+                            shared, act)  # [T, K, H]
         if worker is not None:
             cm = d.cpu_mask.to(x.device)
             y[cm] = worker.result().to(x.device)[cm]
         return y, ys
 
-    def _cpu_share(self, x: Tensor, topk_ids: Tensor, mask: Tensor, n_cpu: int) -> Tensor:
+    def _cpu_share(self, x: Tensor, topk_ids: Tensor, mask: Tensor, n_cpu: int,
+                   act: ExpertAct | None = None) -> Tensor:
         """The CPU branch on its worker (`n_cpu` experts), timed when re-profiling is on."""
         rp = self.stats.reprofiler
         t0 = time.perf_counter()
-        y = cpu_branch(x, topk_ids, mask, self.store, self.m, self.cpu_threads)
+        y = cpu_branch(x, topk_ids, mask, self.store, self.m, self.cpu_threads, act)
         if rp is not None:
             rp.host_sample(n_cpu * self.store.expert_bytes, time.perf_counter() - t0)
         return y

@@ -249,9 +249,9 @@ class LayerStreamer:
             self.fetched += end - e
             e = end
 
-    def forward(self, m: int, x: Tensor, topk_ids: Tensor) -> Tensor:
+    def forward(self, m: int, x: Tensor, topk_ids: Tensor, act=None) -> Tensor:
         """Layer m's unweighted expert outputs y [T, K, H] read from its buffer and its
-        resident slots."""
+        resident slots (`act`: the layer's ExpertAct bound to topk_ids, or None)."""
         E, b = self.E, m % self.nbuf
         if self.nbuf > 1 and m + 1 < self.L and not self.issued[m + 1]:
             self._fill(m + 1)  # waits for buffer (m+1) % nbuf to be released by layer m-1
@@ -267,8 +267,9 @@ class LayerStreamer:
         T, K = topk_ids.shape
         y = torch.zeros(T, K, x.shape[-1], dtype=x.dtype, device=x.device)  # [T, K, H]
         c = self.cache
-        if fused_moe(x, slot_ids, c.gate_up_slots, c.down_slots, y) is None:
-            dispatch_experts(x, slot_ids, c.gate_up_slots, c.down_slots, y, mask=valid)
+        if fused_moe(x, slot_ids, c.gate_up_slots, c.down_slots, y, act) is None:
+            dispatch_experts(x, slot_ids, c.gate_up_slots, c.down_slots, y, mask=valid,
+                             act=act)
         counts = torch.bincount(torch.where(valid, topk_ids, E).reshape(-1),
                                 minlength=E + 1)[:E]  # [E], padding counted apart: no sync
         self._stats(resident, counts)

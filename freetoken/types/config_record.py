@@ -71,6 +71,15 @@ class ModelConfig:
     # (kimi_linear: `block_sparse_moe`, experts w1 / w3 / w2)
     moe_module: str = "mlp"
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+    # gpt_oss (freetoken/types/gpt_oss_config.py): attention sinks, a sliding window on the
+    # `sliding_layers` (their KV stays in the pool; attention masks keys outside the window),
+    # and the experts' clamped SwiGLU ("swiglu_oai" with alpha / limit) with biases
+    attention_sinks: bool = False
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    expert_act: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # checkpoint facts
     weight_prefix: str = "model."
     dtype: str = "bfloat16"

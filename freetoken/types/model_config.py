@@ -25,7 +25,7 @@ from freetoken.types.config_record import (
 __all__ = ["ConfigError", "ExpertFormat", "ModelConfig", "config_from_dict", "expert_nbytes",
            "load_config"]
 
-FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3", "kimi_linear")
+FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3", "kimi_linear", "gpt_oss")
 _TEXT_TYPES = {"qwen3_5_moe_text": "qwen3_5_moe"}
 
 
@@ -50,6 +50,10 @@ def expert_format_of(quant: dict | None) -> ExpertFormat | None:
 
 def config_from_dict(raw: dict) -> ModelConfig:
     raw = dict(raw)
+    if raw.get("model_type") == "gpt_oss":  # MXFP4 experts: its parser reads the quantization
+        from freetoken.types.gpt_oss_config import gpt_oss_config
+
+        return gpt_oss_config(raw)
     expert_format = expert_format_of(raw.get("quantization_config") or (
         raw.get("text_config") or {}).get("quantization_config"))
     prefix = "model."

@@ -76,6 +76,32 @@ SHAPES["qwen3.6-35b-a3b-fp8"] = dict(SHAPES["qwen3.6-35b-a3b"], quantization_con
 SHAPES["tiny-qwen3.5-moe-fp8"] = dict(SHAPES["tiny-qwen3.5-moe"], quantization_config=_FP8)
 
 
+# gpt-oss-120b / -20b as released (openai/gpt-oss-*, `config.json`): 36 / 24 layers alternating
+# sliding-window (128) and full attention with sinks, 128 / 32 experts top-4 of 3x2880x2880
+# with biases, MXFP4 experts (13.2 MB an expert: 60.9 / 10.2 GB of routed experts).
+_GPT_OSS = {
+    "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
+    "intermediate_size": 2880, "head_dim": 64, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "sliding_window": 128, "num_experts_per_tok": 4,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                        "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                        "original_max_position_embeddings": 4096},
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "swiglu_limit": 7.0,
+    "attention_bias": True, "tie_word_embeddings": False, "eos_token_id": 200002,
+    "pad_token_id": 199999, "dtype": "bfloat16",
+    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"]},
+}
+SHAPES["gpt-oss-120b"] = dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128)
+SHAPES["gpt-oss-20b"] = dict(_GPT_OSS, num_hidden_layers=24, num_local_experts=32)
+# the gpt-oss layout at a CPU test's size (MXFP4 needs multiples of 32)
+SHAPES["tiny-gpt-oss"] = dict(_GPT_OSS, vocab_size=151680, hidden_size=64,
+                              intermediate_size=64, head_dim=16, num_attention_heads=4,
+                              num_key_value_heads=2, sliding_window=8, num_hidden_layers=4,
+                              num_local_experts=8, num_experts_per_tok=2)
+
+
 def preset_config(name: str, layers: int | None = None) -> ModelConfig:
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.expert_act import ExpertAct, expert_bias_row, glu
 from kernels.logs import get_logger
 from kernels.quant import QuantBank, as_weight
 
@@ -85,11 +86,13 @@ def cpu_experts_torch(
     down: Tensor,
     compute_mask: Tensor | None = None,
     out: Tensor | None = None,
+    act: ExpertAct | None = None,
 ) -> Tensor:
     """Grouped F.linear in the weights' dtype: each routed expert's weights are used once for
     all tokens routed to it. Activations are cast to the weights' dtype (torch's bf16 path),
-    so bf16 weights give bf16-operand accuracy. Returns `out` (float32 [T, K, H])."""
-    t, k, e_count, h, i = _check_shapes(x, topk_ids, gate_up, down, compute_mask)
+    so bf16 weights give bf16-operand accuracy. Returns `out` (float32 [T, K, H]). `act`:
+    gpt-oss's biases and clamped SwiGLU (kernels/expert_act.py), bound to the logical ids."""
+    t, k, e_count, h, _ = _check_shapes(x, topk_ids, gate_up, down, compute_mask)
     out = _prepare_out(out, t, k, h)
     out_flat = out.view(t * k, h)  # [T*K, H]
     wdt = torch.float32 if isinstance(gate_up, QuantBank) else gate_up.dtype
@@ -97,9 +100,10 @@ def cpu_experts_torch(
         if not 0 <= e < e_count:
             raise IndexError(f"expert id {e} out of range [0, {e_count})")
         xs = x[entries // k].to(wdt)  # [n, H]
-        gu = F.linear(xs, as_weight(gate_up[e], wdt)).float()  # [n, 2I]
-        a = F.silu(gu[:, :i]) * gu[:, i:]  # [n, I]
-        out_flat[entries] = F.linear(a.to(wdt), as_weight(down[e], wdt)).float()  # [n, H]
+        gb, db = expert_bias_row(act, int(entries[0]), wdt)  # [2I], [H] or None
+        gu = F.linear(xs, as_weight(gate_up[e], wdt), gb).float()  # [n, 2I]
+        a = glu(gu, act)  # [n, I]
+        out_flat[entries] = F.linear(a.to(wdt), as_weight(down[e], wdt), db).float()  # [n, H]
     return out
 
 
@@ -111,6 +115,7 @@ def cpu_experts(
     compute_mask: Tensor | None = None,
     out: Tensor | None = None,
     num_threads: int | None = None,
+    act: ExpertAct | None = None,
 ) -> Tensor:
     """Unweighted expert outputs for every (t, k) with compute_mask True (all when None).
 
@@ -118,7 +123,9 @@ def cpu_experts(
     bf16 or fp32 (both banks the same dtype). Returns float32 [T, K, H]: `out` when given (only
     masked-in rows are written), else a new zero tensor. Uses the C++ kernel when it is
     available for this CPU and dtype, else grouped F.linear. The GIL is released while the
-    kernel runs, so a Python thread can drive the GPU copy stream meanwhile.
+    kernel runs, so a Python thread can drive the GPU copy stream meanwhile. `act` (gpt-oss,
+    bound to the logical ids): the quantized kernel applies it; dense banks then take the
+    torch path (the dense C++ kernel has no biases yet).
     """
     from kernels.cpu.ext import load_kernel
 
@@ -128,18 +135,19 @@ def cpu_experts(
         # (a build older than expert_quant.cpp lacks the symbol: the torch path then)
         if (kern is None or not _quant_usable(gate_up, down)
                 or not hasattr(kern.lib, "ft_cpu_experts_q")):
-            return cpu_experts_torch(x, topk_ids, gate_up, down, compute_mask, out)
+            return cpu_experts_torch(x, topk_ids, gate_up, down, compute_mask, out, act)
         out = _prepare_out(out, t, k, h)
-        run_quant(kern, x, topk_ids, gate_up, down, compute_mask, out, num_threads)
+        run_quant(kern, x, topk_ids, gate_up, down, compute_mask, out, num_threads, act)
         return out
     usable = (
-        kern is not None
+        act is None
+        and kern is not None
         and gate_up.dtype in _KERNEL_WEIGHT_DTYPES
         and down.dtype == gate_up.dtype
         and gate_up.device.type == "cpu"
     )
     if not usable:
-        return cpu_experts_torch(x, topk_ids, gate_up, down, compute_mask, out)
+        return cpu_experts_torch(x, topk_ids, gate_up, down, compute_mask, out, act)
     assert kern is not None
     out = _prepare_out(out, t, k, h)
     kern.run(x, topk_ids, gate_up, down, compute_mask, out, num_threads)
@@ -157,16 +165,19 @@ def _quant_usable(gate_up: QuantBank, down: QuantBank) -> bool:
 
 
 def run_quant(kern, x: Tensor, topk_ids: Tensor, gate_up: QuantBank, down: QuantBank,
-              compute_mask: Tensor | None, out: Tensor, num_threads: int | None = None) -> None:
+              compute_mask: Tensor | None, out: Tensor, num_threads: int | None = None,
+              act: ExpertAct | None = None) -> None:
     """Fill `out` [T, K, H] fp32 for masked-in entries from quantized banks through
-    `ft_cpu_experts_q` (shapes checked by the caller, `_quant_usable` true)."""
+    `ft_cpu_experts_q` (shapes checked by the caller, `_quant_usable` true); `act`: gpt-oss's
+    biases (fp32 in the kernel) and clamped SwiGLU, bound to the logical ids."""
     import ctypes
 
     fn = kern.lib.ft_cpu_experts_q
     if fn.argtypes is None:
         p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         fn.restype = c_int
-        fn.argtypes = [p, i64, i64, p, i64, p, p, p, p, p, i64, i64, c_int, i64, p, c_int]
+        fn.argtypes = [p, i64, i64, p, i64, p, p, p, p, p, i64, i64, c_int, i64, p, c_int,
+                       p, p, p, ctypes.c_float, ctypes.c_float]
     t, h = x.shape
     e, two_i, _ = gate_up.shape
     xs = x.detach().to(torch.float32).contiguous()  # [T, H]
@@ -174,10 +185,16 @@ def run_quant(kern, x: Tensor, topk_ids: Tensor, gate_up: QuantBank, down: Quant
     mask = None if compute_mask is None else compute_mask.to(torch.uint8).contiguous()
     gu, dn = gate_up.contiguous(), down.contiguous()
     nth = num_threads if num_threads is not None else torch.get_num_threads()
+    bias = (None, None, None, 1.0, 0.0)
+    if act is not None:  # (kept alive in `held` for the call)
+        held = (act.gate_up_bias.detach().float().contiguous(),
+                act.down_bias.detach().float().contiguous(),
+                act.entry_ids().to(torch.int64).contiguous())
+        bias = (*(h_.data_ptr() for h_ in held), act.alpha, act.limit)
     rc = fn(xs.data_ptr(), t, h, ids.data_ptr(), topk_ids.shape[1],
             None if mask is None else mask.data_ptr(), gu.data.data_ptr(), gu.scale.data_ptr(),
             dn.data.data_ptr(), dn.scale.data_ptr(), e, two_i // 2,
-            0 if gate_up.fmt == "fp8" else 1, gate_up.block, out.data_ptr(), nth)
+            0 if gate_up.fmt == "fp8" else 1, gate_up.block, out.data_ptr(), nth, *bias)
     if rc == 1:
         raise IndexError(f"expert id out of range [0, {e})")
     if rc != 0:

@@ -15,6 +15,10 @@
 // Work: phase 1 units (one expert group, 8 gate rows and the matching 8 up rows) then phase 2
 // units (one group, 16 down rows), each an OpenMP dynamic loop; every output element is one
 // dot product, so results do not depend on the thread count.
+// gpt-oss's experts (kernels/expert_act.py): with `gu_bias` the entry's gate_up bias row
+// (bias_ids[t * K + k], its logical expert: a slot bank's row is not its bias row) is added
+// before the clamped SwiGLU (u + 1) * g * sigmoid(alpha * g), g = min(gate, limit),
+// u = clamp(up, -limit, limit), and its down bias row after the down product.
 #include "expert_call.h"
 
 namespace {
@@ -166,7 +170,16 @@ struct QCall {
   const uint8_t *gu, *dn;
   const void *gus, *dns;
   int64_t block;
+  const float *gub = nullptr, *dnb = nullptr;  // [E', 2I], [E', H] biases (gpt-oss) or null
+  const int64_t* bias_ids = nullptr;           // [T * K] logical id of each entry
+  float alpha = 1.f, limit = 0.f;
 };
+
+inline float swiglu_oai(float g, float u, float alpha, float limit) {
+  g = std::min(g, limit);
+  u = std::min(std::max(u, -limit), limit);
+  return (u + 1.f) * (g / (1.f + std::exp(-alpha * g)));
+}
 
 template <int FMT>
 QMat expert_mat(const QCall& q, bool gate_up, int64_t e, int64_t H, int64_t I) {
@@ -205,6 +218,14 @@ void run_quant(ExpertCall& c, const QCall& q, int nth) {
       for (int64_t r = r0; r < r1; ++r) {
         qdot_tokens<FMT>(m, r, xs, g.n, gres.data());
         qdot_tokens<FMT>(m, I + r, xs, g.n, ures.data());
+        if (q.gub) {
+          for (int t = 0; t < g.n; ++t) {
+            const float* b = q.gub + q.bias_ids[c.entries[g.begin + t]] * 2 * I;
+            c.act[(g.begin + t) * I + r] =
+                swiglu_oai(gres[t] + b[r], ures[t] + b[I + r], q.alpha, q.limit);
+          }
+          continue;
+        }
         for (int t = 0; t < g.n; ++t)
           c.act[(g.begin + t) * I + r] = gres[t] / (1.f + std::exp(-gres[t])) * ures[t];
       }
@@ -217,7 +238,10 @@ void run_quant(ExpertCall& c, const QCall& q, int nth) {
       const int64_t r0 = (w % u2) * kRows2, r1 = std::min(H, r0 + kRows2);
       for (int64_t r = r0; r < r1; ++r) {
         qdot_tokens<FMT>(m, r, as, g.n, gres.data());
-        for (int t = 0; t < g.n; ++t) c.out[c.entries[g.begin + t] * H + r] = gres[t];
+        for (int t = 0; t < g.n; ++t) {
+          const int64_t ent = c.entries[g.begin + t];
+          c.out[ent * H + r] = q.dnb ? gres[t] + q.dnb[q.bias_ids[ent] * H + r] : gres[t];
+        }
       }
     }
   }
@@ -230,10 +254,12 @@ extern "C" {
 // Returns 0 on success, 1 if an expert id is out of [0, E), 2 on a bad format code, 3 on a
 // shape the kernel does not take (H or I not a multiple of 32, an fp8 block not a multiple of
 // 32). fmt: 0 = fp8 (scales fp32 block grids, `block` their edge), 1 = mxfp4 (e8m0 scales).
+// gu_bias / dn_bias / bias_ids null: the plain SwiGLU; else gpt-oss's (see the top).
 int ft_cpu_experts_q(const float* x, int64_t T, int64_t H, const int64_t* ids, int64_t K,
                      const uint8_t* mask, const uint8_t* gate_up, const void* gate_up_scale,
                      const uint8_t* down, const void* down_scale, int64_t E, int64_t I,
-                     int fmt, int64_t block, float* out, int nthreads) {
+                     int fmt, int64_t block, float* out, int nthreads, const float* gu_bias,
+                     const float* dn_bias, const int64_t* bias_ids, float alpha, float limit) {
   if (fmt != 0 && fmt != 1) return 2;
   if (H % kChunk || I % kChunk || (fmt == 0 && (block <= 0 || block % kChunk))) return 3;
   const int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
@@ -241,7 +267,9 @@ int ft_cpu_experts_q(const float* x, int64_t T, int64_t H, const int64_t* ids, i
   const int rc = expert_prepare(c, x, T, H, ids, K, mask, gate_up, down, E, I, 0, out, nth, 0,
                                 false);
   if (rc != 0 || c.groups.empty()) return rc;
-  const QCall q{gate_up, down, gate_up_scale, down_scale, block};
+  if (gu_bias && (!dn_bias || !bias_ids)) return 2;
+  const QCall q{gate_up, down, gate_up_scale, down_scale, block, gu_bias, dn_bias, bias_ids,
+                alpha, limit};
   if (fmt == 0) run_quant<0>(c, q, nth);
   else run_quant<1>(c, q, nth);
   return 0;

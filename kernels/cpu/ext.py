@@ -5,7 +5,8 @@ bridge_kernel.cpp: the CPU branch of a captured decode step, bound in bridge_ops
 expert_call.h: what they share), once per process.
 
 The sources are compiled lazily at first use with torch.utils.cpp_extension.load (ninja, JIT),
-into `<cache>/freetoken/ext/<isa>/` so later processes reuse the build. The ISA is read from the
+into `<cache>/freetoken/ext/<isa>/<sources hash>/` so later processes reuse the build (and
+checkouts of other versions on the machine build beside it, never over it). The ISA is read from the
 CPU's feature flags and selects the compiler flags, hence the code path inside the source:
 `avx512bf16`, `avx512`, `avx2` or `scalar`. `FT_CPU_ISA` overrides it (one of those names, or
 `torch` to disable the kernel). If the build or load fails, `load_kernel()` returns None, logs
@@ -245,7 +246,12 @@ def build(isa: str, verbose: bool = False) -> CpuKernel:
     """Compile (or reuse the cached build) for `isa` and load it. Raises on failure."""
     from torch.utils import cpp_extension
 
-    build_dir = cache_root() / "ext" / isa
+    # one build directory per version of the sources and headers: checkouts of different
+    # versions on one machine (worktrees, an installed copy) would otherwise rebuild into the
+    # same directory in turn, and a process could load another version's library (whose C ABI
+    # may differ from the ctypes signatures this checkout declares)
+    srcs = hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS)))
+    build_dir = cache_root() / "ext" / isa / srcs.hexdigest()[:16]
     build_dir.mkdir(parents=True, exist_ok=True)
     # torch re-builds when a source or a flag changes, not a header: the headers' hash rides
     # in the flags

@@ -1,0 +1,92 @@
+"""Anchors of the harmony format (gpt-oss; freetoken/chat/harmony_anchors.py) on token ids.
+
+No gpt-oss tokenizer or template is available offline, so the vocabulary here is a word-level
+stand-in with harmony's special tokens added (the detector reads their ids from the added
+tokens, whatever they are) and a small template of our own that writes the harmony message
+format: system and developer head, a user turn, an analysis message, a tool call to
+`functions.get_weather`, its result, and a final answer. Each anchor is checked at the exact
+token the format puts it on."""
+from __future__ import annotations
+
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from freetoken.chat.harmony_anchors import HarmonyTokens, detect_harmony_anchors
+from freetoken.chat.tokenizer import ChatTokenizer
+
+SPECIAL = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>",
+           "<|constrain|>"]
+_TEXT = ("system developer user assistant analysis commentary final json "
+         "to=functions.get_weather functions.get_weather to=assistant You are helpful. "
+         "Weather? Need the tool. It is 20 degrees. # Tools")
+WORDS = [*_TEXT.split(), '{"city":"Paris"}', '{"temp":20}']
+TEMPLATE = (
+    "<|start|>system<|message|>You are helpful.<|end|>"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' %}<|start|>developer<|message|>{{ m.content }}<|end|>"
+    "{% elif m.role == 'user' %}<|start|>user<|message|>{{ m.content }}<|end|>"
+    "{% elif m.role == 'tool' %}<|start|>functions.get_weather to=assistant<|channel|>"
+    "commentary<|message|>{{ m.content }}<|end|>"
+    "{% elif m.tool_calls %}"
+    "{% if m.reasoning_content %}<|start|>assistant<|channel|>analysis<|message|>"
+    "{{ m.reasoning_content }}<|end|>{% endif %}"
+    "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+    "{{ m.tool_calls[0].function.arguments }}<|call|>"
+    "{% else %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
+def _tokenizer() -> ChatTokenizer:
+    vocab = {w: i for i, w in enumerate(["[UNK]", *dict.fromkeys(WORDS)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(SPECIAL)
+    return ChatTokenizer(tok, TEMPLATE, {}, [])
+
+
+MESSAGES = [
+    {"role": "system", "content": "# Tools"},
+    {"role": "user", "content": "Weather?"},
+    {"role": "assistant", "content": "", "reasoning_content": "Need the tool.",
+     "tool_calls": [{"type": "function", "function": {"name": "get_weather",
+                                                      "arguments": "{\"city\":\"Paris\"}"}}]},
+    {"role": "tool", "content": "{\"temp\":20}"},
+    {"role": "assistant", "content": "It is 20 degrees."},
+]
+
+
+def test_anchors_sit_on_the_message_boundaries() -> None:
+    ct = _tokenizer()
+    assert ct.harmony is not None
+    p = ct.apply(MESSAGES)
+    ids, sid = p.input_ids, ct.special_ids
+    starts = [i for i, t in enumerate(ids) if t == sid["<|start|>"]]
+    chans = [i for i, t in enumerate(ids) if t == sid["<|channel|>"]]
+    ends = [i for i, t in enumerate(ids) if t == sid["<|end|>"]]
+    got = [(a.position, a.kind, a.role) for a in p.anchors]
+    # messages: 0 system, 1 developer, 2 user, 3 analysis, 4 call, 5 tool, 6 final, 7 prompt
+    roles = ["system", "developer", "user", "assistant", "assistant", "tool", "assistant",
+             "assistant"]
+    want = [(s, "turn_start", r) for s, r in zip(starts, roles)]
+    want.append((starts[2], "head_end", None))
+    want += [(chans[0], "think_start", None), (ends[3], "think_end", None)]
+    want.append((chans[1], "tool_call_start", None))
+    want += [(starts[5], "tool_result_start", None), (ends[4], "tool_result_end", None)]
+    assert sorted(got, key=lambda a: (a[0], a[1])) == sorted(want, key=lambda a: (a[0], a[1]))
+    # every anchor is a token boundary the format defines: a header's <|start|>, a
+    # <|channel|> or a message's closing token
+    assert {a.position for a in p.anchors} <= set(starts) | set(chans) | set(ends)
+
+
+def test_no_head_end_without_a_leading_system_message() -> None:
+    ct = _tokenizer()
+    ids = ct.encode("<|start|>user<|message|>Weather?<|end|><|start|>assistant<|channel|>"
+                    "final<|message|>It is 20 degrees.<|return|>")
+    a = detect_harmony_anchors(ids, ct.harmony, ct.decode)
+    assert [x.kind for x in a] == ["turn_start", "turn_start"]
+    assert [x.role for x in a] == ["user", "assistant"]
+
+
+def test_qwen_vocabulary_is_not_harmony() -> None:
+    assert HarmonyTokens.from_vocab({"<|im_start|>": 1, "<|im_end|>": 2}) is None
