@@ -240,3 +240,38 @@ def test_replan_pays_a_large_claim_with_state_slots_then_regrows_them(tiny_dir) 
     while core.has_work():
         core.step()
     assert {k: _tokens(v) for k, v in out.items()} == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_state_rebuild_recaptures_graphs_gpu(tiny_dir) -> None:
+    """On CUDA with graphs: the state pool shrinks to the live states and grows back while
+    four streams decode from captured graphs: the graphs go with the old state tensors, the
+    next steps capture again, and the tokens are an unrebuilt engine's. Bug caught: a graph
+    replayed on the freed state tensors (reads and writes freed device memory)."""
+    def core_cuda() -> EngineCore:
+        model, rt = load_with_experts(tiny_dir, MoEConfig(backend="offload", cache_size=SLOTS),
+                                      dtype=torch.float32, device="cuda", progress=False)
+        return EngineCore(model, [], kv_tokens=600, state_slots=STATES, max_running=4,
+                          chunk_tokens=32, max_context=200, moe=rt, state_host_mem=0)
+
+    ref = core_cuda()
+    V = ref.cfg.vocab_size
+    want = {k: _tokens(v) for k, v in _run(ref, _reqs(V, "g")).items()}
+    core = core_cuda()
+    el = ElasticVram(core, min_expert_slots=8)
+    out = {r.request_id: [] for r in _reqs(V, "g")}
+    for r in _reqs(V, "g"):
+        core.add(r, out[r.request_id].append)
+    steps, replays = 0, []
+    while core.has_work():
+        core.step()
+        steps += 1
+        if steps in (10, 18):
+            replays.append(core.runner.replays)
+            n = elastic_state.state_live(core) if steps == 10 else STATES + 4
+            el.rebuild(state_slots=n)
+            assert all(not b.graphs for b in core.runner.buckets.values())
+            _check_state_slots(core)
+    assert {k: _tokens(v) for k, v in out.items()} == want
+    assert core.runner.replays > replays[-1]  # graphs captured again and replayed
