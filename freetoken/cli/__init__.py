@@ -33,6 +33,7 @@ _BENCH_COMMANDS = [
     "freetoken.bench.cli_checkpoint",
     "freetoken.bench.cli_bench_serve",
     "freetoken.bench.cli_load",
+    "freetoken.bench.cli_elastic",
 ]
 
 

@@ -43,6 +43,7 @@ def build_engine(cfg: EngineConfig) -> AsyncEngine:
         cuda_graph=cfg.cuda_graph,
         state_host_mem=cache.state_host_mem,
         moe=rt,
+        kept_logits=cache.kept_logits,
     )
     name = cfg.model if cfg.model in DEMO_ALIASES else model_dir.name
     engine = AsyncEngine(core, model_dir, name)

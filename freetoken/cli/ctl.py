@@ -19,10 +19,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--rate", type=float, help="fraction of the expert pool")
     g.add_argument("--mem", type=int, help="bytes")
     e.set_defaults(func=_experts)
-    v = sub.add_parser("vram", help="rebuild the expert cache and the KV pool now "
-                                    "(elastic VRAM)")
+    v = sub.add_parser("vram", help="rebuild the expert cache, the KV pool and the state "
+                                    "pool now (elastic VRAM)")
     v.add_argument("--expert-slots", type=int, default=None)
     v.add_argument("--kv-tokens", type=int, default=None)
+    v.add_argument("--state-slots", type=int, default=None,
+                   help="device recurrent-state slots (hybrid models)")
     v.set_defaults(func=_vram)
     s = sub.add_parser("stats", help="print /v1/stats")
     s.set_defaults(func=_stats)
@@ -50,7 +52,7 @@ def _experts(args: argparse.Namespace) -> int:
 def _vram(args: argparse.Namespace) -> int:
     import httpx
 
-    body = {k: getattr(args, k) for k in ("expert_slots", "kv_tokens")
+    body = {k: getattr(args, k) for k in ("expert_slots", "kv_tokens", "state_slots")
             if getattr(args, k) is not None}
     r = httpx.post(args.url + "/ft/v1/control/vram", json=body, headers=_headers(args),
                    timeout=600)

@@ -163,7 +163,8 @@ def engine_config_from_args(args: argparse.Namespace):
             cache=CacheConfig(kv_tokens=get("kv_tokens"), state_slots=get("state_slots", 64),
                               state_host_mem=get("state_host_mem"),
                               chunk_tokens=get("chunk_tokens"),
-                              checkpoint_policy=get("checkpoint_policy", "semantic")),
+                              checkpoint_policy=get("checkpoint_policy", "semantic"),
+                              kept_logits=get("kept_logits")),
             moe=moe_options(args, args.moe_backend or "fused") if has_moe else None,
             moe_backend_given=has_moe and args.moe_backend is not None,
             record_routing=get("record_routing"),
@@ -206,6 +207,11 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
                         "model, none otherwise; 0 = no cap")
     g.add_argument("--checkpoint-policy", default="semantic",
                    choices=["semantic", "interval", "end_only"])
+    g.add_argument("--kept-logits", type=int, default=None, metavar="N",
+                   help="logits rows kept beside prompt-end snapshots, so that a resent prompt "
+                        "(or the prompt one token back) computes nothing before its first "
+                        "token (hybrid models; one row is vocab floats on the device; default: "
+                        "--state-slots; 0: off, a resend then feeds its last token again)")
     g.add_argument("--record-routing", default=None, metavar="FILE",
                    help="write the routed expert ids of every step and layer to FILE at exit")
     g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",

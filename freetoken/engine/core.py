@@ -90,6 +90,7 @@ class EngineCore:
         self.warmup = Warmup(self)  # idle-time warm-up tasks (engine/warm_up.py), none planned
         log.info(kv("ready", kv_tokens=kv_tokens, state_slots=state_slots if state else 0,
                     max_running=max_running, chunk=chunk_tokens, max_context=self.max_context,
+                    kept_logits=n_logits,
                     kv_mb=KVPool.bytes_per_token(cfg, self.dtype) * kv_tokens // 2**20))
 
     def warm_up(self) -> float:

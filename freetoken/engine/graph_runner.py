@@ -326,3 +326,13 @@ class DecodeRunner(DecodeStaging):
         self._drop_graphs()
         for b in self.buckets.values():
             b.attn = None
+
+    def rebind_state(self, scratch_state: int) -> None:
+        """The engine replaced its state tensors (`caches.state`, engine/elastic_state.py):
+        its scratch slot is now `scratch_state`. Waits for the step in flight and drops every
+        graph (they captured the old tensors); each bucket is captured again at its next
+        step."""
+        self.drain()
+        self._last = None
+        self.scratch_state = scratch_state
+        self._drop_graphs()

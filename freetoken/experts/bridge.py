@@ -80,12 +80,17 @@ class CpuBridge:
                  dtype: torch.dtype, device: torch.device,
                  compute: Callable[[int, Tensor, Tensor, Tensor], Tensor],
                  banks: tuple[list[Tensor], list[Tensor]] | None = None,
-                 threads: int | None = None):
+                 threads: int | None = None,
+                 sample: Callable[[int, float], None] | None = None):
         """`compute(m, x [B, H], ids [B, K], mask [B, K]) -> y [B, K, H]`: the CPU branch of
         MoE layer m on host tensors (entries outside the mask are not read). `banks`: every
         layer's (gate_up [E, 2I, H], down [E, H, I]) host banks, for the native step loop
         with `threads` threads (None: torch's thread count); without them, or without the C++
-        kernel, every step takes the Python path."""
+        kernel, every step takes the Python path. `sample(experts, seconds)`: told after each
+        native step that computed something, the distinct experts it computed (summed over
+        the layers) and its busy time (the call less its waits for the GPU's flags): the
+        bandwidth re-profiler's B_H samples (experts/bw_track.py; the Python path is timed
+        inside `compute`)."""
         self.L, self.B, self.K, self.H = num_layers, max_rows, top_k, hidden
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
@@ -103,6 +108,7 @@ class CpuBridge:
         # so end_step reads it without a device sync that would wait for a step launched ahead
         self.err = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
         self.compute = compute
+        self.sample = sample
         self.seq = 0  # host mirror of seq_dev after begin_step
         self._steps: deque[tuple[int, int, bool]] = deque()  # (seq, rows, replay) begun
         self._closed = False
@@ -219,8 +225,10 @@ class CpuBridge:
         assert self.native is not None
         st = self.native.run_step(seq, T, _UNBOUNDED_S if timeout_s is None else timeout_s)
         self.wait_go_s += st.wait_s
-        self.busy_s += st.total_s - st.wait_s
+        self.busy_s += st.busy_s
         self.native_steps += 1
+        if self.sample is not None and st.experts:
+            self.sample(st.experts, st.busy_s)
         if st.max_wait_s > 0.05:
             log.warning(kv("cpu_bridge_slow", seq=seq, layer=st.max_wait_layer,
                            waited_ms=f"{st.max_wait_s * 1e3:.1f}"))

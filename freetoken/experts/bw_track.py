@@ -6,7 +6,9 @@ layer's misses between fetches and the CPU) goes stale. `Reprofiler` re-measures
 from what serving already does:
 
 - B_H: every CPU expert-branch call, its expert bytes (distinct experts computed x bytes per
-  expert) over its wall time (`host_sample`, from the bridge's worker or the synced path);
+  expert) over its wall time (`host_sample`): per layer from the synced path and the bridge's
+  Python worker (`timed_branch`), per step from the bridge's native loop (`native_sampler`:
+  the experts the C++ step loop computed over the loop's time less its waits for the GPU);
 - B_P: every eager slot fill, its bytes over its time (`link_begin`/`link_end`: CUDA events,
   read at the next safe point, so nothing syncs; wall time on the CPU device).
 
@@ -185,3 +187,14 @@ def timed_branch(fn, stats, expert_bytes: int):
         rp.host_sample(n * expert_bytes, dt)
         return y
     return run
+
+
+def native_sampler(stats, expert_bytes: int):
+    """`sample(experts, seconds)` for `CpuBridge(sample=...)`: a native step's experts
+    computed and busy time, handed to `stats.reprofiler` as one B_H sample when re-profiling
+    is on (looked up per call: it may start later)."""
+    def sample(experts: int, seconds: float) -> None:
+        rp = stats.reprofiler
+        if rp is not None:
+            rp.host_sample(experts * expert_bytes, seconds)
+    return sample

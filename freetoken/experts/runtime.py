@@ -27,7 +27,13 @@ from torch import Tensor
 from freetoken.experts.auto import AutoGuard
 from freetoken.experts.base import MoEHost
 from freetoken.experts.bridge import CpuBridge
-from freetoken.experts.bw_track import DRIFT, REPROFILE_EVERY_STEPS, Reprofiler, timed_branch
+from freetoken.experts.bw_track import (
+    DRIFT,
+    REPROFILE_EVERY_STEPS,
+    Reprofiler,
+    native_sampler,
+    timed_branch,
+)
 from freetoken.experts.calibrate import find_profile, measure_profile_now
 from freetoken.experts.cost_model import BandwidthProfile, recommend_backend
 from freetoken.experts.fused import FusedExperts
@@ -243,7 +249,8 @@ class MoERuntime:
         # the native step loop has no expert biases: layers with an act take the Python loop
         bridge = CpuBridge(L, max_batch, k, store.hidden, store.dtype, self.device, branch,
                            banks=None if any(a is not None for a in acts) else banks,
-                           threads=threads)
+                           threads=threads,
+                           sample=native_sampler(self.counters, store.expert_bytes))
         self._bridges.append(bridge)
         log.info(kv("cpu_bridge", layers=len(layers), rows=max_batch, threads=threads,
                     loop="native" if bridge.native is not None else "python"))

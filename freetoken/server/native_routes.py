@@ -1,5 +1,6 @@
 """Native and control routes: /health, /v1/stats, /ft/v1/generate, /ft/v1/control/experts,
-/ft/v1/control/vram (elastic VRAM: expert cache and KV pool rebuilt together, docs/server.md).
+/ft/v1/control/vram (elastic VRAM: expert cache, KV pool and state pool rebuilt together,
+docs/server.md).
 
 /ft/v1/control/experts re-budgets the GPU expert cache of a running server: `{"slots": N}`,
 `{"rate": 0.37}` or `{"mem": bytes}`, applied by the engine thread between two steps, all or
@@ -83,9 +84,10 @@ async def control_experts(request: Request) -> Response:
 
 
 async def control_vram(request: Request) -> Response:
-    """Rebuild the expert cache and the KV pool now: `{"expert_slots": N, "kv_tokens": M}`
-    (either may be left out: kept). 400 for sizes out of range, 409 when it could not
-    allocate (rolled back, still serving), 404 without elastic VRAM."""
+    """Rebuild the expert cache, the KV pool and the state pool now: `{"expert_slots": N,
+    "kv_tokens": M, "state_slots": S}` (any may be left out: kept). 400 for sizes out of
+    range, 409 when it could not allocate (rolled back, still serving), 404 without elastic
+    VRAM."""
     from freetoken.engine.core import ResizeError
     from freetoken.types.api import AdmissionError
 
@@ -93,9 +95,10 @@ async def control_vram(request: Request) -> Response:
     body = await read_json(request)
     if not isinstance(body, dict):
         raise APIError.bad("the body must be a JSON object")
-    spec = {k: body[k] for k in ("expert_slots", "kv_tokens") if k in body}
+    spec = {k: body[k] for k in ("expert_slots", "kv_tokens", "state_slots") if k in body}
     if not spec:
-        raise APIError.bad("give expert_slots, kv_tokens or both", "expert_slots")
+        raise APIError.bad("give expert_slots, kv_tokens, state_slots or several",
+                           "expert_slots")
     for k, v in spec.items():
         if isinstance(v, bool) or not isinstance(v, int):
             raise APIError.bad(f"'{k}' must be an integer", k)

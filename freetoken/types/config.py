@@ -61,6 +61,9 @@ class CacheConfig:
     state_host_mem: int | None = None  # bytes of the host tier of state snapshots
     chunk_tokens: int | None = None  # prefill token budget per step
     checkpoint_policy: str = "semantic"
+    # logits rows kept beside prompt-end snapshots, so a resent prompt (or one token back)
+    # computes nothing before its first token (cache/logits.py; None: `state_slots`, 0: off)
+    kept_logits: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_tokens is not None and self.kv_tokens < 1:
@@ -73,6 +76,8 @@ class CacheConfig:
             raise ValueError("--chunk-tokens must be at least 1")
         if self.checkpoint_policy not in POLICIES:
             raise ValueError(f"--checkpoint-policy must be one of {', '.join(POLICIES)}")
+        if self.kept_logits is not None and self.kept_logits < 0:
+            raise ValueError("--kept-logits must be at least 0")
 
 
 @dataclass(frozen=True)

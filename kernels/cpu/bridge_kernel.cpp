@@ -38,6 +38,7 @@ struct Bridge {
   int64_t* done;
   int nth;
   int64_t pauses;         // spin_until's pause phase
+  int64_t throttle_ns = 0;  // extra busy time per expert computed (a slower host: tests)
   std::vector<int> cpus;  // pin team thread t to cpus[t % n] (empty: no pinning)
   std::vector<float> xf;  // [B, H] the layer's x in fp32 (bf16 x)
   std::vector<float> of;  // [B, K, H] the layer's results in fp32 (bf16 out)
@@ -112,13 +113,22 @@ void ft_bridge_set_cpus(void* h, const int* cpus, int n) {
   b->cpus.assign(cpus, cpus + n);
 }
 
-// Runs step `seq` over rows [0, T) of every layer. stats (5 doubles): ns thread 0 waited for
-// go flags, ns of the whole call, the longest wait (ns) and its layer, the layer that failed.
+// Simulate a host whose expert branch is slower (benchmarks, tests of bandwidth re-profiling):
+// from the next step on, thread 0 stays busy ns_per_expert more per expert a layer computes,
+// before the team runs the layer. 0: off.
+void ft_bridge_set_throttle(void* h, int64_t ns_per_expert) {
+  static_cast<Bridge*>(h)->throttle_ns = ns_per_expert > 0 ? ns_per_expert : 0;
+}
+
+// Runs step `seq` over rows [0, T) of every layer. stats (6 doubles): ns thread 0 waited for
+// go flags, ns of the whole call, the longest wait (ns) and its layer, the layer that failed,
+// the experts computed (distinct experts per layer, summed over the layers: the bytes of the
+// step's CPU branch are that many experts' weights).
 // Returns 0; 1 an expert id out of [0, E) (entries with a negative id are skipped); 3 go[m]
 // did not reach seq within timeout_s; 4 T out of [0, B].
 int ft_bridge_run_step(void* h, int64_t seq, int64_t T, double timeout_s, double* stats) {
   auto& b = *static_cast<Bridge*>(h);
-  for (int k = 0; k < 5; ++k) stats[k] = 0.0;
+  for (int k = 0; k < 6; ++k) stats[k] = 0.0;
   stats[4] = -1;
   if (T < 0 || T > b.B) return 4;
   const auto t_call = Clock::now();
@@ -129,7 +139,7 @@ int ft_bridge_run_step(void* h, int64_t seq, int64_t T, double timeout_s, double
   const int64_t H = b.H, K = b.K, L = b.L;
   const size_t xb = b.xdtype == 1 ? 2 : 4;
   double wait_ns = 0.0, max_wait = 0.0;
-  int64_t max_layer = -1, failed = -1;
+  int64_t max_layer = -1, failed = -1, experts = 0;
 #pragma omp parallel num_threads(b.nth)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -159,6 +169,12 @@ int ft_bridge_run_step(void* h, int64_t seq, int64_t T, double timeout_s, double
                                    : static_cast<float*>(b.out) + m * b.B * K * H;
           rc = expert_prepare(b.call, xs, T, H, b.ids + m * b.B * K, K, b.mask + m * b.B * K,
                               b.gate_up[m], b.down[m], b.E, b.I, b.wdtype, o, nt, 1, true);
+          const int64_t g = rc == 0 ? static_cast<int64_t>(b.call.groups.size()) : 0;
+          experts += g;
+          if (g && b.throttle_ns) {
+            const auto until = Clock::now() + std::chrono::nanoseconds(g * b.throttle_ns);
+            while (Clock::now() < until) cpu_relax();
+          }
         }
         if (rc != 0) {
           failed = m;
@@ -189,6 +205,7 @@ int ft_bridge_run_step(void* h, int64_t seq, int64_t T, double timeout_s, double
   stats[2] = max_wait;
   stats[3] = static_cast<double>(max_layer);
   stats[4] = static_cast<double>(failed);
+  stats[5] = static_cast<double>(experts);
   return status.load();
 }
 

@@ -26,6 +26,12 @@ class StepStats(NamedTuple):
     total_s: float  # the whole call
     max_wait_s: float
     max_wait_layer: int
+    experts: int = 0  # distinct experts computed, summed over the layers
+
+    @property
+    def busy_s(self) -> float:
+        """The call's time not spent waiting for the GPU: the CPU branch's own time."""
+        return max(self.total_s - self.wait_s, 0.0)
 
 
 def _bind(lib: ctypes.CDLL) -> None:
@@ -38,6 +44,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.ft_bridge_free.argtypes = [_p]
     lib.ft_bridge_set_cpus.restype = None
     lib.ft_bridge_set_cpus.argtypes = [_p, _p, _int]
+    lib.ft_bridge_set_throttle.restype = None
+    lib.ft_bridge_set_throttle.argtypes = [_p, _i64]
     lib.ft_bridge_run_step.restype = _int
     lib.ft_bridge_run_step.argtypes = [_p, _i64, _i64, _dbl, _p]
     lib.ft_bridge_sim_gpu.restype = _int
@@ -98,12 +106,17 @@ class NativeBridge:
             L, B, K, H, E, two_i // 2, _WDTYPE[wd], _WDTYPE[x.dtype], self._gu_ptrs.data_ptr(),
             self._dn_ptrs.data_ptr(), x.data_ptr(), ids.data_ptr(), mask.data_ptr(),
             out.data_ptr(), go.data_ptr(), done.data_ptr(), threads, spin_pauses(threads))
-        self._stats = (ctypes.c_double * 5)()
+        self._stats = (ctypes.c_double * 6)()
 
     def set_cpus(self, cpus: list[int]) -> None:
         """Pin team thread t to cpus[t % len(cpus)] from the next step on ([]: no pinning)."""
         arr = (ctypes.c_int * max(1, len(cpus)))(*cpus)
         self._lib.ft_bridge_set_cpus(self._h, arr, len(cpus))
+
+    def set_throttle(self, ns_per_expert: int) -> None:
+        """Simulate a slower host from the next step on: ns_per_expert more busy time per
+        expert a layer computes (benchmarks, re-profiling tests; 0: off)."""
+        self._lib.ft_bridge_set_throttle(self._h, int(ns_per_expert))
 
     def run_step(self, seq: int, rows: int, timeout_s: float) -> StepStats:
         """Every layer of step `seq` over rows [0, rows); the GIL is released meanwhile."""
@@ -115,7 +128,7 @@ class NativeBridge:
             raise TimeoutError(f"layer {int(s[4])} of step {seq} never arrived")
         if rc != 0:
             raise RuntimeError(f"ft_bridge_run_step failed rc={rc} (rows={rows})")
-        return StepStats(s[0] * 1e-9, s[1] * 1e-9, s[2] * 1e-9, int(s[3]))
+        return StepStats(s[0] * 1e-9, s[1] * 1e-9, s[2] * 1e-9, int(s[3]), int(s[5]))
 
     def __del__(self) -> None:
         h, self._h = getattr(self, "_h", None), None

@@ -23,7 +23,8 @@ def _parse(register, command: str, *argv: str) -> argparse.Namespace:
 FLAGS = ("--model", "m", "--dtype", "bf16", "--device", "cpu", "--max-running", "3",
          "--max-context", "2048", "--kv-tokens", "1500", "--state-slots", "12",
          "--state-host-mem", "1G", "--chunk-tokens", "256", "--max-output-tokens", "7",
-         "--checkpoint-policy", "interval", "--no-cuda-graph", "--record-routing", "r.npz",
+         "--checkpoint-policy", "interval", "--kept-logits", "5", "--no-cuda-graph",
+         "--record-routing", "r.npz",
          "--moe-backend", "hybrid", "--moe-cache-rate", "0.5")
 
 
@@ -35,7 +36,8 @@ def test_every_engine_flag_reaches_the_config(register, command) -> None:
         "m", "bf16", "cpu", 3, 2048)
     assert (cfg.max_output_tokens, cfg.cuda_graph, cfg.record_routing) == (7, False, "r.npz")
     assert cfg.cache == CacheConfig(kv_tokens=1500, state_slots=12, state_host_mem=2**30,
-                                    chunk_tokens=256, checkpoint_policy="interval")
+                                    chunk_tokens=256, checkpoint_policy="interval",
+                                    kept_logits=5)
     assert cfg.moe is not None and cfg.moe_backend_given
     assert (cfg.moe.backend, cfg.moe.cache_rate) == ("hybrid", 0.5)
 

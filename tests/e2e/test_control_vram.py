@@ -1,6 +1,6 @@
-"""/ft/v1/control/vram (`ft ctl vram`): the expert cache and the KV pool rebuilt together on a
-running server. Oracle: the fused model's greedy tokens, before and after every rebuild; a
-failed allocation answers 409 with the previous sizes serving."""
+"""/ft/v1/control/vram (`ft ctl vram`): the expert cache, the KV pool and the state pool
+rebuilt together on a running server. Oracle: the fused model's greedy tokens, before and
+after every rebuild; a failed allocation answers 409 with the previous sizes serving."""
 from __future__ import annotations
 
 import threading
@@ -49,19 +49,22 @@ def test_rebuilds_keep_results(served) -> None:
     server, _, want = served
     assert _tokens(server.url) == want
     for body in ({"expert_slots": 3, "kv_tokens": 2048}, {"kv_tokens": 6000},
-                 {"expert_slots": 12}, {"expert_slots": 6, "kv_tokens": 4096}):
+                 {"expert_slots": 12}, {"state_slots": 3}, {"state_slots": 80, "kv_tokens": 5000},
+                 {"expert_slots": 6, "kv_tokens": 4096, "state_slots": 64}):
         r = _vram(server.url, **body)
         assert r.status_code == 200, r.text
         for k, v in body.items():
             assert r.json()[k] == v
         assert _tokens(server.url) == want
     st = httpx.get(server.url + "/v1/stats").json()["vram"]
-    assert (st["expert_slots"], st["kv_tokens"], st["rebuilds"]) == (6, 4096, 4)
+    assert (st["expert_slots"], st["kv_tokens"], st["state_slots"], st["rebuilds"]) == (
+        6, 4096, 64, 6)
 
 
 @pytest.mark.parametrize("body", [{}, {"kv_tokens": 100}, {"expert_slots": 0},
                                   {"expert_slots": 10**6}, {"kv_tokens": "9000"},
-                                  {"expert_slots": True}, {"kv_tokens": 2.5}])
+                                  {"expert_slots": True}, {"kv_tokens": 2.5},
+                                  {"state_slots": 0}, {"state_slots": "8"}])
 def test_bad_sizes_are_refused(served, body: dict) -> None:
     server, _, _ = served
     r = _vram(server.url, **body)

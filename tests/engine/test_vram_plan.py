@@ -64,3 +64,33 @@ def test_kv_pressure_moves_budget_from_experts() -> None:
     assert p is None  # at the cap
     p = plan(_st(M, slots=9, live=900), K)  # one slot to give: the pool grows by its worth
     assert (p.expert_slots, p.kv_tokens) == (8, 1100)
+
+
+def _st_state(free: int, slots: int = 40, states: int = 12, live: int = 3) -> VramState:
+    """`_st` with a state pool: 12 slots of 2000 bytes, floor 4, `live` that must stay."""
+    return VramState(free, slots, 64, S, 1000, T, 200, 0, 4000, min_expert_slots=8,
+                     state_slots=states, state_slot_bytes=2 * S, state_floor=4,
+                     state_live=live, state_cap=12)
+
+
+def test_a_claim_reaches_the_state_pool_last_and_stops_at_its_floor() -> None:
+    """Experts (32 slots above their minimum) and KV (800 tokens above its floor: 8 slots'
+    worth) pay first; what is left comes from state slots, never below the floor nor the live
+    states. Without a state pool (the fields at 0) nothing changes from before."""
+    p = plan(_st_state(M - 40 * S), K)
+    assert (p.expert_slots, p.kv_tokens, p.state_slots) == (8, 200, 12)  # paid in full
+    p = plan(_st_state(M - 46 * S), K)  # 6 slots' worth more: 3 state slots
+    assert (p.expert_slots, p.kv_tokens, p.state_slots) == (8, 200, 9)
+    assert plan(_st_state(M - 100 * S), K).state_slots == 4  # the floor
+    assert plan(_st_state(M - 100 * S, live=6), K).state_slots == 6  # the live states
+    assert plan(_st(M - 100 * S), K).state_slots == 0
+
+
+def test_returned_memory_regrows_the_state_pool_first() -> None:
+    p = plan(_st_state(M + 5 * S, states=6), K)  # 5 slots' worth: 2 state slots, 1 expert
+    assert (p.state_slots, p.expert_slots, p.reason) == (8, 41, "memory_returned")
+    p = plan(_st_state(M + 100 * S, states=6), K)
+    assert (p.state_slots, p.expert_slots) == (12, 64)  # back to --state-slots, no more
+    p = plan(_st_state(M + 5 * S, slots=64, states=6), K)  # experts full: state alone
+    assert (p.state_slots, p.expert_slots) == (8, 64)
+    assert plan(_st_state(M + 5 * S, slots=64), K) is None  # both full
