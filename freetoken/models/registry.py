@@ -10,6 +10,10 @@ def model_class(cfg: ModelConfig) -> type[QwenMoE]:
         from freetoken.models.deepseek import DeepseekV3
 
         return DeepseekV3
+    if cfg.model_type == "glm_moe_dsa":
+        from freetoken.models.glm import GlmMoeDsa
+
+        return GlmMoeDsa
     if cfg.model_type == "kimi_linear":
         from freetoken.models.kimi import KimiLinear
 
