@@ -1,8 +1,8 @@
 """Every expert backend against `fused` on DeepSeek-V3, Kimi-Linear and GLM-5 (group-limited
 routing, ungated shared experts, dense first layers; Kimi's MoE under `block_sparse_moe`):
 bit-identical fp32 logits on CPU, prefill then decode. The block hands the backends routed ids
-the way the softmax MoEBlock does; a block that bypassed the backend, or that fed it ids of the dense
-layers, would differ here or fail to load."""
+the way the softmax MoEBlock does; a block that bypassed the backend, or that fed it ids of the
+dense layers, would differ here or fail to load."""
 from __future__ import annotations
 
 import pytest
