@@ -142,14 +142,19 @@ class MLAttention(nn.Module):
         q_nope, q_rope, latent = self._project(x, cos, sin)
         pool = kv.k[kv.layer_index[self.layer_id]]  # [S, 1, C+R]
         if batch.ctx is not None:  # decode-only step of the runner: absorbed, every row
-            if batch.ctx.attn.name != "torch":
+            attn = batch.ctx.attn
+            if attn.name not in ("torch", "triton_mla"):
                 raise NotImplementedError(
-                    f"MLA decode through the {batch.ctx.attn.name!r} attention plan is not "
-                    "built; the decode runner must plan 'torch' for MLA models")
+                    f"MLA decode through the {attn.name!r} attention plan is not built; the "
+                    "decode runner must plan 'triton_mla' or 'torch' for MLA models")
             pool.index_copy_(0, batch.ctx.out_slots, latent.to(pool.dtype))
             q_lat = self.absorb_query(q_nope, q_rope)  # [B, Hq, C+R]
-            o_lat = torch.stack([self.decode_one(q_lat[b], pool, s)
-                                 for b, s in enumerate(batch.ctx.attn.rows)])  # [B, Hq, C]
+            if attn.name == "triton_mla":  # in place over the runner's CSR; capturable
+                o_lat = attn.run_latent(q_lat.to(pool.dtype).contiguous(), pool, self.scale,
+                                        self.c)  # [B, Hq, C]
+            else:
+                o_lat = torch.stack([self.decode_one(q_lat[b], pool, s)
+                                     for b, s in enumerate(attn.rows)])  # [B, Hq, C]
             return self.o_proj(self.absorbed_out(o_lat).reshape(T, self.hq * self.dv))
         out = torch.empty(T, self.hq, self.dv, dtype=x.dtype, device=x.device)  # [T, Hq, Dv]
         cu = batch.cu
