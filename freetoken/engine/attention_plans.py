@@ -93,16 +93,16 @@ class TritonMLADecode(PagedDecode):
     def prepare(self, indptr_host: Tensor, n: int) -> None:
         pass  # the kernel reads the device CSR as it is
 
-    def run_latent(self, q_lat: Tensor, pool: Tensor, scale: float, c: int) -> Tensor:
-        return self._kernel(q_lat, pool, self.indptr, self.indices, scale, c)
+    def run_latent(self, q_lat: Tensor, pool: Tensor, scale: float, c: int,
+                   csr: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """`csr` (indptr, indices): another CSR of the same rows (GLM-5's picked latents)."""
+        indptr, indices = csr if csr is not None else (self.indptr, self.indices)
+        return self._kernel(q_lat, pool, indptr, indices, scale, c)
 
 
 def choose_mla_backend(cfg) -> str:
-    """'triton_mla' for dense MLA (DeepSeek-V3, Kimi-Linear) when the kernel imports, else
-    'torch'. GLM-5's sparse attention picks its latents per row on the host side of the
-    torch plan, so it stays there."""
-    if cfg.index_dim:
-        return "torch"
+    """'triton_mla' for MLA (DeepSeek-V3, Kimi-Linear, GLM-5: its indexer then picks each row's
+    latents on the device, `layers/dsa.py: pick_csr`) when the kernel imports, else 'torch'."""
     try:
         import kernels.triton.mla_decode  # noqa: F401
     except (ImportError, RuntimeError):

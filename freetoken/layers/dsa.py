@@ -39,10 +39,12 @@ from freetoken.types.model_config import ModelConfig
 
 class TopkShare:
     """The last full layer's choice in this forward pass, per sequence (prefill: a [n, L] bool
-    mask; decode row: the selected slots [k]; None: every causal key)."""
+    mask; decode row: the selected slots [k]; None: every causal key), or for the decode
+    runner's device step the picked CSR (`csr`: indptr, indices)."""
 
     def __init__(self) -> None:
         self.picks: list[Tensor | None] = []
+        self.csr: tuple[Tensor, Tensor] | None = None
 
 
 class Fp32Linear(KeepFp32):
@@ -90,6 +92,11 @@ class Indexer(nn.Module):
         s = torch.einsum("nhd,ld->nhl", q.float(), k.float()) * self.scale  # [n, Hi, L]
         return torch.einsum("nh,nhl->nl", w, F.relu(s))
 
+    def scores_rows(self, q: Tensor, w: Tensor, k: Tensor) -> Tensor:
+        """B rows' queries q [B, Hi, Di], w [B, Hi] against keys k [N, Di] -> [B, N] float32."""
+        s = torch.einsum("bhd,nd->bhn", q.float(), k.float()) * self.scale  # [B, Hi, N]
+        return torch.einsum("bh,bhn->bn", w, F.relu(s))
+
     def pick_mask(self, q: Tensor, w: Tensor, k: Tensor, prefix: int) -> Tensor | None:
         """A chunk's choice: n queries after `prefix` cached tokens over k [L = prefix + n, Di]
         -> [n, L] bool (selected and causal), or None when L <= topk (every causal key)."""
@@ -98,9 +105,15 @@ class Indexer(nn.Module):
             return None
         causal = (torch.arange(L, device=k.device)[None, :]
                   <= prefix + torch.arange(n, device=k.device)[:, None])  # [n, L]
-        s = self.scores(q, w, k).masked_fill(~causal, float("-inf"))
-        idx = s.topk(self.topk, dim=-1).indices  # [n, topk]
-        return torch.zeros_like(causal).scatter_(1, idx, True) & causal
+        picked = torch.zeros_like(causal)
+        # query blocks: the [rows, Hi, L] products stay near 256 MB (a 4k chunk at a 100k
+        # context would be 52 GB at once)
+        rows = max(1, (64 << 20) // (self.hi * L))
+        for lo in range(0, n, rows):
+            hi = min(n, lo + rows)
+            s = self.scores(q[lo:hi], w[lo:hi], k).masked_fill(~causal[lo:hi], float("-inf"))
+            picked[lo:hi].scatter_(1, s.topk(self.topk, dim=-1).indices, True)
+        return picked & causal
 
     def pick_slots(self, q: Tensor, w: Tensor, k: Tensor, slots: Tensor) -> Tensor:
         """One decode row (q [1, Hi, Di]) over its context's keys k [L, Di] at `slots` [L] ->
@@ -109,6 +122,31 @@ class Indexer(nn.Module):
             return slots
         idx = self.scores(q, w, k)[0].topk(self.topk).indices.sort().values
         return slots[idx]
+
+
+def pick_csr(ix: Indexer, q: Tensor, w: Tensor, ipool: Tensor, indptr: Tensor,
+             indices: Tensor) -> tuple[Tensor, Tensor]:
+    """The decode runner's step on the device: rows' indexer queries q [B, Hi, Di], w [B, Hi]
+    over every entry of the step's CSR (indptr [B+1], indices [cap] pool slots) -> the picked
+    CSR (indptr [B+1], indices [B·K] int32, K = min(topk, cap)): row b keeps its top
+    min(L_b, topk) slots, by score. Every shape is static (B, cap, K) and nothing is read back,
+    so the step stays capturable; the cost scales with the CSR's capacity, not the contexts."""
+    B, cap = q.shape[0], indices.shape[0]
+    dev = q.device
+    start, ends = indptr[:-1].long(), indptr[1:].long()  # [B]
+    row = torch.searchsorted(ends, torch.arange(cap, device=dev), right=True)  # [cap]; B: none
+    slots = indices.long().clamp(0, ipool.shape[0] - 1)  # entries past indptr[B] may be stale
+    sc = ix.scores_rows(q, w, ipool[slots, 0])  # [B, cap]
+    sc = sc.masked_fill(row[None, :] != torch.arange(B, device=dev)[:, None], float("-inf"))
+    K = min(ix.topk, cap)
+    top = sc.topk(K, dim=-1).indices  # [B, K]: the row's own entries first (finite scores)
+    lens = (ends - start).clamp(max=K)  # [B]
+    ptr = torch.zeros(B + 1, dtype=torch.int64, device=dev)
+    ptr[1:] = lens.cumsum(0)
+    j = torch.arange(B * K, device=dev)
+    r = torch.searchsorted(ptr[1:], j, right=True).clamp(max=B - 1)  # [B·K] output row
+    src = top[r, (j - ptr[r]).clamp(0, K - 1)]  # [B·K] entry positions (past ptr[B]: unused)
+    return ptr.to(indptr.dtype), indices[src].to(torch.int32)
 
 
 def _masked_attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
@@ -140,17 +178,27 @@ class SparseMLAttention(MLAttention):
             ikey = ix.keys(x, cos, sin).to(ipool.dtype)  # [T, Di]
             iq, iw = ix.queries(x, q_resid, cos, sin)  # [T, Hi, Di], [T, Hi]
         if batch.ctx is not None:  # the decode runner's step: absorbed, every row
-            if batch.ctx.attn.name != "torch":
+            attn = batch.ctx.attn
+            if attn.name not in ("torch", "triton_mla"):
                 raise NotImplementedError(
-                    "sparse MLA decode runs the 'torch' attention plan only")
+                    f"sparse MLA decode through the {attn.name!r} attention plan is not built")
             pool.index_copy_(0, batch.ctx.out_slots, latent.to(pool.dtype))
             if ix is not None:
                 ipool.index_copy_(0, batch.ctx.out_slots, ikey[:, None])
-                self._share.picks = [ix.pick_slots(iq[b:b + 1], iw[b:b + 1], ipool[s, 0], s)
-                                     for b, s in enumerate(batch.ctx.attn.rows)]
             q_lat = self.absorb_query(q_nope, q_rope)  # [B, Hq, C+R]
-            o_lat = torch.stack([self.decode_one(q_lat[b], pool, s)
-                                 for b, s in enumerate(self._share.picks)])  # [B, Hq, C]
+            if attn.name == "triton_mla":  # picked on the device, the kernel over the pick
+                if ix is not None:
+                    self._share.csr = pick_csr(ix, iq, iw, ipool, attn.indptr, attn.indices)
+                assert self._share.csr is not None
+                o_lat = attn.run_latent(q_lat.to(pool.dtype).contiguous(), pool, self.scale,
+                                        self.c, csr=self._share.csr)  # [B, Hq, C]
+            else:
+                if ix is not None:
+                    self._share.picks = [
+                        ix.pick_slots(iq[b:b + 1], iw[b:b + 1], ipool[s, 0], s)
+                        for b, s in enumerate(attn.rows)]
+                o_lat = torch.stack([self.decode_one(q_lat[b], pool, s)
+                                     for b, s in enumerate(self._share.picks)])  # [B, Hq, C]
             return self.o_proj(self.absorbed_out(o_lat).reshape(T, self.hq * self.dv))
         out = torch.empty(T, self.hq, self.dv, dtype=x.dtype, device=x.device)  # [T, Hq, Dv]
         cu = batch.cu

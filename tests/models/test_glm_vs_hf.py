@@ -102,6 +102,30 @@ def test_decode_over_scattered_slots(tiny_hf) -> None:
     assert rel(got, want) <= REL
 
 
+def test_device_pick_equals_the_per_row_pick(tiny_hf) -> None:
+    """The runner's device pick (`pick_csr`, over a whole CSR of scattered slots, with stale
+    entries past its end) keeps the same slots per row as the per-row pick."""
+    from freetoken.layers.dsa import pick_csr
+
+    ix = load_model(tiny_hf("glm_moe_dsa"), dtype=torch.float32,
+                    progress=False).model.layers[0].self_attn.indexer
+    g = torch.Generator().manual_seed(2)
+    S, lens = 300, [5, 24, 25, 90]
+    ipool = torch.randn(S, 1, ix.di, generator=g)
+    perm = torch.randperm(S, generator=g)
+    rows = [perm[sum(lens[:b]):sum(lens[:b + 1])] for b in range(len(lens))]
+    indptr = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    indices = torch.cat([*rows, perm[:7]]).to(torch.int32)  # 7 stale entries past the end
+    q = torch.randn(len(lens), ix.hi, ix.di, generator=g)
+    w = torch.randn(len(lens), ix.hi, generator=g)
+    ptr, idx = pick_csr(ix, q, w, ipool, indptr, indices)
+    for b, slots in enumerate(rows):
+        want = ix.pick_slots(q[b:b + 1], w[b:b + 1], ipool[slots, 0], slots)
+        got = idx[ptr[b]:ptr[b + 1]].long()
+        assert len(got) == min(lens[b], ix.topk)
+        assert sorted(got.tolist()) == sorted(want.tolist()), b
+
+
 def test_pool_entry_is_latent_and_indexer_key(tiny_hf) -> None:
     cfg = load_config(tiny_hf("glm_moe_dsa"))
     pool = KVPool(cfg, 10, torch.float32, "cpu")
