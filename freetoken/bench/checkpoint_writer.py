@@ -89,6 +89,8 @@ def _value(name: str, shape: tuple[int, ...], cfg: ModelConfig, block: _Block, k
         return torch.empty(shape).uniform_(1, 16).log_().to(dtype)
     if name.endswith("dt_bias") or (name.endswith("norm.weight") and "linear_attn" in name):
         return torch.ones(shape, dtype=dtype)
+    if name.endswith("norm.bias"):  # GLM-5's indexer LayerNorm
+        return torch.zeros(shape, dtype=dtype)
     if "norm" in name:
         return torch.full(shape, 0.0 if cfg.zero_centered_norm else 1.0, dtype=dtype)
     return block.take(math.prod(shape), k).view(shape)
@@ -151,9 +153,16 @@ def released_config(shape: str, layers: int | None) -> dict[str, Any]:
                 "model_type": "qwen3_5_moe", "text_config": raw, "tie_word_embeddings": False,
                 "dtype": dtype, "transformers_version": "5.24.0",
                 **({"quantization_config": quant} if quant else {})}
-    raw.update(architectures=["Qwen3MoeForCausalLM"], eos_token_id=IM_END,
+    arch = _ARCHITECTURES.get(raw["model_type"], "Qwen3MoeForCausalLM")
+    raw.update(architectures=[arch], eos_token_id=IM_END,
                bos_token_id=ENDOFTEXT, tie_word_embeddings=False, hidden_act="silu")
     return raw
+
+
+# the released class of each preset family (the tokenizer is Qwen3's whatever the family: its
+# ids, not the family's, are the eos / bos written)
+_ARCHITECTURES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                  "kimi_linear": "KimiLinearForCausalLM"}
 
 
 def write_padded_tokenizer(out: Path, vocab: int) -> int:

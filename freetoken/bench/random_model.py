@@ -31,6 +31,8 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | st
             t.uniform_(1, 16).log_()
         elif name.endswith("dt_bias") or (name.endswith("norm.weight") and "linear_attn" in name):
             t.fill_(1.0)
+        elif name.endswith("norm.bias"):  # GLM-5's indexer LayerNorm
+            t.zero_()
         elif "norm" in name:
             t.fill_(0.0 if cfg.zero_centered_norm else 1.0)
         elif on == "cpu":

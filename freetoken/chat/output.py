@@ -10,9 +10,11 @@ reasoning or text segment, and newlines right before `</think>` or `<tool_call>`
   `starts_in_reasoning` (the prompt ended with an open `<think>`, see `Prompt.opens_reasoning`);
   otherwise a `<think>` before any content opens it (Qwen3 emits it itself).
 - Tool calls: `<tool_call>BODY</tool_call>`, parsed by `tool_parsers` (JSON or XML, picked by
-  the body), also inside reasoning. A call that does not parse is passed on verbatim as a delta
-  of the span it sits in (TextDelta in content, ReasoningDelta in reasoning); an unterminated
-  call at `finish()` is parsed if complete, else passed on the same way. Nothing raises.
+  the body; GLM's arg_key / arg_value body), also inside reasoning. DeepSeek and Kimi frame each
+  call with their own tags (`tool_parsers.CALL_TAGS`) inside a section whose tags are dropped.
+  A call that does not parse is passed on verbatim as a delta of the span it sits in (TextDelta
+  in content, ReasoningDelta in reasoning); an unterminated call at `finish()` is parsed if
+  complete, else passed on the same way. Nothing raises.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from freetoken.chat.detok import IncrementalDetokenizer
-from freetoken.chat.tool_parsers import parse_tool_call, tool_schemas
+from freetoken.chat.tool_parsers import CALL_TAGS, parse_tool_call, tool_schemas
 from freetoken.log import get_logger, kv
 
 log = get_logger("chat")
@@ -31,7 +33,8 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 # Family -> default tool-call body format when the body does not say (auto-detect first).
 FAMILIES = {"qwen3": "json", "qwen3_moe": "json", "qwen3_next": "json", "qwen3_coder": "xml",
-            "qwen3_5": "xml", "qwen3_5_moe": "xml", "qwen3_6": "xml"}
+            "qwen3_5": "xml", "qwen3_5_moe": "xml", "qwen3_6": "xml", "glm_moe_dsa": "glm",
+            "deepseek_v3": "deepseek", "kimi_linear": "kimi"}
 # Control tokens that end or frame a turn; never part of the answer text.
 _CONTROL = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 
@@ -83,11 +86,14 @@ class OutputParser:
         if family not in FAMILIES:
             raise ValueError(f"unknown output family {family!r}; known: {sorted(FAMILIES)}")
         self._format = FAMILIES[family]
+        self._open, self._close, self._section = CALL_TAGS[self._format]
         self._schemas = tool_schemas(tools)
         self._ids = id_factory
         self._detok = IncrementalDetokenizer(tokenizer)
         specials = tokenizer.special_ids
-        self._drop = set(tokenizer.eos_token_ids) | {specials[t] for t in _CONTROL if t in specials}
+        framing = (*_CONTROL, *self._section)
+        self._drop = set(tokenizer.eos_token_ids) | {specials[t] for t in framing
+                                                     if t in specials}
         self._reasoning = thinking and starts_in_reasoning
         self._in_call = False
         self._call = ""  # text of the open call
@@ -102,7 +108,8 @@ class OutputParser:
         return self.push_text(self._detok.push(ids))
 
     def push_text(self, text: str) -> list[OutEvent]:
-        """Feed already-detokenized text (what `push` does after detokenizing)."""
+        """Feed already-detokenized text (what `push` does after detokenizing); a call
+        section's tags in it are dropped (`push` drops their ids)."""
         events: list[OutEvent] = []
         self._feed(self._pending + text, events)
         return events
@@ -125,18 +132,20 @@ class OutputParser:
 
     def _tags(self) -> tuple[str, ...]:
         if self._reasoning:
-            return (THINK_CLOSE, CALL_OPEN)
-        return (CALL_OPEN,) if self._content_seen else (CALL_OPEN, THINK_OPEN)
+            return (THINK_CLOSE, self._open, *self._section)
+        if self._content_seen:
+            return (self._open, *self._section)
+        return (self._open, THINK_OPEN, *self._section)
 
     def _feed(self, buf: str, events: list[OutEvent], final: bool = False) -> None:
         self._pending = ""
         while buf:
             if self._in_call:
                 self._call += buf
-                end = self._call.find(CALL_CLOSE)
+                end = self._call.find(self._close)
                 if end < 0:
                     return
-                body, buf = self._call[:end], self._call[end + len(CALL_CLOSE) :]
+                body, buf = self._call[:end], self._call[end + len(self._close) :]
                 self._in_call, self._call = False, ""
                 self._close_call(body, events, terminated=True)
                 continue
@@ -146,7 +155,10 @@ class OutputParser:
                 i, tag = min(hits)
                 self._emit(buf[:i], events)
                 buf = buf[i + len(tag) :]
-                self._open_tag(tag)
+                if tag in self._section:  # framing only
+                    self._held_nl = ""
+                else:
+                    self._open_tag(tag)
                 continue
             hold = 0 if final else self._partial_tag_len(buf)
             self._emit(buf[: len(buf) - hold], events)
@@ -165,7 +177,7 @@ class OutputParser:
 
     def _open_tag(self, tag: str) -> None:
         self._held_nl = ""  # newlines before a tag are template layout
-        if tag == CALL_OPEN:
+        if tag == self._open:
             self._in_call = True
             return
         self._reasoning = tag == THINK_OPEN
@@ -193,7 +205,7 @@ class OutputParser:
         parsed = parse_tool_call(body, self._format, self._schemas)
         if parsed is None:
             log.debug(kv("tool_call_malformed", chars=len(body), terminated=terminated))
-            raw = CALL_OPEN + body + (CALL_CLOSE if terminated else "")
+            raw = self._open + body + (self._close if terminated else "")
             events.append(self._delta(raw))
             if not self._reasoning:
                 self._content_seen = True

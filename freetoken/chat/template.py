@@ -22,8 +22,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from freetoken.chat.errors import ChatInputError
 
 # The Qwen templates (Qwen3, Qwen3-Next, Qwen3.5/3.6) show reasoning only for assistant turns after
-# the last user query; this is the condition they test. `keep_all_reasoning` widens it.
-_LAST_QUERY_TEST = re.compile(r"loop\.index0\s*>\s*ns\.last_query_index")
+# the last user query; this is the condition they test (GLM's: `ns.last_user_index`).
+# `keep_all_reasoning` widens it.
+_LAST_QUERY_TEST = re.compile(r"loop\.index0\s*>\s*ns\.last_(?:query|user)_index")
 KEEP_REASONING_VAR = "ft_keep_all_reasoning"
 
 

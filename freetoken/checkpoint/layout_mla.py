@@ -1,5 +1,6 @@
-"""The tensors of a DeepSeek-V3 (`deepseek_v3`) or Kimi-Linear (`kimi_linear`) checkpoint, as
-`layout.expected_tensors`: MLA layers, Kimi Delta Attention layers (kimi), dense or
+"""The tensors of a DeepSeek-V3 (`deepseek_v3`), GLM-5 (`glm_moe_dsa`) or Kimi-Linear
+(`kimi_linear`) checkpoint, as `layout.expected_tensors`: MLA layers (GLM-5's "full" layers with
+their sparse-attention indexer), Kimi Delta Attention layers (kimi), dense or
 group-limited MoE blocks under `cfg.moe_module` with experts named `cfg.expert_names`.
 
 Legend: H hidden, Hq heads, N qk_nope_head_dim, R qk_rope_head_dim, C kv_lora_rank, Q q_lora_rank,
@@ -36,6 +37,14 @@ def _mla(cfg: ModelConfig, p: str) -> dict[str, Shape]:
     return out
 
 
+def _indexer(cfg: ModelConfig, p: str) -> dict[str, Shape]:
+    """GLM-5's sparse-attention indexer (a "full" layer's): Hi heads of Di."""
+    Hi, Di = cfg.index_n_heads, cfg.index_head_dim
+    return {f"{p}wq_b.weight": (Hi * Di, cfg.q_lora_rank), f"{p}wk.weight": (Di, cfg.hidden_size),
+            f"{p}k_norm.weight": (Di,), f"{p}k_norm.bias": (Di,),
+            f"{p}weights_proj.weight": (Hi, cfg.hidden_size)}
+
+
 def _kda(cfg: ModelConfig, p: str) -> dict[str, Shape]:
     H, Hl, d = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_key_head_dim
     out: dict[str, Shape] = {}
@@ -66,16 +75,20 @@ def expected_tensors_mla(cfg: ModelConfig) -> dict[str, Shape]:
     def attention(i: int, lp: str) -> dict[str, Shape]:
         if cfg.layer_types[i] == "linear_attention":
             return _kda(cfg, f"{lp}self_attn.")
+        if cfg.indexer_types and cfg.indexer_types[i] == "full":
+            return {**_mla(cfg, f"{lp}self_attn."), **_indexer(cfg, f"{lp}self_attn.indexer.")}
         return _mla(cfg, f"{lp}self_attn.")
 
     return decoder_stack(cfg, attention, lambda i, lp: _mlp(cfg, i, f"{lp}{cfg.moe_module}."))
 
 
 def router_tensors(cfg: ModelConfig) -> set[str]:
-    """The router's weight and correction bias of every MoE layer, and KDA's dt_bias (kept in
-    float32)."""
+    """The router's weight and correction bias of every MoE layer, KDA's dt_bias and the
+    sparse-attention indexer's weights_proj (kept in float32)."""
     pre = cfg.weight_prefix
     out = {f"{pre}layers.{i}.{cfg.moe_module}.gate.{n}" for i in cfg.moe_layers
            for n in ("weight", "e_score_correction_bias")}
+    out |= {f"{pre}layers.{i}.self_attn.indexer.weights_proj.weight"
+            for i, t in enumerate(cfg.indexer_types) if t == "full"}
     return out | {f"{pre}layers.{i}.self_attn.dt_bias" for i in cfg.linear_attention_layers
                   if cfg.linear_kind == "kda"}

@@ -76,6 +76,40 @@ class TritonDecode(PagedDecode):
         return self._kernel(q, k_pool, v_pool, self.indptr, self.indices, scale)
 
 
+class TritonMLADecode(PagedDecode):
+    """Absorbed MLA decode over the latent pool (kernels/triton/mla_decode.py) through the
+    runner's CSR: `run_latent(q_lat [B, Hq, C+R], pool [S, 1, C+R], scale, c) -> [B, Hq, C]`.
+    `run` (the GQA contract) is not offered: a latent pool is no K/V pair."""
+
+    name = "triton_mla"
+
+    def __init__(self, batch: int, indptr: Tensor, indices: Tensor):
+        from kernels.triton.mla_decode import mla_decode_attention
+
+        self._kernel = mla_decode_attention
+        self.indptr = indptr[: batch + 1]
+        self.indices = indices
+
+    def prepare(self, indptr_host: Tensor, n: int) -> None:
+        pass  # the kernel reads the device CSR as it is
+
+    def run_latent(self, q_lat: Tensor, pool: Tensor, scale: float, c: int,
+                   csr: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """`csr` (indptr, indices): another CSR of the same rows (GLM-5's picked latents)."""
+        indptr, indices = csr if csr is not None else (self.indptr, self.indices)
+        return self._kernel(q_lat, pool, indptr, indices, scale, c)
+
+
+def choose_mla_backend(cfg) -> str:
+    """'triton_mla' for MLA (DeepSeek-V3, Kimi-Linear, GLM-5: its indexer then picks each row's
+    latents on the device, `layers/dsa.py: pick_csr`) when the kernel imports, else 'torch'."""
+    try:
+        import kernels.triton.mla_decode  # noqa: F401
+    except (ImportError, RuntimeError):
+        return "torch"
+    return "triton_mla"
+
+
 def choose_backend(requested: str = "auto", dtype: torch.dtype = torch.bfloat16,
                    head_dim: int = 128) -> str:
     """'flashinfer' | 'triton' | 'torch' for the graph runner's decode attention. flashinfer
@@ -97,8 +131,11 @@ def choose_backend(requested: str = "auto", dtype: torch.dtype = torch.bfloat16,
 
 def bucket_plan(kind: str, size: int, indptr: Tensor, indices: Tensor, cfg, dtype: torch.dtype,
                 workspace: Tensor | None) -> tuple[PagedDecode, Tensor | None]:
-    """The `kind` ("flashinfer" | "triton") plan of a decode runner's bucket of `size` rows
-    over its device indptr/indices, and the FlashInfer workspace (made on first use)."""
+    """The `kind` ("flashinfer" | "triton" | "triton_mla") plan of a decode runner's bucket of
+    `size` rows over its device indptr/indices, and the FlashInfer workspace (made on first
+    use)."""
+    if kind == "triton_mla":
+        return TritonMLADecode(size, indptr, indices), workspace
     if kind == "flashinfer":
         if workspace is None:
             workspace = torch.empty(128 << 20, dtype=torch.uint8, device=indptr.device)

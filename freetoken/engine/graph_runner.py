@@ -25,7 +25,7 @@ from torch import Tensor
 
 from freetoken.cache.tensors import Caches
 from freetoken.engine import gpu_sampler
-from freetoken.engine.attention_plans import bucket_plan, choose_backend
+from freetoken.engine.attention_plans import bucket_plan, choose_backend, choose_mla_backend
 from freetoken.engine.decode_staging import (
     MAX_BLOCKED,
     DecodeRow,
@@ -80,11 +80,14 @@ class DecodeRunner(DecodeStaging):
         self._last: Pending | None = None  # the step launched last (chain refers to its rows)
         self._open: list[Pending] = []  # launched and not collected yet (at most one before a
         # launch: its ids and the next step's land in the two alternating pinned buffers)
-        # MLA (a latent pool, absorbed queries) and sink / sliding-window attention (gpt_oss)
-        # have no flashinfer / Triton plan yet: torch
-        self.attention = (choose_backend(attention, self.dtype, cfg.head_dim)
-                          if self.device.type == "cuda" and not cfg.is_mla
-                          and not cfg.attention_sinks else "torch")
+        # MLA (a latent pool, absorbed queries): its own Triton plan (no GQA kernel fits);
+        # sink / sliding-window attention (gpt_oss) has no flashinfer / Triton plan yet: torch
+        if self.device.type != "cuda" or cfg.attention_sinks:
+            self.attention = "torch"
+        elif cfg.is_mla:
+            self.attention = choose_mla_backend(cfg)
+        else:
+            self.attention = choose_backend(attention, self.dtype, cfg.head_dim)
         if self.attention == "torch":  # per-row slot lists: not capturable
             self.use_graphs = False
         self._workspace = None

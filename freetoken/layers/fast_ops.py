@@ -55,6 +55,21 @@ def gdn_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_
     return o
 
 
+def kda_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_pool: Tensor,
+                  slots: Tensor) -> Tensor:
+    """One Kimi-Delta-Attention step per row with the state read and written in place.
+    q, k [B, H, K] L2-normalised; v [B, H, V]; g [B, H, K] log decay; beta [B, H];
+    ssm_pool [S, H, K, V] fp32; slots [B] -> o [B, H, V] fp32."""
+    mod = dispatch.triton_for(q, "kda")
+    if mod is not None:
+        return mod.kda_recurrent_pool(q, k, v, g, beta, ssm_pool, slots)
+    from freetoken.layers.kda_rule import recurrent_kda
+
+    o, s = recurrent_kda(q, k, v, g, beta, ssm_pool.index_select(0, slots))
+    ssm_pool.index_copy_(0, slots, s)
+    return o
+
+
 def router(x: Tensor, weight: Tensor, top_k: int, renormalize: bool,
            row_mask: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
     """Fused softmax → top-k → renormalise (ids -1 outside `row_mask`) on CUDA, or None (the

@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.cache.tensors import StateTensors
+from freetoken.layers import fast_ops
 from freetoken.layers.fp32 import KeepFp32
-from freetoken.layers.kda_rule import chunk_kda, recurrent_kda
+from freetoken.layers.kda_rule import chunk_kda
 from freetoken.layers.linear import Linear, fuse_linears, split_linear
 from freetoken.types.forward_batch import ForwardBatch
 from freetoken.types.model_config import ModelConfig
@@ -119,15 +120,14 @@ class KimiDeltaAttention(KeepFp32):
         return self._out(core, gate, x.dtype)
 
     def _decode(self, mixed, g, beta, w, conv_pool, ssm_pool, rows, slots, core, dtype) -> None:
-        """Decode rows `rows` [B] of the packed stream, their states at `slots` [B]."""
-        window = torch.cat([conv_pool.index_select(0, slots),
-                            mixed[rows, :, None].to(conv_pool.dtype)], -1)  # [B, C, Kc]
-        conv_pool.index_copy_(0, slots, window[..., 1:])
-        conv_out = F.silu((window.to(w.dtype) * w).sum(-1)).to(dtype)  # [B, C]
+        """Decode rows `rows` [B] of the packed stream, their states at `slots` [B], read and
+        written in place (`fast_ops`: our Triton kernels on CUDA, torch otherwise)."""
+        conv_out = fast_ops.conv_update(mixed[rows].contiguous(), conv_pool, w.contiguous(),
+                                        slots).to(dtype)  # [B, C]
         q, k, v = self._split(conv_out)
-        o, s = recurrent_kda(q, k, v, g[rows], beta[rows], ssm_pool.index_select(0, slots))
-        ssm_pool.index_copy_(0, slots, s)
-        core[rows] = o
+        core[rows] = fast_ops.kda_recurrent(q.contiguous(), k.contiguous(), v.contiguous(),
+                                            g[rows].contiguous(), beta[rows].contiguous(),
+                                            ssm_pool, slots)
 
     def _out(self, core: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """core [T, Hl, d] fp32 -> o_proj(norm(core)·w·σ(gate)) [T, H]; the norm in fp32 on

@@ -83,18 +83,25 @@ class MLAttention(nn.Module):
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> q_nope [T, Hq, N], q_rope [T, Hq, R] (rotated), latent [T, 1, C+R]."""
+        return self._project_all(x, cos, sin)[:3]
+
+    def _project_all(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`_project`'s three, and the q LoRA's normalised output q_resid [T, Q] (None without
+        q LoRA): GLM-5's indexer reads it."""
         T = x.shape[0]
         if self.fused_in is not None:
             qa, ckv = split_linear(x, self.fused_in, self.in_sizes)
         else:
             qa = self.q_a_proj(x) if self.q_lora else self.q_proj(x)
             ckv = self.kv_a_proj_with_mqa(x)  # [T, C+R]
-        q = self.q_b_proj(self.q_a_layernorm(qa)) if self.q_lora else qa  # [T, Hq*(N+R)]
+        q_resid = self.q_a_layernorm(qa) if self.q_lora else None  # [T, Q]
+        q = self.q_b_proj(q_resid) if q_resid is not None else qa  # [T, Hq*(N+R)]
         q = q.view(T, self.hq, self.n + self.r)
         q_nope, q_rope = q[..., :self.n], self._rope(q[..., self.n:], cos, sin)
         c_kv = self.kv_a_layernorm(ckv[:, :self.c])  # [T, C]
         k_rope = self._rope(ckv[:, None, self.c:], cos, sin)  # [T, 1, R]
-        return q_nope, q_rope, torch.cat([c_kv[:, None, :], k_rope], dim=-1)
+        return q_nope, q_rope, torch.cat([c_kv[:, None, :], k_rope], dim=-1), q_resid
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [Hq, N, C] and W_UV [Hq, Dv, C]: views of kv_b_proj's weight."""
@@ -135,14 +142,19 @@ class MLAttention(nn.Module):
         q_nope, q_rope, latent = self._project(x, cos, sin)
         pool = kv.k[kv.layer_index[self.layer_id]]  # [S, 1, C+R]
         if batch.ctx is not None:  # decode-only step of the runner: absorbed, every row
-            if batch.ctx.attn.name != "torch":
+            attn = batch.ctx.attn
+            if attn.name not in ("torch", "triton_mla"):
                 raise NotImplementedError(
-                    f"MLA decode through the {batch.ctx.attn.name!r} attention plan is not "
-                    "built; the decode runner must plan 'torch' for MLA models")
+                    f"MLA decode through the {attn.name!r} attention plan is not built; the "
+                    "decode runner must plan 'triton_mla' or 'torch' for MLA models")
             pool.index_copy_(0, batch.ctx.out_slots, latent.to(pool.dtype))
             q_lat = self.absorb_query(q_nope, q_rope)  # [B, Hq, C+R]
-            o_lat = torch.stack([self.decode_one(q_lat[b], pool, s)
-                                 for b, s in enumerate(batch.ctx.attn.rows)])  # [B, Hq, C]
+            if attn.name == "triton_mla":  # in place over the runner's CSR; capturable
+                o_lat = attn.run_latent(q_lat.to(pool.dtype).contiguous(), pool, self.scale,
+                                        self.c)  # [B, Hq, C]
+            else:
+                o_lat = torch.stack([self.decode_one(q_lat[b], pool, s)
+                                     for b, s in enumerate(attn.rows)])  # [B, Hq, C]
             return self.o_proj(self.absorbed_out(o_lat).reshape(T, self.hq * self.dv))
         out = torch.empty(T, self.hq, self.dv, dtype=x.dtype, device=x.device)  # [T, Hq, Dv]
         cu = batch.cu

@@ -38,10 +38,12 @@ class DeepseekBackbone(nn.Module):
 
 
 class DeepseekV3(QwenMoE):
+    backbone: type[nn.Module] = DeepseekBackbone  # GLM-5's (models/glm.py) adds its indexers
+
     def __init__(self, cfg: ModelConfig):
         nn.Module.__init__(self)
         self.cfg = cfg
-        self.model = DeepseekBackbone(cfg)
+        self.model = self.backbone(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # weight only
         self.rotary = make_rotary(cfg.rotary_dim, cfg.rope_theta, dict(cfg.rope_scaling),

@@ -14,6 +14,10 @@ def model_class(cfg: ModelConfig) -> type[QwenMoE]:
         from freetoken.models.gpt_oss import GptOss
 
         return GptOss
+    if cfg.model_type == "glm_moe_dsa":
+        from freetoken.models.glm import GlmMoeDsa
+
+        return GlmMoeDsa
     if cfg.model_type == "kimi_linear":
         from freetoken.models.kimi import KimiLinear
 

@@ -65,6 +65,13 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     shared_expert_gated: bool = True  # qwen: sigmoid gate on the shared expert; deepseek: none
     mla_rope: bool = True  # kimi_linear's MLA is NoPE: its "rope" part of the key is not rotated
+    # DeepSeek sparse attention (glm_moe_dsa; freetoken/types/glm_config.py): per layer "full"
+    # (runs its indexer: top `index_topk` tokens per query) or "shared" (reuses the previous
+    # full layer's choice); () for dense MLA
+    indexer_types: tuple[str, ...] = ()
+    index_topk: int = 0
+    index_head_dim: int = 0
+    index_n_heads: int = 0
     # linear-attention kind: "gdn" (gated DeltaNet, qwen) or "kda" (Kimi Delta Attention)
     linear_kind: str = "gdn"
     # where a layer's MLP / MoE block and its experts' projections sit in the checkpoint
@@ -101,10 +108,16 @@ class ModelConfig:
     @property
     def kv_entry(self) -> tuple[int, int, int]:
         """(heads, K dim, V dim) of one token's entry in the KV pool: MLA stores its latent
-        [kv_lora_rank | qk_rope_head_dim] as one head and no V (V is read from the latent)."""
+        [kv_lora_rank | qk_rope_head_dim] as one head and no V (V is read from the latent);
+        with sparse attention the "V" of the entry is the indexer's key [index_head_dim]."""
         if self.is_mla:
-            return 1, self.kv_lora_rank + self.qk_rope_head_dim, 0
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim, self.index_dim
         return self.num_kv_heads, self.head_dim, self.head_dim
+
+    @property
+    def index_dim(self) -> int:
+        """Width of the indexer key each token keeps in the pool (0: no sparse attention)."""
+        return self.index_head_dim if "full" in self.indexer_types else 0
 
     @property
     def has_linear_attention(self) -> bool:

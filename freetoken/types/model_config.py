@@ -25,7 +25,8 @@ from freetoken.types.config_record import (
 __all__ = ["ConfigError", "ExpertFormat", "ModelConfig", "config_from_dict", "expert_nbytes",
            "load_config"]
 
-FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3", "kimi_linear", "gpt_oss")
+FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3", "kimi_linear",
+            "glm_moe_dsa", "gpt_oss")
 _TEXT_TYPES = {"qwen3_5_moe_text": "qwen3_5_moe"}
 
 
@@ -75,6 +76,10 @@ def config_from_dict(raw: dict) -> ModelConfig:
         from freetoken.types.kimi_config import kimi_config
 
         return kimi_config(raw, prefix)
+    if model_type == "glm_moe_dsa":
+        from freetoken.types.glm_config import glm_config
+
+        return glm_config(raw, prefix)
     if model_type not in FAMILIES:
         raise ConfigError(
             f"unsupported model_type {model_type!r}; supported: {', '.join(FAMILIES)}"

@@ -52,6 +52,23 @@ SHAPES: dict[str, dict] = {
         "linear_attn_config": {"head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4},
         "rms_norm_eps": 1e-5, "dtype": "bfloat16",
     },
+    # GLM-5 (zai-org/GLM-5, `glm_moe_dsa`): 78 layers of MLA (latent 512 + rope 64, plus a
+    # 128-dim indexer key per token) with DeepSeek sparse attention (32 indexer heads, top 2048
+    # tokens, an indexer on every layer), the first 3 dense, then 256 experts top-8 of
+    # 3×6144×2048 and one shared expert.
+    "glm-5": {
+        "model_type": "glm_moe_dsa", "vocab_size": 154880, "hidden_size": 6144,
+        "intermediate_size": 12288, "moe_intermediate_size": 2048, "num_hidden_layers": 78,
+        "num_attention_heads": 64, "num_key_value_heads": 64, "n_shared_experts": 1,
+        "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+        "q_lora_rank": 2048, "qk_rope_head_dim": 64, "v_head_dim": 256, "qk_nope_head_dim": 192,
+        "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+        "norm_topk_prob": True, "max_position_embeddings": 202752, "index_topk": 2048,
+        "index_head_dim": 128, "index_n_heads": 32,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "rms_norm_eps": 1e-5, "eos_token_id": [154820, 154827, 154829], "bos_token_id": 0,
+        "dtype": "bfloat16",
+    },
     # A tiny qwen3_5_moe over the Qwen3 vocab, for tests of the real-shape tooling on a CPU
     # (`ft bench checkpoint`, `ft bench serve`): 4 layers (3 linear : 1 full), 8 experts top-2.
     "tiny-qwen3.5-moe": {
@@ -66,6 +83,16 @@ SHAPES: dict[str, dict] = {
     },
 }
 
+
+# GLM-5's layout at a CPU test's size (over the Qwen3 vocab the writer ships): 3 layers, the
+# first dense; indexers on layers 0 and 2, layer 1 shares; index_topk 8
+SHAPES["tiny-glm-5"] = dict(
+    SHAPES["glm-5"], vocab_size=151680, hidden_size=64, intermediate_size=96,
+    moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+    n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2, kv_lora_rank=48,
+    q_lora_rank=32, qk_rope_head_dim=16, v_head_dim=16, qk_nope_head_dim=16,
+    first_k_dense_replace=1, index_topk=8, index_head_dim=32, index_n_heads=4,
+    indexer_types=["full", "shared", "full"], max_position_embeddings=4096)
 
 # Qwen3.6-35B-A3B-FP8: the same shape as released in FP8 (e4m3, 128x128 blocks with
 # `weight_scale_inv`): 32.2 GB of routed experts instead of 64.4 (issue 25); and the tiny

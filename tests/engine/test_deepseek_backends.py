@@ -1,8 +1,8 @@
-"""Every expert backend against `fused` on DeepSeek-V3 and Kimi-Linear (group-limited routing,
-ungated shared experts, dense first layers; Kimi's MoE under `block_sparse_moe`): bit-identical
-fp32 logits on CPU, prefill then decode. The block hands the backends routed ids the way the
-softmax MoEBlock does; a block that bypassed the backend, or that fed it ids of the dense
-layers, would differ here or fail to load."""
+"""Every expert backend against `fused` on DeepSeek-V3, Kimi-Linear and GLM-5 (group-limited
+routing, ungated shared experts, dense first layers; Kimi's MoE under `block_sparse_moe`):
+bit-identical fp32 logits on CPU, prefill then decode. The block hands the backends routed ids
+the way the softmax MoEBlock does; a block that bypassed the backend, or that fed it ids of the
+dense layers, would differ here or fail to load."""
 from __future__ import annotations
 
 import pytest
@@ -26,7 +26,7 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("backend,slots", [("offload", 3), ("offload", 12), ("cpu", 5),
                                            ("hybrid", 2), ("hybrid", 9), ("auto", 10)])
-@pytest.mark.parametrize("kind", ["deepseek_v3", "kimi_linear"])
+@pytest.mark.parametrize("kind", ["deepseek_v3", "kimi_linear", "glm_moe_dsa"])
 def test_backend_bit_identical_to_fused(tiny_hf, kind: str, backend: str, slots: int) -> None:
     d = tiny_hf(kind)
     fused = load_model(d, dtype=torch.float32, progress=False)

@@ -66,7 +66,7 @@ _LINEAR: dict[str, Any] = {
 def _make_model(kind: str) -> torch.nn.Module:
     import transformers as tf
 
-    if kind.startswith(("deepseek", "kimi")):
+    if kind.startswith(("deepseek", "kimi", "glm")):
         return make_deepseek(kind)
     if kind.startswith("qwen3_moe"):
         kw: dict[str, Any] = dict(_COMMON, intermediate_size=128, norm_topk_prob=True)

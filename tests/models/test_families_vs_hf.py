@@ -18,7 +18,7 @@ from tests.models.fixtures import hf_reference
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3",
-                                  "deepseek_v3_no_q_lora", "kimi_linear"])
+                                  "deepseek_v3_no_q_lora", "kimi_linear", "glm_moe_dsa"])
 def test_greedy_tokens_match_transformers(tiny_hf, kind: str) -> None:
     d = tiny_hf(kind)
     ours, ref = load_model(d, dtype=torch.float32, progress=False), hf_reference(d)
@@ -27,9 +27,10 @@ def test_greedy_tokens_match_transformers(tiny_hf, kind: str) -> None:
     assert got.token_ids == hf_greedy(ref, ids, 24)
 
 
-@pytest.mark.parametrize("kind", ["deepseek_v3", "kimi_linear"])
+@pytest.mark.parametrize("kind", ["deepseek_v3", "kimi_linear", "glm_moe_dsa"])
 def test_engine_batches_and_reuses_prefix(tiny_hf, kind: str) -> None:
-    """deepseek_v3: a radix cache of MLA latent slots; kimi_linear: KDA conv and recurrent
+    """deepseek_v3: a radix cache of MLA latent slots (glm_moe_dsa: with each token's indexer
+    key beside its latent, and prompts longer than index_topk); kimi_linear: KDA conv and recurrent
     state restored from the hybrid-state cache's snapshot, MLA latents from the radix tree."""
     d = tiny_hf(kind)
     model, ref = load_model(d, dtype=torch.float32, progress=False), hf_reference(d)

@@ -22,6 +22,7 @@ from freetoken.engine.core import EngineCore
 from freetoken.engine.graph_runner import DecodeRow
 from freetoken.models.loader import load_model
 from freetoken.types.forward_batch import ForwardBatch
+from freetoken.types.model_config import load_config
 from tests.kernels.triton.engine.inventory import Ops, count_triton, cuda_path
 from tests.models.fixtures import hf_reference
 
@@ -71,6 +72,33 @@ def test_runner_decode_matches_transformers_on_both_paths(tiny_hf, kind: str) ->
     assert ((got - want).norm() / want.norm()).item() < 1e-5
     kernels = {name for (_, name) in mode.ops if name.startswith("triton:")}
     assert {"triton:_combine_kernel", "triton:_decode_gate_up_kernel"} <= kernels, kernels
+    if kind == "kimi_linear":  # KDA's decode step in place on the state pool
+        assert {"triton:_kda_recurrent_kernel", "triton:_conv_update_kernel"} <= kernels
+    # the CUDA runner's MLA plan: absorbed attention over the latent pool in one Triton kernel
+    mode = Ops()
+    got = _runner_logits(d, seqs, True, attention="triton_mla", mode=mode)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    mla_layers = len(load_config(d).full_attention_layers)
+    assert mode.ops[("step", "triton:_mla_split_kernel")] == mla_layers, mode.ops
+
+
+def test_runner_glm_sparse_decode_matches_transformers(tiny_hf) -> None:
+    """GLM-5 through the runner: on the torch plan each row's indexer picks its latents from
+    the runner's slot lists; on the CUDA plan (interpreted) the pick runs on the device over the
+    step's CSR and the MLA kernel reads the picked CSR. Contexts are longer than index_topk
+    (24), so the pick matters; the shared layers reuse it."""
+    d = tiny_hf("glm_moe_dsa")
+    g = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(0, 512, (30 + 9 * b,), generator=g).tolist() for b in range(2)]
+    seqs.append(seqs[0][:12])  # a row shorter than index_topk: every latent
+    ref = hf_reference(d)
+    with torch.no_grad():
+        want = torch.stack([ref(torch.tensor([s])).logits[0, -1] for s in seqs])
+    assert ((_runner_logits(d, seqs, False) - want).norm() / want.norm()).item() < 1e-5
+    mode = Ops()
+    got = _runner_logits(d, seqs, False, attention="triton_mla", mode=mode)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    assert mode.ops[("step", "triton:_mla_split_kernel")] == 4, mode.ops
 
 
 def test_runner_refuses_a_gqa_plan_over_latents(tiny_hf) -> None:
