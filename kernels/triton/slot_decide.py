@@ -75,7 +75,7 @@ def _slot_decide_kernel(
     slot_ids_ptr, cpu_ptr, fetch_e_ptr, fetch_s_ptr, counters_ptr, acc_ptr,
     layer, TK, E, S, F,
     BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr,
-    TABLE: tl.constexpr, SMALL: tl.constexpr, SORT: tl.constexpr, ACC: tl.constexpr,
+    TABLE: tl.constexpr, SMALL: tl.constexpr, SORT: tl.constexpr,
 ):
     base = layer * E
     e = tl.arange(0, BLOCK_E)  # [BE]
@@ -121,10 +121,11 @@ def _slot_decide_kernel(
     tl.store(counters_ptr + 0, n_hit)
     tl.store(counters_ptr + 1, n_miss)
     tl.store(counters_ptr + 2, q)
-    if ACC:  # running totals (one program, stream-ordered launches: no atomics needed)
-        tl.store(acc_ptr + 0, tl.load(acc_ptr + 0) + n_hit)
-        tl.store(acc_ptr + 1, tl.load(acc_ptr + 1) + n_miss)
-        tl.store(acc_ptr + 2, tl.load(acc_ptr + 2) + q)
+    # running totals (one program, stream-ordered launches: no atomics needed); always added,
+    # into a scratch buffer when the caller keeps none (one compile less than a switch)
+    tl.store(acc_ptr + 0, tl.load(acc_ptr + 0) + n_hit)
+    tl.store(acc_ptr + 1, tl.load(acc_ptr + 1) + n_miss)
+    tl.store(acc_ptr + 2, tl.load(acc_ptr + 2) + q)
     tl.debug_barrier()
 
     f = tl.arange(0, BLOCK_F)  # [BF]
@@ -193,10 +194,10 @@ def slot_decide(
     _slot_decide_kernel[(1,)](
         ids, nf, slot_owner, expert_slot, slot_last_use, clock,
         slot_ids, cpu_mask, fetch_e, fetch_s, counters,
-        counters if accumulate is None else accumulate,
+        torch.empty(3, dtype=torch.int64, device=dev) if accumulate is None else accumulate,
         layer, T * K, E, S, F,
         BLOCK_TK=32, BLOCK_E=_pow2(E), BLOCK_S=block_s, BLOCK_F=block_f,
-        TABLE=table, SMALL=SMALL_Q, SORT=block_f > SMALL_Q, ACC=accumulate is not None,
+        TABLE=table, SMALL=SMALL_Q, SORT=block_f > SMALL_Q,
         num_warps=8 if block_s >= 2048 else 4,
     )
     return slot_ids, cpu_mask, fetch_e, fetch_s, counters
