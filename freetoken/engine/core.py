@@ -24,7 +24,7 @@ from freetoken.cache.tensors import Caches, KVPool, StateTensors
 from freetoken.engine.cache_ops import CacheOps, HostStates, host_slots_for
 from freetoken.engine.gpu_sampler import FAILED_ROW, sample_rows
 from freetoken.engine.graph_runner import DecodeRunner, Pending
-from freetoken.engine.isolation import fail_request, isolate
+from freetoken.engine.isolation import GRAPH_POISONED, fail_request, isolate, retry_poisoned
 from freetoken.engine.stats import EngineStats
 from freetoken.engine.step_inputs import decode_row, forward_batch, row_sampling
 from freetoken.engine.warm_up import Warmup
@@ -343,6 +343,9 @@ class EngineCore:
 
     def _on_token(self, it: BatchItem, tok: int) -> None:
         r = it.req
+        if tok == GRAPH_POISONED:  # a replayed graph's failure, not r's: re-run alone
+            retry_poisoned(self.sched, r, it.start + it.n)
+            return
         if tok == FAILED_ROW:  # (the device sampler's)
             tok = RowFailure("the model computed non-finite logits for this request")
         if isinstance(tok, Exception):  # its row could not be sampled: it fails, the batch goes on
