@@ -3,7 +3,8 @@ in-process engine; U: in front of `ft serve`) over one tiny random engine on loo
 with mixed traffic (tests/reliability/soak.py) while RSS and open fds are sampled; prints one
 JSON line per sample and a final verdict line (flat or not, fitted slopes beside their floors),
 and exits 1 when not flat, when fewer than --min-sessions distinct sessions were served, or when
-any request got an unexpected answer.
+any request got an unexpected answer; the verdict includes the end state (no upstream
+connection left ACTIVE, fds back at the start's).
 
   nice -n 19 python scripts/soak.py                      # 20 minutes, samples every 30 s
   python scripts/soak.py --seconds 60 --sample-s 2 --min-sessions 0 --fronts N,U
@@ -46,7 +47,8 @@ def main() -> int:
     usual = {"header_timeout_s": 10.0, "body_timeout_s": 30.0, "stall_timeout_s": 30.0}
     stack = start_stack(build_tiny(model_dir), **usual)
     fronts = dict(stack.fronts)
-    front, mode, up = start_fault_proxy(stack.tok, limits(**usual))
+    # (first-byte timeout under the slow upstream's SLOW_S: the mix's `timeout` requests)
+    front, mode, up = start_fault_proxy(stack.tok, limits(**usual), first_byte_timeout_s=1.0)
     mode["now"] = "ok"
     fronts["U*"] = front
     try:

@@ -18,7 +18,7 @@ from freetoken.engine.eager import EagerStep
 from freetoken.engine.gpu_sampler import FAILED_ROW
 from freetoken.engine.graph_runner import DecodeRunner
 from freetoken.engine.in_flight import DecodeOverlap, InFlight
-from freetoken.engine.isolation import fail_request, isolate
+from freetoken.engine.isolation import GRAPH_POISONED, fail_request, isolate, retry_poisoned
 from freetoken.engine.stats import EngineStats
 from freetoken.engine.step_inputs import decode_row
 from freetoken.engine.warm_up import Warmup
@@ -224,6 +224,13 @@ class EngineCore:
         device sampler, an exception from the CPU one) fails its request alone."""
         bad = RowFailure("the model computed non-finite logits for this request")
         toks = [t if isinstance(t, BaseException) or t != FAILED_ROW else bad for t in toks]
+        # a replayed graph's failure, not the request's: it re-runs alone, eagerly
+        keep = [not (not isinstance(t, BaseException) and t == GRAPH_POISONED) for t in toks]
+        for it, ok in zip(items, keep):
+            if not ok:
+                retry_poisoned(self.sched, it.req, it.start + it.n)
+        items = [it for it, ok in zip(items, keep) if ok]
+        toks = [t for t, ok in zip(toks, keep) if ok]
         for s in postprocess(self.sched, items, toks, self.max_context, self.overlap.ran_ahead):
             r = s.req
             if isinstance(s.token, BaseException):

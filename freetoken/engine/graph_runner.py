@@ -9,6 +9,12 @@ from step n's sampled ids on the device (`chain`). KV slots, state slots and the
 sit in device buffers the graph reads in place (layers/step_context.py); the MoE layers see a
 `captured` MoEStep (types/forward_batch.py) carrying the runtime's CPU bridge.
 
+A replay that raises, or that returns a row its step poisoned (FAILED_ROW where the eager
+step need not have), is the graph's failure: the runner drops every graph, decodes eagerly
+from then on and says so in one `ft.engine: graph_fault` line; the engine re-runs the rows
+concerned alone from their cached prefix (engine/isolation.py: `GraphFault`,
+`GRAPH_POISONED`). `_replay` is the seam a CPU test injects such a fault through.
+
 A bucket larger than the batch is padded with rows that write to a scratch KV slot and a scratch
 state slot (one of each reserved beyond what the allocators hand out) and whose routed experts
 are masked to -1, so padding never moves an expert or touches live state.
@@ -33,12 +39,14 @@ from freetoken.engine.decode_staging import (
     _Bucket,
     buckets_for,
 )
+from freetoken.engine.isolation import GRAPH_POISONED, GraphFault
 from freetoken.layers.step_context import DecodeContext, PagedDecode, TorchPagedDecode
 from freetoken.log import get_logger, kv
 from freetoken.types.forward_batch import ForwardBatch, MoEStep
 
 log = get_logger("graph")
 warm_log = get_logger("warmup")
+engine_log = get_logger("engine")
 
 
 @dataclass(eq=False)
@@ -50,6 +58,7 @@ class Pending:
     out: Tensor
     done: object  # torch.cuda.Event on CUDA, None on the CPU (the step ran synchronously)
     bridged: bool
+    replayed: bool = False  # from a graph (its poisoned rows are the graph's failure)
 
 
 class DecodeRunner(DecodeStaging):
@@ -93,6 +102,7 @@ class DecodeRunner(DecodeStaging):
         self._workspace = None
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.steps = self.replays = 0
+        self.graph_faults = 0  # replays that raised or poisoned rows (graphs off after one)
         self.capture_s = 0.0  # seconds spent capturing graphs (idle or in steps)
         self.host_s = self.wait_s = 0.0  # staging + planning; launch to tokens on the host
         log.info(kv("decode_runner", buckets=list(self.buckets), graphs=self.use_graphs,
@@ -118,6 +128,30 @@ class DecodeRunner(DecodeStaging):
         self.use_graphs = (self._want_graphs and self.device.type == "cuda" and self.capturable
                            and self.attention != "torch")
         log.warning(kv("cpu_bridge_dropped", graphs=self.use_graphs, capturable=self.capturable))
+
+    def _graph_fault(self, kind: str, bucket: int, rows: int, error: object) -> None:
+        """A replay failed (module docstring): every graph goes, eager from here on."""
+        self.graph_faults += 1
+        was_on = self.use_graphs
+        if self.device.type == "cuda":
+            try:  # (no graph is destroyed while a replay of it may still run)
+                torch.cuda.synchronize()
+            except RuntimeError:
+                pass
+        self._drop_graphs()
+        self._want_graphs = self.use_graphs = False
+        if was_on:
+            engine_log.warning(kv("graph_fault", kind=kind, bucket=bucket, rows=rows,
+                                  error=repr(error)[:200], graphs="off", recovery="rows re-run "
+                                  "alone, eagerly"))
+
+    def _replay(self, graph: torch.cuda.CUDAGraph, bk: _Bucket, attn: PagedDecode,
+                greedy: bool) -> None:
+        """Replay `graph`, the capture of `bk`'s step for `greedy` (`attn`: the step's plan,
+        which the graph reads from the static buffers it was captured on). The seam a CPU
+        test injects a replay fault through: its stand-in runs `_forward` with the same
+        arguments, then fails."""
+        graph.replay()
 
     def _drop_graphs(self) -> None:
         for b in self.buckets.values():
@@ -277,7 +311,11 @@ class DecodeRunner(DecodeStaging):
         if bridged:  # (a replay's layers come within its GPU time; eager runs may compile)
             self.bridge.begin_step(bk.size, replay=graph is not None)
         if graph is not None:
-            graph.replay()
+            try:
+                self._replay(graph, bk, attn, greedy)
+            except Exception as e:  # (the rows are re-run: engine/isolation.py)
+                self._graph_fault("replay_raised", bk.size, len(rows), e)
+                raise GraphFault(f"decode graph replay failed: {e!r}") from e
             self.replays += 1
         else:
             self._forward(bk.size, attn, greedy)
@@ -291,7 +329,7 @@ class DecodeRunner(DecodeStaging):
             done.record()
         else:
             out[:n].copy_(self.out_ids[:n])
-        self._last = Pending(n, out, done, bridged)
+        self._last = Pending(n, out, done, bridged, replayed=graph is not None)
         self._open.append(self._last)
         self.wait_s += time.perf_counter() - t1
         return self._last
@@ -308,6 +346,10 @@ class DecodeRunner(DecodeStaging):
             self._open.remove(p)
         if self._last is p:
             self._last = None
+        if p.replayed and gpu_sampler.FAILED_ROW in out:
+            bad = [i for i, t in enumerate(out) if t == gpu_sampler.FAILED_ROW]
+            self._graph_fault("poisoned_rows", p.n, p.n, f"rows {bad} non-finite")
+            out = [GRAPH_POISONED if t == gpu_sampler.FAILED_ROW else t for t in out]
         self.wait_s += time.perf_counter() - t0
         return out
 

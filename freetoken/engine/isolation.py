@@ -9,6 +9,13 @@
   whose failure follows it when it runs alone is the culprit and fails; the others recompute
   the same tokens and rejoin the batch. A failed step of one request fails that request.
 
+- A replayed CUDA graph that fails is nobody's fault. One that raises (`GraphFault`, from
+  `DecodeRunner.launch`) may have half written its rows' KV and state, so every row of the step
+  is re-run alone from its cached prefix, eagerly, blaming no one; one that returns a row
+  poisoned (`GRAPH_POISONED`, from `DecodeRunner.collect`) has that row's request re-run the
+  same way. The runner has dropped its graphs and decodes eagerly from then on (one
+  `ft.engine: graph_fault` line); a row that fails again when run alone is its own culprit.
+
 The engine keeps serving either way. A `BridgeError` is not handled here (EngineCore.step).
 """
 from __future__ import annotations
@@ -19,6 +26,18 @@ from freetoken.scheduler.request import Request
 from freetoken.scheduler.scheduler import Scheduler
 
 log = get_logger("engine")
+GRAPH_POISONED = -2  # a row's token from a replayed graph that poisoned it (not a vocab id)
+
+
+class GraphFault(RuntimeError):
+    """A replayed decode graph raised: the step's rows may be half written; the runner has
+    dropped its graphs (`DecodeRunner._graph_fault`)."""
+
+
+def retry_poisoned(sched: Scheduler, r: Request, until: int) -> None:
+    """A replayed graph poisoned `r`'s row of a step that reached `until`: `r` recomputes it
+    alone, eagerly (the graphs are gone); it fails only if it fails there too."""
+    sched.retry_alone(r, until)
 
 
 def fail_request(sched: Scheduler, r: Request, err: BaseException) -> None:
@@ -34,6 +53,10 @@ def isolate(sched: Scheduler, failed: list[tuple[Request, int]], err: Exception)
     `err`; see the module docstring."""
     running = {id(r) for r in sched.running}
     live = [(r, end) for r, end in failed if id(r) in running]
+    if isinstance(err, GraphFault):  # the graph's failure, not a request's: nobody is blamed
+        for r, end in reversed(live):
+            sched.retry_alone(r, end)
+        return
     if len(live) == 1:
         r = live[0][0]
         fail_request(sched, r, RowFailure(f"the forward pass of this request failed: {err!r}"))

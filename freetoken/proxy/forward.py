@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 import httpx
@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from freetoken.log import get_logger, kv
 from freetoken.proxy.metrics import RequestRecord
 from freetoken.proxy.probe import cached_from_openai
-from freetoken.proxy.relay import StreamRelay, upstream_timeout
+from freetoken.proxy.relay import StreamRelay, close_opened, upstream_timeout
 from freetoken.proxy.translate import (
     TranslationError,
     anthropic_to_openai_request,
@@ -28,41 +28,10 @@ from freetoken.proxy.translate import (
 )
 from freetoken.proxy.upstream import Upstream, error_from
 from freetoken.server.errors import APIError
+from freetoken.server.scoped import ScopedTask, unless_disconnected
 from freetoken.server.sse import EventStreamResponse
 
 log = get_logger("proxy")
-T = TypeVar("T")
-
-
-async def unless_disconnected(receive: Callable[[], Awaitable[dict]], work: Awaitable[T]
-                              ) -> tuple[bool, T | None]:
-    """`await work` in this task while one watcher task waits for the client's
-    `http.disconnect` and cancels this task if it comes first (closing the upstream request).
-    Returns (finished, result). The non-streamed hop's version of
-    `freetoken.server.sse.run_unless_disconnected`, with one task instead of a task group of
-    two: the event-loop round trips are a measurable share of the proxy's added latency."""
-    me = asyncio.current_task()
-    assert me is not None
-    gone = False
-
-    async def watch() -> None:
-        nonlocal gone
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        gone = True
-        me.cancel()
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        return True, await work
-    except asyncio.CancelledError:
-        if not gone:
-            raise  # cancelled from outside (shutdown): not ours to swallow
-        if hasattr(me, "uncancel"):  # 3.11+: the cancel was ours and is handled
-            me.uncancel()
-        return False, None
-    finally:
-        watcher.cancel()
 
 
 def unreachable(e: BaseException | None) -> APIError:
@@ -116,16 +85,21 @@ async def forward(up: Upstream, request: Request, body: dict, api_in: str, rec: 
     up_headers = up.headers(request.headers, api_out)
     url = up.url(api_out)
     if rec.stream:
-        pending = asyncio.ensure_future(up.open(url, out, up_headers, raw))
-        done, _ = await asyncio.wait({pending}, timeout=min(up.ping_s, up.first_byte_s))
-        if done and not pending.exception():
-            resp: httpx.Response = pending.result()
-            if resp.status_code >= 400:  # refused at once: pass the status on, in our shape
-                raw = await resp.aread()
-                await resp.aclose()
-                raise error_from(resp.status_code, raw)
-        elif done:
-            raise unreachable(pending.exception())
+        pending = ScopedTask(up.open(url, out, up_headers, raw))
+        try:
+            done, _ = await asyncio.wait({pending.task}, timeout=min(up.ping_s, up.first_byte_s))
+            if done and not pending.task.exception():
+                resp: httpx.Response = pending.task.result()
+                if resp.status_code >= 400:  # refused at once: pass the status on, in our shape
+                    raw = await resp.aread()
+                    await resp.aclose()
+                    raise error_from(resp.status_code, raw)
+            elif done:
+                raise unreachable(pending.task.exception())
+        except BaseException:  # (cancelled included) until the relay owns the upstream request
+            with anyio.CancelScope(shield=True):
+                await close_opened(pending)
+            raise
         so = body.get("stream_options") if api_in == "openai" else None  # not Anthropic's
         include_usage = isinstance(so, dict) and so.get("include_usage") is True
         relay = StreamRelay(up, pending, api_in, api_out, model, rec,

@@ -41,6 +41,7 @@ from freetoken.proxy.translate import usage_from_anthropic, usage_from_openai
 from freetoken.proxy.translate_stream import AnthropicToOpenAI, OpenAIToAnthropic, json_or_none
 from freetoken.proxy.upstream import FINISH, SSEEvent, Upstream, error_from, sse_batches
 from freetoken.server.errors import APIError, error_body
+from freetoken.server.scoped import ScopedTask
 from freetoken.server.sse import PING, sse, sse_comment
 
 log = get_logger("proxy")
@@ -60,7 +61,8 @@ def _protocol(msg: str, code: str = "upstream_protocol") -> APIError:
 
 
 class StreamRelay:
-    def __init__(self, up: Upstream, pending: asyncio.Future, api_in: str, api_out: str,
+    def __init__(self, up: Upstream, pending: ScopedTask[httpx.Response], api_in: str,
+                 api_out: str,
                  model: str, rec: RequestRecord, cap: int | None, include_usage: bool,
                  on_done: Callable[[RequestRecord], None], strip_usage: bool = False) -> None:
         self.up, self.pending, self.api_in, self.api_out = up, pending, api_in, api_out
@@ -154,7 +156,7 @@ class StreamRelay:
         up = self.up
         try:
             with anyio.fail_after(max(0.0, min(up.first_byte_s, deadline - time.monotonic()))):
-                return await self.pending
+                return await self.pending.result()  # (waits: a timeout stops it in _close)
         except TimeoutError:
             raise upstream_timeout("sent no response", up.first_byte_s) from None
 
@@ -223,7 +225,7 @@ class StreamRelay:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue(QUEUE)
         self.t0 = time.monotonic() - (time.time() - rec.t_start)
-        producer = asyncio.ensure_future(self._produce(q))
+        producer = ScopedTask(self._produce(q))
 
         def tick() -> None:
             if q.empty():
@@ -261,11 +263,15 @@ class StreamRelay:
             rec.duration_ms = round((time.time() - rec.t_start) * 1000, 2)
             self.on_done(rec)
 
-    async def _close(self, producer: asyncio.Future) -> None:
-        producer.cancel()
-        await asyncio.gather(producer, return_exceptions=True)
-        if not self.pending.done():  # still waiting for the upstream's headers
-            self.pending.cancel()
-            await asyncio.gather(self.pending, return_exceptions=True)
-        elif not self.pending.cancelled() and self.pending.exception() is None:
-            await self.pending.result().aclose()
+    async def _close(self, producer: ScopedTask[None]) -> None:
+        await producer.stop()  # (through cancel scopes: server/scoped.py says why)
+        await close_opened(self.pending)
+
+
+async def close_opened(pending: ScopedTask[httpx.Response]) -> None:
+    """Stop an upstream request (still waiting for its headers, or done) and close its
+    response if it got one: its pooled connection is released either way."""
+    await pending.stop()
+    t = pending.task
+    if not t.cancelled() and t.exception() is None:
+        await t.result().aclose()

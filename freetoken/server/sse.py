@@ -30,6 +30,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
 from freetoken.log import get_logger, kv
+from freetoken.server.scoped import ScopedTask
 
 log = get_logger("server")
 T = TypeVar("T")
@@ -76,18 +77,23 @@ async def with_ticks(source: AsyncIterator[T], interval: float) -> AsyncIterator
     """Yield the items of `source`, and `TICK` whenever `interval` seconds pass without one.
 
     The pending `__anext__` runs as its own task so that waiting on it can time out without
-    cancelling it; on exit that task is cancelled and awaited before `source` is closed."""
+    cancelling it; on exit that task is stopped (through its cancel scope: `scoped.py` says
+    why) and waited for before `source` is closed."""
     it = source.__aiter__()
-    pending: asyncio.Future | None = None
+    pending: ScopedTask | None = None
+
+    async def next_item() -> T:
+        return await it.__anext__()
+
     try:
         while True:
             if pending is None:
-                pending = asyncio.ensure_future(it.__anext__())
-            done, _ = await asyncio.wait({pending}, timeout=interval)
+                pending = ScopedTask(next_item())
+            done, _ = await asyncio.wait({pending.task}, timeout=interval)
             if not done:
                 yield TICK
                 continue
-            task, pending = pending, None
+            task, pending = pending.task, None
             try:
                 item = task.result()
             except StopAsyncIteration:
@@ -96,11 +102,7 @@ async def with_ticks(source: AsyncIterator[T], interval: float) -> AsyncIterator
     finally:
         with anyio.CancelScope(shield=True):
             if pending is not None:
-                pending.cancel()
-                try:
-                    await pending
-                except BaseException:  # noqa: BLE001, S110 - its own cancellation or end
-                    pass
+                await pending.stop()
             await _aclose(it)
 
 

@@ -7,8 +7,10 @@ real engine (the e2e suite's random qwen3_5_moe with the real Qwen3 tokenizer):
 - U: `ft agent-proxy --upstream S`.
 
 Every front has an API key (KEY) and the short `LIMITS`, so slow-client batteries finish fast.
-`FaultUpstream` is a scripted upstream (hung, truncated, malformed, non-SSE) for U's
-upstream-fault battery. Used by tests/reliability and scripts/reliability.py.
+`fault_app` is a scripted upstream (hung, slow, truncated, malformed, non-SSE) for U's
+upstream-fault battery and the soak's U* front; `warm_pools` makes the engine's preallocated
+pools resident before a soak measures RSS, `upstream_pool` reads a proxy's upstream
+connections. Used by tests/reliability and scripts/reliability.py / soak.py.
 """
 from __future__ import annotations
 
@@ -142,10 +144,12 @@ def start_stack(model_dir: Path, max_output: int = 4, **limit_kw: Any) -> Stack:
     from freetoken.server.limits import quiet_connection_logs
 
     quiet_connection_logs()
+    cap_malloc_arenas()  # (before any front's thread starts)
     model = load_model(model_dir, dtype=torch.float32, progress=False)
     tok = ChatTokenizer.from_dir(model_dir)
     core = EngineCore(model, tok.eos_token_ids, kv_tokens=65536, state_slots=24, max_running=4,
                       chunk_tokens=1024, max_context=65536)
+    warm_pools(core)
     inner = AsyncEngine(core, model_dir, "tiny")
     inner.max_output_tokens = max_output  # every reply is short: the batteries test the door
     engine = RecordingEngine(inner)
@@ -172,6 +176,63 @@ def start_stack(model_dir: Path, max_output: int = 4, **limit_kw: Any) -> Stack:
     return stack
 
 
+M_ARENA_MAX = -8  # glibc mallopt parameter
+
+
+def cap_malloc_arenas(n: int = 1) -> bool:
+    """Let glibc's malloc keep at most `n` arenas for the threads started from here on.
+
+    This process runs every front (six servers' threads, the engine's, the workers'), and
+    glibc gives each allocating thread an arena of its own (up to 8 per core) that keeps its
+    freed memory for that thread: RSS then climbs for minutes with nothing retained (the CI
+    soak's engine front grew ~9 MB per 10 s under default arenas, still 8-16 MB per CI soak
+    under two, 0.0-0.4 under one; the tensors alive stayed at 112.6 MB throughout). The soak
+    measures retention, so it takes one; a no-op where mallopt is missing (not glibc)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(M_ARENA_MAX, n))
+    except (OSError, AttributeError):
+        return False
+
+
+def warm_pools(core: Any) -> None:
+    """Touch every page of the engine's preallocated pools (KV, device state, kept logits,
+    host state tier). A CPU tensor from `torch.zeros`/`empty` is backed lazily, page by page
+    as it is first written, so a pool filling up over a soak reads as RSS growth (the tiny
+    engine's pools are ~40 MB: 16 MB of KV, 14.5 MB of kept logits rows, the host tier)."""
+    import torch
+
+    for t in core.caches.kv.k + core.caches.kv.v:
+        t.zero_()
+    st = core.caches.state
+    if st is not None:
+        for t in st.conv + st.ssm:
+            t.zero_()
+    if core._n_kept and core._kept is None:  # (made by the first row kept, as float32 here)
+        core._kept = torch.zeros((core._n_kept, core.cfg.vocab_size), dtype=torch.float32)
+    host = core.cache_ops.host
+    if host is not None:
+        for c in range(-(-host.num_slots // host.chunk_slots)):
+            host._chunk(c, on_demand=True).zero_()
+
+
+def upstream_pool(front: Any) -> dict[str, int]:
+    """A proxy front's upstream connections by state (httpcore's `ACTIVE`: a request or
+    response holds it; `IDLE`: pooled for reuse); {} for `ft serve` or before any request.
+    A connection left `ACTIVE` with nothing in flight is leaked: its socket stays open."""
+    ps = getattr(getattr(front.served.app, "app", None), "state", None)
+    client = getattr(getattr(ps, "proxy", None), "_client", None)
+    pool = getattr(getattr(client, "_transport", None), "_pool", None)
+    out: dict[str, int] = {}
+    for c in pool.connections if pool is not None else []:
+        state = c.info().split(", ")[-2] if "HTTP/1.1" in c.info() else "CONNECTING"
+        out[state] = out.get(state, 0) + 1
+    return out
+
+
 def build_tiny(out: Path) -> Path:
     if not (out / "config.json").exists():
         out.mkdir(parents=True, exist_ok=True)
@@ -182,10 +243,13 @@ def build_tiny(out: Path) -> Path:
 # ---- a scripted faulty upstream -----------------------------------------------------------
 
 FAULTS = ("hang", "hang_mid", "truncated", "malformed", "not_sse", "status_413", "refused")
+SLOW_S = 2.0  # the `slow` upstream's wait before its (normal) answer
 
 
 def fault_app(mode: dict[str, str]) -> Any:
-    """An OpenAI+Anthropic 'upstream' whose behaviour is `mode['now']` (one of FAULTS)."""
+    """An OpenAI 'upstream' whose behaviour is `mode['now']` (one of FAULTS, or `ok`), or for
+    one request the mode its model names (`"model": "fault:slow"`); `slow` answers normally
+    after SLOW_S (a proxy whose first-byte timeout is shorter gives up first)."""
     import asyncio
 
     from starlette.applications import Starlette
@@ -201,7 +265,10 @@ def fault_app(mode: dict[str, str]) -> Any:
 
     async def chat(request: Request) -> Response:
         body = await request.json()
-        m = mode["now"]
+        named = str(body.get("model", ""))
+        m = named[6:] if named.startswith("fault:") else mode["now"]
+        if m == "slow":
+            await asyncio.sleep(SLOW_S)
         if m == "status_413":
             return JSONResponse({"error": {"message": "too big", "type": "invalid_request_error",
                                            "param": None, "code": "body_too_large"}}, 413)
