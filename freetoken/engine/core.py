@@ -225,12 +225,16 @@ class EngineCore:
         bad = RowFailure("the model computed non-finite logits for this request")
         toks = [t if isinstance(t, BaseException) or t != FAILED_ROW else bad for t in toks]
         # a replayed graph's failure, not the request's: it re-runs alone, eagerly
-        keep = [not (not isinstance(t, BaseException) and t == GRAPH_POISONED) for t in toks]
-        for it, ok in zip(items, keep):
-            if not ok:
-                retry_poisoned(self.sched, it.req, it.start + it.n)
-        items = [it for it, ok in zip(items, keep) if ok]
-        toks = [t for t, ok in zip(toks, keep) if ok]
+        # (one token per item that wants logits: rows mid-prefill sample nothing)
+        poisoned = {i for i, t in enumerate(toks)
+                    if not isinstance(t, BaseException) and t == GRAPH_POISONED}
+        if poisoned:
+            wanting = [it for it in items if it.wants_logits]
+            gone = {id(wanting[i]) for i in poisoned}
+            for i in sorted(poisoned):
+                retry_poisoned(self.sched, wanting[i].req, wanting[i].start + wanting[i].n)
+            items = [it for it in items if id(it) not in gone]
+            toks = [t for i, t in enumerate(toks) if i not in poisoned]
         for s in postprocess(self.sched, items, toks, self.max_context, self.overlap.ran_ahead):
             r = s.req
             if isinstance(s.token, BaseException):
