@@ -211,8 +211,9 @@ def warm_pools(core: Any) -> None:
     if st is not None:
         for t in st.conv + st.ssm:
             t.zero_()
-    if core._n_kept and core._kept is None:  # (made by the first row kept, as float32 here)
-        core._kept = torch.zeros((core._n_kept, core.cfg.vocab_size), dtype=torch.float32)
+    ek = core.eager  # (the kept rows are made by the first row kept, as float32 here)
+    if ek.n_kept and ek.kept is None:
+        ek.kept = torch.zeros((ek.n_kept, core.cfg.vocab_size), dtype=torch.float32)
     host = core.cache_ops.host
     if host is not None:
         for c in range(-(-host.num_slots // host.chunk_slots)):
