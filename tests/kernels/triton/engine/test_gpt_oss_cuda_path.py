@@ -2,7 +2,8 @@
 pointed at Triton (inventory.cuda_path), the fused, offload and hybrid backends compute the
 biased, clamped-SwiGLU experts in the Triton fused MoE (decode GEMV and grouped paths, HAS_ACT
 epilogues; asserted by counting the launches), and their greedy tokens equal the torch path's
-on the tiny gpt-oss model (dense fp32 banks: the quantized kernels do not take an act yet)."""
+on the tiny gpt-oss model: dense fp32 banks on every backend, and the MXFP4 checkpoint (the
+quantized twins, moe_quant.py / moe_quant_grouped.py) on fused and hybrid."""
 from __future__ import annotations
 
 import os
@@ -31,7 +32,8 @@ from tests.kernels.triton.engine.inventory import cuda_path
 from tests.models.fixtures_gpt_oss import build_gpt_oss
 
 KERNELS = ("_decode_gate_up_kernel", "_decode_down_kernel", "_grouped_gate_up_kernel",
-           "_grouped_down_kernel")
+           "_grouped_down_kernel", "_q_gate_up_kernel", "_q_down_kernel", "_qg_gate_up_kernel",
+           "_qg_down_kernel")
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +41,15 @@ def ckpt(tmp_path_factory):
     return build_gpt_oss(tmp_path_factory.mktemp("gpt-oss-cuda-path"))
 
 
+@pytest.fixture(scope="module")
+def mx_ckpt(tmp_path_factory):
+    return build_gpt_oss(tmp_path_factory.mktemp("gpt-oss-cuda-path-mx"), mxfp4=True)
+
+
 def _reqs(V: int) -> list[GenerateRequest]:
     # K = 2: a 70-token prefill chunk is 140 entries, past DECODE_MAX_ENTRIES (grouped path)
     prompts = [_prompt(V, 70, 0), _prompt(V, 11, 1)]
-    return [GenerateRequest(p, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+    return [GenerateRequest(p, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
                             request_id=f"g{i}") for i, p in enumerate(prompts)]
 
 
@@ -79,3 +86,15 @@ def test_triton_experts_equal_torch_path(ckpt, backend: str) -> None:
     assert launches[("_decode_gate_up_kernel", True)] > 0, launches  # decode steps
     assert launches[("_grouped_gate_up_kernel", True)] > 0, launches  # the prompts' prefill
     assert not any(has is False for _, has in launches), launches  # every launch had the act
+
+
+# the interpreted MXFP4 decode is slow: hybrid (slot rows apart from the logical ids) always,
+# fused under -m slow (the kernels' act itself: tests/kernels/triton/moe/test_fused_moe_act.py)
+@pytest.mark.parametrize("backend", ["hybrid", pytest.param("fused", marks=pytest.mark.slow)])
+def test_triton_mxfp4_experts_equal_torch_path(mx_ckpt, backend: str) -> None:
+    want, _ = _tokens(mx_ckpt, backend, triton=False)
+    got, launches = _tokens(mx_ckpt, backend, triton=True)
+    assert got == want
+    assert launches[("_q_gate_up_kernel", True)] > 0, launches
+    assert launches[("_qg_gate_up_kernel", True)] > 0, launches
+    assert not any(has is False for _, has in launches), launches

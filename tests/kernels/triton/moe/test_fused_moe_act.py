@@ -111,3 +111,25 @@ def test_bad_act_binding_is_refused():
     with pytest.raises(ValueError, match="shared"):
         fused_moe_decode(x, ids, gu, dn, y, act=act,
                          shared=(gu[0], dn[0], torch.zeros(2, H)))
+
+
+@pytest.mark.parametrize("fmt,block", [("mxfp4", 32), ("fp8", 16)])
+@pytest.mark.parametrize("T,decode", [(3, True), (9, False)])
+def test_quant_act_matches_reference(fmt, block, T, decode):
+    """The quantized twins (moe_quant.py, moe_quant_grouped.py) with an act, held to the
+    float64 oracle over the dequantized weights (gpt-oss ships MXFP4 experts)."""
+    from kernels.quant import quantize_bank
+    from kernels.triton.moe_quant import fused_moe_quant_decode
+    from kernels.triton.moe_quant_grouped import fused_moe_quant_grouped
+
+    x, ids, gu, dn, act = make(T, 4, 10 + T)
+    qgu, qdn = quantize_bank(gu, fmt, block, 2), quantize_bank(dn, fmt, block, 1)
+    y0 = torch.full((T, 4, H), float("nan"))
+    want = ref(x, ids, qgu, qdn, act, y0)
+    xd, idd, y = on_dev(x, ids, y0)
+    qgu, qdn, a = qgu.to(DEVICE), qdn.to(DEVICE), act.to(DEVICE)
+    if decode:
+        fused_moe_quant_decode(xd, idd, qgu, qdn, y, DECODE_SMALL, act=a)
+    else:
+        fused_moe_quant_grouped(xd, idd, qgu, qdn, y, GROUPED_SMALL, act=a)
+    check(y, want, ids)
