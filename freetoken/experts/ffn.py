@@ -107,22 +107,29 @@ def run_experts(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down:
     `shared` = (gate_up [2I, H], down [H, I]) of the block's shared expert: the Triton decode
     path runs it in the routed experts' two launches when its I matches and returns its output
     [T, H]; otherwise the second value is None and the caller runs it. `act` (gpt-oss's
-    experts, bound to the logical ids): the Triton kernels do not take it yet, so such a layer
-    runs the torch paths on CUDA (the gathered GEMVs for decode, grouped for prefill)."""
+    experts, bound to the logical ids): every Triton path takes it (biases by logical id,
+    clamped SwiGLU; dense and quantized banks); without Triton (the CPU) the torch paths."""
     T, K = ids.shape
     H = x.shape[-1]
     if act is not None:
-        y = torch.zeros(T, K, H, dtype=x.dtype, device=x.device)  # [T, K, H]
-        return dispatch_experts(x, ids, gate_up, down, y, act=act), None
+        act = act.to(x.device)
     if isinstance(gate_up, QuantBank):
         qmod = dispatch.triton_for(x, "moe_quant")
         if qmod is not None and ids.numel() <= qmod.DECODE_MAX_ENTRIES:
             y = torch.empty(T, K, H, dtype=x.dtype, device=x.device)  # [T, K, H]
-            return qmod.fused_moe_quant_decode(x, ids, gate_up, down, y, zero_missing=True), None
+            return qmod.fused_moe_quant_decode(x, ids, gate_up, down, y, zero_missing=True,
+                                               act=act), None
         gmod = dispatch.triton_for(x, "moe_quant_grouped")
         if gmod is not None:
             y = torch.zeros(T, K, H, dtype=x.dtype, device=x.device)  # ids < 0 stay zero
-            return gmod.fused_moe_quant_grouped(x, ids, gate_up, down, y), None
+            return gmod.fused_moe_quant_grouped(x, ids, gate_up, down, y, act=act), None
+    if act is not None:
+        mod = None if isinstance(gate_up, QuantBank) else dispatch.triton_for(x, "fused_moe")
+        if mod is not None:
+            y = torch.empty(T, K, H, dtype=x.dtype, device=x.device)  # [T, K, H]
+            return mod.fused_moe(x, ids, gate_up, down, y, zero_missing=True, act=act), None
+        y = torch.zeros(T, K, H, dtype=x.dtype, device=x.device)  # [T, K, H]
+        return dispatch_experts(x, ids, gate_up, down, y, act=act), None
     mod = None if isinstance(gate_up, QuantBank) else dispatch.triton_for(x, "fused_moe")
     if mod is None:
         y = torch.zeros(T, K, H, dtype=x.dtype, device=x.device)  # [T, K, H]
@@ -141,13 +148,13 @@ def run_experts(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down:
 def fused_moe(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor,
               act: ExpertAct | None = None) -> Tensor | None:
     """The Triton fused MoE (unweighted [T, K, H] into y, ids < 0 left untouched) on CUDA, or
-    None when it is unavailable, the bank is quantized or the experts have an `act` (the
-    caller keeps its torch path)."""
-    mod = (None if isinstance(gate_up, QuantBank) or act is not None
-           else dispatch.triton_for(x, "fused_moe"))
+    None when it is unavailable or the bank is quantized (the caller keeps its torch path).
+    `act` (gpt-oss, bound to the logical ids) rides the kernels' HAS_ACT epilogues."""
+    mod = None if isinstance(gate_up, QuantBank) else dispatch.triton_for(x, "fused_moe")
     if mod is None:
         return None
-    return mod.fused_moe(x, ids, gate_up, down, y)
+    return mod.fused_moe(x, ids, gate_up, down, y,
+                         act=None if act is None else act.to(x.device))
 
 
 # a shared expert runs in the decode GEMV kernels up to this many tokens (each token re-reads

@@ -6,6 +6,10 @@ experts under `fused`), N = T*K (token, k) entries, entry n = t*K + k.
     fused_moe(x [T, H], ids [T, K], gate_up [S, 2I, H], down [S, H, I], y [T, K, H]) -> y
     y[t, k] = down[id] @ (silu(gate[id] @ x[t]) * (up[id] @ x[t])),  id = ids[t, k]
 
+With `act=` (gpt-oss, kernels/expert_act.py) both paths add the biases of each entry's logical
+expert (act.ids, not the bank row) and use the clamped SwiGLU, in constexpr-gated (HAS_ACT)
+epilogues: the plain SwiGLU's compiled kernels are unchanged.
+
 The same contract as `freetoken.layers.moe.dispatch_experts` (unweighted outputs; entries with
 id < 0 are not computed and keep y's value, which the CPU branch of `hybrid` writes). The banks
 are read through the ids, never gathered. fp32 accumulation throughout.
@@ -37,8 +41,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.expert_act import ExpertAct
 from kernels.triton.decode_fusions import moe_sum  # noqa: F401  (re-exported)
-from kernels.triton.moe_common import _block, check_args, interpreting
+from kernels.triton.moe_common import _block, _glu, act_args, check_args, interpreting
 from kernels.triton.tuned import lookup
 
 # Above this many (token, k) entries the grouped path reads fewer weight bytes (repeated
@@ -73,13 +78,16 @@ def _decode_config(device_index: int | None, H: int, I: int) -> dict:
 
 @triton.jit(do_not_specialize=["N"])  # sizes/indices: 1 compile
 def _decode_gate_up_kernel(
-    x_ptr, ids_ptr, w_ptr, sw_ptr, a_ptr,
-    H, I, TOPK, N,
-    stride_xt, stride_we, stride_wn, stride_swn, stride_an,
+    x_ptr, ids_ptr, w_ptr, sw_ptr, a_ptr, lid_ptr, gub_ptr,
+    H, I, TOPK, N, alpha, limit,
+    stride_xt, stride_we, stride_wn, stride_swn, stride_an, stride_gub,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_ACT: tl.constexpr,
 ):
     """a[n, i] = silu(gate[id] @ x[t])[i] * (up[id] @ x[t])[i] for one entry n and BLOCK_N rows
-    i. Entries n >= N are the shared expert's (weights at sw_ptr) for token t = n - N."""
+    i. Entries n >= N are the shared expert's (weights at sw_ptr) for token t = n - N. HAS_ACT
+    (routed entries only): gate/up += gate_up_bias[lid[n]] and gpt-oss's clamped SwiGLU
+    (`moe_common._glu`); the bias row is the entry's LOGICAL expert lid[n], not its bank row."""
     n = tl.program_id(0)
     pid_i = tl.program_id(1)
     routed = n < N
@@ -115,21 +123,27 @@ def _decode_gate_up_kernel(
         acc_u += u.to(tl.float32) * xv[None, :]
     gate = tl.sum(acc_g, axis=1)  # [BN]
     up = tl.sum(acc_u, axis=1)  # [BN]
-    act = gate * tl.sigmoid(gate) * up
+    if HAS_ACT:
+        gb = gub_ptr + tl.load(lid_ptr + n).to(tl.int64) * stride_gub + i  # [BN]
+        gate += tl.load(gb, mask=i < I, other=0.0).to(tl.float32)
+        up += tl.load(gb + I, mask=i < I, other=0.0).to(tl.float32)
+    act = _glu(gate, up, alpha, limit, HAS_ACT)
     tl.store(a_ptr + n.to(tl.int64) * stride_an + i, act, mask=i < I)
 
 
 @triton.jit(do_not_specialize=["N"])  # sizes/indices: 1 compile
 def _decode_down_kernel(
-    a_ptr, ids_ptr, w_ptr, sw_ptr, y_ptr, so_ptr,
+    a_ptr, ids_ptr, w_ptr, sw_ptr, y_ptr, so_ptr, lid_ptr, db_ptr,
     H, I, TOPK, N,
     stride_an, stride_we, stride_wn, stride_swn, stride_yt, stride_yk, stride_yh, stride_so,
+    stride_db,
     ZERO_MISSING: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_ACT: tl.constexpr,
 ):
     """y[t, k, h] = down[id][h] @ a[n] for one entry n = t*K + k < N and BLOCK_N rows h;
     so[t, h] = shared_down[h] @ a[n] for a shared entry n = N + t. An entry with id < 0 is
-    written with zeros under ZERO_MISSING, else left alone."""
+    written with zeros under ZERO_MISSING, else left alone. HAS_ACT: + down_bias[lid[n]]."""
     n = tl.program_id(0)
     pid_h = tl.program_id(1)
     routed = n < N
@@ -164,18 +178,26 @@ def _decode_down_kernel(
             w = tl.load(w_ptrs + k0, mask=(h[:, None] < H) & (k0 + kk[None, :] < I), other=0.0)
         acc += w.to(tl.float32) * av[None, :]
     out = tl.sum(acc, axis=1)  # [BN]
+    if HAS_ACT:
+        db = db_ptr + tl.load(lid_ptr + n).to(tl.int64) * stride_db + h  # [BN]
+        out += tl.load(db, mask=h < H, other=0.0).to(tl.float32)
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=h < H)
 
 
 def fused_moe_decode(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor,
                      config: dict | None = None, *, zero_missing: bool = False,
-                     shared: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+                     shared: tuple[Tensor, Tensor, Tensor] | None = None,
+                     act: ExpertAct | None = None) -> Tensor:
     """The decode (GEMV) path. `config` overrides the tuned tiles (`decode_config`; same
     keys). `zero_missing`: entries with id < 0 get zeros (the caller need not clear y first).
     `shared` = (gate_up [2I, H], down [H, I], out [T, H]): a shared expert with the routed
     experts' I, run on every token in the same two launches (T more entries), its unweighted
-    output written to out."""
+    output written to out. `act`: gpt-oss's biases and clamped SwiGLU (kernels/expert_act.py),
+    bound to the entries' logical ids [T, K] (ids are bank rows: slots under a slot cache);
+    not with `shared` (gpt-oss has no shared expert)."""
     T, K, _, _ = check_args(x, ids, gate_up, down, y)
+    if act is not None and shared is not None:
+        raise ValueError("fused_moe_decode: act with a shared expert is not supported")
     flat = ids.reshape(T * K)  # [N]
     if not flat.is_contiguous():
         flat = flat.contiguous()
@@ -184,7 +206,7 @@ def fused_moe_decode(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: T
         if shared[2].dtype != y.dtype:
             raise ValueError(f"shared output {shared[2].dtype} and y {y.dtype} differ")
     _decode_launch(x, flat, K, gate_up, down, y, shared, zero_missing,
-                   decode_config(x, gate_up) if config is None else config)
+                   decode_config(x, gate_up) if config is None else config, act)
     return y
 
 
@@ -219,7 +241,7 @@ def shared_expert_decode(x: Tensor, gate_up: Tensor, down: Tensor, out: Tensor |
 
 def _decode_launch(x: Tensor, flat: Tensor, K: int, gate_up: Tensor, down: Tensor, y: Tensor,
                    shared: tuple[Tensor, Tensor, Tensor] | None, zero_missing: bool,
-                   cfg: dict) -> None:
+                   cfg: dict, act: ExpertAct | None = None) -> None:
     """The two decode launches over N = flat.numel() routed entries plus T shared ones."""
     T, H = x.shape
     I = gate_up.shape[1] // 2
@@ -230,29 +252,31 @@ def _decode_launch(x: Tensor, flat: Tensor, K: int, gate_up: Tensor, down: Tenso
         return
     if N == 0:  # a valid pointer for the (never taken) routed loads
         flat = torch.empty(1, dtype=torch.int64, device=x.device)
+    lid, gub, db, alpha, limit, s_gub, s_db = act_args(act, x, N)
     a = torch.empty((M, I), dtype=torch.float32, device=x.device)  # [M, I] SwiGLU output
     c = cfg["gate_up"]
     bn, bk = _block(c["BLOCK_N"], I), _block(c["BLOCK_K"], H)
     _decode_gate_up_kernel[(M, triton.cdiv(I, bn))](
-        x, flat, gate_up, sgu, a, H, I, K, N,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), sgu.stride(0), a.stride(0),
+        x, flat, gate_up, sgu, a, lid, gub, H, I, K, N, alpha, limit,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), sgu.stride(0), a.stride(0), s_gub,
         BLOCK_N=bn, BLOCK_K=bk, EVEN_N=I % bn == 0, EVEN_K=H % bk == 0,
-        num_warps=c.get("num_warps", 4),
+        HAS_ACT=act is not None, num_warps=c.get("num_warps", 4),
     )
     c = cfg["down"]
     bn, bk = _block(c["BLOCK_N"], H), _block(c["BLOCK_K"], I)
     _decode_down_kernel[(M, triton.cdiv(H, bn))](
-        a, flat, down, sdn, y, so, H, I, K, N,
+        a, flat, down, sdn, y, so, lid, db, H, I, K, N,
         a.stride(0), down.stride(0), down.stride(1), sdn.stride(0),
-        y.stride(0), y.stride(1), y.stride(2), so.stride(0),
+        y.stride(0), y.stride(1), y.stride(2), so.stride(0), s_db,
         ZERO_MISSING=zero_missing,
         BLOCK_N=bn, BLOCK_K=bk, EVEN_N=H % bn == 0, EVEN_K=I % bk == 0,
-        num_warps=c.get("num_warps", 4),
+        HAS_ACT=act is not None, num_warps=c.get("num_warps", 4),
     )
 
 
 def fused_moe(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor, *,
-              decode: bool | None = None, zero_missing: bool = False) -> Tensor:
+              decode: bool | None = None, zero_missing: bool = False,
+              act: ExpertAct | None = None) -> Tensor:
     """Fill y [T, K, H] with the unweighted expert outputs of every entry with ids >= 0; the
     others keep y's value, or get zeros with `zero_missing`.
 
@@ -260,13 +284,14 @@ def fused_moe(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor, 
     [gate | up]), down [S, H, I], y [T, K, H] preallocated (any strides). decode: True for the
     GEMV path, False for the grouped path, None to pick by T*K <= DECODE_MAX_ENTRIES.
     Ids must be < S: that is not checked, since checking would read them back to the host.
+    `act`: gpt-oss's experts (see `fused_moe_decode`), on both paths.
     """
     if decode is None:
         decode = ids.numel() <= DECODE_MAX_ENTRIES
     if decode:
-        return fused_moe_decode(x, ids, gate_up, down, y, zero_missing=zero_missing)
+        return fused_moe_decode(x, ids, gate_up, down, y, zero_missing=zero_missing, act=act)
     from kernels.triton.moe_grouped import fused_moe_grouped  # (lazy: only large batches)
 
     if zero_missing:
         y.zero_()  # the grouped kernels write only entries with ids >= 0
-    return fused_moe_grouped(x, ids, gate_up, down, y)
+    return fused_moe_grouped(x, ids, gate_up, down, y, act=act)

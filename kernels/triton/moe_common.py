@@ -1,12 +1,13 @@
 """What the decode (fused_moe.py) and grouped (moe_grouped.py) MoE kernels share: argument
-checks, block sizing, whether the interpreter runs them. One home, so neither imports the
-other's module for it."""
+checks, block sizing, whether the interpreter runs them, and gpt-oss's activation epilogue
+(`_glu`, `act_args`). One home, so neither imports the other's module for it."""
 from __future__ import annotations
 
 import os
 
 import torch
 import triton
+import triton.language as tl
 from torch import Tensor
 
 
@@ -44,3 +45,53 @@ def check_args(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor
 def _block(want: int, dim: int, least: int = 1) -> int:
     """The configured block, shrunk to the problem (tiny test shapes) but never below `least`."""
     return max(least, min(want, triton.next_power_of_2(dim)))
+
+
+# -- gpt-oss's experts (kernels/expert_act.py): biases by logical id, clamped SwiGLU ----------
+
+@triton.jit
+def _glu(gate, up, alpha, limit, HAS_ACT: tl.constexpr):
+    """The activation of fp32 gate/up rows (any shape, biases already added): silu(g) * u, or
+    under HAS_ACT gpt-oss's (clamp(u, ±limit) + 1) * g * σ(alpha * g) with g = min(g, limit)."""
+    if HAS_ACT:
+        g = tl.minimum(gate, limit)
+        u = tl.minimum(tl.maximum(up, -limit), limit)
+        a = (u + 1.0) * g * tl.sigmoid(alpha * g)
+    else:
+        a = gate * tl.sigmoid(gate) * up
+    return a
+
+
+@triton.jit
+def _bias_gu_2d(acc_g, acc_u, lid_ptr, gub_ptr, ent, ent_ok, i, i_ok, I, stride_gub):
+    """(gate, up) [BM, BN] + the gate_up bias rows of each entry's logical expert lid[ent]."""
+    le = tl.load(lid_ptr + ent, mask=ent_ok, other=0).to(tl.int64)  # [BM]
+    gb = gub_ptr + le[:, None] * stride_gub + i[None, :]  # [BM, BN]
+    m = ent_ok[:, None] & i_ok[None, :]
+    return (acc_g + tl.load(gb, mask=m, other=0.0).to(tl.float32),
+            acc_u + tl.load(gb + I, mask=m, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _bias_down_2d(acc, lid_ptr, db_ptr, ent, ent_ok, h, h_ok, stride_db):
+    """acc [BM, BN] + the down bias rows (columns h) of each entry's logical expert."""
+    le = tl.load(lid_ptr + ent, mask=ent_ok, other=0).to(tl.int64)  # [BM]
+    db = db_ptr + le[:, None] * stride_db + h[None, :]  # [BM, BN]
+    return acc + tl.load(db, mask=ent_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+
+
+def act_args(act, x: Tensor, N: int) -> tuple:
+    """The kernels' act operands: (logical ids [N], gate_up bias [E, 2I], down bias [E, H],
+    alpha, limit, bias row strides) from a bound ExpertAct on x's device, or dummies (x) when
+    `act` is None (HAS_ACT False: never read). Checks the ids cover the N entries."""
+    if act is None:
+        return x, x, x, 0.0, 0.0, 0, 0
+    lid = act.entry_ids()
+    if lid.numel() != N:
+        raise ValueError(f"act bound to {lid.numel()} entries, the step has {N}")
+    if lid.device != x.device or act.gate_up_bias.device != x.device:
+        raise ValueError("the act's ids and biases must be on x's device (ExpertAct.to)")
+    gub, db = act.gate_up_bias, act.down_bias
+    if gub.stride(-1) != 1 or db.stride(-1) != 1 or not lid.is_contiguous():
+        lid, gub, db = lid.contiguous(), gub.contiguous(), db.contiguous()
+    return lid, gub, db, float(act.alpha), float(act.limit), gub.stride(0), db.stride(0)

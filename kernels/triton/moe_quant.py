@@ -14,7 +14,8 @@ loads its [BLOCK_N, BLOCK_K] tile of codes (FP8 bytes as uint8: the bits are dec
 registers, which the interpreter runs too) and its scales, and accumulates in fp32 — MXFP4 is
 weight-only dequant (H200 has no FP4 tensor cores); FP8 is dequantized the same way here (FP8
 dots are a later step). Larger batches take `fused_moe_quant_grouped`
-(kernels/triton/moe_quant_grouped.py): the grouped tl.dot path over the same tiles.
+(kernels/triton/moe_quant_grouped.py): the grouped tl.dot path over the same tiles. Both take
+gpt-oss's `act=` (biases by logical id, clamped SwiGLU) in HAS_ACT epilogues, as fused_moe.py.
 """
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.expert_act import ExpertAct
 from kernels.quant import MX_BLOCK, QuantBank
 from kernels.triton.fused_moe import DECODE_CONFIG, DECODE_MAX_ENTRIES  # noqa: F401
-from kernels.triton.moe_common import _block
+from kernels.triton.moe_common import _block, _glu, act_args
 
 FMT_CODES = {"fp8": 0, "mxfp4": 1}
 
@@ -59,11 +61,13 @@ def _wtile(w_ptr, s_ptr, rows, srow, k, row_ok, ncols, stride_wr, stride_sr,
 
 @triton.jit
 def _q_gate_up_kernel(
-    x_ptr, ids_ptr, w_ptr, s_ptr, a_ptr, H, I, TOPK, NB,
-    stride_xt, stride_we, stride_wr, stride_se, stride_sr, stride_an,
+    x_ptr, ids_ptr, w_ptr, s_ptr, a_ptr, lid_ptr, gub_ptr, H, I, TOPK, NB, alpha, limit,
+    stride_xt, stride_we, stride_wr, stride_se, stride_sr, stride_an, stride_gub,
     FMT: tl.constexpr, QB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_ACT: tl.constexpr,
 ):
-    """a[n, i] = silu(gate[id] @ x[t])[i] * (up[id] @ x[t])[i], BLOCK_N rows i of entry n."""
+    """a[n, i] = silu(gate[id] @ x[t])[i] * (up[id] @ x[t])[i], BLOCK_N rows i of entry n;
+    HAS_ACT: + gate_up_bias[lid[n]] (the logical expert) and gpt-oss's clamped SwiGLU."""
     n = tl.program_id(0)
     row = tl.load(ids_ptr + n).to(tl.int64)
     if row < 0:
@@ -85,17 +89,24 @@ def _q_gate_up_kernel(
         acc_u += u * xv[None, :]
     gate = tl.sum(acc_g, axis=1)
     up = tl.sum(acc_u, axis=1)
-    tl.store(a_ptr + n.to(tl.int64) * stride_an + i, gate * tl.sigmoid(gate) * up, mask=ok)
+    if HAS_ACT:
+        gb = gub_ptr + tl.load(lid_ptr + n).to(tl.int64) * stride_gub + i  # [BN]
+        gate += tl.load(gb, mask=ok, other=0.0).to(tl.float32)
+        up += tl.load(gb + I, mask=ok, other=0.0).to(tl.float32)
+    tl.store(a_ptr + n.to(tl.int64) * stride_an + i, _glu(gate, up, alpha, limit, HAS_ACT),
+             mask=ok)
 
 
 @triton.jit
 def _q_down_kernel(
-    a_ptr, ids_ptr, w_ptr, s_ptr, y_ptr, H, I, TOPK,
+    a_ptr, ids_ptr, w_ptr, s_ptr, y_ptr, lid_ptr, db_ptr, H, I, TOPK,
     stride_an, stride_we, stride_wr, stride_se, stride_sr, stride_yt, stride_yk, stride_yh,
+    stride_db,
     ZERO_MISSING: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ACT: tl.constexpr,
 ):
-    """y[t, k, h] = down[id][h] @ a[n] for entry n = t*K + k and BLOCK_N rows h."""
+    """y[t, k, h] = down[id][h] @ a[n] (+ down_bias[lid[n]] under HAS_ACT) for entry
+    n = t*K + k and BLOCK_N rows h."""
     n = tl.program_id(0)
     row = tl.load(ids_ptr + n).to(tl.int64)
     h = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -115,7 +126,11 @@ def _q_down_kernel(
         k = k0 + kk
         av = tl.load(a_row + k, mask=k < I, other=0.0)
         acc += _wtile(w, s, h, h // QB, k, ok, I, stride_wr, stride_sr, FMT, QB) * av[None, :]
-    tl.store(y_ptrs, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=ok)
+    out = tl.sum(acc, axis=1)  # [BN]
+    if HAS_ACT:
+        db = db_ptr + tl.load(lid_ptr + n).to(tl.int64) * stride_db + h  # [BN]
+        out += tl.load(db, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def _check(x: Tensor, ids: Tensor, gate_up: QuantBank, down: QuantBank, y: Tensor
@@ -144,8 +159,9 @@ def _operands(gate_up: QuantBank, down: QuantBank) -> tuple[Tensor, Tensor, Tens
 
 def fused_moe_quant_decode(x: Tensor, ids: Tensor, gate_up: QuantBank, down: QuantBank,
                            y: Tensor, config: dict | None = None, *,
-                           zero_missing: bool = False) -> Tensor:
-    """See the module docstring. `config` overrides DECODE_CONFIG's tiles (same keys)."""
+                           zero_missing: bool = False, act: ExpertAct | None = None) -> Tensor:
+    """See the module docstring. `config` overrides DECODE_CONFIG's tiles (same keys).
+    `act`: gpt-oss's biases (by the entries' logical ids) and clamped SwiGLU."""
     T, K, H, I, fmt, qb = _check(x, ids, gate_up, down, y)
     flat = ids.reshape(T * K).contiguous()  # [N]
     N = flat.numel()
@@ -153,19 +169,21 @@ def fused_moe_quant_decode(x: Tensor, ids: Tensor, gate_up: QuantBank, down: Qua
         return y
     cfg = DECODE_CONFIG if config is None else config
     gd, gs, dd, ds = _operands(gate_up, down)
+    lid, gub, db, alpha, limit, s_gub, s_db = act_args(act, x, N)
     a = torch.empty((N, I), dtype=torch.float32, device=x.device)  # [N, I]
     c = cfg["gate_up"]
     bn, bk = _block(c["BLOCK_N"], I), _block(c["BLOCK_K"], H)
     _q_gate_up_kernel[(N, triton.cdiv(I, bn))](
-        x, flat, gd, gs, a, H, I, K, triton.cdiv(I, qb),
-        x.stride(0), gd.stride(0), gd.stride(1), gs.stride(0), gs.stride(1), a.stride(0),
-        FMT=fmt, QB=qb, BLOCK_N=bn, BLOCK_K=bk, num_warps=c.get("num_warps", 4))
+        x, flat, gd, gs, a, lid, gub, H, I, K, triton.cdiv(I, qb), alpha, limit,
+        x.stride(0), gd.stride(0), gd.stride(1), gs.stride(0), gs.stride(1), a.stride(0), s_gub,
+        FMT=fmt, QB=qb, BLOCK_N=bn, BLOCK_K=bk, HAS_ACT=act is not None,
+        num_warps=c.get("num_warps", 4))
     c = cfg["down"]
     bn, bk = _block(c["BLOCK_N"], H), _block(c["BLOCK_K"], I)
     _q_down_kernel[(N, triton.cdiv(H, bn))](
-        a, flat, dd, ds, y, H, I, K,
+        a, flat, dd, ds, y, lid, db, H, I, K,
         a.stride(0), dd.stride(0), dd.stride(1), ds.stride(0), ds.stride(1),
-        y.stride(0), y.stride(1), y.stride(2),
+        y.stride(0), y.stride(1), y.stride(2), s_db,
         ZERO_MISSING=zero_missing, FMT=fmt, QB=qb, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=c.get("num_warps", 4))
+        HAS_ACT=act is not None, num_warps=c.get("num_warps", 4))
     return y

@@ -16,20 +16,21 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.expert_act import ExpertAct
 from kernels.quant import QuantBank
-from kernels.triton.moe_common import _block
+from kernels.triton.moe_common import _bias_down_2d, _bias_gu_2d, _block, _glu, act_args
 from kernels.triton.moe_grouped import _tile_ids, grouped_setup
 from kernels.triton.moe_quant import _check, _operands, _wtile
 
 
 @triton.jit(do_not_specialize=["N", "P"])  # sizes/indices: 1 compile
 def _qg_gate_up_kernel(
-    x_ptr, w_ptr, s_ptr, a_ptr, sorted_ptr, block_row_ptr, total_ptr,
-    N, P, H, I, TOPK, NB,
-    stride_xt, stride_we, stride_wr, stride_se, stride_sr, stride_an,
+    x_ptr, w_ptr, s_ptr, a_ptr, sorted_ptr, block_row_ptr, total_ptr, lid_ptr, gub_ptr,
+    N, P, H, I, TOPK, NB, alpha, limit,
+    stride_xt, stride_we, stride_wr, stride_se, stride_sr, stride_an, stride_gub,
     FMT: tl.constexpr, QB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_ACT: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(tl.program_id(0), P, I, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -55,19 +56,23 @@ def _qg_gate_up_kernel(
         u = _wtile(w, s, I + i, NB + i // QB, k, i_ok, H, stride_wr, stride_sr, FMT, QB)
         acc_g = tl.dot(xa, tl.trans(g).to(xa.dtype), acc_g, input_precision=PRECISION)
         acc_u = tl.dot(xa, tl.trans(u).to(xa.dtype), acc_u, input_precision=PRECISION)
-    act = acc_g * tl.sigmoid(acc_g) * acc_u  # [BM, BN]
+    if HAS_ACT:
+        acc_g, acc_u = _bias_gu_2d(acc_g, acc_u, lid_ptr, gub_ptr, ent, ent_ok, i, i_ok, I,
+                                   stride_gub)
+    act = _glu(acc_g, acc_u, alpha, limit, HAS_ACT)  # [BM, BN]
     tl.store(a_ptr + ent[:, None] * stride_an + i[None, :], act.to(a_ptr.dtype.element_ty),
              mask=ent_ok[:, None] & i_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["N", "P"])  # sizes/indices: 1 compile
 def _qg_down_kernel(
-    a_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, block_row_ptr, total_ptr,
+    a_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, block_row_ptr, total_ptr, lid_ptr, db_ptr,
     N, P, H, I, TOPK,
     stride_an, stride_we, stride_wr, stride_se, stride_sr, stride_yt, stride_yk, stride_yh,
+    stride_db,
     FMT: tl.constexpr, QB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_ACT: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(tl.program_id(0), P, H, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -89,14 +94,18 @@ def _qg_down_kernel(
             av = av.to(tl.float32)
         wt = _wtile(w, s, h, h // QB, k, h_ok, I, stride_wr, stride_sr, FMT, QB)  # [BN, BK]
         acc = tl.dot(av, tl.trans(wt).to(av.dtype), acc, input_precision=PRECISION)
+    if HAS_ACT:
+        acc = _bias_down_2d(acc, lid_ptr, db_ptr, ent, ent_ok, h, h_ok, stride_db)
     y_ptrs = (y_ptr + (ent // TOPK)[:, None] * stride_yt + (ent % TOPK)[:, None] * stride_yk
               + h[None, :] * stride_yh)
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ent_ok[:, None] & h_ok[None, :])
 
 
 def fused_moe_quant_grouped(x: Tensor, ids: Tensor, gate_up: QuantBank, down: QuantBank,
-                            y: Tensor, config: tuple[dict, dict] | None = None) -> Tensor:
-    """See the module docstring. `config` = (gate_up cfg, down cfg) as moe_grouped's."""
+                            y: Tensor, config: tuple[dict, dict] | None = None, *,
+                            act: ExpertAct | None = None) -> Tensor:
+    """See the module docstring. `config` = (gate_up cfg, down cfg) as moe_grouped's.
+    `act`: gpt-oss's biases (by the entries' logical ids) and clamped SwiGLU."""
     T, K, H, I, fmt, qb = _check(x, ids, gate_up, down, y)
     N, S = T * K, gate_up.shape[0]
     if N == 0:
@@ -104,18 +113,22 @@ def fused_moe_quant_grouped(x: Tensor, ids: Tensor, gate_up: QuantBank, down: Qu
     cu, cd, upcast, prec, bm, sorted_entries, block_row, total = grouped_setup(x, ids, S, config)
     P = sorted_entries.numel()
     gd, gs, dd, ds = _operands(gate_up, down)
+    lid, gub, db, alpha, limit, s_gub, s_db = act_args(act, x, N)
     a = torch.empty((N, I), dtype=x.dtype, device=x.device)  # [N, I] SwiGLU output
     bn, bk = _block(cu["BLOCK_N"], I, 16), _block(cu["BLOCK_K"], H, 16)
     _qg_gate_up_kernel[(triton.cdiv(P, bm) * triton.cdiv(I, bn),)](
-        x, gd, gs, a, sorted_entries, block_row, total, N, P, H, I, K, triton.cdiv(I, qb),
-        x.stride(0), gd.stride(0), gd.stride(1), gs.stride(0), gs.stride(1), a.stride(0),
+        x, gd, gs, a, sorted_entries, block_row, total, lid, gub, N, P, H, I, K,
+        triton.cdiv(I, qb), alpha, limit,
+        x.stride(0), gd.stride(0), gd.stride(1), gs.stride(0), gs.stride(1), a.stride(0), s_gub,
         FMT=fmt, QB=qb, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cu["GROUP_M"],
-        UPCAST=upcast, PRECISION=prec, num_warps=cu["num_warps"], num_stages=cu["num_stages"])
+        UPCAST=upcast, PRECISION=prec, HAS_ACT=act is not None,
+        num_warps=cu["num_warps"], num_stages=cu["num_stages"])
     bn, bk = _block(cd["BLOCK_N"], H, 16), _block(cd["BLOCK_K"], I, 16)
     _qg_down_kernel[(triton.cdiv(P, bm) * triton.cdiv(H, bn),)](
-        a, dd, ds, y, sorted_entries, block_row, total, N, P, H, I, K,
+        a, dd, ds, y, sorted_entries, block_row, total, lid, db, N, P, H, I, K,
         a.stride(0), dd.stride(0), dd.stride(1), ds.stride(0), ds.stride(1),
-        y.stride(0), y.stride(1), y.stride(2),
+        y.stride(0), y.stride(1), y.stride(2), s_db,
         FMT=fmt, QB=qb, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cd["GROUP_M"],
-        UPCAST=upcast, PRECISION=prec, num_warps=cd["num_warps"], num_stages=cd["num_stages"])
+        UPCAST=upcast, PRECISION=prec, HAS_ACT=act is not None,
+        num_warps=cd["num_warps"], num_stages=cd["num_stages"])
     return y
