@@ -122,6 +122,9 @@ class Stack:
     engine: RecordingEngine
     tok: Any
     closers: list[Any] = field(default_factory=list)
+    # threads alive before the stack's own started: they allocate in malloc arenas of their
+    # own that the one-arena cap cannot reach, so the process's RSS is not the stack's
+    foreign_threads: int = 0
 
     def stop(self) -> None:
         for c in reversed(self.closers):
@@ -144,6 +147,7 @@ def start_stack(model_dir: Path, max_output: int = 4, **limit_kw: Any) -> Stack:
     from freetoken.server.limits import quiet_connection_logs
 
     quiet_connection_logs()
+    foreign = threading.active_count() - 1
     cap_malloc_arenas()  # (before any front's thread starts)
     model = load_model(model_dir, dtype=torch.float32, progress=False)
     tok = ChatTokenizer.from_dir(model_dir)
@@ -153,7 +157,7 @@ def start_stack(model_dir: Path, max_output: int = 4, **limit_kw: Any) -> Stack:
     inner = AsyncEngine(core, model_dir, "tiny")
     inner.max_output_tokens = max_output  # every reply is short: the batteries test the door
     engine = RecordingEngine(inner)
-    stack = Stack({}, engine, tok, [inner.shutdown])
+    stack = Stack({}, engine, tok, [inner.shutdown], foreign_threads=foreign)
     lim = limits(**limit_kw)
     s = Served(create_app(engine, tok, api_key=KEY, served_model_names=["tiny"],
                           parser_family="qwen3_5_moe", limits=lim), lim)
