@@ -100,6 +100,39 @@ class TritonMLADecode(PagedDecode):
         return self._kernel(q_lat, pool, indptr, indices, scale, c)
 
 
+class TritonSinkDecode(PagedDecode):
+    """gpt-oss's decode over the paged pool with a sink logit per head and, on its sliding
+    layers, a window (kernels/triton/sink_attention.py), through the runner's CSR:
+    `run_sinks(q [B, Hq, D], k_pool, v_pool [S, Hk, D], scale, sinks [Hq], window) -> [B, Hq,
+    D]`. `run` (no sink) is not offered: every layer of the family has sinks."""
+
+    name = "triton_sink"
+
+    def __init__(self, batch: int, indptr: Tensor, indices: Tensor):
+        from kernels.triton.sink_attention import sink_decode_attention
+
+        self._kernel = sink_decode_attention
+        self.indptr = indptr[: batch + 1]
+        self.indices = indices
+
+    def prepare(self, indptr_host: Tensor, n: int) -> None:
+        pass  # the kernel reads the device CSR as it is
+
+    def run_sinks(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, scale: float, sinks: Tensor,
+                  window: int) -> Tensor:
+        return self._kernel(q, k_pool, v_pool, self.indptr, self.indices, scale, sinks, window)
+
+
+def choose_sink_backend() -> str:
+    """'triton_sink' for attention with sinks (gpt-oss) when the kernel imports, else
+    'torch'."""
+    try:
+        import kernels.triton.sink_attention  # noqa: F401
+    except (ImportError, RuntimeError):
+        return "torch"
+    return "triton_sink"
+
+
 def choose_mla_backend(cfg) -> str:
     """'triton_mla' for MLA (DeepSeek-V3, Kimi-Linear, GLM-5: its indexer then picks each row's
     latents on the device, `layers/dsa.py: pick_csr`) when the kernel imports, else 'torch'."""
@@ -131,11 +164,13 @@ def choose_backend(requested: str = "auto", dtype: torch.dtype = torch.bfloat16,
 
 def bucket_plan(kind: str, size: int, indptr: Tensor, indices: Tensor, cfg, dtype: torch.dtype,
                 workspace: Tensor | None) -> tuple[PagedDecode, Tensor | None]:
-    """The `kind` ("flashinfer" | "triton" | "triton_mla") plan of a decode runner's bucket of
-    `size` rows over its device indptr/indices, and the FlashInfer workspace (made on first
-    use)."""
+    """The `kind` ("flashinfer" | "triton" | "triton_mla" | "triton_sink") plan of a decode
+    runner's bucket of `size` rows over its device indptr/indices, and the FlashInfer
+    workspace (made on first use)."""
     if kind == "triton_mla":
         return TritonMLADecode(size, indptr, indices), workspace
+    if kind == "triton_sink":
+        return TritonSinkDecode(size, indptr, indices), workspace
     if kind == "flashinfer":
         if workspace is None:
             workspace = torch.empty(128 << 20, dtype=torch.uint8, device=indptr.device)

@@ -31,7 +31,12 @@ from torch import Tensor
 
 from freetoken.cache.tensors import Caches
 from freetoken.engine import gpu_sampler
-from freetoken.engine.attention_plans import bucket_plan, choose_backend, choose_mla_backend
+from freetoken.engine.attention_plans import (
+    bucket_plan,
+    choose_backend,
+    choose_mla_backend,
+    choose_sink_backend,
+)
 from freetoken.engine.decode_staging import (
     MAX_BLOCKED,
     DecodeRow,
@@ -89,10 +94,12 @@ class DecodeRunner(DecodeStaging):
         self._last: Pending | None = None  # the step launched last (chain refers to its rows)
         self._open: list[Pending] = []  # launched and not collected yet (at most one before a
         # launch: its ids and the next step's land in the two alternating pinned buffers)
-        # MLA (a latent pool, absorbed queries): its own Triton plan (no GQA kernel fits);
-        # sink / sliding-window attention (gpt_oss) has no flashinfer / Triton plan yet: torch
-        if self.device.type != "cuda" or cfg.attention_sinks:
+        # MLA (a latent pool, absorbed queries) and sink / sliding-window attention (gpt_oss):
+        # their own Triton plans (no GQA kernel fits)
+        if self.device.type != "cuda":
             self.attention = "torch"
+        elif cfg.attention_sinks:
+            self.attention = choose_sink_backend()
         elif cfg.is_mla:
             self.attention = choose_mla_backend(cfg)
         else:

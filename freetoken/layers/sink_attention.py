@@ -8,9 +8,10 @@ keys at positions j with p - W < j <= p (transformers' sliding-window mask). Eve
 stays in the pool (the radix cache's prefixes hold whole sequences); a sliding layer only reads
 the last W of them, so its decode cost does not grow with the context.
 
-This runs in torch on every device: the C++ CPU decode kernel and the CUDA paged-decode plans
-(flashinfer, Triton) take neither sinks nor windows yet, so the decode runner plans `torch` for
-this family (no CUDA graphs; freetoken/engine/graph_runner.py).
+Prefill runs in torch on every device, and so does decode on the CPU (the C++ decode kernel
+takes neither sinks nor windows yet). The CUDA decode runner plans `triton_sink`
+(kernels/triton/sink_attention.py: sinks and the window over the step's CSR, capturable in a CUDA
+graph; engine/attention_plans.TritonSinkDecode); flashinfer's plan takes no sinks.
 
 Shapes: T packed new tokens, Hq query heads, Hk KV heads, D head_dim, n new tokens of one
 sequence, L its keys read, S pool slots.
@@ -84,14 +85,18 @@ class SinkAttention(nn.Module):
         li = kv.layer_index[self.layer_id]
         k_pool, v_pool = kv.k[li], kv.v[li]  # [S, Hk, D]
         out = torch.empty(T, self.hq, self.d, dtype=x.dtype, device=x.device)  # [T, Hq, D]
-        if batch.ctx is not None:  # decode-only step of the runner: per-row slot lists
-            if batch.ctx.attn.name != "torch":
+        if batch.ctx is not None:  # decode-only step of the runner
+            attn = batch.ctx.attn
+            if attn.name not in ("torch", "triton_sink"):
                 raise NotImplementedError(
-                    f"sink attention through the {batch.ctx.attn.name!r} plan is not built; "
-                    "the decode runner must plan 'torch' for gpt_oss")
+                    f"sink attention through the {attn.name!r} plan is not built; the decode "
+                    "runner plans 'triton_sink' (CUDA) or 'torch' for gpt_oss")
             k_pool.index_copy_(0, batch.ctx.out_slots, k.to(k_pool.dtype))
             v_pool.index_copy_(0, batch.ctx.out_slots, v.to(v_pool.dtype))
-            for b, slots in enumerate(batch.ctx.attn.rows):
+            if attn.name == "triton_sink":  # the step's CSR, in one launch (capturable)
+                out = attn.run_sinks(q, k_pool, v_pool, self.scale, self.sinks, self.window)
+                return self.o_proj(out.reshape(T, self.hq * self.d))
+            for b, slots in enumerate(attn.rows):  # per-row slot lists
                 out[b:b + 1] = self._attend(q[b:b + 1], k_pool, v_pool, slots)
             return self.o_proj(out.reshape(T, self.hq * self.d))
         cu = batch.cu

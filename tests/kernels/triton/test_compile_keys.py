@@ -144,6 +144,39 @@ def test_bridge_flags_compile_once_per_bucket():
         assert len(keys[kernel]) <= MOST[kernel], diff(keys)
 
 
+def test_sink_decode_compiles_once_per_bucket():
+    """gpt-oss's decode attention (kernels/triton/sink_attention.py), the runner's
+    `triton_sink` plan: the warm-up's decode step of each bucket (every row one key, both layer
+    kinds: window 0 and 128) compiles every key that rows of any context length, on any slots
+    of the pool, meet in serving."""
+    from kernels.triton.sink_attention import sink_decode_attention
+
+    hq, hk, d, S = 8, 2, 64, 1024
+    k_pool = torch.randn(S, hk, d, dtype=torch.bfloat16)
+    sinks = torch.randn(hq, dtype=torch.bfloat16)
+
+    def step(lengths: list[int]) -> None:
+        B = len(lengths)
+        q = torch.randn(B, hq, d, dtype=torch.bfloat16)
+        indptr = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0).to(torch.int32)
+        indices = torch.randint(0, S, (S,), dtype=torch.int32)  # the runner's CSR buffer
+        for window in (0, 128):
+            sink_decode_attention(q, k_pool, k_pool, indptr, indices, d ** -0.5, sinks, window)
+
+    with record_keys(execute=False) as warm:
+        for B in BUCKETS:
+            step([1] * B)
+    with record_keys(execute=False) as served:
+        for B in BUCKETS:
+            for _ in range(6):
+                step([rng.randrange(1, 300) for _ in range(B)])
+    for kernel, ks in served.items():
+        new = ks - warm.get(kernel, set())
+        assert not new, f"{kernel}: {len(new)} keys outside the warm-up\n{diff(served)}"
+        assert len(ks) <= len(BUCKETS), f"{kernel}: {len(ks)} compiles\n{diff(served)}"
+    assert set(served) == {"_sink_split_kernel", "_sink_merge_kernel"}
+
+
 def test_recorder_sees_specialisation():
     """The recorder is not blind: an int the kernel leaves specialised makes keys (1, a
     multiple of 16, other), one it lists in do_not_specialize makes one."""
