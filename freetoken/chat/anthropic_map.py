@@ -224,7 +224,9 @@ def anthropic_request(body: Any, strict: bool = True) -> ChatRequest:
     ck.api(stops is None or isinstance(stops, list), "'stop_sequences' must be an array of "
            "strings", "stop_sequences")
     tools = _tools(body.get("tools"), ck)
-    ti = TemplateInput(msgs, tools, _thinking(body.get("thinking"), ck))
+    thinking = _thinking(body.get("thinking"), ck)
+    # gpt-oss always reasons: thinking disabled asks for its lowest effort
+    ti = TemplateInput(msgs, tools, thinking, "low" if thinking is False else None)
     return ChatRequest(ti, tool_choice(body.get("tool_choice"), tools, "anthropic")
                        if strict else "auto")
 

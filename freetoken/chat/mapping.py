@@ -35,6 +35,19 @@ class TemplateInput:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     enable_thinking: bool | None
+    reasoning_effort: str | None = None  # 'low' | 'medium' | 'high' (harmony's levels) or None
+
+
+def effort_level(v: Any, param: str) -> str | None:
+    """A requested reasoning effort as harmony's level (gpt-oss's system message): low, medium
+    and high as they are, 'none' / 'minimal' -> low, 'xhigh' -> high; None when absent."""
+    if v is None:
+        return None
+    v = need_str(v, param)
+    level = {"none": "low", "minimal": "low", "xhigh": "high"}.get(v, v)
+    need(level in ("low", "medium", "high"), f"'{param}' must be one of 'none', 'minimal', "
+         f"'low', 'medium', 'high', 'xhigh', got {v!r}", param)
+    return level
 
 
 @dataclass

@@ -3,7 +3,9 @@
 Roles: system/developer (-> system), user, assistant (content, `tool_calls` with JSON-string
 arguments -> dicts, `reasoning_content` or `reasoning`), tool (content, `tool_call_id`). The
 legacy `function` role is refused. Thinking: `chat_template_kwargs.enable_thinking` wins over
-`reasoning_effort` ("none" -> False, any other level -> True); absent -> None.
+`reasoning_effort` ("none" -> False, any other level -> True); absent -> None. The effort level
+itself (`chat_template_kwargs.reasoning_effort` first) goes to gpt-oss's system message
+(`mapping.effort_level`).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from freetoken.chat.mapping import (
     ChatRequest,
     Checks,
     TemplateInput,
+    effort_level,
     fail,
     function_tool,
     messages_list,
@@ -145,7 +148,12 @@ def openai_request(body: Any, strict: bool = True) -> ChatRequest:
     body = need_dict(body, "body")
     msgs = [_message(m, f"messages[{i}]", ck) for i, m in enumerate(messages_list(body))]
     tools = _tools(body.get("tools"), ck)
-    ti = TemplateInput(msgs, tools, _thinking(body))
+    kw = body.get("chat_template_kwargs")
+    effort = kw.get("reasoning_effort") if isinstance(kw, dict) else None
+    param = "chat_template_kwargs.reasoning_effort"
+    if effort is None:
+        effort, param = body.get("reasoning_effort"), "reasoning_effort"
+    ti = TemplateInput(msgs, tools, _thinking(body), effort_level(effort, param))
     return ChatRequest(ti, tool_choice(body.get("tool_choice"), tools, "openai")
                        if strict else "auto")
 

@@ -34,7 +34,7 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 # Family -> default tool-call body format when the body does not say (auto-detect first).
 FAMILIES = {"qwen3": "json", "qwen3_moe": "json", "qwen3_next": "json", "qwen3_coder": "xml",
             "qwen3_5": "xml", "qwen3_5_moe": "xml", "qwen3_6": "xml", "glm_moe_dsa": "glm",
-            "deepseek_v3": "deepseek", "kimi_linear": "kimi"}
+            "deepseek_v3": "deepseek", "kimi_linear": "kimi", "gpt_oss": "harmony"}
 # Control tokens that end or frame a turn; never part of the answer text.
 _CONTROL = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 
@@ -71,6 +71,16 @@ def _default_id(_index: int) -> str:
     return "call_" + secrets.token_hex(12)
 
 
+def output_parser(tokenizer: _Tok, family: str = "qwen3", **kw: Any) -> Any:
+    """The output parser of `family`: `HarmonyOutputParser` for gpt_oss, else `OutputParser`
+    (`kw`: thinking, starts_in_reasoning, tools, id_factory)."""
+    if FAMILIES.get(family) == "harmony":
+        from freetoken.chat.harmony_output import HarmonyOutputParser
+
+        return HarmonyOutputParser(tokenizer, **kw)
+    return OutputParser(tokenizer, family=family, **kw)
+
+
 class OutputParser:
     """One request's output stream. Feed `push(new_ids)` per engine event, then `finish()`."""
 
@@ -86,6 +96,9 @@ class OutputParser:
         if family not in FAMILIES:
             raise ValueError(f"unknown output family {family!r}; known: {sorted(FAMILIES)}")
         self._format = FAMILIES[family]
+        if self._format == "harmony":
+            raise ValueError("gpt_oss's output is harmony's: use chat.harmony_output."
+                             "HarmonyOutputParser (chat.output_parser picks it)")
         self._open, self._close, self._section = CALL_TAGS[self._format]
         self._schemas = tool_schemas(tools)
         self._ids = id_factory

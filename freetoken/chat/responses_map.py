@@ -247,6 +247,9 @@ def to_chat(body: dict, items: list[Any]) -> tuple[dict, ToolNames]:
             chat["tool_choice"] = tc
         if isinstance(body.get("parallel_tool_calls"), bool):
             chat["parallel_tool_calls"] = body["parallel_tool_calls"]
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
+        chat["reasoning_effort"] = reasoning["effort"]  # checked by the chat mapping
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     for k in _SAMPLING:

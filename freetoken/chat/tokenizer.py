@@ -27,6 +27,7 @@ from tokenizers import Tokenizer
 
 from freetoken.chat.anchors import ROLES, AnchorTokens, detect_anchors
 from freetoken.chat.errors import ChatInputError
+from freetoken.chat.harmony import HarmonyOptions, render_harmony
 from freetoken.chat.harmony_anchors import HarmonyTokens, detect_harmony_anchors
 from freetoken.chat.plain_text import PlainTextEscaper
 from freetoken.chat.template import (
@@ -203,10 +204,20 @@ class ChatTokenizer:
         enable_thinking: bool | None = None,
         add_generation_prompt: bool = True,
         keep_all_reasoning: bool = False,
+        reasoning_effort: str | None = None,
     ) -> str:
         """The prompt text. With `keep_all_reasoning=False` this equals transformers'
         `apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=...,
-        enable_thinking=...)` (enable_thinking passed only when not None)."""
+        enable_thinking=..., reasoning_effort=...)` (each passed only when not None).
+
+        A harmony vocabulary (gpt-oss) renders with `chat.harmony` (the official template's
+        output, which drops earlier turns' analysis whatever `keep_all_reasoning` says; the
+        checkpoint's own template is not used): `reasoning_effort`, else 'low' when
+        `enable_thinking` is False (gpt-oss always reasons), else the default 'medium'."""
+        if self.harmony is not None:
+            effort = reasoning_effort or ("low" if enable_thinking is False else None)
+            return render_harmony(normalize_messages(messages), tools, add_generation_prompt,
+                                  HarmonyOptions(reasoning_effort=effort))
         if self.chat_template is None:
             raise ChatInputError("this checkpoint has no chat template", "messages")
         source = self.chat_template
@@ -216,6 +227,8 @@ class ChatTokenizer:
             variables[KEEP_REASONING_VAR] = True
         if enable_thinking is not None:
             variables["enable_thinking"] = enable_thinking
+        if reasoning_effort is not None:
+            variables["reasoning_effort"] = reasoning_effort
         return render_template(
             source,
             messages=normalize_messages(messages),
@@ -232,13 +245,14 @@ class ChatTokenizer:
         enable_thinking: bool | None = None,
         add_generation_prompt: bool = True,
         keep_all_reasoning: bool = True,
+        reasoning_effort: str | None = None,
     ) -> Prompt:
         """Render, tokenize and mark anchors. See the module docstring for keep_all_reasoning.
         Control-token strings inside message text and tool definitions become plain-text tokens
         (`freetoken.chat.plain_text`); the template's own stay control tokens."""
         messages, tools, escaped = self._escaper.escape(messages, tools)
         text = self.render(messages, tools, enable_thinking, add_generation_prompt,
-                           keep_all_reasoning)
+                           keep_all_reasoning, reasoning_effort)
         defs: list[Anchor] = []
         if escaped:
             ids, text = self._escaper.encode(text)

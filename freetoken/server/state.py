@@ -13,11 +13,11 @@ from anyio import to_thread
 from freetoken.chat import (
     ChatInputError,
     ChatRequest,
-    OutputParser,
     TemplateInput,
     anthropic_request,
     openai_request,
 )
+from freetoken.chat.output import output_parser
 from freetoken.server.errors import APIError
 from freetoken.server.validation import req_str
 from freetoken.types.api import EngineClient
@@ -55,7 +55,8 @@ class ServerState:
         def work() -> Any:
             try:
                 return self.tokenizer.apply(ti.messages, tools=tools,
-                                            enable_thinking=ti.enable_thinking)
+                                            enable_thinking=ti.enable_thinking,
+                                            reasoning_effort=ti.reasoning_effort)
             except ChatInputError as e:
                 raise APIError.bad(e.message, e.param) from None
             except jinja2.TemplateError as e:  # the template's raise_exception(): input it rejects
@@ -67,9 +68,9 @@ class ServerState:
     def parser(self, thinking: bool, prompt: Any, tools: list | None, id_prefix: str) -> Any:
         """The reasoning/tool-call parser of one response; tool-call ids get `id_prefix`
         (`call_` for OpenAI, `toolu_` for Anthropic)."""
-        return OutputParser(self.tokenizer, family=self.parser_family, thinking=thinking,
-                            starts_in_reasoning=bool(getattr(prompt, "opens_reasoning", False)),
-                            tools=tools, id_factory=lambda _i: id_prefix + secrets.token_hex(12))
+        return output_parser(self.tokenizer, family=self.parser_family, thinking=thinking,
+                             starts_in_reasoning=bool(getattr(prompt, "opens_reasoning", False)),
+                             tools=tools, id_factory=lambda _i: id_prefix + secrets.token_hex(12))
 
 
 def chat_request(api: str, body: dict) -> ChatRequest:

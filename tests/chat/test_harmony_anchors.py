@@ -1,11 +1,11 @@
 """Anchors of the harmony format (gpt-oss; freetoken/chat/harmony_anchors.py) on token ids.
 
-No gpt-oss tokenizer or template is available offline, so the vocabulary here is a word-level
-stand-in with harmony's special tokens added (the detector reads their ids from the added
-tokens, whatever they are) and a small template of our own that writes the harmony message
-format: system and developer head, a user turn, an analysis message, a tool call to
-`functions.get_weather`, its result, and a final answer. Each anchor is checked at the exact
-token the format puts it on."""
+No gpt-oss tokenizer is available offline, so the vocabulary here is a word-level stand-in with
+harmony's special tokens added (the detector reads their ids from the added tokens, whatever
+they are); the prompt is what `ChatTokenizer` renders for a harmony vocabulary
+(freetoken/chat/harmony.py): system and developer head, a user turn, an analysis message, a tool
+call to `functions.get_weather`, its result, and the generation prompt; a final answer in a
+second conversation. Each anchor is checked at the exact token the format puts it on."""
 from __future__ import annotations
 
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -18,23 +18,7 @@ SPECIAL = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|
 _TEXT = ("system developer user assistant analysis commentary final json "
          "to=functions.get_weather functions.get_weather to=assistant You are helpful. "
          "Weather? Need the tool. It is 20 degrees. # Tools")
-WORDS = [*_TEXT.split(), '{"city":"Paris"}', '{"temp":20}']
-TEMPLATE = (
-    "<|start|>system<|message|>You are helpful.<|end|>"
-    "{% for m in messages %}"
-    "{% if m.role == 'system' %}<|start|>developer<|message|>{{ m.content }}<|end|>"
-    "{% elif m.role == 'user' %}<|start|>user<|message|>{{ m.content }}<|end|>"
-    "{% elif m.role == 'tool' %}<|start|>functions.get_weather to=assistant<|channel|>"
-    "commentary<|message|>{{ m.content }}<|end|>"
-    "{% elif m.tool_calls %}"
-    "{% if m.reasoning_content %}<|start|>assistant<|channel|>analysis<|message|>"
-    "{{ m.reasoning_content }}<|end|>{% endif %}"
-    "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
-    "{{ m.tool_calls[0].function.arguments }}<|call|>"
-    "{% else %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
-)
+WORDS = [*_TEXT.split(), '{"city":', '"Paris"}', '"{\\"temp\\":20}"']
 
 
 def _tokenizer() -> ChatTokenizer:
@@ -42,32 +26,37 @@ def _tokenizer() -> ChatTokenizer:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens(SPECIAL)
-    return ChatTokenizer(tok, TEMPLATE, {}, [])
+    return ChatTokenizer(tok, None, {}, [])
 
 
 MESSAGES = [
-    {"role": "system", "content": "# Tools"},
+    {"role": "system", "content": "You are helpful."},
     {"role": "user", "content": "Weather?"},
     {"role": "assistant", "content": "", "reasoning_content": "Need the tool.",
      "tool_calls": [{"type": "function", "function": {"name": "get_weather",
-                                                      "arguments": "{\"city\":\"Paris\"}"}}]},
+                                                      "arguments": {"city": "Paris"}}}]},
     {"role": "tool", "content": "{\"temp\":20}"},
-    {"role": "assistant", "content": "It is 20 degrees."},
 ]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather?",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string"}}}}}]
+
+
+def _positions(ids: list[int], sid: dict[str, int], name: str) -> list[int]:
+    return [i for i, t in enumerate(ids) if t == sid[name]]
 
 
 def test_anchors_sit_on_the_message_boundaries() -> None:
     ct = _tokenizer()
     assert ct.harmony is not None
-    p = ct.apply(MESSAGES)
+    p = ct.apply(MESSAGES, tools=TOOLS)
     ids, sid = p.input_ids, ct.special_ids
-    starts = [i for i, t in enumerate(ids) if t == sid["<|start|>"]]
-    chans = [i for i, t in enumerate(ids) if t == sid["<|channel|>"]]
-    ends = [i for i, t in enumerate(ids) if t == sid["<|end|>"]]
+    starts, chans = _positions(ids, sid, "<|start|>"), _positions(ids, sid, "<|channel|>")
+    ends = _positions(ids, sid, "<|end|>")
     got = [(a.position, a.kind, a.role) for a in p.anchors]
-    # messages: 0 system, 1 developer, 2 user, 3 analysis, 4 call, 5 tool, 6 final, 7 prompt
-    roles = ["system", "developer", "user", "assistant", "assistant", "tool", "assistant",
-             "assistant"]
+    # messages: 0 system, 1 developer, 2 user, 3 analysis, 4 call, 5 tool, 6 prompt
+    roles = ["system", "developer", "user", "assistant", "assistant", "tool", "assistant"]
+    assert len(starts) == len(roles) and len(chans) == 3, p.text
     want = [(s, "turn_start", r) for s, r in zip(starts, roles)]
     want.append((starts[2], "head_end", None))
     want += [(chans[0], "think_start", None), (ends[3], "think_end", None)]
@@ -77,6 +66,19 @@ def test_anchors_sit_on_the_message_boundaries() -> None:
     # every anchor is a token boundary the format defines: a header's <|start|>, a
     # <|channel|> or a message's closing token
     assert {a.position for a in p.anchors} <= set(starts) | set(chans) | set(ends)
+
+
+def test_final_answer_drops_the_calls_analysis() -> None:
+    """A later final answer: the call's analysis is not rendered (as the official template),
+    so no think anchors; the final message is an assistant turn."""
+    ct = _tokenizer()
+    p = ct.apply([*MESSAGES, {"role": "assistant", "content": "It is 20 degrees."}],
+                 tools=TOOLS)
+    kinds = [a.kind for a in p.anchors]
+    assert "think_start" not in kinds and kinds.count("tool_call_start") == 1
+    roles = [a.role for a in p.anchors if a.kind == "turn_start"]
+    assert roles == ["system", "developer", "user", "assistant", "tool", "assistant",
+                     "assistant"]
 
 
 def test_no_head_end_without_a_leading_system_message() -> None:
