@@ -40,14 +40,14 @@ class TemplateInput:
 
 def effort_level(v: Any, param: str) -> str | None:
     """A requested reasoning effort as harmony's level (gpt-oss's system message): low, medium
-    and high as they are, 'none' / 'minimal' -> low, 'xhigh' -> high; None when absent."""
+    and high as they are, 'none' / 'minimal' -> low, 'xhigh' / 'max' / 'ultra' -> high; None when
+    absent or another level (the other families read only whether it is 'none')."""
     if v is None:
         return None
     v = need_str(v, param)
-    level = {"none": "low", "minimal": "low", "xhigh": "high"}.get(v, v)
-    need(level in ("low", "medium", "high"), f"'{param}' must be one of 'none', 'minimal', "
-         f"'low', 'medium', 'high', 'xhigh', got {v!r}", param)
-    return level
+    level = {"none": "low", "minimal": "low", "xhigh": "high", "max": "high",
+             "ultra": "high"}.get(v, v)
+    return level if level in ("low", "medium", "high") else None
 
 
 @dataclass

@@ -266,3 +266,22 @@ def test_header_parts_and_factory() -> None:
     h = parse_output_header("<|channel|>commentary to=functions.g <|constrain|>json")
     assert (h.channel, h.recipient, h.content_type) == ("commentary", "functions.g", "json")
     assert isinstance(output_parser(harmony_tokenizer(), "gpt_oss"), HarmonyOutputParser)
+
+
+def test_effort_reaches_the_template_input() -> None:
+    from freetoken.chat import anthropic_request, openai_request
+    from freetoken.chat.responses_map import to_chat
+
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert openai_request({"messages": msgs, "reasoning_effort": "minimal"}
+                          ).template.reasoning_effort == "low"
+    assert openai_request({"messages": msgs, "reasoning_effort": "high",
+                           "chat_template_kwargs": {"reasoning_effort": "medium"}}
+                          ).template.reasoning_effort == "medium"
+    assert openai_request({"messages": msgs}).template.reasoning_effort is None
+    an = {"messages": msgs, "max_tokens": 5, "model": "m"}
+    assert anthropic_request({**an, "thinking": {"type": "disabled"}}
+                             ).template.reasoning_effort == "low"
+    chat, _ = to_chat({"reasoning": {"effort": "high"}}, [{"type": "message", "role": "user",
+                                                          "content": "Hi"}])
+    assert openai_request(chat).template.reasoning_effort == "high"
