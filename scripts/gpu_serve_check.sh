@@ -15,6 +15,12 @@
 #            re-profiler's bw_reprofile lines
 #   bench    (not in the default) ft bench decode, the same shape and cache rate, offload and
 #            hybrid, random routing, batch 1 and 2: the figure the served rate is held to
+#   bench-diag (not in the default) offload batch 1 graphs on/off and through EngineCore: the
+#            byte counters of each path (fetched <= misses must hold)
+#   elastic  (not in the default) ft bench elastic on the checkpoint: decode at batch 4 before,
+#            during and after a 6 GB shrink of the expert cache (issue 24)
+# FMT=ftw|random: the checkpoint (random: no weight files, the server makes them in memory;
+# LAYERS=40 does not fit the disk otherwise)
 # Every stage is skipped once the wall budget (BUDGET_S, default 530 s) would not hold it;
 # each command runs under `timeout` of what is left. Logs and reports land under $OUT.
 # Usage: OUT=/tmp/out LAYERS=20 scripts/gpu_serve_check.sh [stage ...]
@@ -60,10 +66,11 @@ if stage gputests 180; then
     > "$OUT/gpu_family_tests.log" 2>&1
   tail -12 "$OUT/gpu_family_tests.log" | tee -a "$OUT/summary.txt"
 fi
-CK=/tmp/ft-ck-$SHAPE-$LAYERS
+FMT=${FMT:-ftw}
+CK=/tmp/ft-ck-$SHAPE-$LAYERS-$FMT
 if stage ckpt 60 && [ ! -f "$CK/config.json" ]; then
   timeout "$(left)" $FT bench checkpoint --shape "$SHAPE" --layers "$LAYERS" \
-    --format ftw --no-progress "$CK" > "$OUT/checkpoint.log" 2>&1
+    --format "$FMT" --no-progress "$CK" > "$OUT/checkpoint.log" 2>&1
   echo "[gpu_serve_check] checkpoint written at +$(( $(date +%s) - T0 ))s: $(du -sh "$CK" | cut -f1)" \
     | tee -a "$OUT/summary.txt"; tail -3 "$OUT/checkpoint.log"
 fi
@@ -106,6 +113,21 @@ if stage bench 150; then
     --backends offload,hybrid --route-trace random --batch 1,2 2>&1 \
     | grep -v "random weights:" > "$OUT/bench_decode.log"
   tail -20 "$OUT/bench_decode.log" | tee -a "$OUT/summary.txt"
+fi
+if stage bench-diag 120; then
+  for extra in "--graphs both" "--path engine"; do
+    # shellcheck disable=SC2086
+    timeout "$(left)" $FT bench decode --shape "$SHAPE" --layers "$LAYERS" --random-weights \
+      --moe-cache-rate "$RATE" --prompt-tokens 32 --decode-tokens 128 --repeats 1 \
+      --backends offload --route-trace random --batch 1 $extra 2>&1 \
+      | grep -v "random weights:" | grep -v "^[0-9:]* ft\." >> "$OUT/bench_diag.log"
+  done
+  tail -24 "$OUT/bench_diag.log" | tee -a "$OUT/summary.txt"
+fi
+if stage elastic 120; then
+  timeout "$(left)" $FT bench elastic --model "$CK" --moe-backend offload --moe-cache-rate "$RATE" \
+    --batch 4 --shrink 6G > "$OUT/elastic.log" 2>&1
+  grep -v "^[0-9:]* ft\.sched" "$OUT/elastic.log" | tail -20 | tee -a "$OUT/summary.txt"
 fi
 bench_serve hybrid 120 --moe-backend hybrid --workloads W1
 bench_serve offload 150 --moe-backend offload --workloads W1
