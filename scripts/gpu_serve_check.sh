@@ -10,7 +10,8 @@
 #            ft bench serve W1 at full scale, cache rate 0.37, random routing
 #   trace    ft bench serve hybrid, --route-trace shared, W1 and W3 (sub-agents: batch 2)
 #   gputests (not in the default) the family/format GPU tests (gpt-oss, Triton MoE, MLA/KDA, FP8)
-#   dec-hybrid dec-offload dec-auto (not in the default) scripts/serve_decode_check.py: forced
+#   dec-hybrid dec-offload dec-auto dec-fused dec-trace (not in the default; trace: hybrid with
+#            the replayed trained router, batch 1, 2 and 4) scripts/serve_decode_check.py: forced
 #            256-token streams at batch 1 and 2 through the HTTP API, expert counters, the
 #            re-profiler's bw_reprofile lines
 #   bench    (not in the default) ft bench decode, the same shape and cache rate, offload and
@@ -99,10 +100,12 @@ bench_serve() {  # NAME MIN_SECONDS ft-bench-serve-args...
   grep -E "ft\.warmup: (done|plan)|captured .*where=step" "$OUT/serve-$name/serve.log" \
     2>/dev/null | cut -c1-200 | tail -6 | tee -a "$OUT/summary.txt"
 }
-for b in hybrid offload auto; do
+for b in hybrid offload auto fused trace; do
   stage "dec-$b" 100 || continue
-  timeout "$(left)" python3 scripts/serve_decode_check.py "$CK" "$OUT" "$b" 256 \
-    --moe-backend "$b" --moe-cache-rate "$RATE" "${EXTRA[@]}" 2>&1 | grep "^\[decode\|Error" \
+  be=$b; tr=(); rows=1,2
+  [ "$b" = trace ] && { be=hybrid; tr=(--route-trace shared); rows=1,2,4; }
+  ROWS=$rows timeout "$(left)" python3 scripts/serve_decode_check.py "$CK" "$OUT" "$b" 256 \
+    --moe-backend "$be" --moe-cache-rate "$RATE" "${tr[@]}" "${EXTRA[@]}" 2>&1 | grep "^\[decode\|Error" \
     | cut -c1-600 | tee -a "$OUT/summary.txt"
   grep -E "bw_reprofile|auto_(keep|fallback)|split=|graphs_dropped|capture_failed" \
     "$OUT/serve-$b.log" 2>/dev/null | cut -c1-300 | tail -12 | tee -a "$OUT/summary.txt"
