@@ -41,6 +41,7 @@ def build_engine(cfg: EngineConfig) -> AsyncEngine:
         max_context=cfg.max_context,
         policy=cache.checkpoint_policy,
         cuda_graph=cfg.cuda_graph,
+        decode_attention=cfg.decode_attention,
         state_host_mem=cache.state_host_mem,
         moe=rt,
         kept_logits=cache.kept_logits,

@@ -46,6 +46,9 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="ft-engine", daemon=True)
         self._stop = False
         self.warm_up_idle = False  # `begin_warm_up` plans the idle warm-up (cli/build.py)
+        warmup = getattr(core, "warmup", None)
+        if warmup is not None:  # a warm-up request gives way to anything in the inbox
+            warmup.should_yield = lambda: not self._inbox.empty()
         self._thread.start()
 
     # -- EngineClient ------------------------------------------------------------------------
