@@ -80,7 +80,7 @@ class PlanSwitch:
             b.attn = None
         self.attention = kind
         self.use_graphs = self._graphs_allowed()
-        if self.use_graphs and self._pool is None:
+        if self.use_graphs and self._pool is None and self.device.type == "cuda":
             self._pool = torch.cuda.graph_pool_handle()
         self.attention_switches += 1
         return dropped

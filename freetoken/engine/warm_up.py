@@ -102,6 +102,7 @@ class Warmup:
         self.core = core
         self.tasks: deque[Task] = deque()
         self.done: list[dict] = []
+        self.yields = 0  # warm-up requests that gave way to real work (and were queued again)
         self.seconds = 0.0
         self._t_plan: float | None = None
         self._running = False  # a task is running now (on the engine thread)
@@ -166,19 +167,21 @@ class Warmup:
                     result = "skipped"
                 self._check_bridge()
             elif task.kind == "decode":
-                self._request(DECODE_PROMPT, task.size + 1, len(self.done))
+                self._request(DECODE_PROMPT, task.size + 1, len(self.done) + self.yields)
             else:
-                self._request(task.size, 1, len(self.done))
+                self._request(task.size, 1, len(self.done) + self.yields)
         except BridgeError as e:
             result = f"bridge_dropped:{type(e).__name__}"
         except _Yielded:
             result = "yielded"
+            self.yields += 1
             self.tasks.appendleft(task)
         finally:
             core.stats = saved
         dt = time.perf_counter() - t0
         self.seconds += dt
-        self.done.append({"task": task.name, "seconds": round(dt, 3), "result": result})
+        if result != "yielded":
+            self.done.append({"task": task.name, "seconds": round(dt, 3), "result": result})
         log.info(kv("task", name=task.name, seconds=f"{dt:.2f}", result=result,
                     left=len(self.tasks)))
         if not self.tasks:
@@ -237,7 +240,7 @@ class Warmup:
         the graphs held and capture seconds (lazy captures in request steps included)."""
         runner = self.core.runner
         slow = sorted(self.done, key=lambda d: -d["seconds"])[:5]
-        return {"pending": self.pending, "done": len(self.done),
+        return {"pending": self.pending, "done": len(self.done), "yields": self.yields,
                 "seconds": round(self.seconds, 3), "slowest": slow,
                 "attention": runner.attention if runner is not None else None,
                 "attention_building": runner.building() if runner is not None else None,
