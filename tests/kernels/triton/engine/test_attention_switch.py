@@ -32,12 +32,12 @@ if torch.cuda.is_available():
     pytest.skip("interprets the Triton plan on CPU tensors; tests/gpu covers the GPU",
                 allow_module_level=True)
 
-import kernels.triton.paged_attention as pa  # noqa: E402
-from freetoken.engine.attention_build import PlanBuild  # noqa: E402
-from freetoken.engine.core import EngineCore  # noqa: E402
-from freetoken.engine.generate import generate  # noqa: E402
-from freetoken.models.loader import load_model  # noqa: E402
-from freetoken.types.api import GenerateRequest, SamplingParams  # noqa: E402
+import kernels.triton.paged_attention as pa
+from freetoken.engine.attention_build import PlanBuild
+from freetoken.engine.core import EngineCore
+from freetoken.engine.generate import generate
+from freetoken.models.loader import load_model
+from freetoken.types.api import GenerateRequest, SamplingParams
 
 N = 10  # tokens per request
 SP = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
