@@ -37,6 +37,7 @@ class AsyncEngine:
         self.model_name = model_name
         self.max_context = core.max_context
         self.max_output_tokens: int | None = None  # server-side ceiling on max_tokens
+        self.tokenizer = None  # the ChatTokenizer `build_engine` loaded (None: load your own)
         # elastic VRAM (engine/elastic.py, attached by engine/elastic_setup.py): the rebuild
         # controller, its watcher, and how long a new request waits out a rebuild before 503
         self.elastic: ElasticVram | None = None

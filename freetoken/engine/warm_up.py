@@ -37,7 +37,10 @@ from freetoken.log import get_logger, kv
 from freetoken.types.api import GenerateRequest, SamplingParams
 
 log = get_logger("warmup")
-DECODE_PROMPT = 16  # the prompt of the "decode" task
+# the "decode" task's prompt: a short chat turn's shape class (9-16 tokens, not a multiple of
+# 16: Triton specialises integer arguments on `% 16` and `== 1`, block sizes follow the next
+# power of two), so the first task loads the kernels the first short request needs
+DECODE_PROMPT = 13
 SMALL = 512  # prefill shapes up to this many tokens go before the wider buckets' captures
 
 
