@@ -189,8 +189,10 @@ class DecodeRunner(DecodeStaging, GraphCapture, ReplayFaults, PlanSwitch):
         assert chain is None or (self._last is not None and len(chain) == len(rows)
                                  and max(chain) < self._last.n), "chain: no such previous row"
         greedy = all(r.temperature <= 0 for r in rows)
-        if not self._open:  # a safe point: a finished attention build switches the plan here
-            self.at_safe_point()
+        # a safe point: a finished attention build switches the plan here (the module's load
+        # is not the backend's step time)
+        if not self._open and self.at_safe_point() and self.moe is not None:
+            self.moe.discard_step_timing()
         gen = self._cache_generation()
         if gen != self._generation:  # the slot cache was re-budgeted: its buffers are new
             self.drain()

@@ -13,12 +13,12 @@ import torch
 
 flashinfer = pytest.importorskip("flashinfer")
 
-from freetoken.engine.attention_build import (  # noqa: E402
+from freetoken.engine.attention_build import (
     flashinfer_build,
     flashinfer_built,
     flashinfer_load,
 )
-from freetoken.engine.attention_plans import FlashInferDecode  # noqa: E402
+from freetoken.engine.attention_plans import FlashInferDecode
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])
