@@ -19,11 +19,41 @@ import time
 
 import torch
 
-from freetoken.engine.decode_staging import _Bucket
+from freetoken.layers.step_context import PagedDecode
 from freetoken.log import get_logger, kv
 
 log = get_logger("graph")
 warm_log = get_logger("warmup")
+
+
+def buckets_for(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, 16, then every 16 up to max_batch (always including max_batch)."""
+    out = [b for b in (1, 2, 4, 8, 16) if b < max_batch]
+    b = 32
+    while b < max_batch:
+        out.append(b)
+        b += 16
+    return sorted(set(out + [max_batch]))
+
+
+# a bucket whose capture failed this many times decodes eagerly from then on (a failure can be
+# transient: work of another thread that invalidated the capture)
+CAPTURE_TRIES = 3
+
+
+class Bucket:
+    """One batch size the runner pads a step to: its graphs (greedy and sampling), failed
+    capture tries, and its attention plan (`attention_plans.bucket_plan`, made on first use)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}  # greedy? -> graph
+        self.failures = 0  # failed captures since the graphs were last dropped
+        self.attn: PagedDecode | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.failures >= CAPTURE_TRIES
 
 
 class GraphCapture:
@@ -62,7 +92,7 @@ class GraphCapture:
         bk.graphs[greedy] = g
         return True
 
-    def _capture(self, bk: _Bucket, greedy: bool) -> torch.cuda.CUDAGraph | None:
+    def _capture(self, bk: Bucket, greedy: bool) -> torch.cuda.CUDAGraph | None:
         """Capture the bucket's step; the warm-up runs before it use the scratch slots only.
         The seam a CPU test replaces (no CUDA graphs there) with a stand-in handle."""
         Bk = bk.size

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from freetoken.engine import gpu_sampler
-from freetoken.engine.decode_staging import _Bucket
+from freetoken.engine.graph_capture import Bucket
 from freetoken.engine.isolation import GRAPH_POISONED, GraphFault
 from freetoken.layers.step_context import PagedDecode
 from freetoken.log import get_logger, kv
@@ -26,7 +26,7 @@ engine_log = get_logger("engine")
 class ReplayFaults:
     graph_faults: int  # replays that raised or poisoned rows (graphs off after one)
 
-    def _replay(self, graph: torch.cuda.CUDAGraph, bk: _Bucket, attn: PagedDecode,
+    def _replay(self, graph: torch.cuda.CUDAGraph, bk: Bucket, attn: PagedDecode,
                 greedy: bool) -> None:
         """Replay `graph`, the capture of `bk`'s step for `greedy` (`attn`: the step's plan,
         which the graph reads from the static buffers it was captured on). The seam a CPU
@@ -34,7 +34,7 @@ class ReplayFaults:
         arguments, then fails."""
         graph.replay()
 
-    def _replay_or_fault(self, graph: torch.cuda.CUDAGraph, bk: _Bucket, attn: PagedDecode,
+    def _replay_or_fault(self, graph: torch.cuda.CUDAGraph, bk: Bucket, attn: PagedDecode,
                          greedy: bool, rows: int) -> None:
         """`_replay`; a raise turns graphs off (`_graph_fault`) and becomes a `GraphFault`
         for the engine, which re-runs the step's rows alone."""

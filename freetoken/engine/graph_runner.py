@@ -33,14 +33,8 @@ from freetoken.cache.tensors import Caches
 from freetoken.engine import gpu_sampler
 from freetoken.engine.attention_build import PlanBuild, plan_attention
 from freetoken.engine.attention_plans import bucket_plan, choose_mla_backend
-from freetoken.engine.decode_staging import (
-    MAX_BLOCKED,
-    DecodeRow,
-    DecodeStaging,
-    _Bucket,
-    buckets_for,
-)
-from freetoken.engine.graph_capture import GraphCapture
+from freetoken.engine.decode_staging import MAX_BLOCKED, DecodeRow, DecodeStaging
+from freetoken.engine.graph_capture import Bucket, GraphCapture, buckets_for
 from freetoken.engine.graph_faults import ReplayFaults
 from freetoken.engine.plan_switch import PlanSwitch
 from freetoken.layers.step_context import DecodeContext, PagedDecode, TorchPagedDecode
@@ -81,7 +75,7 @@ class DecodeRunner(DecodeStaging, GraphCapture, ReplayFaults, PlanSwitch):
         self.capturable = moe.capturable(self.bridge) if moe is not None else True
         self._generation = self._cache_generation()
         self._want_graphs = use_graphs
-        self.buckets = {b: _Bucket(b) for b in buckets_for(max_batch)}
+        self.buckets = {b: Bucket(b) for b in buckets_for(max_batch)}
         self.max_batch = max(self.buckets)
         Bm, d = self.max_batch, self.device
         pin = self.device.type == "cuda"
@@ -131,7 +125,7 @@ class DecodeRunner(DecodeStaging, GraphCapture, ReplayFaults, PlanSwitch):
         self.use_graphs = self._graphs_allowed()
         log.warning(kv("cpu_bridge_dropped", graphs=self.use_graphs, capturable=self.capturable))
 
-    def bucket(self, n: int) -> _Bucket | None:
+    def bucket(self, n: int) -> Bucket | None:
         for b in sorted(self.buckets):
             if b >= n:
                 return self.buckets[b]
@@ -141,7 +135,7 @@ class DecodeRunner(DecodeStaging, GraphCapture, ReplayFaults, PlanSwitch):
         return (0 < len(rows) <= self.max_batch
                 and all(len(r.blocked) <= MAX_BLOCKED for r in rows))
 
-    def _attn(self, bk: _Bucket, rows: list[DecodeRow] | None) -> PagedDecode:
+    def _attn(self, bk: Bucket, rows: list[DecodeRow] | None) -> PagedDecode:
         if self.attention == "torch":
             assert rows is not None
             slots = [r.kv_slots.to(self.device) for r in rows]
