@@ -21,7 +21,7 @@ from freetoken.engine.attention_build import (
 from freetoken.engine.attention_plans import FlashInferDecode
 
 
-@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("head_dim", [256])  # Qwen3.5/3.6 full attention (a build: minutes)
 def test_built_module_is_the_one_the_wrapper_plans(head_dim: int) -> None:
     from flashinfer.prefill import get_batch_prefill_module
 
