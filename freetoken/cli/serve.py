@@ -71,13 +71,12 @@ def parser_family_for(model_dir: Path) -> str:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from freetoken.chat import ChatTokenizer
     from freetoken.cli.build import build_engine
     from freetoken.cli.options import engine_config_from_args
     from freetoken.server.app import create_app
     from freetoken.server.generation import default_output_cap
+    from freetoken.server.lifecycle import serve_until_stopped
     from freetoken.server.limits import quiet_connection_logs, uvicorn_config
 
     api_key = api_key_from(args, dict(os.environ))
@@ -97,5 +96,6 @@ def run_serve(args: argparse.Namespace) -> int:
                 max_connections=limits.max_connections))
     quiet_connection_logs()
     engine.begin_warm_up()  # after the setup above, not racing it for the interpreter
-    uvicorn.Server(uvicorn_config(app, args.host, args.port, limits)).run()
-    return 0
+    # stop: the engine after its current step, then its threads (server/lifecycle.py)
+    return serve_until_stopped(uvicorn_config(app, args.host, args.port, limits),
+                               engine.shutdown, "serve")

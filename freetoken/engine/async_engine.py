@@ -143,12 +143,22 @@ class AsyncEngine:
             raise AdmissionError("elastic VRAM is off on this server", None, "not_supported")
         return await self.call(self.elastic.rebuild, **spec)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 30.0) -> bool:
+        """Stop the engine thread after the step it is in (a warm-up task or a batch step),
+        then the core's own threads: the process can exit without a thread still inside CUDA
+        or the native CPU bridge. True when the engine thread has stopped within `timeout_s`
+        (then the core is closed too)."""
         if self.watcher is not None:
             self.watcher.stop()
         self._stop = True
         self._inbox.put(("stop", None, None))
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=timeout_s)
+        stopped = not self._thread.is_alive()
+        if stopped:
+            self.core.close()
+        else:
+            log.warning(kv("shutdown_engine_busy", waited_s=timeout_s))
+        return stopped
 
     # -- engine thread -----------------------------------------------------------------------
 

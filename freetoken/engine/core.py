@@ -95,6 +95,14 @@ class EngineCore:
                     kept_logits=n_logits,
                     kv_mb=KVPool.bytes_per_token(cfg, self.dtype) * kv_tokens // 2**20))
 
+    def close(self) -> None:
+        """Release the threads the core started (process shutdown, after the last step): the
+        CPU bridges' workers and the state host tier's filler. The core runs no step after."""
+        if self.moe is not None:
+            self.moe.close()
+        if self.cache_ops.host is not None:
+            self.cache_ops.host.close()
+
     def warm_up(self) -> float:
         """Every warm-up task now, blocking: kernels compiled and graphs captured
         (engine/warm_up.py; `ft serve` instead runs them while idle). Returns the seconds."""

@@ -187,6 +187,11 @@ class CpuBridge:
         self._closed = True
         self._start.set()
 
+    def join(self, timeout_s: float) -> bool:
+        """Wait for a closed bridge's worker to return; True when it has."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
     def end_step(self) -> None:
         """After the step's tokens are back: raise if any layer's wait gave up."""
         if int(self.err[0]) != 0:
