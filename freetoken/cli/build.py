@@ -41,6 +41,7 @@ def build_engine(cfg: EngineConfig) -> AsyncEngine:
         max_context=cfg.max_context,
         policy=cache.checkpoint_policy,
         cuda_graph=cfg.cuda_graph,
+        decode_attention=cfg.decode_attention,
         state_host_mem=cache.state_host_mem,
         moe=rt,
         kept_logits=cache.kept_logits,
@@ -48,6 +49,7 @@ def build_engine(cfg: EngineConfig) -> AsyncEngine:
     name = cfg.model if cfg.model in DEMO_ALIASES else model_dir.name
     engine = AsyncEngine(core, model_dir, name)
     engine.max_output_tokens = cfg.max_output_tokens
+    engine.tokenizer = tok  # (`ft serve` and the proxy serve with it: loaded once, ~1-2 s)
     _warm_up(engine, cfg.warm_up)
     _elastic(engine, cfg, moe, rt)
     return engine

@@ -126,7 +126,7 @@ def start_engine_server(args: argparse.Namespace, engine: Any = None, tok: Any =
     owned = engine is None  # an engine handed in stays its caller's to stop
     if owned:
         engine = build_engine(engine_config_from_args(args))
-    tok = tok or ChatTokenizer.from_dir(engine.model_dir)
+    tok = tok or getattr(engine, "tokenizer", None) or ChatTokenizer.from_dir(engine.model_dir)
     family = family or parser_family_for(engine.model_dir)
     key = secrets.token_urlsafe(32)
     limits = ServerLimits(stall_timeout_s=getattr(args, "stall_timeout", 30.0))

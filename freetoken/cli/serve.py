@@ -83,7 +83,8 @@ def run_serve(args: argparse.Namespace) -> int:
     limits = limits_from(args)
     engine = build_engine(engine_config_from_args(args))
     engine.max_output_tokens = default_output_cap(args.model, args.max_output_tokens)
-    tokenizer = ChatTokenizer.from_dir(engine.model_dir)  # type: ignore[attr-defined]
+    tokenizer = (getattr(engine, "tokenizer", None)
+                 or ChatTokenizer.from_dir(engine.model_dir))  # type: ignore[attr-defined]
     app = create_app(engine, tokenizer, api_key=api_key,
                      served_model_names=args.served_model_name or [engine.model_name],
                      strict_model=args.strict_model,

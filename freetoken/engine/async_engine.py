@@ -37,6 +37,7 @@ class AsyncEngine:
         self.model_name = model_name
         self.max_context = core.max_context
         self.max_output_tokens: int | None = None  # server-side ceiling on max_tokens
+        self.tokenizer = None  # the ChatTokenizer `build_engine` loaded (None: load your own)
         # elastic VRAM (engine/elastic.py, attached by engine/elastic_setup.py): the rebuild
         # controller, its watcher, and how long a new request waits out a rebuild before 503
         self.elastic: ElasticVram | None = None
@@ -46,6 +47,9 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="ft-engine", daemon=True)
         self._stop = False
         self.warm_up_idle = False  # `begin_warm_up` plans the idle warm-up (cli/build.py)
+        warmup = getattr(core, "warmup", None)
+        if warmup is not None:  # a warm-up request gives way to anything in the inbox
+            warmup.should_yield = lambda: not self._inbox.empty()
         self._thread.start()
 
     # -- EngineClient ------------------------------------------------------------------------
