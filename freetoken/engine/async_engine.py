@@ -48,9 +48,18 @@ class AsyncEngine:
         self._stop = False
         self.warm_up_idle = False  # `begin_warm_up` plans the idle warm-up (cli/build.py)
         warmup = getattr(core, "warmup", None)
-        if warmup is not None:  # a warm-up request gives way to anything in the inbox
-            warmup.should_yield = lambda: not self._inbox.empty()
+        if warmup is not None:  # a warm-up request gives way to a request (or the stop)
+            warmup.should_yield = self._request_waiting
         self._thread.start()
+
+    def _request_waiting(self) -> bool:
+        """Whether a request (or the stop) waits in the inbox: what a warm-up step gives way
+        to. Control calls do not count: `/v1/stats` polled every second made every warm-up
+        task longer than a second give way for ever (H200, a first start: the 2048- and
+        4096-token prefill tasks yielded 40 times each, the warm-up never finished); a call
+        waits for the task in flight (a few seconds at most) instead."""
+        with self._inbox.mutex:
+            return any(m[0] in ("add", "stop") for m in self._inbox.queue)
 
     # -- EngineClient ------------------------------------------------------------------------
 

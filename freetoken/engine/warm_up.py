@@ -11,7 +11,8 @@ capture never stalls anyone for more than that step. Kernels come from the persi
 cache (`kernels/compile_cache.py`): on a restart the tasks load binaries and compile nothing.
 
 A warm-up request yields to real work: before each of its steps it asks `should_yield`
-(`AsyncEngine`: a request or a control call is waiting in the engine's inbox) and, if so, is
+(`AsyncEngine`: a request is waiting in the engine's inbox; a control call such as
+`/v1/stats` waits for the task instead) and, if so, is
 aborted after the step in flight and queued again in front (with a fresh prompt, so its
 prefill shape is compiled whole), so a request that arrives waits for one warm-up step, not a
 whole task (on a restart the `decode` task's steps were what the first token waited for).

@@ -212,3 +212,42 @@ def test_a_warm_up_request_gives_way_at_its_next_step(model, monkeypatch) -> Non
         assert st["requests"] == 1 and st["prompt_tokens"] == len(ids)
     finally:
         engine.shutdown()
+
+
+def test_control_calls_do_not_make_the_warm_up_give_way(model, monkeypatch) -> None:
+    """A control call in the inbox is no reason for a warm-up step to give way: the VRAM
+    watcher polls through the inbox every second or two, so a first start on the H200 had
+    every warm-up task longer than that give way for ever (the 2048- and 4096-token prefill
+    tasks 40 times each; the warm-up never finished). With calls queued every 50 ms and every
+    warm-up step taking 0.2 s, the plan finishes with no yield and every call is answered."""
+    real_step = EngineCore.step
+
+    def step(self):
+        if any(r.rid.startswith("ft-warm-up") for r in self.sched.running):
+            time.sleep(0.2)
+        return real_step(self)
+
+    monkeypatch.setattr(EngineCore, "step", step)
+    engine, core = _engine(model, chunk=64)
+    stop, answered = threading.Event(), []
+
+    def poll():
+        while not stop.is_set():
+            engine.submit(lambda: answered.append(1))
+            time.sleep(0.05)
+
+    th = threading.Thread(target=poll)
+    try:
+        core.warmup.plan()
+        th.start()
+        deadline = time.time() + 120
+        while core.warmup.pending and time.time() < deadline:
+            time.sleep(0.05)
+        assert core.warmup.pending == 0, core.warmup.stats()
+        assert core.warmup.yields == 0
+        assert all(d["result"] == "ok" for d in core.warmup.done)
+        assert len(answered) > 10  # the calls were served between the tasks meanwhile
+    finally:
+        stop.set()
+        th.join()
+        engine.shutdown()
