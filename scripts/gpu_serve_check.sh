@@ -113,7 +113,7 @@ done
 if stage bench 150; then
   timeout "$(left)" $FT bench decode --shape "$SHAPE" --layers "$LAYERS" --random-weights \
     --moe-cache-rate "$RATE" --prompt-tokens 32 --decode-tokens 128 --repeats 1 \
-    --backends offload,hybrid --route-trace random --batch 1,2 2>&1 \
+    --backends "${BENCH_BACKENDS:-offload,hybrid}" --route-trace random --batch 1,2 2>&1 \
     | grep -v "random weights:" > "$OUT/bench_decode.log"
   tail -20 "$OUT/bench_decode.log" | tee -a "$OUT/summary.txt"
 fi
