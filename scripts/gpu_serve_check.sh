@@ -104,7 +104,7 @@ for b in hybrid offload auto fused trace; do
   stage "dec-$b" 100 || continue
   be=$b; tr=(); rows=1,2
   [ "$b" = trace ] && { be=hybrid; tr=(--route-trace shared); rows=1,2,4; }
-  ROWS=$rows timeout "$(left)" python3 scripts/serve_decode_check.py "$CK" "$OUT" "$b" 256 \
+  ROWS=$rows timeout "$(left)" python3 scripts/serve_decode_check.py "$CK" "$OUT" "$b" "${DEC_TOKENS:-256}" \
     --moe-backend "$be" --moe-cache-rate "$RATE" "${tr[@]}" "${EXTRA[@]}" 2>&1 | grep "^\[decode\|Error" \
     | cut -c1-600 | tee -a "$OUT/summary.txt"
   grep -E "bw_reprofile|auto_(keep|fallback)|split=|graphs_dropped|capture_failed" \
