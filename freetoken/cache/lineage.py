@@ -14,8 +14,15 @@ of a snapshot's value (`snapshots.level`):
 - a sub-agent declared by its harness (a parent key) is *finished* when its parent starts a
   request while the sub-agent has none in flight, provided the parent was idle when the
   sub-agent started (the parent waited for it: Claude Code and OpenCode do). A snapshot used
-  only by finished sub-agents drops to level `FINISHED`, below every other snapshot. A later
-  request of the sub-agent makes it running again.
+  only by finished sub-agents drops to level `FINISHED`, below every other snapshot, unless it
+  is a head or a predicted cut point (class `head` / `cut_point`): those drop to
+  `FINISHED_KEPT`, an anchor's level without session bonuses. The next sub-agent the parent
+  spawns resumes at the sub-agents' shared head (system + their tools), and Claude Code
+  re-sends a sub-agent's task to a new agent id after a compaction (recorded:
+  tests/data/harness_traces/claude_code/cc_compact.jsonl), which resumes at the finished one's
+  `<think>` cut; at 16 + 32 slots the -2 rule lost both (11,437 tokens recomputed for a
+  re-sent prompt whose minimum was 1). A later request of the sub-agent makes it running
+  again.
 
 Where no header names a parent, the parent comes from prefix structure: a new session whose
 first prompt resumes from a snapshot another (non-sub-agent) session made is that session's
@@ -41,6 +48,7 @@ log = get_logger("cache")
 LATEST = 2  # levels any session's latest snapshot gains: where it resumes next
 BACK = 3  # levels a waiting parent's latest snapshot gains (a hit cut point's worth)
 FINISHED = -2  # the level of a snapshot used only by finished sub-agents
+FINISHED_KEPT = 1  # ... when it is a head or a predicted cut point (module docstring)
 MAX_SESSIONS = 4096  # past this, the least recently started idle half is forgotten
 
 

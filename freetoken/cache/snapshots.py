@@ -11,11 +11,18 @@ Value (the eviction rule; the cache package docstring states it for users):
     level(s)      = rank(class) + [s.hits >= 1] + 2 * [len(s.users) >= 2] - 2 * [covered plain]
                     + BACK (3) if s is the latest of a session waiting on its sub-agents,
                       else LATEST (2) if s is the latest of any session
-    level(s)      = FINISHED (-2)   when every user of s is a finished sub-agent
+    level(s)      = FINISHED (-2)   when every user of s is a finished sub-agent, except
+                  = FINISHED_KEPT (1) for such a snapshot of class head or cut_point
     keep_until(s) = s.last_access + level(s) * horizon
+                  = now + level(s) * horizon   for the latest of a session waiting on its
+                                               sub-agents (now: the snapshot clock)
 
 (lineage terms: `lineage.py`; a parent waiting on sub-agents will resume from its latest
-snapshot, so it is kept like a hit cut point; a finished sub-agent's snapshots go first.)
+snapshot, so it is kept like a hit cut point that was just used: at 16 + 32 slots with nine
+traces interleaved, its last use aged while two rounds of sub-agents ran and Claude Code's
+main thread recomputed its whole 19.6k-token prompt, #23; a finished sub-agent's snapshots
+go first, but its heads and predicted cuts only down to an anchor's level: the next sub-agent
+of the same kind resumes at their shared head, a re-sent one at its prompt's end, #23.)
 
 "covered plain": another snapshot (either tier) sits below it in the tree, its class is at most
 `anchor` and at most one session uses it: a session that keeps appending only needs its
@@ -34,8 +41,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from freetoken.cache.lineage import FINISHED
-from freetoken.cache.policy import class_rank
+from freetoken.cache.lineage import BACK, FINISHED, FINISHED_KEPT
+from freetoken.cache.policy import HEAD, class_rank
 
 DEVICE, HOST = "device", "host"
 
@@ -66,24 +73,28 @@ class Snapshot:
 def level(s: Snapshot, covered: bool = False, lineage: int | None = 0) -> int:
     """`covered`: another snapshot sits below this one in the tree. `lineage`: the lineage
     term (`Lineage.bonus`: `BACK` for a waiting parent's latest, None for a snapshot only
-    finished sub-agents used, which then has level `FINISHED`)."""
+    finished sub-agents used, which then has level `FINISHED`, or `FINISHED_KEPT` at class
+    head or cut_point)."""
     if lineage is None:
-        return FINISHED
+        return FINISHED_KEPT if class_rank(s.cls) >= class_rank(HEAD) else FINISHED
     plain = covered and len(s.users) <= 1 and class_rank(s.cls) <= 1
     return class_rank(s.cls) + (s.hits >= 1) + 2 * (len(s.users) >= 2) - 2 * plain + lineage
 
 
 def keep_until(s: Snapshot, horizon: int, covered: bool = False,
-               lineage: int | None = 0) -> int:
-    return s.last_access + level(s, covered, lineage) * horizon
+               lineage: int | None = 0, now: int | None = None) -> int:
+    """`now` (the snapshot clock): a waiting parent's latest (`lineage == BACK`) counts as used
+    now: however long its sub-agents run, it will be back."""
+    t = now if now is not None and lineage == BACK else s.last_access
+    return t + level(s, covered, lineage) * horizon
 
 
-def victim_key(s: Snapshot, eviction: str, horizon: int,
-               covered: bool = False, lineage: int | None = 0) -> tuple[int, int]:
+def victim_key(s: Snapshot, eviction: str, horizon: int, covered: bool = False,
+               lineage: int | None = 0, now: int | None = None) -> tuple[int, int]:
     """Sort key: the smallest is evicted first."""
     if eviction == "lru":
         return (s.last_access, 0)
-    return (keep_until(s, horizon, covered, lineage), s.last_access)
+    return (keep_until(s, horizon, covered, lineage, now), s.last_access)
 
 
 EVICTIONS = ("value", "lru")

@@ -65,7 +65,7 @@ class SnapshotTiers:
     def _key(self, node: Node) -> tuple[int, int]:
         s = self.snaps[node]
         return victim_key(s, self.eviction, self.horizon, node in self._covered,
-                          self.lineage.bonus(node, s.users))
+                          self.lineage.bonus(node, s.users), self.clock)
 
     def _victims(self, tier: str, pinned: Container[Node]) -> list[Node]:
         """Unpinned snapshots of `tier`, first victim first. Refreshes which snapshots have
@@ -160,7 +160,8 @@ class SnapshotTiers:
             self.counters["snapshots_spilled"] += 1
             log.debug(kv("snapshot_spill", pos=self.depth(node), host_slot=hslot, cls=s.cls,
                          keep_until=keep_until(s, self.horizon, node in self._covered,
-                                               self.lineage.bonus(node, s.users))))
+                                               self.lineage.bonus(node, s.users),
+                                               self.clock)))
         return len(cands)
 
     def stats(self) -> dict[str, int]:

@@ -120,8 +120,12 @@ class RefModel:
         plain = covered and len(v["users"]) <= 1 and CLASS_RANK[v["cls"]] <= 1
         level = CLASS_RANK[v["cls"]] + (v["hits"] >= 1) + 2 * (len(v["users"]) >= 2) - 2 * plain
         term = self.lineage_term(p)
-        level = -2 if term is None else level + term
-        return (v["t"] + level * self.horizon, v["t"])
+        if term is None:  # finished sub-agents only: heads and cut points keep an anchor's
+            level = 1 if CLASS_RANK[v["cls"]] >= CLASS_RANK["head"] else -2
+        else:
+            level += term
+        t = self.sclock if term == 3 else v["t"]  # a waiting parent's latest: used now
+        return (t + level * self.horizon, v["t"])
 
     def victims(self, tier: str, pinned: set[Prefix]) -> list[Prefix]:
         keys = {p: self.value_key(p) for p, v in self.snaps.items()
