@@ -178,6 +178,7 @@ def replay(reqs: list[SimRequest], spec: str, device_slots: int, host_slots: int
         cache.load_state(m, work)
         node, tree_len = m.node, m.length
         points = policy.positions(len(ids), anchors) + ([(len(ids), END)] if keep else [])
+        cache.renew(ids, [(p, c) for p, c in points if p <= m.length], m.length, r.session)
         for p, cls in points:
             if p <= m.length:
                 continue

@@ -158,10 +158,14 @@ class SemanticPolicy(CheckpointPolicy):
         # in, which the next request shares whichever turn it puts in that place (OpenClaw's
         # trailing context message makes way for the assistant's reply); so is a cut at a tool
         # result's opening tag, which a pruned result keeps (OpenCode's prune, #23)
+        # ... and covers any other anchor at its tag (`head_end` sits on the first user turn's
+        # `<|im_start|>`): no second snapshot one token before it
+        inside = {a.position for a in ok if a.cut_point and a.kind in IN_BY_ONE}
         cuts = sorted({min(a.position + (a.kind in IN_BY_ONE), prompt_len - 1)
-                       for a in ok if a.cut_point}, reverse=True)
-        heads = sorted({a.position for a in ok if not a.cut_point and a.kind in HEAD_KINDS},
-                       reverse=True)
+                       for a in ok if a.cut_point
+                       and (a.kind in IN_BY_ONE or a.position not in inside)}, reverse=True)
+        heads = sorted({a.position for a in ok if not a.cut_point and a.kind in HEAD_KINDS
+                        and a.position not in inside}, reverse=True)
         turns = sorted({a.position for a in ok if not a.cut_point and a.kind == "turn_start"},
                        reverse=True)
         chosen: dict[int, str] = {}

@@ -86,15 +86,17 @@ def test_cli_json_on_a_recorded_trace(capsys) -> None:
 
 def test_predicted_cut_points_let_an_edit_resume_there() -> None:
     """OpenCode prune rewrites an old tool result: only a snapshot at its tool_result_start
-    (a predicted cut point; plain semantic ignores that kind) saves the prefix before it."""
+    (a predicted cut point; plain semantic ignores that kind) saves the prefix before it. The
+    cut is taken past the `<tool_response>` tag (position 120), which the pruned result keeps
+    (#23: taken at the tag, every prune recomputed the tag and the newline after it)."""
     base = list(range(1, 200))
     anchors = [Anchor(50, "head_end"), Anchor(120, "tool_result_start")]
     first = SimRequest("s", base, anchors, gen=[7] * 4, cuts=[120])
-    pruned = SimRequest("s", base[:120] + [999] * 30, anchors[:2], cuts=[120])
+    pruned = SimRequest("s", base[:121] + [999] * 29, anchors[:2], cuts=[120])
     plain = replay([first, pruned], "semantic", 8, 0)
     cut = replay([first, pruned], "semantic+cuts", 8, 0)
-    assert plain.recomputed[1] == 150 - 50 and cut.recomputed[1] == 150 - 120
-    assert cut.unavoidable[1] == 150 - 120
+    assert plain.recomputed[1] == 150 - 50 and cut.recomputed[1] == 150 - 121
+    assert cut.unavoidable[1] == 150 - 121
 
 
 def test_head_breaks_let_a_session_elsewhere_resume_inside_the_system_prompt() -> None:
