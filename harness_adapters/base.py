@@ -162,7 +162,7 @@ class HarnessAdapter:
         prefix of it ending in ':' (`name:harness-session-id:`, which the engine resolves to
         the latest top-level session with that id, `freetoken.cache.lineage`); None for a
         top-level session or where the harness does not say. Default: the harness's parent
-        header, else Codex's turn metadata."""
+        header (Codex and `generic` read Codex's turn metadata instead)."""
         for h in self.parent_headers:
             v = req.headers.get(h)
             if v:
