@@ -41,7 +41,7 @@ from freetoken.server.limits import ServerLimits
 from freetoken.server.sse import EventStreamResponse
 from freetoken.server.state import ServerState
 from harness_adapters import HarnessRequest, detect_adapter
-from harness_adapters.base import system_text
+from harness_adapters.base import first_user_text, system_text
 
 __all__ = ["ProxyState", "create_proxy_app", "template_rejects_mid_system"]
 
@@ -146,7 +146,8 @@ async def _native(request: Request, ps: ProxyState, body: dict, api: str, kind: 
     parent = adapter.parent_key(HarnessRequest(  # #23: sub-agent lineage for the cache
         api, request.url.path, {k.lower(): v for k, v in request.headers.items()}, body))
     turn = TurnEngine(eng, Turn(adapter, session, messages, rec, cap, system_text(body),
-                                adapter.head_breaks(body), parent), ps.sessions,
+                                adapter.head_breaks(body), parent, first_user_text(body),
+                                adapter.user_breaks(body)), ps.sessions,
                       ps.metrics.record, ps.heads)
     names = ps.cfg.served_model_names or [eng.model_name]
     st = ServerState(turn, ps.tokenizer, None, names, False, ps.parser_family)  # type: ignore[arg-type]
