@@ -1,6 +1,8 @@
-"""A peer that dies: after llama-cpp-python's server is killed, `ft agent-proxy --upstream URL`
-answers each client in its own API's error shape, fast (no hang until a timeout), streamed or
-not, and its record says so."""
+"""llama-cpp-python's server with a 2,048-token context behind `ft agent-proxy --upstream URL`:
+its endpoints report no context, so the proxy learns it from the peer's own "maximum context
+length" 400 (answered to the client in its shape) and `ft launch` then writes it; then the
+peer dies, and the proxy answers each client in its own API's error shape, fast (no hang until
+a timeout), streamed or not, and its record says so. The tests run in this order."""
 from __future__ import annotations
 
 import time
@@ -23,6 +25,27 @@ def stack(tmp_path_factory):
     yield peer, proxy
     proxy.stop()
     peer.stop()
+
+
+def test_context_learned_from_the_peers_own_error(stack, tmp_path) -> None:
+    _, proxy = stack
+    from freetoken.cli import main
+
+    st = httpx.get(proxy.url + "/proxy/stats", timeout=10).json()
+    assert st["upstream_limits"]["context"] is None  # nothing in /v1/models to read
+    long = [{"role": "user", "content": "word " * 3000}]
+    for path in ("/v1/chat/completions", "/v1/messages"):
+        r = httpx.post(proxy.url + path, timeout=60,
+                       json={"model": ALIAS, "messages": long, "max_tokens": 16})
+        assert r.status_code == 400, r.text
+        err = r.json()
+        assert "maximum context length is 2048" in err["error"]["message"], err
+        assert path == "/v1/chat/completions" or err["type"] == "error"
+    st = httpx.get(proxy.url + "/proxy/stats", timeout=10).json()
+    assert st["upstream_limits"]["context"] == 2048
+    assert main(["launch", "claude", "--proxy", proxy.url, "--write", str(tmp_path)]) == 0
+    env = (tmp_path / "claude.env").read_text()
+    assert 'CLAUDE_CODE_MAX_CONTEXT_TOKENS="2048"' in env, env
 
 
 def test_killed_upstream_gives_an_in_shape_error_fast(stack) -> None:
