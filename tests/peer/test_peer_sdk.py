@@ -20,6 +20,7 @@ from server_helpers import parse_sse
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(PEER_SKIP is not None,
                                                    reason=PEER_SKIP or "")]
 MSGS = [{"role": "user", "content": "Say hello in three words."}]
+GREEDY = {"temperature": 0}  # sent raw: this Anthropic SDK has no `temperature` argument
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +53,17 @@ def test_gguf_matches_transformers(stack) -> None:
         out = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)
     want = out[0, len(ids):].tolist()
     r = httpx.post(peer.url + "/v1/completions", timeout=60, json={
-        "prompt": text, "max_tokens": len(want), "temperature": 0.0, "logprobs": 1}).json()
-    assert r["choices"][0]["text"] == tok.decode(want)
+        "prompt": text, "max_tokens": len(want), "temperature": 0.0,
+        "repeat_penalty": 1.0}).json()
+    # llama-cpp-python drops the bytes of a split UTF-8 character (errors="ignore") where the
+    # HF tokenizer writes U+FFFD
+    assert r["choices"][0]["text"] == tok.decode(want).replace("\ufffd", ""), (want, r)
 
 
 def test_openai_sdk_streamed_and_not(stack) -> None:
     _, _, proxy = stack
     c = openai.OpenAI(base_url=proxy.url + "/v1", api_key="none", max_retries=0)
-    r = c.chat.completions.create(model=ALIAS, messages=MSGS, max_tokens=8, temperature=0)
+    r = c.chat.completions.create(model=ALIAS, messages=MSGS, max_tokens=8, extra_body=GREEDY)
     text = r.choices[0].message.content or ""
     assert r.choices[0].finish_reason in ("length", "stop") and r.usage.prompt_tokens > 5
     chunks = list(c.chat.completions.create(model=ALIAS, messages=MSGS, max_tokens=8,
@@ -73,10 +77,11 @@ def test_openai_sdk_streamed_and_not(stack) -> None:
 def test_anthropic_sdk_streamed_and_not_each_stream_once(stack) -> None:
     _, _, proxy = stack
     c = anthropic.Anthropic(base_url=proxy.url, api_key="none", max_retries=0)
-    m = c.messages.create(model=ALIAS, messages=MSGS, max_tokens=8, temperature=0)
+    m = c.messages.create(model=ALIAS, messages=MSGS, max_tokens=8, extra_body=GREEDY)
     text = "".join(b.text for b in m.content if b.type == "text")
     assert m.stop_reason in ("max_tokens", "end_turn") and m.usage.input_tokens > 5
-    with c.messages.stream(model=ALIAS, messages=MSGS, max_tokens=8, temperature=0) as s:
+    with c.messages.stream(model=ALIAS, messages=MSGS, max_tokens=8,
+                           extra_body=GREEDY) as s:
         final = s.get_final_message()
     assert "".join(b.text for b in final.content if b.type == "text") == text
     # the wire: one message_start ... message_stop, nothing after (issue 28: a translated
@@ -106,7 +111,7 @@ def test_output_cap_by_default(stack) -> None:
         time.sleep(0.1)
     rec = metrics(proxy)[-1]
     assert rec["max_tokens_requested"] == 64000 and rec["max_tokens_sent"] == 8192, rec
-    assert rec["capped"] is True
+    assert rec["disconnected"] is True  # (`capped` means a reply that reached the cap)
 
 
 def test_limits_and_surfaces_from_the_peers_dialect(stack, tmp_path) -> None:
