@@ -99,7 +99,7 @@ def test_claude_code_session_replayed_once_each_and_append_only(stack) -> None:
     assert sizes[0] == first["usage"]["input_tokens"]  # streamed and not: the same prompt
     prev = [sizes[0], *sizes[:-1]]
     for p, (matched, _) in zip(prev, hits, strict=True):
-        assert matched >= 0.99 * p, (sizes, hits)
+        assert matched >= p - 1, (sizes, hits)  # measured: 18,860/18,861, then every token
     # the input tokens a client sees are at most the prompt, never twice it
     assert all(s <= z for s, z in zip(starts, sizes, strict=True)), (starts, sizes)
     # an upstream without cached-token counters: reuse is unknown, not 0
