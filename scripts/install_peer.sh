@@ -6,7 +6,7 @@
 #
 # tests/peer/ finds the venv at $FT_PEER_VENV or ~/.cache/freetoken/peer and skips with a
 # clear reason when llama_cpp is not importable from it. CI never runs this (a CPU build
-# takes 10-30 min on 2 cores). Build is CPU only, no examples/tests/tools, portable
+# took 21 min at nice 19 on 2 shared cores). Build is CPU only, no examples/tests/tools, portable
 # (-DGGML_NATIVE=OFF), so the .so runs on AVX2-only and AVX-512 machines alike.
 set -euo pipefail
 PEER="${FT_PEER_VENV:-$HOME/.cache/freetoken/peer}"
