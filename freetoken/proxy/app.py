@@ -118,7 +118,7 @@ async def _handle(request: Request, api: str, kind: str) -> Response:
             rec.edit_kind, rec.edit_unit = ep.kind, ep.unit
             rec.edit_position, rec.edit_block = ep.position, ep.block
             resp = await forward(ps.upstream(), request, norm, api, rec, model, cap,
-                                 out_headers, ps.metrics.record,
+                                 out_headers, ps.record,
                                  raw if not fired and cap is None else None)
             deferred = isinstance(resp, EventStreamResponse)
         if resp.status_code >= 400:
@@ -132,7 +132,7 @@ async def _handle(request: Request, api: str, kind: str) -> Response:
         raise
     finally:
         if not deferred:
-            ps.metrics.record(rec)
+            ps.record(rec)
 
 
 async def _native(request: Request, ps: ProxyState, body: dict, api: str, kind: str,
