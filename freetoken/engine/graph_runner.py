@@ -310,15 +310,20 @@ class DecodeRunner(DecodeStaging):
         bridged = self.bridge is not None
         if bridged:  # (a replay's layers come within its GPU time; eager runs may compile)
             self.bridge.begin_step(bk.size, replay=graph is not None)
-        if graph is not None:
-            try:
-                self._replay(graph, bk, attn, greedy)
-            except Exception as e:  # (the rows are re-run: engine/isolation.py)
-                self._graph_fault("replay_raised", bk.size, len(rows), e)
-                raise GraphFault(f"decode graph replay failed: {e!r}") from e
-            self.replays += 1
-        else:
-            self._forward(bk.size, attn, greedy)
+        try:
+            if graph is not None:
+                try:
+                    self._replay(graph, bk, attn, greedy)
+                except Exception as e:  # (the rows are re-run: engine/isolation.py)
+                    self._graph_fault("replay_raised", bk.size, len(rows), e)
+                    raise GraphFault(f"decode graph replay failed: {e!r}") from e
+                self.replays += 1
+            else:
+                self._forward(bk.size, attn, greedy)
+        except Exception:
+            if bridged:  # its unsent layers: the worker must not wait for them (CpuBridge)
+                self.bridge.abandon()
+            raise
         self.steps += 1
         n = len(rows)
         out = self.h_outs[self._turn]
