@@ -220,11 +220,16 @@ class DecodeRunner(DecodeStaging, GraphCapture, ReplayFaults, PlanSwitch):
         bridged = self.bridge is not None
         if bridged:  # (a replay's layers come within its GPU time; eager runs may compile)
             self.bridge.begin_step(bk.size, replay=graph is not None)
-        if graph is not None:
-            self._replay_or_fault(graph, bk, attn, greedy, len(rows))
-            self.replays += 1
-        else:
-            self._forward(bk.size, attn, greedy)
+        try:
+            if graph is not None:
+                self._replay_or_fault(graph, bk, attn, greedy, len(rows))
+                self.replays += 1
+            else:
+                self._forward(bk.size, attn, greedy)
+        except Exception:
+            if bridged:  # its unsent layers: the worker must not wait for them (CpuBridge)
+                self.bridge.abandon()
+            raise
         self.steps += 1
         n = len(rows)
         out = self.h_outs[self._turn]

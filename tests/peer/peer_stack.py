@@ -23,9 +23,10 @@ from pathlib import Path
 
 import httpx
 
+from freetoken.envs import FT_PEER_VENV
+
 ROOT = Path(__file__).parents[2]
-PEER_VENV = Path(os.environ.get("FT_PEER_VENV",
-                                Path.home() / ".cache" / "freetoken" / "peer"))
+PEER_VENV = Path(FT_PEER_VENV.get() or Path.home() / ".cache" / "freetoken" / "peer")
 PEER_PY = PEER_VENV / "bin" / "python"
 ALIAS = "tiny-qwen3"
 
