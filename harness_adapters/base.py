@@ -31,7 +31,10 @@ of this harness may part from this one although the text before is the same: eac
 system block after the first, and the start of each of the adapter's `head_marks` (the section
 holding the working directory, the date). The proxy marks them as `system_block` anchors, which
 the engine snapshots with class `head`: a new session in another directory, or on another day,
-resumes there instead of recomputing the whole system prompt.
+resumes there instead of recomputing the whole system prompt. `user_breaks(body) -> list[int]`,
+the same for the first user message's text (`first_user_text(body)`): where a request that
+keeps that message's opening part (Claude Code's `<system-reminder>` context block: sibling
+sub-agents, the request after a compaction) parts from this one; marked the same way.
 
 An adapter is stateless; one instance serves every request.
 """
@@ -159,7 +162,7 @@ class HarnessAdapter:
         prefix of it ending in ':' (`name:harness-session-id:`, which the engine resolves to
         the latest top-level session with that id, `freetoken.cache.lineage`); None for a
         top-level session or where the harness does not say. Default: the harness's parent
-        header, else Codex's turn metadata."""
+        header (Codex and `generic` read Codex's turn metadata instead)."""
         for h in self.parent_headers:
             v = req.headers.get(h)
             if v:
@@ -191,6 +194,11 @@ class HarnessAdapter:
             if j > 0:
                 starts.append(j)
         return sorted({len(text[:i].rstrip()) for i in starts} - {0})
+
+    def user_breaks(self, body: dict[str, Any]) -> list[int]:
+        """Sorted offsets into `first_user_text(body)` (see the module docstring); none by
+        default."""
+        return []
 
     def cut_points(self, anchors: Sequence[Anchor], messages: Sequence[dict[str, Any]]
                    ) -> list[int]:

@@ -9,13 +9,15 @@ id (carried as `x-session-id`). Every request re-sends the whole history as inpu
 (developer instructions, the environment context as a user message, then reasoning, messages,
 function calls and their outputs): it only appends, so the cuts are the base ones (`head_end`
 for sub-agents sharing system + tools, the generation prompt's think block). Sub-agents get
-their own thread id, hence their own session key.
+their own thread id, hence their own session key, and name their parent's thread in the turn
+metadata (`parent_thread_id`, as `generic.codex_lineage` reads it): the parent key.
 """
 from __future__ import annotations
 
 import json
 
 from harness_adapters.base import HarnessAdapter, HarnessRequest, head_hash
+from harness_adapters.generic import codex_lineage
 
 
 class Codex(HarnessAdapter):
@@ -42,3 +44,9 @@ class Codex(HarnessAdapter):
         if key:
             return f"{self.name}:{str(key)[:128]}:{head_hash(req.body)}"
         return f"{self.name}:{head_hash(req.body)}"
+
+    def parent_key(self, req: HarnessRequest) -> str | None:
+        """The parent thread the turn metadata names (a spawned sub-agent's), as the prefix
+        of its session key (`codex:THREAD:`); None for a top-level thread."""
+        _, parent = codex_lineage(req)
+        return f"{self.name}:{parent}:" if parent else None

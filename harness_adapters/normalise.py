@@ -15,9 +15,9 @@ Steps (changes the prompt? / what):
 - stable_tool_ids (no: ids are not rendered): give id-less tool calls a deterministic id.
 - system_in_place (only when folding): mid-conversation system messages stay in place; when the
   template forbids them there, they become a user turn in the same place.
-- unify_model_suffix (yes; on for Claude Code): `claude-...[1m]` -> `claude-...` and
-  `model named X (1M context)` -> `model named X` in system text (a resume may drop them)
-  and tool descriptions.
+- unify_model_suffix (yes; on for Claude Code): `claude-...[1m]` -> `claude-...`,
+  `model named X (1M context)` -> `model named X` and `Claude X (1M context)` -> `Claude X` in
+  system text and tool descriptions (a resume drops them: the Bash tool's co-author line).
 """
 from __future__ import annotations
 
@@ -39,9 +39,12 @@ def digest(*parts: Any) -> str:
 
 BILLING_PREFIX = "x-anthropic-billing-header"
 # `claude-X[1m]` and the `(1M context)` after the model's name: Claude Code writes both when a
-# session runs with the 1M context window and may drop them on resume (#23)
+# session runs with the 1M context window and drops them on resume (#23; recorded in
+# tests/data/harness_traces/claude_code/cc_compact.jsonl: the system text's "model named Opus
+# 4.8 (1M context)" and "claude-opus-4-8[1m]", and the Bash tool's "Co-Authored-By: Claude
+# Opus 4.8 (1M context) <noreply@...>")
 _MODEL_SUFFIX = re.compile(r"(claude-[a-z0-9.\-]+)\[1m\]"
-                           r"|(model named [^\n(]{1,80}?) \(\d+[KkMm] context\)")
+                           r"|((?:model named|Claude) [^\n(<]{1,80}?) \(\d+[KkMm] context\)")
 
 StepFn = Callable[[dict, str, dict], int]
 

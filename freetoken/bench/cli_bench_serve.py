@@ -35,8 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="write a random-weight checkpoint of this shape first (`ft bench "
                           "checkpoint`) into --work-dir, reused when already there")
     p.add_argument("--layers", type=int, default=None, help="with --shape: cut to N layers")
-    p.add_argument("--format", choices=("safetensors", "ftw"), default="safetensors",
-                   dest="fmt", help="with --shape: the checkpoint format")
+    p.add_argument("--format", choices=("safetensors", "ftw", "random"), default="safetensors",
+                   dest="fmt", help="with --shape: the checkpoint format (random: no weight "
+                   "files, the server makes them in memory: a shape larger than the disk)")
     p.add_argument("--work-dir", default=None, help="with --shape: where the checkpoint goes "
                                                     "(default OUT/checkpoint)")
     p.add_argument("--moe-backend", default=None)

@@ -15,8 +15,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("out", help="output directory (new or empty)")
     p.add_argument("--shape", required=True, choices=sorted(SHAPES))
     p.add_argument("--layers", type=int, default=None, help="cut the model to N layers")
-    p.add_argument("--format", choices=("safetensors", "ftw"), default="safetensors",
-                   dest="fmt", help="safetensors as released, or FTW (the runtime layout)")
+    p.add_argument("--format", choices=("safetensors", "ftw", "random"), default="safetensors",
+                   dest="fmt", help="safetensors as released, FTW (the runtime layout), or random "
+                   "(no weight files: `ft serve` makes FTW's tensors in memory at load)")
     p.add_argument("--shard-gb", type=float, default=4.0, help="largest shard")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")

@@ -1,7 +1,9 @@
 """Recorded harness traces as the engine receives them, for `ft bench anchors`.
 
 One `.jsonl` file is one trace (`harness_traces/README.md`: one HTTP request a line). Each
-generation request is rendered through the real API mapping and chat template; OpenAI
+generation request is what the agent proxy hands the engine: normalised by its harness adapter
+(the proxy's default steps: a Claude Code resume that drops the model's `[1m]` suffix renders
+as the session did), then rendered through the real API mapping and chat template; OpenAI
 Responses bodies (Codex: `input` items, not `messages`) are mapped to the chat shape first
 (`responses_to_chat`). Its cache session and parent are what the agent proxy sends: the
 claiming harness adapter's `session_key` and `parent_key` (sub-agents apart from their
@@ -111,29 +113,59 @@ def responses_to_chat(body: dict) -> dict:
 
 def _render(tok: ChatTokenizer, path: str, body: dict[str, Any], headers: dict[str, str],
             trace: str, predictor: Predictor | None, heads: Any = None) -> SimRequest:
-    """One request as the engine receives it. `heads` (a `proxy.heads.HeadBreaks`): add the
-    `system_block` anchors the native proxy adds at the claiming adapter's head breaks."""
+    """One request as the engine receives it through the agent proxy: the claiming adapter's
+    normalisation (`HarnessAdapter.normalise`, the proxy's default steps and its folding of
+    mid-conversation system messages where the template refuses them), then the API mapping
+    and the chat template; session key, head and user breaks and predicted cuts from the
+    normalised body, the parent key from the headers (as `proxy.app`). `heads` (a
+    `proxy.heads.HeadBreaks`): add the `system_block` anchors the native proxy adds at the
+    adapter's head and user breaks."""
     api = "anthropic" if path.startswith("/v1/messages") else "openai"
-    ti = (anthropic_to_template if api == "anthropic" else openai_to_template)(body)
-    p = tok.apply(ti.messages, tools=ti.tools, enable_thinking=ti.enable_thinking)
-    cuts, anchors = None, p.anchors
-    session, parent = trace, None
     try:
         from harness_adapters import HarnessRequest, detect_adapter
-        from harness_adapters.base import system_text
+        from harness_adapters.base import first_user_text, system_text
     except ImportError:  # the engine alone: one session per trace, no adapters' anchors
-        return SimRequest(session, p.input_ids, anchors, trace=trace)
-    req = HarnessRequest(api, path, {k.lower(): v for k, v in headers.items()}, body)
-    adapter = detect_adapter(req)
+        p = _apply(tok, api, body)
+        return SimRequest(trace, p.input_ids, p.anchors, trace=trace)
+    hdrs = {k.lower(): v for k, v in headers.items()}
+    received = HarnessRequest(api, path, hdrs, body)
+    adapter = detect_adapter(received)
+    norm = adapter.normalise(received, fold_system=_folds(tok))[0]
+    req = HarnessRequest(api, path, hdrs, norm)
+    ti = _mapping(api)(norm)
+    p = tok.apply(ti.messages, tools=ti.tools, enable_thinking=ti.enable_thinking)
+    anchors = p.anchors
     session = f"{trace}/{adapter.session_key(req)}"
-    pk = adapter.parent_key(req)
+    pk = adapter.parent_key(received)
     parent = f"{trace}/{pk}" if pk else None
-    if predictor is not None:
-        cuts = predictor(req, p.anchors, ti.messages)
+    cuts = predictor(req, p.anchors, ti.messages) if predictor is not None else None
     if heads is not None:
-        anchors = heads.anchors(anchors, system_text(body), adapter.head_breaks(body),
+        anchors = heads.anchors(anchors, system_text(norm), adapter.head_breaks(norm),
+                                p.input_ids)
+        anchors = heads.anchors(anchors, first_user_text(norm), adapter.user_breaks(norm),
                                 p.input_ids)
     return SimRequest(session, p.input_ids, anchors, cuts=cuts, parent=parent, trace=trace)
+
+
+def _mapping(api: str) -> Callable[[dict], Any]:
+    return anthropic_to_template if api == "anthropic" else openai_to_template
+
+
+def _apply(tok: ChatTokenizer, api: str, body: dict[str, Any]) -> Any:
+    ti = _mapping(api)(body)
+    return tok.apply(ti.messages, tools=ti.tools, enable_thinking=ti.enable_thinking)
+
+
+_FOLDS: dict[int, bool] = {}
+
+
+def _folds(tok: ChatTokenizer) -> bool:
+    """The proxy's `fold_system=auto` for this tokenizer (`proxy.state`), asked once."""
+    if id(tok) not in _FOLDS:
+        from freetoken.proxy.state import template_rejects_mid_system
+
+        _FOLDS[id(tok)] = template_rejects_mid_system(tok)
+    return _FOLDS[id(tok)]
 
 
 def load_trace(tok: ChatTokenizer, path: Path, name: str | None = None,

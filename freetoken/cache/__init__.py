@@ -16,9 +16,12 @@ Snapshot eviction (what survives when the device state pool is full):
 - Session lineage (`lineage.py`; requests carry a session key and, for sub-agents, the parent
   key their harness sent, else the parent is inferred from prefix structure): a session's
   latest snapshot (last attached or resumed from) gains 2 levels (it resumes there next), 3
-  while the session waits on running sub-agents (it will be back); a
+  while the session waits on running sub-agents (it will be back: its last use counts as
+  now); a
   snapshot used only by finished sub-agents (declared ones, whose parent spoke again after they
-  went idle) has level -2, below every other. Its `keep_until` is its
+  went idle) has level -2, below every other, except a head or predicted cut point (class
+  head / cut_point: the next or a re-sent sub-agent resumes there), which has level 1. Its
+  `keep_until` is its
   last use (snapshot clock: one tick per snapshot taken and per resume) plus
   `level * horizon` ticks (default horizon: twice the device + host slot count).
 - The device victim is the unpinned snapshot with the smallest `keep_until`. It moves to the

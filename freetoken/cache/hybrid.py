@@ -38,7 +38,15 @@ from freetoken.cache.allocator import SlotAllocator
 from freetoken.cache.lineage import Lineage
 from freetoken.cache.logits import KeptLogits
 from freetoken.cache.node import Pins, TreeNode, as_ids
-from freetoken.cache.policy import END, CheckpointPolicy, class_rank, create_policy
+from freetoken.cache.policy import (
+    ANCHOR,
+    CUT_POINT,
+    END,
+    HEAD,
+    CheckpointPolicy,
+    class_rank,
+    create_policy,
+)
 from freetoken.cache.radix import Committed, RadixCache
 from freetoken.cache.reuse import HybridMatch, find_reuse
 from freetoken.cache.snapshots import COPY, DEVICE, HOST, RESET, RESTORE, Snapshot, StateOp
@@ -260,6 +268,37 @@ class HybridRadixCache:
         self.tiers.supersede(node, user)
         log.debug(kv("snapshot", pos=node.depth, slot=state_slot, cls=cls))
         return True
+
+    def renew(self, ids: Sequence[int] | torch.Tensor, points: Sequence[tuple[int, str]],
+              resumed: int | None = None, user: str | None = None) -> int:
+        """A request's snapshot points `(position, class)` at or before `resumed`, where its
+        match resumed (the ones it need not take): the head and cut-point ones that find a
+        snapshot at their position on `ids`' path are renewed (`SnapshotTiers.renew`, in
+        position order). A head or a predicted cut that every request of a session names again
+        (`head_end`, a tool list's cut, the oldest unpruned tool result) so stays as fresh as
+        the session, where it aged from its first use before (#23: the post-compaction request
+        found neither Claude Code's `head_end` nor its `<system-reminder>` break). With
+        `resumed` and `user` (the session), a cut point on the path before `resumed` that only
+        `user` used and this request does not name again is stale (the prediction was for the
+        request after the one that made it, which went past it) and drops to class `anchor`.
+        Returns how many were renewed; read-only on the tree."""
+        want = {p: c for p, c in points if class_rank(c) >= class_rank(HEAD) and p >= 1}
+        stale = resumed is not None and user is not None
+        if (not want and not stale) or self.state_pool is None:
+            return 0
+        key = as_ids(ids)[: max([*want, resumed or 0])]
+        n = 0
+        for node in self.radix.walk(key)[0]:
+            s = self._snaps.get(node)
+            if s is None:
+                continue
+            if node.depth in want:
+                self.tiers.renew(node, want[node.depth])
+                n += 1
+            elif stale and node.depth < resumed and s.cls == CUT_POINT and s.users == {user}:
+                s.cls = ANCHOR  # a stale prediction (docstring)
+                log.debug(kv("cut_stale", pos=node.depth, session=user))
+        return n
 
     def insert_snapshot(self, ids_prefix: Sequence[int] | torch.Tensor, state_slot: int,
                         cls: str, user: str | None = None) -> bool:

@@ -14,8 +14,19 @@ of a snapshot's value (`snapshots.level`):
 - a sub-agent declared by its harness (a parent key) is *finished* when its parent starts a
   request while the sub-agent has none in flight, provided the parent was idle when the
   sub-agent started (the parent waited for it: Claude Code and OpenCode do). A snapshot used
-  only by finished sub-agents drops to level `FINISHED`, below every other snapshot. A later
-  request of the sub-agent makes it running again.
+  only by finished sub-agents drops to level `FINISHED`, below every other snapshot, unless it
+  is a head or a predicted cut point (class `head` / `cut_point`): those keep their level
+  without a lineage term. The next sub-agent the parent spawns resumes at the sub-agents'
+  shared head (system + their tools), and Claude Code re-sends a sub-agent's task to a new
+  agent id after a compaction (recorded: tests/data/harness_traces/claude_code/cc_compact.jsonl),
+  which resumes at the finished one's `<think>` cut; at 16 + 32 slots the -2 rule lost both
+  (11,437 tokens recomputed for a re-sent prompt whose minimum was 1). A later request of the
+  sub-agent makes it running again.
+- a session's *latest cut* (the deepest cut point its latest request attached) gains the same
+  term as its latest snapshot: where the harness renders the reply differently from the
+  generation prompt (Claude Code's sub-agents: an empty `<think>` block in the prompt, the
+  reasoning in the history) the next request resumes there, not at the `end`; and while the
+  session waits on children its heads and cut points do not age (`snapshots.keep_until`).
 
 Where no header names a parent, the parent comes from prefix structure: a new session whose
 first prompt resumes from a snapshot another (non-sub-agent) session made is that session's
@@ -54,6 +65,7 @@ class Session:
     parent_waited: bool = True  # its parent had nothing in flight while this one ran
     finished: bool = False
     latest: Hashable | None = None  # node of its latest snapshot
+    latest_cut: Hashable | None = None  # node of the deepest cut its latest request attached
     children: set[str] = field(default_factory=set)
 
 
@@ -100,6 +112,7 @@ class Lineage:
         if s.parent is not None and (new or s.finished or s.inflight == 0):
             s.parent_waited = self.sessions[s.parent].inflight == 0
         s.finished = False
+        s.latest_cut = None
         for c in s.children:  # the parent is back: the children it waited for are done
             child = self.sessions[c]
             if child.declared and child.inflight == 0 and child.parent_waited \
@@ -133,10 +146,22 @@ class Lineage:
         if key is not None and key in self.sessions:
             self.sessions[key].latest = node
 
+    def touch_cut(self, key: str | None, node: Hashable) -> None:
+        """`key`'s request attached (or was offered) a cut point at `node`, deeper than any it
+        attached before (a request's points come in position order)."""
+        if key is not None and key in self.sessions:
+            self.sessions[key].latest_cut = node
+
     def forget_node(self, node: Hashable) -> None:
         for s in self.sessions.values():
             if s.latest is node:
                 s.latest = None
+            if s.latest_cut is node:
+                s.latest_cut = None
+
+    def waiting(self, users: set[str]) -> bool:
+        """Some session of `users` waits on its sub-agents."""
+        return any(self.waiting_on_children(u) for u in users)
 
     def waiting_on_children(self, key: str) -> bool:
         s = self.sessions.get(key)
@@ -145,13 +170,14 @@ class Lineage:
     def bonus(self, node: Hashable, users: set[str]) -> int | None:
         """The lineage term of the snapshot at `node` used by `users`: None (level `FINISHED`)
         when every user is a finished sub-agent; `BACK` when it is the latest of a user
-        waiting on children; `LATEST` when it is the latest of a user; else 0."""
+        waiting on children; `LATEST` when it is the latest of a user; else 0 (a user's latest
+        cut counts as its latest)."""
         if users and all(u in self.sessions and self.sessions[u].finished for u in users):
             return None
         best = 0
         for u in users:
             s = self.sessions.get(u)
-            if s is not None and s.latest is node:
+            if s is not None and (s.latest is node or s.latest_cut is node):
                 if self.waiting_on_children(u):
                     return BACK
                 best = LATEST

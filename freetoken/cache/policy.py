@@ -35,6 +35,7 @@ from freetoken.types.api import Anchor
 
 CUT_POINT, HEAD, ANCHOR, INTERVAL, END = "cut_point", "head", "anchor", "interval", "end"
 CLASS_RANK: dict[str, int] = {END: 0, INTERVAL: 1, ANCHOR: 1, HEAD: 2, CUT_POINT: 3}
+IN_BY_ONE = ("turn_start", "tool_result_start")  # cut kinds taken past their opening tag
 HEAD_KINDS = ("head_end", "system_block")  # anchor kinds whose snapshots get class `head`
 
 
@@ -116,17 +117,17 @@ class IntervalPolicy(CheckpointPolicy):
 class SemanticPolicy(CheckpointPolicy):
     """Default: snapshot at chat-template anchors where harnesses edit their context.
 
-    Anchors with `cut_point=True` (any kind) get class `cut_point` (a `turn_start` cut one
-    token in, past the `<|im_start|>` every turn shares); other `head_end` and
-    `system_block` anchors get class `head`, other `turn_start` anchors class `anchor`; other
-    kinds are ignored. (`system_block`: a point inside the system prompt that the proxy marks
-    where another session of the same harness may part from this one: a system block boundary,
-    a section holding the working directory or the date. Class `head` keeps it past the
-    session's own plain snapshots, so a new session started later still finds it.) At most
-    `max_per_request` anchor snapshots per request (the end point is extra), chosen in this
-    order: cut points deepest first, then heads deepest first (`head_end`, shared by sub-agents
-    and after compaction, then the system blocks), then turn starts deepest first (the deepest
-    snapshot saves the most recompute next turn).
+    Anchors with `cut_point=True` (any kind) get class `cut_point` (a `turn_start` or
+    `tool_result_start` cut one token in, past the tag every such block shares); other
+    `head_end` and `system_block` anchors get class `head`, other `turn_start` anchors class
+    `anchor`; other kinds are ignored. (`system_block`: a point inside the system prompt that
+    the proxy marks where another session of the same harness may part from this one: a system
+    block boundary, a section holding the working directory or the date. Class `head` keeps it
+    past the session's own plain snapshots, so a new session started later still finds it.)
+    At most `max_per_request` anchor snapshots per request (the end point is extra), chosen in
+    this order: cut points deepest first, then heads deepest first (`head_end`, shared by
+    sub-agents and after compaction, then the system blocks), then turn starts deepest first
+    (the deepest snapshot saves the most recompute next turn).
 
     Fill: where two chosen points (or the start) lie more than `fill_every` tokens apart, the
     multiples of `fill_every` inside the gap (at least `fill_every // 8` from either end) are
@@ -155,11 +156,16 @@ class SemanticPolicy(CheckpointPolicy):
         ok = [a for a in anchors if 1 <= a.position <= prompt_len - 1]
         # a turn opens with `<|im_start|>` whatever its role: a cut there is taken one token
         # in, which the next request shares whichever turn it puts in that place (OpenClaw's
-        # trailing context message makes way for the assistant's reply)
-        cuts = sorted({min(a.position + (a.kind == "turn_start"), prompt_len - 1)
-                       for a in ok if a.cut_point}, reverse=True)
-        heads = sorted({a.position for a in ok if not a.cut_point and a.kind in HEAD_KINDS},
-                       reverse=True)
+        # trailing context message makes way for the assistant's reply); so is a cut at a tool
+        # result's opening tag, which a pruned result keeps (OpenCode's prune, #23)
+        # ... and covers any other anchor at its tag (`head_end` sits on the first user turn's
+        # `<|im_start|>`): no second snapshot one token before it
+        inside = {a.position for a in ok if a.cut_point and a.kind in IN_BY_ONE}
+        cuts = sorted({min(a.position + (a.kind in IN_BY_ONE), prompt_len - 1)
+                       for a in ok if a.cut_point
+                       and (a.kind in IN_BY_ONE or a.position not in inside)}, reverse=True)
+        heads = sorted({a.position for a in ok if not a.cut_point and a.kind in HEAD_KINDS
+                        and a.position not in inside}, reverse=True)
         turns = sorted({a.position for a in ok if not a.cut_point and a.kind == "turn_start"},
                        reverse=True)
         chosen: dict[int, str] = {}

@@ -11,11 +11,21 @@ Value (the eviction rule; the cache package docstring states it for users):
     level(s)      = rank(class) + [s.hits >= 1] + 2 * [len(s.users) >= 2] - 2 * [covered plain]
                     + BACK (3) if s is the latest of a session waiting on its sub-agents,
                       else LATEST (2) if s is the latest of any session
-    level(s)      = FINISHED (-2)   when every user of s is a finished sub-agent
+    level(s)      = FINISHED (-2)   when every user of s is a finished sub-agent and its
+                                    class is below head (a finished sub-agent's heads and
+                                    cut points keep their level, without a lineage term)
     keep_until(s) = s.last_access + level(s) * horizon
+                  = now + level(s) * horizon   for the latest, and the heads and cut points,
+                                               of a session waiting on its sub-agents (now:
+                                               the snapshot clock: they do not age)
 
-(lineage terms: `lineage.py`; a parent waiting on sub-agents will resume from its latest
-snapshot, so it is kept like a hit cut point; a finished sub-agent's snapshots go first.)
+(lineage terms: `lineage.py`. A parent waiting on sub-agents will resume from its latest
+snapshot, so it is kept like a hit cut point that was just used, and its heads and cut points
+do not age while it waits: at 16 + 32 slots with nine traces interleaved, their last use aged
+while two rounds of sub-agents ran, Claude Code's main thread then recomputed its whole
+19.6k-token prompt and, after its compaction, the 17.4k tokens of system + tools, #23. A
+finished sub-agent's working snapshots go first, but not its heads and cut points: the next
+sub-agent of the same kind resumes at their shared head, a re-sent one at its `<think>`.)
 
 "covered plain": another snapshot (either tier) sits below it in the tree, its class is at most
 `anchor` and at most one session uses it: a session that keeps appending only needs its
@@ -35,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from freetoken.cache.lineage import FINISHED
-from freetoken.cache.policy import class_rank
+from freetoken.cache.policy import HEAD, class_rank
 
 DEVICE, HOST = "device", "host"
 
@@ -66,24 +76,30 @@ class Snapshot:
 def level(s: Snapshot, covered: bool = False, lineage: int | None = 0) -> int:
     """`covered`: another snapshot sits below this one in the tree. `lineage`: the lineage
     term (`Lineage.bonus`: `BACK` for a waiting parent's latest, None for a snapshot only
-    finished sub-agents used, which then has level `FINISHED`)."""
+    finished sub-agents used, which then has level `FINISHED`, unless it is a head or a cut
+    point: those keep their level without a lineage term)."""
     if lineage is None:
-        return FINISHED
+        if class_rank(s.cls) < class_rank(HEAD):
+            return FINISHED
+        lineage = 0
     plain = covered and len(s.users) <= 1 and class_rank(s.cls) <= 1
     return class_rank(s.cls) + (s.hits >= 1) + 2 * (len(s.users) >= 2) - 2 * plain + lineage
 
 
 def keep_until(s: Snapshot, horizon: int, covered: bool = False,
-               lineage: int | None = 0) -> int:
-    return s.last_access + level(s, covered, lineage) * horizon
+               lineage: int | None = 0, now: int | None = None) -> int:
+    """`now`: the snapshot clock when `s` counts as used now (a waiting parent's latest, heads
+    and cut points: `SnapshotTiers._key`), else None."""
+    t = now if now is not None else s.last_access
+    return t + level(s, covered, lineage) * horizon
 
 
-def victim_key(s: Snapshot, eviction: str, horizon: int,
-               covered: bool = False, lineage: int | None = 0) -> tuple[int, int]:
+def victim_key(s: Snapshot, eviction: str, horizon: int, covered: bool = False,
+               lineage: int | None = 0, now: int | None = None) -> tuple[int, int]:
     """Sort key: the smallest is evicted first."""
     if eviction == "lru":
         return (s.last_access, 0)
-    return (keep_until(s, horizon, covered, lineage), s.last_access)
+    return (keep_until(s, horizon, covered, lineage, now), s.last_access)
 
 
 EVICTIONS = ("value", "lru")

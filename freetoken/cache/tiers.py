@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Hashable
 
-from freetoken.cache.lineage import Lineage
-from freetoken.cache.policy import class_rank
+from freetoken.cache.lineage import BACK, Lineage
+from freetoken.cache.policy import CUT_POINT, HEAD, class_rank
 from freetoken.cache.snapshots import (
     DEVICE,
     EVICTIONS,
@@ -18,7 +18,6 @@ from freetoken.cache.snapshots import (
     SPILL,
     Snapshot,
     StateOp,
-    keep_until,
     victim_key,
 )
 from freetoken.cache.state_pool import StatePool
@@ -64,8 +63,12 @@ class SnapshotTiers:
 
     def _key(self, node: Node) -> tuple[int, int]:
         s = self.snaps[node]
-        return victim_key(s, self.eviction, self.horizon, node in self._covered,
-                          self.lineage.bonus(node, s.users))
+        b = self.lineage.bonus(node, s.users)
+        # a waiting parent's latest, heads and cut points do not age (snapshots.py)
+        fresh = b is not None and (b == BACK or (class_rank(s.cls) >= class_rank(HEAD)
+                                                 and self.lineage.waiting(s.users)))
+        return victim_key(s, self.eviction, self.horizon, node in self._covered, b,
+                          self.clock if fresh else None)
 
     def _victims(self, tier: str, pinned: Container[Node]) -> list[Node]:
         """Unpinned snapshots of `tier`, first victim first. Refreshes which snapshots have
@@ -86,6 +89,8 @@ class SnapshotTiers:
             s.users.add(user)
         self.snaps[node] = s
         self.lineage.touch(user, node)
+        if cls == CUT_POINT:
+            self.lineage.touch_cut(user, node)
         self.gone.pop(node, None)
         self.counters["snapshots_taken"] += 1
         return s
@@ -101,6 +106,19 @@ class SnapshotTiers:
         if user is not None:
             s.users.add(user)
             self.lineage.touch(user, node)
+            if cls == CUT_POINT:
+                self.lineage.touch_cut(user, node)
+        return s
+
+    def renew(self, node: Node, cls: str) -> Snapshot:
+        """A request predicts again, at or before where it resumed, the head or cut point
+        whose snapshot sits at `node`: its use refreshed (one tick), its class raised to `cls`
+        if higher. Unlike `keep`, neither its users nor any session's latest change: the
+        request passed it, it did not resume there."""
+        s = self.snaps[node]
+        if class_rank(cls) > class_rank(s.cls):
+            s.cls = cls
+        s.last_access = self.tick()
         return s
 
     def supersede(self, node: Node, user: str | None) -> None:
@@ -159,8 +177,7 @@ class SnapshotTiers:
             s.slot, s.tier = hslot, HOST
             self.counters["snapshots_spilled"] += 1
             log.debug(kv("snapshot_spill", pos=self.depth(node), host_slot=hslot, cls=s.cls,
-                         keep_until=keep_until(s, self.horizon, node in self._covered,
-                                               self.lineage.bonus(node, s.users))))
+                         keep_until=self._key(node)[0]))
         return len(cands)
 
     def stats(self) -> dict[str, int]:

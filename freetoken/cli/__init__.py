@@ -75,7 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import os
+
+    from freetoken.cli import malloc
     from kernels import compile_cache
+
+    try:  # first of all: before any thread has an arena of its own (cli/malloc.py)
+        mem = malloc.apply(os.environ)
+    except ValueError as e:
+        print(f"ft: {e}", file=sys.stderr)
+        return 2
 
     # before any subcommand module (and through it Triton or flashinfer) is imported
     cache = compile_cache.configure()
@@ -83,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from freetoken.log import get_logger, kv, setup_logging
 
     setup_logging(args.log_level)
+    get_logger("cli").info(kv("malloc", **malloc.log_fields(mem)))
     get_logger("warmup").info(kv("compile_cache", dir=cache["dir"], set=",".join(cache["set"]),
                                  kept=",".join(cache["kept"]) or None,
                                  late=",".join(cache["late"]) or None))

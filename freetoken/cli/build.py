@@ -27,7 +27,7 @@ def build_engine(cfg: EngineConfig) -> AsyncEngine:
         moe, reserve = resolve_moe(cfg.moe, cfg.moe_backend_given, cfg.max_context,
                                    model_dir, dtype, device)
     model, rt = load_with_experts(model_dir, moe, dtype=dtype, device=device,
-                                  kv_reserve_bytes=reserve)
+                                  kv_reserve_bytes=reserve, read=_weights_reader(model_dir))
     tok = ChatTokenizer.from_dir(model_dir)
     install_routing_hooks(model, cfg)
     max_context = cfg.max_context or model.cfg.max_position_embeddings
@@ -41,6 +41,7 @@ def build_engine(cfg: EngineConfig) -> AsyncEngine:
         max_context=cfg.max_context,
         policy=cache.checkpoint_policy,
         cuda_graph=cfg.cuda_graph,
+        decode_attention=cfg.decode_attention,
         state_host_mem=cache.state_host_mem,
         moe=rt,
         kept_logits=cache.kept_logits,
@@ -48,9 +49,18 @@ def build_engine(cfg: EngineConfig) -> AsyncEngine:
     name = cfg.model if cfg.model in DEMO_ALIASES else model_dir.name
     engine = AsyncEngine(core, model_dir, name)
     engine.max_output_tokens = cfg.max_output_tokens
+    engine.tokenizer = tok  # (`ft serve` and the proxy serve with it: loaded once, ~1-2 s)
     _warm_up(engine, cfg.warm_up)
     _elastic(engine, cfg, moe, rt)
     return engine
+
+
+def _weights_reader(model_dir):
+    """In-memory random weights for a `ft bench checkpoint --format random` directory (a shape
+    whose checkpoint does not fit the disk), else None: the checkpoint's files."""
+    from freetoken.models.random_weights import is_random_checkpoint, random_runtime_weights
+
+    return random_runtime_weights if is_random_checkpoint(model_dir) else None
 
 
 def install_routing_hooks(model, cfg: EngineConfig) -> None:

@@ -160,6 +160,7 @@ def engine_config_from_args(args: argparse.Namespace):
             max_context=get("max_context"),
             max_output_tokens=get("max_output_tokens"),
             cuda_graph=get("cuda_graph", True),
+            decode_attention=get("decode_attention", "auto"),
             cache=CacheConfig(kv_tokens=get("kv_tokens"), state_slots=get("state_slots", 64),
                               state_host_mem=get("state_host_mem"),
                               chunk_tokens=get("chunk_tokens"),
@@ -216,6 +217,11 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
                    help="write the routed expert ids of every step and layer to FILE at exit")
     g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run decode steps eagerly through the runner's buffers (for comparison)")
+    g.add_argument("--decode-attention", choices=("auto", "flashinfer", "triton"), default="auto",
+                   help="paged decode attention on CUDA: auto (flashinfer when its module is "
+                        "built; while it is not, Triton, and flashinfer built in the background "
+                        "and switched to between steps), flashinfer (built before serving if "
+                        "needed), triton")
     e = p.add_argument_group("elastic VRAM (docs/server.md)")
     e.add_argument("--vram-watch-interval", type=float, default=2.0, metavar="SECONDS",
                    help="poll free GPU memory and re-plan the expert cache / KV pool this often "

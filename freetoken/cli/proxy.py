@@ -94,10 +94,18 @@ class EngineLink:
     uds: str
     key: str
     server: Any = None
+    engine: Any = None  # the in-process AsyncEngine it built (stopped with the link)
+    thread: Any = None  # the engine server's thread
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine's server (its open streams end), then the engine after its current
+        step and its threads (`AsyncEngine.shutdown`)."""
         if self.server is not None:
             self.server.should_exit = True
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+        if self.engine is not None and hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()
 
 
 def start_engine_server(args: argparse.Namespace, engine: Any = None, tok: Any = None,
@@ -115,9 +123,10 @@ def start_engine_server(args: argparse.Namespace, engine: Any = None, tok: Any =
     from freetoken.server.app import create_app
     from freetoken.server.limits import ServerLimits, protocol_for
 
-    if engine is None:
+    owned = engine is None  # an engine handed in stays its caller's to stop
+    if owned:
         engine = build_engine(engine_config_from_args(args))
-    tok = tok or ChatTokenizer.from_dir(engine.model_dir)
+    tok = tok or getattr(engine, "tokenizer", None) or ChatTokenizer.from_dir(engine.model_dir)
     family = family or parser_family_for(engine.model_dir)
     key = secrets.token_urlsafe(32)
     limits = ServerLimits(stall_timeout_s=getattr(args, "stall_timeout", 30.0))
@@ -126,7 +135,8 @@ def start_engine_server(args: argparse.Namespace, engine: Any = None, tok: Any =
     uds = str(Path(tempfile.mkdtemp(prefix="ft-engine-")) / "engine.sock")  # mkdtemp: 0700
     server = uvicorn.Server(uvicorn.Config(app, uds=uds, log_level="warning", lifespan="off",
                                            http=protocol_for(limits), timeout_keep_alive=75))
-    threading.Thread(target=server.run, daemon=True, name="ft-engine-http").start()
+    thread = threading.Thread(target=server.run, daemon=True, name="ft-engine-http")
+    thread.start()
     t0 = time.time()
     while not server.started:
         if time.time() - t0 > 60:
@@ -135,7 +145,8 @@ def start_engine_server(args: argparse.Namespace, engine: Any = None, tok: Any =
     os.chmod(uds, 0o600)
     if hasattr(engine, "begin_warm_up"):  # the server is up: the idle warm-up may start
         engine.begin_warm_up()
-    return EngineLink("http://localhost", uds, key, server), tok, family
+    return EngineLink("http://localhost", uds, key, server,
+                      engine if owned else None, thread), tok, family
 
 
 def build_config(args: argparse.Namespace, native_url: str | None,
@@ -188,12 +199,11 @@ def banner(url: str, cfg: Any) -> str:
 
 
 def run_proxy(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from freetoken.chat import ChatTokenizer, qwen3_tokenizer_dir
     from freetoken.cli.serve import parser_family_for
     from freetoken.proxy.app import create_proxy_app
     from freetoken.server.front_options import limits_from
+    from freetoken.server.lifecycle import serve_until_stopped
     from freetoken.server.limits import quiet_connection_logs, uvicorn_config
 
     tok, family = None, "qwen3"
@@ -218,8 +228,8 @@ def run_proxy(args: argparse.Namespace) -> int:
     log.info(kv("agent_proxy", host=args.host, port=args.port, native=cfg.native,
                 auth=bool(cfg.api_key)))
     quiet_connection_logs()
-    uvicorn.Server(uvicorn_config(app, args.host, args.port, limits)).run()
-    return 0
+    return serve_until_stopped(uvicorn_config(app, args.host, args.port, limits),
+                               (link.stop if link else (lambda: None)), "agent-proxy")
 
 
 def engine_client(cfg: Any, link: EngineLink | None) -> Any:

@@ -71,20 +71,20 @@ def parser_family_for(model_dir: Path) -> str:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from freetoken.chat import ChatTokenizer
     from freetoken.cli.build import build_engine
     from freetoken.cli.options import engine_config_from_args
     from freetoken.server.app import create_app
     from freetoken.server.generation import default_output_cap
+    from freetoken.server.lifecycle import serve_until_stopped
     from freetoken.server.limits import quiet_connection_logs, uvicorn_config
 
     api_key = api_key_from(args, dict(os.environ))
     limits = limits_from(args)
     engine = build_engine(engine_config_from_args(args))
     engine.max_output_tokens = default_output_cap(args.model, args.max_output_tokens)
-    tokenizer = ChatTokenizer.from_dir(engine.model_dir)  # type: ignore[attr-defined]
+    tokenizer = (getattr(engine, "tokenizer", None)
+                 or ChatTokenizer.from_dir(engine.model_dir))  # type: ignore[attr-defined]
     app = create_app(engine, tokenizer, api_key=api_key,
                      served_model_names=args.served_model_name or [engine.model_name],
                      strict_model=args.strict_model,
@@ -96,5 +96,6 @@ def run_serve(args: argparse.Namespace) -> int:
                 max_connections=limits.max_connections))
     quiet_connection_logs()
     engine.begin_warm_up()  # after the setup above, not racing it for the interpreter
-    uvicorn.Server(uvicorn_config(app, args.host, args.port, limits)).run()
-    return 0
+    # stop: the engine after its current step, then its threads (server/lifecycle.py)
+    return serve_until_stopped(uvicorn_config(app, args.host, args.port, limits),
+                               engine.shutdown, "serve")

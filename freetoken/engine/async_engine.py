@@ -37,6 +37,7 @@ class AsyncEngine:
         self.model_name = model_name
         self.max_context = core.max_context
         self.max_output_tokens: int | None = None  # server-side ceiling on max_tokens
+        self.tokenizer = None  # the ChatTokenizer `build_engine` loaded (None: load your own)
         # elastic VRAM (engine/elastic.py, attached by engine/elastic_setup.py): the rebuild
         # controller, its watcher, and how long a new request waits out a rebuild before 503
         self.elastic: ElasticVram | None = None
@@ -46,7 +47,19 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="ft-engine", daemon=True)
         self._stop = False
         self.warm_up_idle = False  # `begin_warm_up` plans the idle warm-up (cli/build.py)
+        warmup = getattr(core, "warmup", None)
+        if warmup is not None:  # a warm-up request gives way to a request (or the stop)
+            warmup.should_yield = self._request_waiting
         self._thread.start()
+
+    def _request_waiting(self) -> bool:
+        """Whether a request (or the stop) waits in the inbox: what a warm-up step gives way
+        to. Control calls do not count: `/v1/stats` polled every second made every warm-up
+        task longer than a second give way for ever (H200, a first start: the 2048- and
+        4096-token prefill tasks yielded 40 times each, the warm-up never finished); a call
+        waits for the task in flight (a few seconds at most) instead."""
+        with self._inbox.mutex:
+            return any(m[0] in ("add", "stop") for m in self._inbox.queue)
 
     # -- EngineClient ------------------------------------------------------------------------
 
@@ -139,12 +152,22 @@ class AsyncEngine:
             raise AdmissionError("elastic VRAM is off on this server", None, "not_supported")
         return await self.call(self.elastic.rebuild, **spec)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 30.0) -> bool:
+        """Stop the engine thread after the step it is in (a warm-up task or a batch step),
+        then the core's own threads: the process can exit without a thread still inside CUDA
+        or the native CPU bridge. True when the engine thread has stopped within `timeout_s`
+        (then the core is closed too)."""
         if self.watcher is not None:
             self.watcher.stop()
         self._stop = True
         self._inbox.put(("stop", None, None))
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=timeout_s)
+        stopped = not self._thread.is_alive()
+        if stopped:
+            self.core.close()
+        else:
+            log.warning(kv("shutdown_engine_busy", waited_s=timeout_s))
+        return stopped
 
     # -- engine thread -----------------------------------------------------------------------
 

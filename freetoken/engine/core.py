@@ -44,7 +44,7 @@ class EngineCore:
                  max_context: int | None = None, policy: str = "semantic",
                  decode_runner: bool | None = None, cuda_graph: bool = True,
                  state_host_mem: int | None = None, moe: MoERuntime | None = None,
-                 kept_logits: int | None = None):
+                 kept_logits: int | None = None, decode_attention: str = "auto"):
         """`decode_runner`: run decode-only steps through the static-buffer runner (default: on
         CUDA only; the CPU's eager path is the same math); `cuda_graph`: replay them from CUDA
         graphs (off: the runner runs them eagerly, for comparison). `state_host_mem`: bytes of
@@ -52,7 +52,8 @@ class EngineCore:
         `moe`: the model's expert runtime (None: every expert resident, nothing to manage).
         `kept_logits`: logits rows kept beside prompt-end snapshots so that a resent prompt
         computes nothing (`cache/logits.py`; None: `state_slots`, 0: off; hybrid models only;
-        one row is `vocab` floats on the device)."""
+        one row is `vocab` floats on the device). `decode_attention`: the runner's paged
+        attention, auto | flashinfer | triton (engine/attention_build.py)."""
         cfg = model.cfg
         self.model, self.cfg, self.eos_ids = model, cfg, list(eos_ids)
         self.moe = moe
@@ -78,7 +79,8 @@ class EngineCore:
             decode_runner = self.device.type == "cuda"
         self.runner = (DecodeRunner(model, self.caches, max_running, scratch_kv=kv_tokens,
                                     scratch_state=state_slots if state is not None else None,
-                                    use_graphs=cuda_graph, moe=moe)
+                                    use_graphs=cuda_graph, attention=decode_attention,
+                                    moe=moe)
                        if decode_runner else None)
         # a lone request must always fit in the KV pool, so the context never exceeds it
         self.max_context = min(max_context or cfg.max_position_embeddings, kv_tokens)
@@ -92,6 +94,14 @@ class EngineCore:
                     max_running=max_running, chunk=chunk_tokens, max_context=self.max_context,
                     kept_logits=n_logits,
                     kv_mb=KVPool.bytes_per_token(cfg, self.dtype) * kv_tokens // 2**20))
+
+    def close(self) -> None:
+        """Release the threads the core started (process shutdown, after the last step): the
+        CPU bridges' workers and the state host tier's filler. The core runs no step after."""
+        if self.moe is not None:
+            self.moe.close()
+        if self.cache_ops.host is not None:
+            self.cache_ops.host.close()
 
     def warm_up(self) -> float:
         """Every warm-up task now, blocking: kernels compiled and graphs captured

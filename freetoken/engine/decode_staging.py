@@ -16,19 +16,8 @@ import torch
 from torch import Tensor
 
 from freetoken.engine import gpu_sampler
-from freetoken.layers.step_context import PagedDecode
 
 MAX_BLOCKED = 16  # stop ids a row may need blocked in one step (more: the step runs eagerly)
-
-
-def buckets_for(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, 16, then every 16 up to max_batch (always including max_batch)."""
-    out = [b for b in (1, 2, 4, 8, 16) if b < max_batch]
-    b = 32
-    while b < max_batch:
-        out.append(b)
-        b += 16
-    return sorted(set(out + [max_batch]))
 
 
 @dataclass
@@ -66,23 +55,6 @@ class _Layout:
 
     def views(self, buf: Tensor) -> list[Tensor]:
         return [buf[at:at + n].view(dt).view(shape) for at, dt, shape, n in self.specs]
-
-
-# a bucket whose capture failed this many times decodes eagerly from then on (a failure can be
-# transient: work of another thread that invalidated the capture)
-CAPTURE_TRIES = 3
-
-
-class _Bucket:
-    def __init__(self, size: int):
-        self.size = size
-        self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}  # greedy? -> graph
-        self.failures = 0  # failed captures since the graphs were last dropped
-        self.attn: PagedDecode | None = None
-
-    @property
-    def failed(self) -> bool:
-        return self.failures >= CAPTURE_TRIES
 
 
 class DecodeStaging:

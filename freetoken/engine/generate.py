@@ -60,9 +60,11 @@ class _Private:
                 if r.bridge is not None and r.moe is not None:
                     r.moe.drop_bridge(r.bridge)
             self.runners.clear()
-            self.runners[key] = DecodeRunner(model, self.caches, 1, scratch_kv=self.total,
-                                             scratch_state=1 if self.caches.state else None,
-                                             use_graphs=use_graphs, moe=moe)
+            r = DecodeRunner(model, self.caches, 1, scratch_kv=self.total,
+                             scratch_state=1 if self.caches.state else None,
+                             use_graphs=use_graphs, moe=moe)
+            r.finish_build()  # not a server: one plan from the first step (flashinfer built)
+            self.runners[key] = r
         return self.runners[key]
 
 

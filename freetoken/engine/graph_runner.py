@@ -9,11 +9,11 @@ from step n's sampled ids on the device (`chain`). KV slots, state slots and the
 sit in device buffers the graph reads in place (layers/step_context.py); the MoE layers see a
 `captured` MoEStep (types/forward_batch.py) carrying the runtime's CPU bridge.
 
-A replay that raises, or that returns a row its step poisoned (FAILED_ROW where the eager
-step need not have), is the graph's failure: the runner drops every graph, decodes eagerly
-from then on and says so in one `ft.engine: graph_fault` line; the engine re-runs the rows
-concerned alone from their cached prefix (engine/isolation.py: `GraphFault`,
-`GRAPH_POISONED`). `_replay` is the seam a CPU test injects such a fault through.
+Graphs are captured per bucket (engine/graph_capture.py); a replay that raises or poisons a
+row turns graphs off and the rows are re-run alone (engine/graph_faults.py). The attention plan
+(`attention_plans.py`) is chosen by `attention_build.plan_attention`: Triton while flashinfer's
+module builds on its own thread, switched at a safe point once it is built
+(engine/plan_switch.py), so no request waits for a JIT compile.
 
 A bucket larger than the batch is padded with rows that write to a scratch KV slot and a scratch
 state slot (one of each reserved beyond what the allocators hand out) and whose routed experts
@@ -31,27 +31,17 @@ from torch import Tensor
 
 from freetoken.cache.tensors import Caches
 from freetoken.engine import gpu_sampler
-from freetoken.engine.attention_plans import (
-    bucket_plan,
-    choose_backend,
-    choose_mla_backend,
-    choose_sink_backend,
-)
-from freetoken.engine.decode_staging import (
-    MAX_BLOCKED,
-    DecodeRow,
-    DecodeStaging,
-    _Bucket,
-    buckets_for,
-)
-from freetoken.engine.isolation import GRAPH_POISONED, GraphFault
+from freetoken.engine.attention_build import PlanBuild, plan_attention
+from freetoken.engine.attention_plans import bucket_plan, choose_mla_backend, choose_sink_backend
+from freetoken.engine.decode_staging import MAX_BLOCKED, DecodeRow, DecodeStaging
+from freetoken.engine.graph_capture import Bucket, GraphCapture, buckets_for
+from freetoken.engine.graph_faults import ReplayFaults
+from freetoken.engine.plan_switch import PlanSwitch
 from freetoken.layers.step_context import DecodeContext, PagedDecode, TorchPagedDecode
 from freetoken.log import get_logger, kv
 from freetoken.types.forward_batch import ForwardBatch, MoEStep
 
 log = get_logger("graph")
-warm_log = get_logger("warmup")
-engine_log = get_logger("engine")
 
 
 @dataclass(eq=False)
@@ -66,12 +56,14 @@ class Pending:
     replayed: bool = False  # from a graph (its poisoned rows are the graph's failure)
 
 
-class DecodeRunner(DecodeStaging):
+class DecodeRunner(DecodeStaging, GraphCapture, ReplayFaults, PlanSwitch):
     def __init__(self, model, caches: Caches, max_batch: int, scratch_kv: int,
                  scratch_state: int | None, use_graphs: bool = True, attention: str = "auto",
                  moe=None):
         """`moe`: the model's expert runtime (experts/runtime.py), or None (every expert
-        resident): it says whether the steps can be captured and lends the CPU bridge."""
+        resident): it says whether the steps can be captured and lends the CPU bridge.
+        `attention`: `--decode-attention` (auto | flashinfer | triton; see
+        engine/attention_build.py), for GQA pools on CUDA."""
         self.model, self.caches, self.moe = model, caches, moe
         cfg = model.cfg
         w = model.model.embed_tokens.weight
@@ -83,8 +75,7 @@ class DecodeRunner(DecodeStaging):
         self.capturable = moe.capturable(self.bridge) if moe is not None else True
         self._generation = self._cache_generation()
         self._want_graphs = use_graphs
-        self.use_graphs = use_graphs and self.device.type == "cuda" and self.capturable
-        self.buckets = {b: _Bucket(b) for b in buckets_for(max_batch)}
+        self.buckets = {b: Bucket(b) for b in buckets_for(max_batch)}
         self.max_batch = max(self.buckets)
         Bm, d = self.max_batch, self.device
         pin = self.device.type == "cuda"
@@ -96,6 +87,8 @@ class DecodeRunner(DecodeStaging):
         # launch: its ids and the next step's land in the two alternating pinned buffers)
         # MLA (a latent pool, absorbed queries) and sink / sliding-window attention (gpt_oss):
         # their own Triton plans (no GQA kernel fits)
+        self._build: PlanBuild | None = None  # flashinfer building off the request path
+        self.attention_switches = 0
         if self.device.type != "cuda":
             self.attention = "torch"
         elif cfg.attention_sinks:
@@ -103,9 +96,8 @@ class DecodeRunner(DecodeStaging):
         elif cfg.is_mla:
             self.attention = choose_mla_backend(cfg)
         else:
-            self.attention = choose_backend(attention, self.dtype, cfg.head_dim)
-        if self.attention == "torch":  # per-row slot lists: not capturable
-            self.use_graphs = False
+            self.attention, self._build = plan_attention(attention, self.dtype, cfg.head_dim)
+        self.use_graphs = self._graphs_allowed()  # ("torch": per-row slot lists, no graphs)
         self._workspace = None
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.steps = self.replays = 0
@@ -113,8 +105,8 @@ class DecodeRunner(DecodeStaging):
         self.capture_s = 0.0  # seconds spent capturing graphs (idle or in steps)
         self.host_s = self.wait_s = 0.0  # staging + planning; launch to tokens on the host
         log.info(kv("decode_runner", buckets=list(self.buckets), graphs=self.use_graphs,
-                    capturable=self.capturable,
-                    attention=self.attention, kv_cap=self.caches.kv.num_slots + Bm))
+                    capturable=self.capturable, attention=self.attention,
+                    building=self.building(), kv_cap=self.caches.kv.num_slots + Bm))
 
     def _cache_generation(self) -> int:
         return self.moe.generation if self.moe is not None else 0
@@ -132,40 +124,10 @@ class DecodeRunner(DecodeStaging):
         if br is not None and self.moe is not None:
             self.moe.drop_bridge(br)
         self.capturable = self.moe.capturable(None) if self.moe is not None else True
-        self.use_graphs = (self._want_graphs and self.device.type == "cuda" and self.capturable
-                           and self.attention != "torch")
+        self.use_graphs = self._graphs_allowed()
         log.warning(kv("cpu_bridge_dropped", graphs=self.use_graphs, capturable=self.capturable))
 
-    def _graph_fault(self, kind: str, bucket: int, rows: int, error: object) -> None:
-        """A replay failed (module docstring): every graph goes, eager from here on."""
-        self.graph_faults += 1
-        was_on = self.use_graphs
-        if self.device.type == "cuda":
-            try:  # (no graph is destroyed while a replay of it may still run)
-                torch.cuda.synchronize()
-            except RuntimeError:
-                pass
-        self._drop_graphs()
-        self._want_graphs = self.use_graphs = False
-        if was_on:
-            engine_log.warning(kv("graph_fault", kind=kind, bucket=bucket, rows=rows,
-                                  error=repr(error)[:200], graphs="off", recovery="rows re-run "
-                                  "alone, eagerly"))
-
-    def _replay(self, graph: torch.cuda.CUDAGraph, bk: _Bucket, attn: PagedDecode,
-                greedy: bool) -> None:
-        """Replay `graph`, the capture of `bk`'s step for `greedy` (`attn`: the step's plan,
-        which the graph reads from the static buffers it was captured on). The seam a CPU
-        test injects a replay fault through: its stand-in runs `_forward` with the same
-        arguments, then fails."""
-        graph.replay()
-
-    def _drop_graphs(self) -> None:
-        for b in self.buckets.values():
-            b.graphs.clear()
-            b.failures = 0
-
-    def bucket(self, n: int) -> _Bucket | None:
+    def bucket(self, n: int) -> Bucket | None:
         for b in sorted(self.buckets):
             if b >= n:
                 return self.buckets[b]
@@ -175,7 +137,7 @@ class DecodeRunner(DecodeStaging):
         return (0 < len(rows) <= self.max_batch
                 and all(len(r.blocked) <= MAX_BLOCKED for r in rows))
 
-    def _attn(self, bk: _Bucket, rows: list[DecodeRow] | None) -> PagedDecode:
+    def _attn(self, bk: Bucket, rows: list[DecodeRow] | None) -> PagedDecode:
         if self.attention == "torch":
             assert rows is not None
             slots = [r.kv_slots.to(self.device) for r in rows]
@@ -208,67 +170,6 @@ class DecodeRunner(DecodeStaging):
         ids = gpu_sampler.greedy(logits, rows) if greedy else gpu_sampler.sample(logits, rows)
         self.out_ids[:Bk].copy_(ids)
 
-    def _capture(self, bk: _Bucket, greedy: bool) -> torch.cuda.CUDAGraph | None:
-        """Capture the bucket's step; the warm-up runs before it use the scratch slots only."""
-        Bk = bk.size
-        self.drain()
-        ptr, total = self._stage([], Bk)  # every row a padding row
-        self._upload(Bk, total)
-        attn = self._attn(bk, None)
-        if hasattr(attn, "prepare"):
-            attn.prepare(ptr, total)
-        try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    if self.bridge is not None:
-                        self.bridge.begin_step(Bk)
-                    self._forward(Bk, attn, greedy)
-                    torch.cuda.synchronize()
-                    if self.bridge is not None:
-                        self.bridge.end_step()
-            torch.cuda.current_stream().wait_stream(s)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            # thread_local: only this thread's unsafe calls break the capture; the state host
-            # tier's filler and the CPU bridge allocate pinned memory on their own threads
-            # meanwhile (in "global" mode their cudaHostAlloc invalidated the capture, H200)
-            with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
-                self._forward(Bk, attn, greedy)
-            torch.cuda.synchronize()
-        except RuntimeError as e:  # a host sync or an uncapturable op somewhere in the step
-            bk.failures += 1
-            log.warning(kv("capture_failed", bucket=Bk, greedy=greedy, tries=bk.failures,
-                           eager_from_now=bk.failed, error=repr(e)[:200]))
-            torch.cuda.synchronize()
-            return None
-        finally:
-            if self.moe is not None:  # the warm-up's routing is not the workload's
-                self.moe.counters.discard_device()
-        return g
-
-    def graphs_held(self) -> int:
-        return sum(len(b.graphs) for b in self.buckets.values())
-
-    def capture_bucket(self, size: int, greedy: bool, where: str = "idle") -> bool:
-        """Capture one bucket's graph unless it is held, failed, or graphs are off; returns
-        whether one was captured. Logs `ft.warmup: captured ... seconds=` (`where`: idle, a
-        warm-up between steps, or step, lazily in the first step that needs it)."""
-        bk = self.buckets[size]
-        if not self.use_graphs or bk.failed or greedy in bk.graphs:
-            return False
-        t0 = time.perf_counter()
-        g = self._capture(bk, greedy)
-        dt = time.perf_counter() - t0
-        self.capture_s += dt
-        warm_log.info(kv("captured", bucket=size, greedy=greedy, where=where,
-                         seconds=f"{dt:.2f}", ok=g is not None, attention=self.attention))
-        if g is None:
-            return False
-        bk.graphs[greedy] = g
-        return True
-
     def step(self, rows: list[DecodeRow]) -> list[int]:
         """Run one decode step for `rows` (at most max_batch); returns the sampled token ids."""
         return self.collect(self.launch(rows))
@@ -284,6 +185,10 @@ class DecodeRunner(DecodeStaging):
         assert chain is None or (self._last is not None and len(chain) == len(rows)
                                  and max(chain) < self._last.n), "chain: no such previous row"
         greedy = all(r.temperature <= 0 for r in rows)
+        # a safe point: a finished attention build switches the plan here (the module's load
+        # is not the backend's step time)
+        if not self._open and self.at_safe_point() and self.moe is not None:
+            self.moe.discard_step_timing()
         gen = self._cache_generation()
         if gen != self._generation:  # the slot cache was re-budgeted: its buffers are new
             self.drain()
@@ -317,15 +222,16 @@ class DecodeRunner(DecodeStaging):
         bridged = self.bridge is not None
         if bridged:  # (a replay's layers come within its GPU time; eager runs may compile)
             self.bridge.begin_step(bk.size, replay=graph is not None)
-        if graph is not None:
-            try:
-                self._replay(graph, bk, attn, greedy)
-            except Exception as e:  # (the rows are re-run: engine/isolation.py)
-                self._graph_fault("replay_raised", bk.size, len(rows), e)
-                raise GraphFault(f"decode graph replay failed: {e!r}") from e
-            self.replays += 1
-        else:
-            self._forward(bk.size, attn, greedy)
+        try:
+            if graph is not None:
+                self._replay_or_fault(graph, bk, attn, greedy, len(rows))
+                self.replays += 1
+            else:
+                self._forward(bk.size, attn, greedy)
+        except Exception:
+            if bridged:  # its unsent layers: the worker must not wait for them (CpuBridge)
+                self.bridge.abandon()
+            raise
         self.steps += 1
         n = len(rows)
         out = self.h_outs[self._turn]
@@ -353,10 +259,8 @@ class DecodeRunner(DecodeStaging):
             self._open.remove(p)
         if self._last is p:
             self._last = None
-        if p.replayed and gpu_sampler.FAILED_ROW in out:
-            bad = [i for i, t in enumerate(out) if t == gpu_sampler.FAILED_ROW]
-            self._graph_fault("poisoned_rows", p.n, p.n, f"rows {bad} non-finite")
-            out = [GRAPH_POISONED if t == gpu_sampler.FAILED_ROW else t for t in out]
+        if p.replayed:
+            out = self._poisoned(p.n, out)
         self.wait_s += time.perf_counter() - t0
         return out
 

@@ -7,9 +7,10 @@ read on the device (`DecodeRunner.launch(chain=...)`) — before it reads the fi
 tokens and post-processes them, so the host's scheduling, staging and token handling run while
 the GPU computes. It does so only when the scheduler plans that next step (certain up to stop
 tokens, its KV allocated) and the expert runtime has settled (`auto`'s guard times each step
-alone). A request that stops on a token while the step after it is in flight keeps that step's
-work: its KV and state already cover the stop token, so it is committed with it (the step's
-own token is dropped).
+alone), and not while the runner waits for a safe point to switch its attention plan
+(engine/plan_switch.py). A request that stops on a token while the step after it is in flight
+keeps that step's work: its KV and state already cover the stop token, so it is committed with
+it (the step's own token is dropped).
 """
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ class DecodeOverlap:
         if cur.tokens is not None or not self.settled():
             return None
         assert self.runner is not None
+        if self.runner.switch_due():  # the next launch, unchained, switches the attention plan
+            return None
         plan = schedule_ahead(self.sched, cur.items, self.max_context)
         if plan is None:
             return None

@@ -10,6 +10,16 @@ needs it is captured in that request's first step of the bucket (`DecodeRunner.l
 capture never stalls anyone for more than that step. Kernels come from the persistent compile
 cache (`kernels/compile_cache.py`): on a restart the tasks load binaries and compile nothing.
 
+A warm-up request yields to real work: before each of its steps it asks `should_yield`
+(`AsyncEngine`: a request is waiting in the engine's inbox; a control call such as
+`/v1/stats` waits for the task instead) and, if so, is
+aborted after the step in flight and queued again in front (with a fresh prompt, so its
+prefill shape is compiled whole), so a request that arrives waits for one warm-up step, not a
+whole task (on a restart the `decode` task's steps were what the first token waited for).
+
+When the decode runner's attention build ends (engine/plan_switch.py), the next idle turn
+switches the plan and queues every bucket's capture again, on the new plan.
+
 `EngineCore.warm_up()` runs every task now, blocking (benchmarks and tests that want a warm
 engine before they time anything). Each task logs `ft.warmup: task ... seconds=`; the plan's
 progress is in /v1/stats under `warmup`. Warm-up steps leave the step statistics as they were
@@ -19,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from freetoken.engine.stats import EngineStats
@@ -27,8 +38,15 @@ from freetoken.log import get_logger, kv
 from freetoken.types.api import GenerateRequest, SamplingParams
 
 log = get_logger("warmup")
-DECODE_PROMPT = 16  # the prompt of the "decode" task
+# the "decode" task's prompt: a short chat turn's shape class (9-16 tokens, not a multiple of
+# 16: Triton specialises integer arguments on `% 16` and `== 1`, block sizes follow the next
+# power of two), so the first task loads the kernels the first short request needs
+DECODE_PROMPT = 13
 SMALL = 512  # prefill shapes up to this many tokens go before the wider buckets' captures
+
+
+class _Yielded(Exception):
+    """A warm-up request gave way to real work (queued again)."""
 
 
 @dataclass(frozen=True)
@@ -68,13 +86,17 @@ def plan_tasks(core) -> list[Task]:
     st = core.moe.streamer if core.moe is not None else None
     threshold = st.threshold if st is not None and st.wants(1 << 30)[0] else None
     shapes = prefill_shapes(core.sched.chunk_tokens, core.max_context - 2, threshold)
-    captures: list[Task] = []
-    if core.runner is not None and core.runner.use_graphs:
-        captures = [Task("capture", b, g) for b in sorted(core.runner.buckets)
-                    for g in (True, False)]
     decode = [Task("decode", 2)] if core.max_context >= DECODE_PROMPT + 3 else []
-    return (decode + [Task("prefill", n) for n in shapes if n <= SMALL] + captures
+    return (decode + [Task("prefill", n) for n in shapes if n <= SMALL] + capture_tasks(core)
             + [Task("prefill", n) for n in shapes if n > SMALL])
+
+
+def capture_tasks(core) -> list[Task]:
+    """Each decode bucket's greedy and sampling capture (none when the runner has no
+    graphs)."""
+    if core.runner is None or not core.runner.use_graphs:
+        return []
+    return [Task("capture", b, g) for b in sorted(core.runner.buckets) for g in (True, False)]
 
 
 class Warmup:
@@ -84,9 +106,13 @@ class Warmup:
         self.core = core
         self.tasks: deque[Task] = deque()
         self.done: list[dict] = []
+        self.yields = 0  # warm-up requests that gave way to real work (and were queued again)
         self.seconds = 0.0
         self._t_plan: float | None = None
         self._running = False  # a task is running now (on the engine thread)
+        # whether real work waits (AsyncEngine sets it: its inbox is not empty); a warm-up
+        # request then gives way at its next step
+        self.should_yield: Callable[[], bool] = lambda: False
 
     def plan(self) -> int:
         """Queue every task (`plan_tasks`); returns how many."""
@@ -99,13 +125,19 @@ class Warmup:
 
     @property
     def pending(self) -> int:
-        """Tasks not finished yet, the one running included."""
-        return len(self.tasks) + self._running
+        """Tasks not finished yet, the one running included, and an attention switch due
+        (an idle turn makes it)."""
+        runner = self.core.runner
+        due = runner is not None and runner.switch_due()
+        return len(self.tasks) + self._running + due
 
     def run_one(self) -> bool:
         """Run the next task (the caller's engine has no other work); False when none is
         left. A CPU bridge failing in it is dropped (`EngineCore.drop_bridge`) and the
-        warm-up goes on: the server serves on without it (issue #20)."""
+        warm-up goes on: the server serves on without it (issue #20). An attention switch
+        due goes first: the graphs are then captured again, on the new plan."""
+        if self._switch():
+            return True
         if not self.tasks:
             return False
         self._running = True
@@ -113,6 +145,19 @@ class Warmup:
             self._run(self.tasks.popleft())
         finally:
             self._running = False
+        return True
+
+    def _switch(self) -> bool:
+        """Make a due attention switch (module docstring); whether one was due."""
+        runner = self.core.runner
+        if runner is None or not runner.switch_due():
+            return False
+        runner.drain()  # (idle: nothing is in flight)
+        if runner.at_safe_point() and self._t_plan is not None:
+            held = {t for t in self.tasks if t.kind == "capture"}
+            again = [t for t in capture_tasks(self.core) if t not in held]
+            self.tasks.extendleft(reversed(again))
+            log.info(kv("recapture", tasks=len(again), attention=runner.attention))
         return True
 
     def _run(self, task: Task) -> None:
@@ -126,16 +171,21 @@ class Warmup:
                     result = "skipped"
                 self._check_bridge()
             elif task.kind == "decode":
-                self._request(DECODE_PROMPT, task.size + 1, len(self.done))
+                self._request(DECODE_PROMPT, task.size + 1, len(self.done) + self.yields)
             else:
-                self._request(task.size, 1, len(self.done))
+                self._request(task.size, 1, len(self.done) + self.yields)
         except BridgeError as e:
             result = f"bridge_dropped:{type(e).__name__}"
+        except _Yielded:
+            result = "yielded"
+            self.yields += 1
+            self.tasks.appendleft(task)
         finally:
             core.stats = saved
         dt = time.perf_counter() - t0
         self.seconds += dt
-        self.done.append({"task": task.name, "seconds": round(dt, 3), "result": result})
+        if result != "yielded":
+            self.done.append({"task": task.name, "seconds": round(dt, 3), "result": result})
         log.info(kv("task", name=task.name, seconds=f"{dt:.2f}", result=result,
                     left=len(self.tasks)))
         if not self.tasks:
@@ -144,7 +194,10 @@ class Warmup:
                         wall=f"{wall:.1f}"))
 
     def run_all(self) -> float:
-        """Plan (unless planned) and run every task now; returns their seconds."""
+        """Plan (unless planned) and run every task now, after the attention build (if one
+        runs) has ended and the runner switched to its plan; returns their seconds."""
+        if self.core.runner is not None:
+            self.core.runner.finish_build()
         if not self.tasks and not self.done:
             self.plan()
         t0 = self.seconds
@@ -153,7 +206,9 @@ class Warmup:
         return self.seconds - t0
 
     def _request(self, n: int, max_tokens: int, seed: int) -> None:
-        """One request of `n` prompt tokens and `max_tokens` outputs, run to its end."""
+        """One request of `n` prompt tokens and `max_tokens` outputs, run to its end, or until
+        `should_yield` before one of its steps: then it is aborted, the step in flight read
+        (`EngineCore.settle`), and `_Yielded` raised."""
         core = self.core
         V = core.cfg.vocab_size
         start = 1 + (seed * 97) % (V - 1)  # a prompt of its own: no prefix match shortens it
@@ -164,7 +219,13 @@ class Warmup:
                  lambda ev: None)
         try:
             while core.has_work():
+                if self.should_yield():
+                    raise _Yielded
                 core.step()
+        except _Yielded:
+            core.sched.abort(rid)
+            core.settle()
+            raise
         except BaseException:  # (a BridgeError: `step` dropped the bridge already)
             core.sched.abort(rid)
             raise
@@ -178,11 +239,14 @@ class Warmup:
             raise e
 
     def stats(self) -> dict:
-        """/v1/stats `warmup`: tasks left and done, seconds spent, the slowest tasks, and the
-        graphs captured lazily inside request steps."""
+        """/v1/stats `warmup`: tasks left and done, seconds spent, the slowest tasks, the
+        decode attention plan and the one being built to replace it (None when none is), and
+        the graphs held and capture seconds (lazy captures in request steps included)."""
         runner = self.core.runner
         slow = sorted(self.done, key=lambda d: -d["seconds"])[:5]
-        return {"pending": self.pending, "done": len(self.done),
+        return {"pending": self.pending, "done": len(self.done), "yields": self.yields,
                 "seconds": round(self.seconds, 3), "slowest": slow,
+                "attention": runner.attention if runner is not None else None,
+                "attention_building": runner.building() if runner is not None else None,
                 "graphs": runner.graphs_held() if runner is not None else 0,
                 "capture_seconds": round(runner.capture_s, 3) if runner is not None else 0.0}

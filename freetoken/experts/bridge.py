@@ -33,6 +33,14 @@ a bounded number of polls and sets an error flag that `end_step` raises as an er
 broken host thread fails the step instead of hanging the GPU; the engine then drops the bridge
 and serves on without it (EngineCore).
 
+A step begun that will never send its remaining layers (its graph replay, or the eager run
+through the runner, raised part-way: issue 22) is `abandon`ed: the layers it did not send get
+an empty CPU mask and their `go` flag raised from the host, so the worker walks past them
+computing nothing; once the worker is through, the device's step counter is set back to the
+host's, so the next step's flags carry the number the worker waits for. Without that the worker
+kept waiting inside the dead step while the next step waited for its `done` flags, until both
+timed out and the bridge was dropped, failing the re-run rows.
+
 The worker's own wait for a layer's `go` flag is bounded only for graph replays (`begin_step(
 ..., replay=True)`): their launch is one call and every layer's flag comes within the step's
 GPU time. An eager step (the runner's warm-up and capture runs, buckets that run without a
@@ -116,6 +124,8 @@ class CpuBridge:
         self._failed: BaseException | None = None
         self.busy_s = self.wait_go_s = 0.0  # worker time computing / waiting for layers
         self.steps_done = self.native_steps = 0
+        self.last_run = 0  # the last step the worker went through (computed or abandoned)
+        self.abandoned = 0  # steps abandoned part-way (`abandon`)
         self.native = _native(self, banks, threads)
         self._native_fp32 = banks is not None and banks[0][0].dtype == torch.float32
         self._thread = threading.Thread(target=self._worker, name="ft-cpu-bridge", daemon=True)
@@ -187,12 +197,47 @@ class CpuBridge:
         self._closed = True
         self._start.set()
 
+    def join(self, timeout_s: float) -> bool:
+        """Wait for a closed bridge's worker to return; True when it has."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
     def end_step(self) -> None:
         """After the step's tokens are back: raise if any layer's wait gave up."""
         if int(self.err[0]) != 0:
             self.err.zero_()
             raise BridgeError("a captured step's CPU branch did not answer "
                               f"(worker error: {self._failed!r})")
+
+    def abandon(self) -> None:
+        """The step begun last sends no more layers (its launch raised, before or after some
+        of them; nothing of it is still running on the device): release the worker from it,
+        wait until the worker has gone through every step begun, and set the device's step
+        counter to the host's, so that the next step is numbered as the worker expects.
+        Raises BridgeError when the worker has failed or does not get through within
+        WORKER_TIMEOUT_S (the engine then drops the bridge)."""
+        s = self.seq
+        if self.cuda:
+            try:  # (the layers the step did send are answered by the worker meanwhile)
+                torch.cuda.synchronize()
+            except RuntimeError as e:
+                raise BridgeError(f"the device failed under the abandoned step: {e!r}") from e
+        sent = [m for m in range(self.L) if self._go_np[m] >= s]
+        for m in range(self.L):  # the worker reads a layer's mask only after its go flag
+            if self._go_np[m] < s:
+                self.mask[m].zero_()
+                self._go_np[m] = s
+        t0 = time.perf_counter()
+        while self.last_run < s and self._failed is None:
+            if time.perf_counter() - t0 > WORKER_TIMEOUT_S:
+                raise BridgeError(f"the CPU branch did not get through abandoned step {s}")
+            time.sleep(1e-4)
+        if self._failed is not None:
+            raise BridgeError(f"the CPU branch worker failed: {self._failed!r}")
+        self.seq_dev.fill_(s)
+        self.abandoned += 1
+        log.warning(kv("cpu_bridge_abandoned", seq=s, layers_sent=len(sent), layers=self.L,
+                       waited_ms=f"{(time.perf_counter() - t0) * 1e3:.1f}"))
 
     def _worker(self) -> None:
         while True:
@@ -215,6 +260,7 @@ class CpuBridge:
             else:
                 self._python_step(seq, T, timeout_s)
             self.steps_done += 1
+            self.last_run = seq
         except BaseException as e:  # noqa: BLE001 — reported by begin_step / end_step
             self._failed = e
             log.error(kv("cpu_bridge_failed", seq=seq, error=repr(e)[:200]))

@@ -15,6 +15,20 @@ from what serving already does:
 Each channel is a `BandwidthEstimate`: an EWMA in log space with outlier rejection (a sample
 further than `reject` x the running mean absolute deviation from the estimate is dropped,
 unless `shift_after` samples in a row lie on the same side: a real change of regime, taken).
+
+A call's time is not bytes / bandwidth alone: every CPU-branch step pays a fixed cost (the
+thread team's wake-up and per-layer hand-offs; a team member the OS preempted) and every fill a
+launch. Where calls are small, bytes over time measures that fixed cost, not the bandwidth (H200,
+replayed routing at a 0.91 hit rate: a few experts a step, B_H read 87 -> 5.9 GB/s and q* went
+3 -> 7 of 8 fetched, while uniform routing's large steps read 124 GB/s on the same machine).
+So the native loop's per-step samples also feed a `CostFit`: seconds = c0 + bytes / B_H by
+exponentially weighted least squares; where the steps' sizes spread enough to tell the two apart
+(`CostFit.valid`), B_H is the fit's slope and c0 is reported beside it, otherwise the EWMA's
+figure. The slope is what the split needs there: the step's fixed cost is paid whatever q is
+(the loop runs every layer, and the GPU waits for each layer's hand-back, CPU work or none), so
+only the marginal cost of one more expert on either side moves the balance. A Python-branch
+sample is one layer's call, whose fixed cost fetching every miss does avoid: those keep the
+EWMA of bytes over time.
 At safe points (`at_safe_point`, every `every_steps` engine steps) an estimate that moved more
 than `drift` from the rule's figure is written into the rule (`QStarRule.b_p/b_h`), the
 device-side fetch tables that captured steps read are rewritten in place (no re-capture), and
@@ -73,6 +87,59 @@ class BandwidthEstimate:
         return True
 
 
+class CostFit:
+    """seconds = c0 + bytes / B over a channel's samples, by least squares with exponential
+    forgetting (`alpha` per sample: about the last 1/alpha samples count). `valid` once there
+    are `min_samples` samples whose sizes spread (coefficient of variation >= `min_cv`) and the
+    fit is physical (B > 0, c0 >= -`slack` x the mean time): then `gbps` is B, `c0_s` is c0."""
+
+    def __init__(self, alpha: float = 0.02, min_samples: int = 16, min_cv: float = 0.25,
+                 slack: float = 0.05):
+        self.alpha, self.min_samples, self.min_cv, self.slack = alpha, min_samples, min_cv, slack
+        self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.n = 0
+
+    def add(self, nbytes: float, seconds: float) -> None:
+        if nbytes <= 0 or seconds <= 0:
+            return
+        k = 1.0 - self.alpha
+        x = nbytes / 1e9  # GB: the sums stay well inside a double's range
+        self.w = self.w * k + 1.0
+        self.sx = self.sx * k + x
+        self.sy = self.sy * k + seconds
+        self.sxx = self.sxx * k + x * x
+        self.sxy = self.sxy * k + x * seconds
+        self.n += 1
+
+    def _fit(self) -> tuple[float, float] | None:
+        """(slope s/GB, intercept s), or None when the sizes do not spread enough."""
+        if self.n < self.min_samples or self.w <= 0:
+            return None
+        mx, my = self.sx / self.w, self.sy / self.w
+        vx = self.sxx / self.w - mx * mx
+        if mx <= 0 or vx <= 0 or math.sqrt(vx) / mx < self.min_cv:
+            return None
+        slope = (self.sxy / self.w - mx * my) / vx
+        c0 = my - slope * mx
+        if slope <= 0 or c0 < -self.slack * my:
+            return None
+        return slope, max(c0, 0.0)
+
+    @property
+    def valid(self) -> bool:
+        return self._fit() is not None
+
+    @property
+    def gbps(self) -> float | None:
+        f = self._fit()
+        return None if f is None else 1.0 / f[0]
+
+    @property
+    def c0_s(self) -> float | None:
+        f = self._fit()
+        return None if f is None else f[1]
+
+
 class Reprofiler:
     """B_P and B_H re-measured from traffic, written into `rule` (see the module docstring).
 
@@ -85,15 +152,19 @@ class Reprofiler:
         self.every_steps, self.drift = every_steps, drift
         self.b_p = BandwidthEstimate("b_p", rule.b_p, min_bytes=min_bytes)
         self.b_h = BandwidthEstimate("b_h", rule.b_h, min_bytes=min_bytes)
-        self._host: deque[tuple[float, float]] = deque(maxlen=4096)
+        self.step_fit = CostFit()  # the native loop's per-step samples (B_H)
+        self.min_bytes = min_bytes
+        self._host: deque[tuple[float, float, bool]] = deque(maxlen=4096)
         self._link: deque[tuple[object, object, float]] = deque(maxlen=4096)
         self.steps = self.updates = 0
 
     # -- samples -----------------------------------------------------------------------------
 
-    def host_sample(self, nbytes: float, seconds: float) -> None:
-        """A CPU expert-branch call: `nbytes` of expert weights computed in `seconds`."""
-        self._host.append((nbytes, seconds))
+    def host_sample(self, nbytes: float, seconds: float, per_step: bool = False) -> None:
+        """A CPU expert-branch call: `nbytes` of expert weights computed in `seconds`
+        (`per_step`: a whole step of the native loop, every layer, rather than one layer's
+        call)."""
+        self._host.append((nbytes, seconds, per_step))
 
     def link_begin(self, device: torch.device) -> object:
         """Before an eager fill: a CUDA event on the current stream, or the wall clock."""
@@ -126,7 +197,10 @@ class Reprofiler:
 
     def fold(self) -> dict | None:
         while self._host:
-            self.b_h.observe(*self._host.popleft())
+            n, secs, per_step = self._host.popleft()
+            self.b_h.observe(n, secs)
+            if per_step and n >= self.min_bytes:  # the fit sees every step: c0 is no outlier
+                self.step_fit.add(n, secs)
         while self._link:
             a, b, n = self._link[0]
             if isinstance(a, float):
@@ -139,22 +213,35 @@ class Reprofiler:
             self.b_p.observe(n, secs)
         return self._update()
 
+    def estimate(self, name: str) -> float | None:
+        """A channel's bandwidth (GB/s) for the rule: B_H from the native steps' cost fit
+        where valid, else the channel's EWMA; None before any sample was taken."""
+        if name == "b_h" and self.step_fit.gbps is not None:
+            return self.step_fit.gbps
+        est = getattr(self, name)
+        return est.gbps if est.taken else None
+
     def _update(self) -> dict | None:
         rule = self.rule
         old_p, old_h = rule.b_p, rule.b_h
-        moved = [e for e, old in ((self.b_p, old_p), (self.b_h, old_h))
-                 if e.taken and abs(e.gbps / old - 1) > self.drift]
+        now = {n: self.estimate(n) for n in ("b_p", "b_h")}
+        moved = [n for n, old in (("b_p", old_p), ("b_h", old_h))
+                 if now[n] is not None and abs(now[n] / old - 1) > self.drift]
         if not moved:
             return None
         q_before = rule(8)
-        for e in moved:
-            setattr(rule, e.name, e.gbps)
+        for n in moved:
+            setattr(rule, n, now[n])
         self.updates += 1
         self._refresh_tables()
         out = {"b_p": round(rule.b_p, 2), "b_h": round(rule.b_h, 2), "q8": rule(8)}
         log.info(kv("bw_reprofile", b_p=f"{old_p:.2f}->{rule.b_p:.2f}",
                     b_h=f"{old_h:.2f}->{rule.b_h:.2f}", q_star_of_8=f"{q_before}->{out['q8']}",
-                    overlap=getattr(rule, "overlap", None), samples_p=self.b_p.taken,
+                    overlap=getattr(rule, "overlap", None),
+                    b_h_fit=self.step_fit.valid,
+                    step_c0_us=(None if self.step_fit.c0_s is None
+                                else f"{1e6 * self.step_fit.c0_s:.0f}"),
+                    samples_p=self.b_p.taken,
                     samples_h=self.b_h.taken, rejected=self.b_p.rejected + self.b_h.rejected))
         return out
 
@@ -168,7 +255,10 @@ class Reprofiler:
                 t.copy_(torch.tensor(b.rule.table(b.store.num_experts), dtype=torch.int64))
 
     def stats(self) -> dict:
+        f = self.step_fit
         return {"b_p": round(self.b_p.gbps, 3), "b_h": round(self.b_h.gbps, 3),
+                "b_h_fit": None if f.gbps is None else round(f.gbps, 3),
+                "step_c0_us": None if f.c0_s is None else round(1e6 * f.c0_s, 1),
                 "samples_p": self.b_p.taken, "samples_h": self.b_h.taken,
                 "rejected": self.b_p.rejected + self.b_h.rejected, "updates": self.updates}
 
@@ -196,5 +286,5 @@ def native_sampler(stats, expert_bytes: int):
     def sample(experts: int, seconds: float) -> None:
         rp = stats.reprofiler
         if rp is not None:
-            rp.host_sample(experts * expert_bytes, seconds)
+            rp.host_sample(experts * expert_bytes, seconds, per_step=True)
     return sample

@@ -262,6 +262,15 @@ class MoERuntime:
         if bridge in self._bridges:
             self._bridges.remove(bridge)
 
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop every CPU bridge's worker (process shutdown): each finishes the step it is in
+        and returns; a worker that does not within `timeout_s` is left (a daemon thread)."""
+        for bridge in self._bridges:
+            bridge.close()
+        for bridge in self._bridges:
+            bridge.join(timeout_s)
+        self._bridges.clear()
+
     def capturable(self, bridge: CpuBridge | None) -> bool:
         """Whether every MoE layer decodes without host syncs given `bridge`: offload fills
         from the device, the CPU-branch backends (and `auto`, whichever rule its guard runs)

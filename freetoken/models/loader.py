@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,20 +46,26 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None,
 
 def load_with_experts(model_dir: str | Path, moe: MoEConfig | None,
                       dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-                      progress: bool = True, kv_reserve_bytes: int = 0
+                      progress: bool = True, kv_reserve_bytes: int = 0,
+                      read: Callable[..., dict[str, torch.Tensor]] | None = None
                       ) -> tuple[QwenMoE, MoERuntime | None]:
     """Load a checkpoint and build its expert runtime from `moe` (None: none, every expert
     resident). With a non-fused backend the routed experts go to the host expert store and
-    the slot cache; only the rest of the model moves to `device`."""
+    the slot cache; only the rest of the model moves to `device`. `read(model_dir, cfg,
+    dtype, pin=, progress=)`: where the runtime-named host tensors come from (default
+    `checkpoint.reader.read_weights`; the composition root passes the in-memory random
+    weights of a `ft bench checkpoint --format random` directory)."""
     from freetoken.checkpoint.reader import read_weights
+
+    read = read or read_weights
 
     t0 = time.perf_counter()
     cfg = load_config(model_dir)
     dtype = dtype or (torch.float32 if str(device) == "cpu" else cfg.torch_dtype)
     # FTW or safetensors, read in place; pinned in place for a CUDA run (the expert store's
     # own pin_memory() is then a no-op)
-    tensors = read_weights(model_dir, cfg, dtype, pin=torch.device(device).type == "cuda",
-                           progress=progress)
+    tensors = read(model_dir, cfg, dtype, pin=torch.device(device).type == "cuda",
+                   progress=progress)
     model = build_model(cfg, tensors, "cpu", dtype)
     del tensors
     rt = MoERuntime.build(model, moe, device, kv_reserve_bytes) if moe is not None else None

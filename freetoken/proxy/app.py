@@ -41,7 +41,7 @@ from freetoken.server.limits import ServerLimits
 from freetoken.server.sse import EventStreamResponse
 from freetoken.server.state import ServerState
 from harness_adapters import HarnessRequest, detect_adapter
-from harness_adapters.base import system_text
+from harness_adapters.base import first_user_text, system_text
 
 __all__ = ["ProxyState", "create_proxy_app", "template_rejects_mid_system"]
 
@@ -118,7 +118,7 @@ async def _handle(request: Request, api: str, kind: str) -> Response:
             rec.edit_kind, rec.edit_unit = ep.kind, ep.unit
             rec.edit_position, rec.edit_block = ep.position, ep.block
             resp = await forward(ps.upstream(), request, norm, api, rec, model, cap,
-                                 out_headers, ps.metrics.record,
+                                 out_headers, ps.record,
                                  raw if not fired and cap is None else None)
             deferred = isinstance(resp, EventStreamResponse)
         if resp.status_code >= 400:
@@ -132,7 +132,7 @@ async def _handle(request: Request, api: str, kind: str) -> Response:
         raise
     finally:
         if not deferred:
-            ps.metrics.record(rec)
+            ps.record(rec)
 
 
 async def _native(request: Request, ps: ProxyState, body: dict, api: str, kind: str,
@@ -146,7 +146,8 @@ async def _native(request: Request, ps: ProxyState, body: dict, api: str, kind: 
     parent = adapter.parent_key(HarnessRequest(  # #23: sub-agent lineage for the cache
         api, request.url.path, {k.lower(): v for k, v in request.headers.items()}, body))
     turn = TurnEngine(eng, Turn(adapter, session, messages, rec, cap, system_text(body),
-                                adapter.head_breaks(body), parent), ps.sessions,
+                                adapter.head_breaks(body), parent, first_user_text(body),
+                                adapter.user_breaks(body)), ps.sessions,
                       ps.metrics.record, ps.heads)
     names = ps.cfg.served_model_names or [eng.model_name]
     st = ServerState(turn, ps.tokenizer, None, names, False, ps.parser_family)  # type: ignore[arg-type]

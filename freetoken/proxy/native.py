@@ -137,6 +137,8 @@ class Turn:
     system: str = ""  # the leading system text, as rendered
     breaks: list[int] = field(default_factory=list)  # adapter.head_breaks: offsets into system
     parent: str | None = None  # adapter.parent_key: a sub-agent's parent session
+    user: str = ""  # the first user message's text, as rendered
+    user_breaks: list[int] = field(default_factory=list)  # adapter.user_breaks: into `user`
 
 
 class TurnEngine:
@@ -181,6 +183,9 @@ class TurnEngine:
                        for a in req.anchors]
         if self.heads is not None and t.breaks:
             req.anchors = self.heads.anchors(req.anchors, t.system, t.breaks, req.input_ids)
+        if self.heads is not None and t.user_breaks:
+            req.anchors = self.heads.anchors(req.anchors, t.user, t.user_breaks,
+                                             req.input_ids)
         req.session_key, req.parent_key = t.session, t.parent
         ep = self.sessions.observe_tokens(t.session, req.input_ids, req.anchors, sorted(cuts))
         rec = t.record

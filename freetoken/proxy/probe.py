@@ -8,6 +8,12 @@ read from whichever dialect the engine speaks:
 - llama.cpp's `/props`: `default_generation_settings.n_ctx` (the slot context actually
   configured, which beats the training context) and `n_predict` when positive.
 
+An engine whose endpoints report no context (llama-cpp-python's server: its `/v1/models` names
+the model only) still says it when a prompt does not fit: the OpenAI-style 400 "This model's
+maximum context length is N tokens" (OpenAI, vLLM, llama-cpp-python) or llama-cpp-python's
+"exceed context window of N". `context_from_error` reads N, and the proxy keeps it as the
+upstream's context from then on (`ProxyState.learn`), so a later `ft launch` writes it.
+
 `/v1/messages` counts as present when a POST of `{}` is answered with anything but 404/405 (a
 400 or 422 for the empty body is the route refusing it; nothing is generated); unreachable, it
 stays unknown and `--upstream-api` decides. `/v1/chat/completions` is assumed (every engine
@@ -17,6 +23,7 @@ to translate where a surface is missing instead of forwarding into a 404, and by
 """
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -71,6 +78,15 @@ def limits_from_props(body: Any) -> tuple[int | None, int | None]:
     params = gs.get("params") if isinstance(gs.get("params"), dict) else {}
     ctx = _int(gs.get("n_ctx")) or _int(body.get("n_ctx"))
     return ctx, _int(params.get("n_predict")) or _int(gs.get("n_predict"))
+
+
+_CTX_ERR = re.compile(r"maximum context length is (\d+) tokens|context window of (\d+)")
+
+
+def context_from_error(message: str | None) -> int | None:
+    """The context an upstream's "prompt too long" error states, else None."""
+    m = _CTX_ERR.search(message or "")
+    return _int(int(m.group(1) or m.group(2))) if m else None
 
 
 async def _ask(what: str, call: Any) -> httpx.Response | None:

@@ -8,17 +8,20 @@ from typing import Any
 import httpx
 from starlette.requests import Request
 
+from freetoken.log import get_logger, kv
 from freetoken.proxy import jsonc
 from freetoken.proxy.config import ProxyConfig
 from freetoken.proxy.heads import HeadBreaks
 from freetoken.proxy.metrics import Metrics
 from freetoken.proxy.native import NativeEngine
-from freetoken.proxy.probe import UpstreamInfo, probe
+from freetoken.proxy.probe import UpstreamInfo, context_from_error, probe
 from freetoken.proxy.sessions import SessionStore
 from freetoken.proxy.upstream import Upstream
 from freetoken.server.errors import APIError
 from freetoken.server.guard import replaying
 from freetoken.server.state import ServerState
+
+log = get_logger("proxy")
 
 
 def template_rejects_mid_system(tokenizer: Any) -> bool:
@@ -83,6 +86,23 @@ class ProxyState:
                 self.info = await probe(self.client, self.cfg.upstream,
                                         {"authorization": f"Bearer {key}"} if key else {})
         return self.info
+
+    def learn(self, rec: Any) -> None:
+        """API mode, after each request: an upstream whose probe found no context but whose
+        error states it ("maximum context length is N tokens") has that context from now on
+        (`/proxy/stats` `upstream_limits`, read by `ft launch`)."""
+        if self.info is None or self.info.context is not None or rec.status != 400:
+            return
+        n = context_from_error(rec.error)
+        if n is not None:
+            self.info.context = n
+            log.info(kv("upstream_limit_learned", upstream=self.cfg.upstream, context=n,
+                        source="context_error", request=rec.request_id))
+
+    def record(self, rec: Any) -> None:
+        """The metrics record of a finished request, and what it says about the upstream."""
+        self.learn(rec)
+        self.metrics.record(rec)
 
     async def native(self) -> NativeEngine:
         if self._native is None:

@@ -83,6 +83,9 @@ class CacheManager:
         points = self.policy.positions(r.prompt_len, r.req.anchors) if self.has_state else []
         if self.keeps_logits and r.num_generated == 0:
             points.append((r.prompt_len, END))  # the state beside the prompt's kept logits
+        if r.num_generated == 0 and points:  # heads and cuts named again; stale cuts (#23)
+            self.cache.renew(r.ids, [(p, c) for p, c in points if p <= m.length], m.length,
+                             self.user(r))
         r.snap_points = [(p, c) for p, c in points if p > m.length]
         r.logits_from = m.logits_slot if m.logits_slot >= 0 else None
         log.info(kv("admit", rid=r.rid, prompt=r.prompt_len, reused=m.length, kv_match=m.kv_len,

@@ -119,6 +119,9 @@ class EngineConfig:
     max_context: int | None = None  # None: the model's
     max_output_tokens: int | None = None
     cuda_graph: bool = True
+    # the decode runner's paged attention: auto (flashinfer when built, Triton while it
+    # builds in the background), flashinfer (built before serving), triton
+    decode_attention: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     moe: MoEConfig | None = None
     moe_backend_given: bool = True
@@ -130,6 +133,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.warm_up not in (None, "idle", "blocking", "off"):
             raise ValueError("--warm-up must be idle, blocking or off")
+        if self.decode_attention not in ("auto", "flashinfer", "triton"):
+            raise ValueError("--decode-attention must be auto, flashinfer or triton")
         if self.max_running < 1:
             raise ValueError("--max-running must be at least 1")
         if self.max_context is not None and self.max_context < 1:

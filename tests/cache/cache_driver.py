@@ -42,6 +42,7 @@ class Req:
     node: TreeNode
     working: int | None = None  # state slot owned by the request
     session: str | None = None  # begun in the cache's lineage (end pending)
+    matched: int = 0  # where its match resumed
 
 
 class Driver:
@@ -118,6 +119,8 @@ class Driver:
         self.ref.sclock += 1
         old = self.ref.snaps.get(prefix)
         self.ref.touch_latest(user, prefix)
+        if cls == "cut_point":
+            self.ref.touch_cut(user, prefix)
         if old is None:
             mine = {user} if user else set()
             self.ref.snaps[prefix] = {"slot": slot, "cls": cls, "t": self.ref.sclock,
@@ -199,7 +202,7 @@ class Driver:
             ids = (ids + [2 + int(session[1])] + [self.rng.randrange(3)])[-24:]
         node, n, slots = self.op_match(ids, session, as_user=lineage)
         self.cache.lock(node)
-        r = Req(ids, slots, n, node)
+        r = Req(ids, slots, n, node, matched=n)
         if lineage:
             assert isinstance(self.cache, HybridRadixCache)
             self.cache.begin(session, parent, self.last_match)
@@ -309,6 +312,34 @@ class Driver:
         if not want:
             self.pool.free([slot])
 
+    def op_renew(self, r: Req) -> None:
+        """`renew` of a running request's points at or before where it resumed: heads and cut
+        points named again are refreshed and raised; the session's own cut points it resumed
+        past and does not name go down to `anchor` (`HybridRadixCache.renew`'s rule)."""
+        assert isinstance(self.cache, HybridRadixCache)
+        rng, ref, n = self.rng, self.ref, r.matched
+        on_path = [q for q in range(1, n + 1) if tuple(r.ids[:q]) in ref.snaps]
+        ps = set(rng.sample(range(1, n + 1), rng.randint(0, min(n, 2))) if n else [])
+        ps |= {q for q in on_path if rng.random() < 0.5}  # mostly where snapshots sit
+        points = sorted((p, rng.choice(CLASSES)) for p in ps)
+        user = r.session
+        got = self.cache.renew(r.ids, points, n, user)
+        want = {p: c for p, c in points if CLASS_RANK[c] >= CLASS_RANK["head"]}
+        renewed = 0
+        for q in range(1, n + 1):
+            v = ref.snaps.get(tuple(r.ids[:q]))
+            if v is None:
+                continue
+            if q in want:
+                ref.sclock += 1
+                v["t"] = ref.sclock
+                if CLASS_RANK[want[q]] > CLASS_RANK[v["cls"]]:
+                    v["cls"] = want[q]
+                renewed += 1
+            elif user is not None and q < n and v["cls"] == "cut_point" and v["users"] == {user}:
+                v["cls"] = "anchor"
+        assert got == renewed
+
     def op_evict_states(self) -> None:
         k = self.rng.randint(0, 3)
         assert self.evict_device(k, lambda: self.cache.evict_states(k)) == len(self.moves)
@@ -317,7 +348,7 @@ class Driver:
         rng = self.rng
         ops = ["start", "evict", "match", "raw"] + ["chunk", "finish", "abort"] * bool(self.reqs)
         if self.pool is not None:
-            ops += ["snap", "evict_states"]
+            ops += ["snap", "evict_states"] + ["renew"] * bool(self.reqs)
         op = rng.choice(ops)
         if op == "start" and len(self.reqs) < 4:
             self.op_start()
@@ -339,6 +370,8 @@ class Driver:
             self.op_insert_snapshot()
         elif op == "evict_states":
             self.op_evict_states()
+        elif op == "renew":
+            self.op_renew(rng.choice(self.reqs))
         self.check()
 
     def check(self) -> None:
@@ -350,10 +383,11 @@ class Driver:
             working = [r.working for r in self.reqs if r.working is not None]
             check_snapshots(self.cache, self.ref, self.pool, working, self.host)
             real = {k: (s.parent, s.declared, s.inflight, s.finished,
-                        None if s.latest is None else node_prefix(s.latest))
+                        None if s.latest is None else node_prefix(s.latest),
+                        None if s.latest_cut is None else node_prefix(s.latest_cut))
                     for k, s in self.cache.lineage.sessions.items()}
-            want = {k: (v["parent"], v["declared"], v["inflight"], v["finished"], v["latest"])
-                    for k, v in self.ref.lin.items()}
+            want = {k: (v["parent"], v["declared"], v["inflight"], v["finished"], v["latest"],
+                        v["latest_cut"]) for k, v in self.ref.lin.items()}
             assert real == want, "lineage differs"
 
 

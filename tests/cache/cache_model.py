@@ -29,7 +29,8 @@ class RefModel:
     horizon: int = 1
     host_slots: int = 0
     # session lineage, written from the rule in `freetoken.cache.lineage`'s docstring:
-    # key -> {parent, declared, inflight, started, waited, finished, latest (prefix)}
+    # key -> {parent, declared, inflight, started, waited, finished, latest (prefix),
+    #         latest_cut (prefix: the deepest cut point its latest request attached)}
     lin: dict[str, dict] = field(default_factory=dict)
     lclock: int = 0
 
@@ -40,7 +41,7 @@ class RefModel:
         new = key not in self.lin
         s = self.lin.setdefault(key, {"parent": None, "declared": False, "inflight": 0,
                                       "started": 0, "waited": True, "finished": False,
-                                      "latest": None})
+                                      "latest": None, "latest_cut": None})
         p = None
         if parent is not None:
             if parent in self.lin:
@@ -61,6 +62,7 @@ class RefModel:
         if s["parent"] is not None and (new or s["finished"] or s["inflight"] == 0):
             s["waited"] = self.lin[s["parent"]]["inflight"] == 0
         s["finished"] = False
+        s["latest_cut"] = None
         for c in [k for k, v in self.lin.items() if v["parent"] == key]:
             kid = self.lin[c]
             if kid["declared"] and kid["inflight"] == 0 and kid["waited"] and not kid["finished"]:
@@ -78,11 +80,17 @@ class RefModel:
         if user is not None and user in self.lin:
             self.lin[user]["latest"] = p
 
+    def touch_cut(self, user: str | None, p: Prefix) -> None:
+        if user is not None and user in self.lin:
+            self.lin[user]["latest_cut"] = p
+
     def del_snap(self, p: Prefix) -> None:
         del self.snaps[p]
         for v in self.lin.values():
             if v["latest"] == p:
                 v["latest"] = None
+            if v["latest_cut"] == p:
+                v["latest_cut"] = None
 
     def lineage_term(self, p: Prefix) -> int | None:
         users = self.snaps[p]["users"]
@@ -91,11 +99,14 @@ class RefModel:
         best = 0
         for u in users:
             v = self.lin.get(u)
-            if v is not None and v["latest"] == p:
-                if any(not w["finished"] for w in self.lin.values() if w["parent"] == u):
+            if v is not None and p in (v["latest"], v["latest_cut"]):
+                if self.waiting(u):
                     return 3
                 best = 2
         return best
+
+    def waiting(self, u: str) -> bool:
+        return any(not w["finished"] for w in self.lin.values() if w["parent"] == u)
 
     def longest(self, ids: list[int]) -> int:
         i = 0
@@ -120,8 +131,16 @@ class RefModel:
         plain = covered and len(v["users"]) <= 1 and CLASS_RANK[v["cls"]] <= 1
         level = CLASS_RANK[v["cls"]] + (v["hits"] >= 1) + 2 * (len(v["users"]) >= 2) - 2 * plain
         term = self.lineage_term(p)
-        level = -2 if term is None else level + term
-        return (v["t"] + level * self.horizon, v["t"])
+        high = CLASS_RANK[v["cls"]] >= CLASS_RANK["head"]
+        if term is None:  # finished sub-agents only: heads and cut points keep their level
+            level = level if high else -2
+        else:
+            level += term
+        # a waiting parent's latest, heads and cut points count as used now
+        fresh = term == 3 or (term is not None and high
+                              and any(self.waiting(u) for u in v["users"]))
+        t = self.sclock if fresh else v["t"]
+        return (t + level * self.horizon, v["t"])
 
     def victims(self, tier: str, pinned: set[Prefix]) -> list[Prefix]:
         keys = {p: self.value_key(p) for p, v in self.snaps.items()

@@ -41,12 +41,13 @@ def test_semantic_classes_and_cap() -> None:
         Anchor(120, "turn_start"),  # past the prompt
     ]
     p = create_policy("semantic", max_per_request=10)
-    # the turn_start cut is taken one token in (past the `<|im_start|>` any next turn shares)
+    # turn_start and tool_result_start cuts are taken one token in (past the `<|im_start|>` /
+    # `<tool_response>` that any next turn / pruned result shares: #23, OpenCode's prune)
     assert p.positions(100, anchors) == [(5, "head"), (20, "anchor"), (31, "cut_point"),
-                                         (40, "cut_point"), (50, "anchor"), (99, "anchor")]
+                                         (41, "cut_point"), (50, "anchor"), (99, "anchor")]
     # cap 3: both cut points, then head_end, then (none left)
     assert create_policy("semantic", max_per_request=3).positions(100, anchors) == [
-        (5, "head"), (31, "cut_point"), (40, "cut_point"), (99, "end")]
+        (5, "head"), (31, "cut_point"), (41, "cut_point"), (99, "end")]
     # cap 4: the deepest turn start comes next
     assert (99, "anchor") in create_policy("semantic", max_per_request=4).positions(100, anchors)
 
@@ -69,8 +70,11 @@ def test_contract_on_random_inputs(name: str, kw: dict) -> None:
             assert pos[-1] == n - 1  # the exact-repeat point is always there
         if name == "semantic":
             assert sum(1 for q, c in pts if q != n - 1 or c != "end") <= 2
-            want = {min(a.position + (a.kind == "turn_start"), n - 1) for a in anchors
-                    if a.cut_point and 1 <= a.position < n}
+            ins = ("turn_start", "tool_result_start")  # taken one token in, covering the tag
+            inside = {a.position for a in anchors if a.cut_point and a.kind in ins}
+            want = {min(a.position + (a.kind in ins), n - 1) for a in anchors
+                    if a.cut_point and 1 <= a.position < n
+                    and (a.kind in ins or a.position not in inside)}
             got = {q for q, c in pts if c == "cut_point"}
             assert got <= want and len(got) == min(len(want), 2)
 

@@ -105,3 +105,85 @@ def test_host_full_drops_the_lower_value_and_reports_the_loss() -> None:
     c.state_pool.free([w])
     m = c.match(list(range(1, 30)) + [9000, 9001, 9002, 77])
     assert m.length == 20 and m.state_tier == "host" and m.lost == "host_full:host@32"
+
+
+def test_renew_refreshes_named_heads_and_demotes_stale_cuts() -> None:
+    """#23: a head or cut a request names again at or before where it resumed is refreshed
+    (one tick) and raised; the session's own cut point it resumed past and does not name is a
+    stale prediction and drops to `anchor`; another session's cut is left alone."""
+    c = _cache(states=8)
+    ids = list(range(1, 101))
+    c.begin("a")
+    _request(c, ids, [(20, "head"), (40, "cut_point"), (60, "cut_point")], "a")
+    c.end("a")
+    c.begin("b")
+    _request(c, ids[:70] + [555] * 5, [(65, "cut_point")], "b")  # b resumes at a's 60
+    c.end("b")
+    snaps = {node.depth: s for node, s in c._snaps.items()}
+    t20, t40 = snaps[20].last_access, snaps[40].last_access
+    clock = c.tiers.clock
+    m = c.match(ids + [7, 7], "a")  # a's next turn resumes at its end (103)
+    c.begin("a", None, m)
+    n = c.renew(ids + [7, 7], [(20, "cut_point"), (30, "head"), (60, "anchor")], m.length, "a")
+    assert n == 1  # only 20 has a snapshot among the named heads / cuts
+    assert (snaps[20].cls, snaps[20].last_access) == ("cut_point", clock + 2)  # match ticked
+    assert snaps[20].last_access > t20
+    assert snaps[40].cls == "anchor" and snaps[40].last_access == t40  # stale, not renewed
+    assert snaps[60].cls == "cut_point"  # b resumed there: not a's alone
+    c.end("a")
+
+
+def test_a_finished_sub_agents_heads_and_cuts_keep_their_level() -> None:
+    """#23: only a finished sub-agent's working snapshots (end, anchor, interval) drop to
+    FINISHED; its heads and cut points keep their level (without a lineage term): the next
+    sub-agent resumes at the shared head, a re-sent one at its cut."""
+    from freetoken.cache.lineage import FINISHED
+
+    for cls, want in (("end", FINISHED), ("anchor", FINISHED), ("head", 2),
+                      ("cut_point", 3)):
+        assert level(Snapshot(0, cls, 0), lineage=None) == want, cls
+    shared = Snapshot(0, "head", 0, hits=1, users={"k1", "k2"})
+    assert level(shared, lineage=None) == 2 + 1 + 2
+
+
+def test_a_waiting_parents_latest_heads_and_cuts_do_not_age() -> None:
+    """#23: while a parent waits on its sub-agents, its latest snapshot and its heads and cut
+    points count as used now (`keep_until` from the current clock); its plain snapshots age."""
+    c = _cache(states=16)
+    head = list(range(1, 101))
+    p1 = head + [200] * 20
+    c.begin("p")
+    _request(c, p1, [(50, "head"), (100, "cut_point"), (110, "anchor")], "p")
+    c.end("p")
+    c.begin("k", "p")  # a sub-agent starts (nothing in common): p waits on it
+    _request(c, [5000 + i for i in range(30)], [], "k")
+    h, now = c.tiers.horizon, c.tiers.clock
+    snaps = {node.depth: s for node, s in c._snaps.items()}
+    c.tiers._victims("device", set())  # refreshes which snapshots are covered
+    key = {node.depth: c.tiers._key(node)[0] for node in c._snaps}
+    assert all(snaps[d].last_access < now for d in (50, 100, 110, 123))
+    assert key[50] == now + 2 * h  # a head: now
+    assert key[100] == now + (3 + 3) * h  # its latest cut, BACK: now
+    assert key[123] == now + (0 + 3) * h  # its latest (the end), BACK: now
+    assert key[110] == snaps[110].last_access + (1 - 2) * h  # plain, covered: it ages
+    c.end("k")
+    c.begin("p")  # p is back: k finished, its snapshots age again
+    assert c.tiers._key(next(n for n in c._snaps if n.depth == 50))[0] == \
+        snaps[50].last_access + 2 * h
+
+
+def test_a_sessions_latest_cut_gets_the_latest_bonus() -> None:
+    """#23: Claude Code's sub-agent requests pre-open an empty `<think>` and the next request
+    renders the reasoning there, so the session resumes at its latest request's deepest cut,
+    not at its end: that cut gains LATEST like the end. The request before's cut does not."""
+    from freetoken.cache.lineage import LATEST
+
+    c = _cache(states=16)
+    ids = list(range(1, 101))
+    c.begin("s")
+    _request(c, ids, [(60, "cut_point"), (96, "cut_point")], "s")
+    c.end("s")
+    by = {node.depth: node for node in c._snaps}
+    assert c.lineage.bonus(by[96], c._snaps[by[96]].users) == LATEST
+    assert c.lineage.bonus(by[60], c._snaps[by[60]].users) == 0
+    assert c.lineage.bonus(by[103], c._snaps[by[103]].users) == LATEST  # the end, latest

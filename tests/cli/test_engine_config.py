@@ -24,7 +24,7 @@ FLAGS = ("--model", "m", "--dtype", "bf16", "--device", "cpu", "--max-running", 
          "--max-context", "2048", "--kv-tokens", "1500", "--state-slots", "12",
          "--state-host-mem", "1G", "--chunk-tokens", "256", "--max-output-tokens", "7",
          "--checkpoint-policy", "interval", "--kept-logits", "5", "--no-cuda-graph",
-         "--record-routing", "r.npz",
+         "--record-routing", "r.npz", "--decode-attention", "triton",
          "--moe-backend", "hybrid", "--moe-cache-rate", "0.5")
 
 
@@ -35,6 +35,7 @@ def test_every_engine_flag_reaches_the_config(register, command) -> None:
     assert (cfg.model, cfg.dtype, cfg.device, cfg.max_running, cfg.max_context) == (
         "m", "bf16", "cpu", 3, 2048)
     assert (cfg.max_output_tokens, cfg.cuda_graph, cfg.record_routing) == (7, False, "r.npz")
+    assert cfg.decode_attention == "triton"
     assert cfg.cache == CacheConfig(kv_tokens=1500, state_slots=12, state_host_mem=2**30,
                                     chunk_tokens=256, checkpoint_policy="interval",
                                     kept_logits=5)
@@ -48,8 +49,8 @@ def test_defaults_leave_the_backend_to_the_checkpoint() -> None:
     cfg = engine_config_from_args(_parse(register_serve, "serve"))
     assert not cfg.moe_backend_given and cfg.moe is not None
     assert cfg.cache == CacheConfig() and cfg.cache.kv_tokens is None
-    assert (cfg.model, cfg.max_running, cfg.cuda_graph, cfg.route_trace) == (
-        "demo", 4, True, None)
+    assert (cfg.model, cfg.max_running, cfg.cuda_graph, cfg.route_trace,
+            cfg.decode_attention) == ("demo", 4, True, None, "auto")
     # a command without the MoE flag group has no MoE config at all
     assert engine_config_from_args(argparse.Namespace(model="demo")).moe is None
 
@@ -72,4 +73,6 @@ def test_records_validate_on_construction() -> None:
         CacheConfig(checkpoint_policy="sometimes")
     with pytest.raises(ValueError, match="--max-context"):
         EngineConfig(max_context=0)
+    with pytest.raises(ValueError, match="--decode-attention"):
+        EngineConfig(decode_attention="fa3")
     assert EngineConfig(moe=MoEConfig(backend="cpu")).moe == MoEConfig(backend="cpu")

@@ -2,7 +2,9 @@
 real engine: a 200 and a well-formed answer, no error. The server caps output at a few tokens
 (`--max-output-tokens`) so random weights that never emit EOS end quickly. oc_prune replays a
 subset (its requests grow to 144k tokens: the whole trace took 281 s of a 2-core CI run): the
-first three and the prune request, the same subset as tests/proxy/test_proxy_adapters.py."""
+first three and the prune request, the same subset as tests/proxy/test_proxy_adapters.py;
+cc_compact its first request, the compaction request, the one after it and a re-sent
+sub-agent (its other requests are cc_try1's shapes again)."""
 from __future__ import annotations
 
 import json
@@ -14,7 +16,7 @@ import pytest
 TRACES = Path(__file__).parents[1] / "data" / "harness_traces"
 FILES = sorted(TRACES.glob("*/*.jsonl"))
 _HOP = {"host", "content-length", "connection", "accept-encoding", "transfer-encoding"}
-SUBSET = {"oc_prune": {1, 2, 3, 13}}
+SUBSET = {"oc_prune": {1, 2, 3, 13}, "cc_compact": {1, 11, 12, 13}}
 
 
 def _records(path: Path) -> list[dict]:

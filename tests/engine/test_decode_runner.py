@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from freetoken.engine.core import EngineCore
-from freetoken.engine.decode_staging import buckets_for
+from freetoken.engine.graph_capture import buckets_for
 from freetoken.models.loader import load_model
 from freetoken.types.api import GenerateRequest, SamplingParams
 

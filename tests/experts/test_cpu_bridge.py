@@ -293,3 +293,54 @@ def test_echo_answers_the_simulated_gpu_and_host_bump_counts() -> None:
     t0 = time.perf_counter()
     bump(ctypes.addressof(arg))
     assert arg[0] == 7 and time.perf_counter() - t0 >= 2e-3
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("sent", [0, 1])
+def test_abandoned_step_releases_the_worker(monkeypatch, native: bool, sent: int) -> None:
+    """Issue 22: a replayed step that raises after sending `sent` of its layers. Bugs caught:
+    the worker left waiting for the unsent layers (it failed at its timeout: `layer 1 of step
+    1 never arrived`), the unsent layers computed from stale buffers, or the device's step
+    counter left behind the host's (the next step's flags then carry the dead step's number:
+    its receive takes the worker's answer to the wrong step, or waits it out). The next step
+    — another row count — must get the reference's results, without any wait timing out."""
+    if native and load_kernel() is None:
+        pytest.skip("C++ CPU kernel unavailable")
+    monkeypatch.setattr(cpu_bridge, "WORKER_TIMEOUT_S", 2.0)
+    gu, dn = _banks(torch.bfloat16)
+    br = _bridge(gu, dn, torch.bfloat16, native)
+    x, ids, mask = _inputs(1, torch.bfloat16, seed=9)
+    br.out.fill_(7.0)  # a layer the worker computes writes over its masked entries
+    br.mask.fill_(True)  # stale buffers from earlier steps (expert 0, zero rows)
+    br.begin_step(1, replay=True)
+    for m in range(sent):
+        br.send(m, x[m], ids[m], mask[m])
+        br.receive(m, mask[m], torch.zeros(1, K, H, dtype=torch.bfloat16))
+    t0 = time.perf_counter()
+    br.abandon()
+    assert time.perf_counter() - t0 < 1.0  # released, not timed out
+    assert br.last_run == br.seq == int(br.seq_dev) == 1 and br.abandoned == 1
+    assert not br.failed and int(br.err[0]) == 0
+    assert bool((br.out[sent:] == 7.0).all())  # the unsent layers computed nothing
+    x2, ids2, mask2 = _inputs(3, torch.bfloat16, seed=10)
+    y = _step(br, x2, ids2, mask2)
+    assert not br.failed and br.last_run == 2 and br.steps_done == 2
+    for m in range(L):
+        ref = expert_ffn_reference(x2[m].float(), ids2[m], gu[m], dn[m], mask2[m])
+        got = y[m].double() * mask2[m][..., None]
+        assert float((got - ref).norm()) <= 2e-2 * max(float(ref.norm()), 1e-6)
+
+
+def test_abandon_on_a_failed_worker_raises() -> None:
+    """A worker that already failed cannot be released: abandon says so (BridgeError, the
+    engine then drops the bridge) instead of waiting."""
+    gu, dn = _banks(torch.float32)
+    br = _bridge(gu, dn, torch.float32, False)
+    br.compute = lambda *a: (_ for _ in ()).throw(RuntimeError("injected worker failure"))
+    x, ids, mask = _inputs(1, torch.float32, seed=11)
+    mask[0] = True
+    br.begin_step(1, replay=True)
+    br.send(0, x[0], ids[0], mask[0])
+    br.receive(0, mask[0], torch.zeros(1, K, H))
+    with pytest.raises(BridgeError, match="injected worker failure"):
+        br.abandon()

@@ -79,3 +79,31 @@ def test_openclaw_siblings_part_at_their_session_label_with_a_head_anchor(tok) -
     assert lcp < len(reqs[1].ids) - 1000  # they part inside the system prompt
     r = replay(reqs, "semantic+cuts", device_slots=64, host_slots=256)
     assert lcp - 24 <= len(reqs[1].ids) - r.recomputed[1] <= lcp
+
+
+def test_a_codex_sub_agent_names_its_parent_thread() -> None:
+    """#23 item 1: Codex's turn metadata names a spawned thread's parent. Bug caught: the Codex
+    adapter (which claims Codex's requests before `generic`) had no `parent_key`, so a Codex
+    sub-agent reached the engine without its lineage."""
+    from freetoken.cache.lineage import Lineage
+
+    rec = _records("codex/codex_responses.jsonl")[0]
+    headers = {k.lower(): v for k, v in rec["headers"].items()}
+    main = HarnessRequest("openai", "/v1/responses", headers, rec["body"])
+    meta = json.loads(headers["x-codex-turn-metadata"])
+    child_meta = dict(meta, thread_id="child-thread", parent_thread_id=meta["thread_id"])
+    child = HarnessRequest("openai", "/v1/responses",
+                           dict(headers, **{"x-codex-turn-metadata": json.dumps(child_meta)}),
+                           rec["body"])
+    ad = detect_adapter(main)
+    assert ad.name == "codex" and detect_adapter(child) is ad
+    assert ad.parent_key(main) is None
+    parent_key, main_key = ad.parent_key(child), ad.session_key(main)
+    assert parent_key is not None and main_key.startswith(parent_key)
+    assert ad.session_key(child) != main_key
+    lin = Lineage()
+    lin.begin(main_key)
+    lin.end(main_key)
+    lin.begin(ad.session_key(child), parent_key)
+    assert lin.sessions[ad.session_key(child)].parent == main_key
+    assert lin.waiting_on_children(main_key)

@@ -64,3 +64,20 @@ def test_launch_cli_dry_run_and_write(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "export CLAUDE_CODE_MAX_OUTPUT_TOKENS='2048'" in out
     assert "[1m]" in out and "export ANTHROPIC_MODEL='claude-opus-4-8'" in out
+
+
+def test_keepalive_interval_is_what_the_docs_say() -> None:
+    """Issue 28: OpenAI streams sent keep-alives every 10 s where the docs said 5 s. The
+    proxy's default (`--ping-s`, ProxyConfig) and ft serve's (KEEPALIVE_S) are the 5 s that
+    docs/proxy.md and docs/server.md state."""
+    import dataclasses
+    from pathlib import Path
+
+    from freetoken.server.sse import KEEPALIVE_S
+
+    field = {f.name: f for f in dataclasses.fields(ProxyConfig)}["ping_s"]
+    assert KEEPALIVE_S == field.default == _args("--upstream", "http://u").ping_s == 5.0
+    docs = Path(__file__).parents[2] / "docs"
+    proxy_md = " ".join((docs / "proxy.md").read_text().split())
+    assert "`--ping-s` seconds (5)" in proxy_md and "every 5 s" in proxy_md
+    assert "keep-alive every 5 s" in " ".join((docs / "server.md").read_text().split())

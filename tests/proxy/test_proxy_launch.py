@@ -189,3 +189,53 @@ def test_ttft_counts_from_the_first_token_not_the_first_chunk() -> None:
     assert not carries_token("anthropic", "message_start", "{}")
     assert not carries_token("anthropic", "content_block_start", "{}")
     assert carries_token("anthropic", "content_block_delta", "{}")
+
+
+def _no_limits_upstream() -> Server:
+    """llama-cpp-python's dialect: /v1/models names the model, no limits anywhere; a prompt
+    that does not fit gets its server's 400 (llama_cpp/server/errors.py's wording)."""
+    async def chat(request: Request) -> JSONResponse:
+        body = await request.json()
+        if "long" in json.dumps(body["messages"]):
+            return JSONResponse({"error": {
+                "message": "This model's maximum context length is 2048 tokens. However, you "
+                           "requested 3100 tokens (3000 in the messages, 100 in the "
+                           "completion). Please reduce the length of the messages or "
+                           "completion.", "type": "invalid_request_error",
+                "param": "messages", "code": "context_length_exceeded"}}, 400)
+        return JSONResponse({"id": "c1", "object": "chat.completion", "model": "m",
+                             "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                                 "role": "assistant", "content": "ok"}}],
+                             "usage": {"prompt_tokens": 9, "completion_tokens": 1,
+                                       "total_tokens": 10}})
+
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model",
+                                                         "owned_by": "me"}]})
+
+    return Server(Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
+                                    Route("/v1/models", models)]))
+
+
+def test_context_learned_from_the_upstreams_context_error(tmp_path) -> None:
+    from freetoken.cli.launch import _ask_proxy
+    from freetoken.proxy.probe import context_from_error
+
+    assert context_from_error("Requested tokens (3000) exceed context window of 2048") == 2048
+    assert context_from_error("upstream: messages required") is None
+    up = _no_limits_upstream()
+    proxy = Server(create_proxy_app(ProxyConfig(upstream=up.url, metrics_path=None)))
+    try:
+        msg = {"model": "m", "max_tokens": 100}
+        ok = httpx.post(proxy.url + "/v1/messages", json={**msg, "messages": [
+            {"role": "user", "content": "hi"}]})
+        assert ok.status_code == 200, ok.text
+        assert _ask_proxy(proxy.url, "claude")[0] is None  # nothing to discover yet
+        r = httpx.post(proxy.url + "/v1/messages", json={**msg, "messages": [
+            {"role": "user", "content": "long"}]})
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+        assert "2048" in r.json()["error"]["message"]
+        assert _ask_proxy(proxy.url, "claude")[0] == 2048  # what ft launch tells Claude Code
+    finally:
+        proxy.stop()
+        up.stop()

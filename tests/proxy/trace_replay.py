@@ -19,7 +19,7 @@ from freetoken.chat import (
 from freetoken.proxy.heads import HeadBreaks
 from freetoken.proxy.sessions import EditPoint, SessionStore
 from harness_adapters import HarnessRequest, detect_adapter
-from harness_adapters.base import system_text
+from harness_adapters.base import first_user_text, system_text
 
 TRACES = Path(__file__).parents[1] / "data" / "harness_traces"
 # chat-shaped traces (Anthropic messages, OpenAI chat); Codex's Responses session is replayed by
@@ -76,8 +76,11 @@ def replay(path: Path, seqs: set[int] | None = None,
         ti = (anthropic_to_template if req.api == "anthropic" else openai_to_template)(body)
         prompt = tok.apply(ti.messages, tools=ti.tools, enable_thinking=ti.enable_thinking)
         cuts = ad.cut_points(prompt.anchors, ti.messages)
-        # as TurnEngine: the head breaks become system_block anchors after the cuts are chosen
+        # as TurnEngine: the head and user breaks become system_block anchors after the cuts
+        # are chosen
         anchors = heads.anchors(prompt.anchors, system_text(body), ad.head_breaks(body),
+                                prompt.input_ids)
+        anchors = heads.anchors(anchors, first_user_text(body), ad.user_breaks(body),
                                 prompt.input_ids)
         prev_anchors = last.get(key, [])
         last[key] = anchors

@@ -180,11 +180,10 @@ def start_stack(model_dir: Path, max_output: int = 4, **limit_kw: Any) -> Stack:
     return stack
 
 
-M_ARENA_MAX = -8  # glibc mallopt parameter
-
-
 def cap_malloc_arenas(n: int = 1) -> bool:
-    """Let glibc's malloc keep at most `n` arenas for the threads started from here on.
+    """Make `ft`'s malloc settings (freetoken/cli/malloc.py: the fixed mmap threshold, or
+    glibc's own variable when set) with at most `n` arenas for the threads started from here
+    on; whether mallopt took the cap.
 
     This process runs every front (six servers' threads, the engine's, the workers'), and
     glibc gives each allocating thread an arena of its own (up to 8 per core) that keeps its
@@ -192,14 +191,13 @@ def cap_malloc_arenas(n: int = 1) -> bool:
     soak's engine front grew ~9 MB per 10 s under default arenas, still 8-16 MB per CI soak
     under two, 0.0-0.4 under one; the tensors alive stayed at 112.6 MB throughout). The soak
     measures retention, so it takes one; a no-op where mallopt is missing (not glibc)."""
-    import ctypes
-    import ctypes.util
+    import os
 
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(M_ARENA_MAX, n))
-    except (OSError, AttributeError):
-        return False
+    from freetoken.cli import malloc
+    from freetoken.envs import FT_MALLOC_ARENA_MAX
+
+    made = malloc.apply({**os.environ, FT_MALLOC_ARENA_MAX.name: str(n)})
+    return any(s.field == "arena_max" and s.applied for s in made)
 
 
 def warm_pools(core: Any) -> None:

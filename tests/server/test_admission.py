@@ -20,6 +20,9 @@ from freetoken.types.api import AdmissionError, EngineEvent, GenerateRequest, Sa
 class RecordingCore:
     max_context = 100
 
+    def close(self) -> None:  # the core contract: threads released at shutdown (none here)
+        pass
+
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, str]] = []  # (op, request id, thread name)
         self.emits: dict[str, object] = {}

@@ -98,6 +98,9 @@ class CheckingCore:
 
     max_context = 4096
 
+    def close(self) -> None:  # the core contract: threads released at shutdown (none here)
+        pass
+
     def __init__(self) -> None:
         self.checks: list[str] = []
 
