@@ -72,12 +72,18 @@ def _default_id(_index: int) -> str:
 
 
 def output_parser(tokenizer: _Tok, family: str = "qwen3", **kw: Any) -> Any:
-    """The output parser of `family`: `HarmonyOutputParser` for gpt_oss, else `OutputParser`
-    (`kw`: thinking, starts_in_reasoning, tools, id_factory)."""
-    if FAMILIES.get(family) == "harmony":
+    """The output parser of a response (`kw`: thinking, starts_in_reasoning, tools, id_factory):
+    `HarmonyOutputParser` when the vocabulary is harmony's (as rendering decides: gpt-oss), else
+    `OutputParser` of `family` (gpt_oss without a harmony vocabulary, e.g. a `ft bench
+    checkpoint` shape over the Qwen3 tokenizer, renders and parses as qwen3)."""
+    from freetoken.chat.harmony_anchors import HarmonyTokens
+
+    if HarmonyTokens.from_vocab(tokenizer.special_ids) is not None:
         from freetoken.chat.harmony_output import HarmonyOutputParser
 
         return HarmonyOutputParser(tokenizer, **kw)
+    if FAMILIES.get(family) == "harmony":
+        family = "qwen3"
     return OutputParser(tokenizer, family=family, **kw)
 
 

@@ -285,3 +285,15 @@ def test_effort_reaches_the_template_input() -> None:
     chat, _ = to_chat({"reasoning": {"effort": "high"}}, [{"type": "message", "role": "user",
                                                           "content": "Hi"}])
     assert openai_request(chat).template.reasoning_effort == "high"
+
+
+def test_gpt_oss_without_harmony_vocabulary_parses_as_qwen() -> None:
+    """A gpt-oss shape served over the Qwen3 tokenizer (`ft bench checkpoint`) renders with
+    Qwen's template, so its output parses as qwen3's."""
+    from freetoken.chat import ChatTokenizer, OutputParser, qwen3_tokenizer_dir
+
+    qwen = ChatTokenizer.from_dir(qwen3_tokenizer_dir())
+    p = output_parser(qwen, "gpt_oss")
+    assert isinstance(p, OutputParser)
+    assert p.push(qwen.encode("<think>r</think>ok")) + p.finish() == [ReasoningDelta("r"),
+                                                                     TextDelta("ok")]
