@@ -150,6 +150,32 @@ def tool_namespace(tools: Sequence[dict[str, Any]]) -> str:
     return "".join(out)
 
 
+def tool_def_lines(text: str, tools: Sequence[dict[str, Any]]) -> list[tuple[str, int]]:
+    """(name, offset of the newline before its block) of each tool in the rendered `functions`
+    namespace of `text`, in order: a block is the tool's `// description` line (when it has one)
+    and its `type NAME = ...` declaration; blocks are separated by a blank line. A tool not
+    found ends the list."""
+    at = text.find("namespace functions {\n\n")
+    out: list[tuple[str, int]] = []
+    if at < 0:
+        return out
+    for t in tools:
+        fn = t.get("function", t)
+        name = str(fn.get("name"))
+        i = text.find("\ntype " + name + " = ", at)
+        if i < 0:
+            break
+        start = i + 1
+        if fn.get("description") is not None:
+            desc = "// " + str(fn["description"]) + "\n"
+            if text[start - len(desc):start] != desc:
+                break
+            start -= len(desc)
+        out.append((name, start - 1))
+        at = i + 1
+    return out
+
+
 @dataclass(frozen=True)
 class HarmonyOptions:
     """The template's kwargs: `reasoning_effort` (default medium), `model_identity`, and the

@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 
 from freetoken.chat.anchors import ROLES, AnchorTokens, detect_anchors
 from freetoken.chat.errors import ChatInputError
-from freetoken.chat.harmony import HarmonyOptions, render_harmony
+from freetoken.chat.harmony import HarmonyOptions, render_harmony, tool_def_lines
 from freetoken.chat.harmony_anchors import HarmonyTokens, detect_harmony_anchors
 from freetoken.chat.plain_text import PlainTextEscaper
 from freetoken.chat.template import (
@@ -118,8 +118,7 @@ def tool_def_anchors(text: str, offsets: Sequence[tuple[int, int]],
         fn = t.get("function") if isinstance(t.get("function"), dict) else t
         names.append(str(fn.get("name", "")) if isinstance(fn, dict) else "")
     at = text.find("<tools>")
-    ends = [e for _, e in offsets]
-    out: list[Anchor] = []
+    lines: list[tuple[str, int]] = []
     for name in names:
         key = '"name": ' + json.dumps(name, ensure_ascii=False)  # as the template's tojson
         i = text.find(key, at) if at >= 0 and name else -1
@@ -127,7 +126,18 @@ def tool_def_anchors(text: str, offsets: Sequence[tuple[int, int]],
         if line < 0:
             continue
         at = i
-        p = bisect.bisect_right(ends, line)  # tokens ending at or before the newline's start
+        lines.append((name, line))
+    return line_anchors(offsets, lines)
+
+
+def line_anchors(offsets: Sequence[tuple[int, int]],
+                 lines: Sequence[tuple[str, int]]) -> list[Anchor]:
+    """A `tool_def` anchor per (tool name, offset of the newline opening its line): the count of
+    tokens that end at or before that newline's start."""
+    ends = [e for _, e in offsets]
+    out: list[Anchor] = []
+    for name, line in lines:
+        p = bisect.bisect_right(ends, line)
         if p > 0:
             out.append(Anchor(p, "tool_def", role=name))
     return out
@@ -260,7 +270,9 @@ class ChatTokenizer:
         else:
             enc = self._tok.encode(text, add_special_tokens=False)
             ids = list(enc.ids)
-            if tools:
+            if tools and self.harmony is not None:  # each tool's block in `functions`
+                defs = line_anchors(enc.offsets, tool_def_lines(text, tools))
+            elif tools:
                 defs = tool_def_anchors(text, enc.offsets, tools)
         anchors = (detect_anchors(ids, self.anchor_tokens) if self.harmony is None else
                    detect_harmony_anchors(ids, self.harmony,

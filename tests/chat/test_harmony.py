@@ -297,3 +297,24 @@ def test_gpt_oss_without_harmony_vocabulary_parses_as_qwen() -> None:
     assert isinstance(p, OutputParser)
     assert p.push(qwen.encode("<think>r</think>ok")) + p.finish() == [ReasoningDelta("r"),
                                                                      TextDelta("ok")]
+
+
+def test_tool_def_anchors_mark_where_fewer_tools_part() -> None:
+    """A `tool_def` anchor per tool at its block in the `functions` namespace: a prompt with
+    only the tools before it (a sub-agent's) shares every token before the anchor."""
+    ct = harmony_tokenizer()
+    ping = {"type": "function", "function": {"name": "ping", "description": "Ping.\n\nTwice."}}
+    tools = [WEATHER, LOCATION, ping]
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]
+    full = ct.apply(msgs, tools)
+    defs = [a for a in full.anchors if a.kind == "tool_def"]
+    assert [a.role for a in defs] == ["get_current_weather", "get_location", "ping"]
+    for k in (1, 2):
+        fewer = ct.apply(msgs, tools[:k])
+        pos = defs[k].position
+        assert full.input_ids[:pos] == fewer.input_ids[:pos], k
+        assert full.input_ids[:pos + 2] != fewer.input_ids[:pos + 2], k  # and no further
+        # at most the previous declaration's `;` glued to the blank line sits after it
+        rest = full.text[len(ct.decode(full.input_ids[:pos])):]
+        assert rest.lstrip(";\n").startswith("// " + tools[k]["function"]["description"])
+        assert len(rest) - len(rest.lstrip(";\n")) <= 3
