@@ -32,7 +32,7 @@ from typing import Any
 
 from freetoken.chat.detok import IncrementalDetokenizer
 from freetoken.chat.harmony_anchors import HarmonyTokens
-from freetoken.chat.output import OutEvent, ReasoningDelta, TextDelta, ToolCall
+from freetoken.chat.out_events import OutEvent, ReasoningDelta, TextDelta, ToolCall
 from freetoken.log import get_logger, kv
 
 log = get_logger("chat")

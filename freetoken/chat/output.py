@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from freetoken.chat.detok import IncrementalDetokenizer
+from freetoken.chat.out_events import OutEvent, ReasoningDelta, TextDelta, ToolCall
 from freetoken.chat.tool_parsers import CALL_TAGS, parse_tool_call, tool_schemas
 from freetoken.log import get_logger, kv
 
@@ -39,25 +39,6 @@ FAMILIES = {"qwen3": "json", "qwen3_moe": "json", "qwen3_next": "json", "qwen3_c
 _CONTROL = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 
 
-@dataclass(frozen=True)
-class ReasoningDelta:
-    text: str
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    index: int
-    id: str
-    name: str
-    arguments: str  # JSON object text
-
-
-OutEvent = ReasoningDelta | TextDelta | ToolCall
 
 
 class _Tok(Protocol):
