@@ -1,10 +1,16 @@
 // CPU SwiGLU expert kernel over quantized banks (kernels/quant.py): FP8 e4m3 with one fp32
 // scale per B x B block (B a multiple of 32), and MXFP4 (e2m1 codes two a byte, low nibble the
 // even column, one e8m0 scale per 32 columns). The weights are read as they are stored and
-// converted in registers, 32 columns (one scale) at a time: e4m3 by moving its bits into an
-// fp32 and rebiasing the exponent with one multiply (exact, subnormals included), e2m1 through
-// one byte shuffle through a 16-entry table of 2 * e2m1 (integers) and an int8 -> fp32
-// convert (scalar: tables). The products and sums are fp32, as in expert_kernel.cpp.
+// converted in registers, 32 columns (one chunk) at a time, into fp32 products and sums:
+// - e4m3: the byte sign-extended, shifted and masked is an fp32 of the value * 2^-120 (exact,
+//   subnormals included), multiplied by the block's scale * 2^120 (fp8_chunk);
+// - e2m1: one permute per vector of a per-chunk table (the 16 signed values times the chunk's
+//   scale; AVX2's 8-entry permute takes the sign by one XOR, see mx_lut), so no multiply per
+//   weight. The two nibbles of a byte land in two vectors (even and odd columns), so the
+//   activations are read in "pair order" (mx_pos): x permuted once per call, the act rows
+//   written permuted by phase 1. Scalar builds: tables, natural order.
+// Each row pass keeps 8 (AVX2: 4 at 2 tokens, 2 past) accumulators per token so the FMA
+// latency is covered at T = 1, for up to kQnt tokens per pass over the row.
 //
 // Shape legend: T tokens, K routed experts per token, E experts, H hidden, I intermediate,
 // n entries (t, k) routed to one expert.
@@ -58,98 +64,190 @@ const Tables kTables;
 
 constexpr int kVec = kChunk / VL;  // vectors per chunk
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-// The 32 e2m1 codes of 16 bytes as int8 2 * value, in column order (v[0]: columns 0..15,
-// v[1]: 16..31): the nibbles split and interleaved (low nibble first), then one byte shuffle
-// through the 16-entry table (2 * e2m1 is an integer: 0, 1, 2, 3, 4, 6, 8, 12, signed).
-inline void mx_codes_x2(const uint8_t* p, __m128i* v) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i nib = _mm_set1_epi8(15);
-  const __m128i lo = _mm_and_si128(raw, nib), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nib);
-  const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-  v[0] = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi));
-  v[1] = _mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi));
+// Accumulators per token of a row pass of NT tokens: enough independent FMA chains to cover
+// the FMA latency at T = 1, few enough to stay in registers (16 ymm, 32 zmm) with the codes.
+template <int NT>
+constexpr int accs() {
+  return VL == 1 ? 1 : NT == 1 ? 8 : NT == 2 ? (VL == 16 ? 8 : 4) : (VL == 16 ? 4 : 2);
 }
-#endif
 
-// w[0..kVec) = the 32 weights of `p` (FMT 0: 32 e4m3 bytes; 1: 16 bytes of e2m1 pairs) * s
-template <int FMT>
-inline void load_chunk(const uint8_t* p, float s, V* w) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  if (FMT == 0) {
-    // the e4m3 bits moved into an fp32 are the value * 2^-120: fold 2^120 into the scale
-    // (exact: a power of two) unless that overflows
-    const float sf = s * 0x1p120f;
-    const bool fold = !std::isinf(sf);
-    const V vs = vset1(fold ? sf : s), rebias = vset1(0x1p120f);
-    for (int u = 0; u < kVec; ++u) {
-      const __m512i b = _mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * u)));
-      const __m512i bits = _mm512_or_si512(
-          _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24),
-          _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)), 20));
-      const V f = _mm512_castsi512_ps(bits);
-      w[u] = vmul(fold ? f : vmul(f, rebias), vs);
-    }
-  } else {
-    __m128i v[2];
-    mx_codes_x2(p, v);
-    const V vs = vset1(0.5f * s);
-    for (int u = 0; u < kVec; ++u) w[u] = vmul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v[u])), vs);
+// MXFP4's activations are read in "pair order": within each group of 2 * VL columns the even
+// columns first, then the odd ones (the two nibbles of VL bytes decode to those two vectors
+// without a byte shuffle). mx_pos maps a column to its place; at VL = 1 it is the identity.
+inline int64_t mx_pos(int64_t j) {
+  const int64_t g = j / (2 * VL), o = j % (2 * VL);
+  return g * 2 * VL + (o & 1) * VL + o / 2;
+}
+
+#if defined(FT_AVX512)
+// FP8: the 32 e4m3 bytes of a chunk as fp32 * s, in column order, where s already holds the
+// 2^120 of the rebias. The byte sign-extended to 32 bits and shifted left by 20 holds the
+// sign in bits 31-27 and eeee mmm in bits 26-20: masking 0x87f00000 leaves the fp32 with
+// sign s, exponent 0000eeee and mantissa mmm0..., the e4m3 value * 2^-120 (subnormals too:
+// they become fp32 subnormals), which the multiply by s rescales exactly.
+inline void fp8_chunk(const uint8_t* p, V s, V* w) {
+  const __m512i mask = _mm512_set1_epi32(static_cast<int>(0x87f00000u));
+  for (int u = 0; u < kVec; ++u) {
+    const __m512i b =
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * u)));
+    w[u] = vmul(_mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(b, 20), mask)), s);
   }
+}
+
+// MXFP4: the scaled 16-entry e2m1 table of one chunk (one e8m0 scale)
+struct MxLut {
+  V t;
+};
+inline MxLut mx_lut(float s) {
+  const V tab = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                               -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
+  return MxLut{vmul(tab, vset1(s))};
+}
+// the 32 weights of 16 bytes in pair order: w[0] the low nibbles (even columns), w[1] the
+// high ones, each one permute of the table by the code (vpermps reads an index's low 4 bits)
+inline void mx_chunk(const uint8_t* p, const MxLut& l, V* w) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  w[0] = _mm512_permutexvar_ps(b, l.t);
+  w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), l.t);
+}
 #elif defined(__AVX2__)
-  if (FMT == 0) {
-    const float sf = s * 0x1p120f;  // as above
-    const bool fold = !std::isinf(sf);
-    const V vs = vset1(fold ? sf : s), rebias = vset1(0x1p120f);
-    for (int u = 0; u < kVec; ++u) {
-      const __m256i b = _mm256_cvtepu8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * u)));
-      const __m256i bits = _mm256_or_si256(
-          _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24),
-          _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7f)), 20));
-      const V f = _mm256_castsi256_ps(bits);
-      w[u] = vmul(fold ? f : vmul(f, rebias), vs);
-    }
-  } else {
-    __m128i v[2];
-    mx_codes_x2(p, v);
-    const V vs = vset1(0.5f * s);
-    for (int u = 0; u < kVec; ++u) {
-      const __m128i d = u & 1 ? _mm_srli_si128(v[u >> 1], 8) : v[u >> 1];
-      w[u] = vmul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(d)), vs);
-    }
+// FP8 as in the AVX-512 build, 8 bytes at a time
+inline void fp8_chunk(const uint8_t* p, V s, V* w) {
+  const __m256i mask = _mm256_set1_epi32(static_cast<int>(0x87f00000u));
+  for (int u = 0; u < kVec; ++u) {
+    const __m256i b =
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * u)));
+    w[u] = vmul(_mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 20), mask)), s);
   }
-#else
-  for (int u = 0; u < kChunk; ++u)
-    w[u] = s * (FMT == 0 ? kTables.fp8[p[u]] : kTables.e2m1[(p[u >> 1] >> (4 * (u & 1))) & 15]);
-#endif
 }
 
-// res[t] = row r of m . xs[t] for NT tokens: the row converted chunk by chunk in registers
+// MXFP4: vpermps reads only 3 index bits, so the table holds the 8 magnitudes * scale, each
+// XORed with its own index << 28; XORing the permuted entry with (code << 28) then cancels
+// those bits and sets the sign from the code's bit 3, in one op.
+struct MxLut {
+  V t;
+};
+inline MxLut mx_lut(float s) {
+  const V mag = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+  const __m256i pat = _mm256_slli_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), 28);
+  return MxLut{_mm256_xor_ps(vmul(mag, vset1(s)), _mm256_castsi256_ps(pat))};
+}
+inline V mx_pick(const MxLut& l, __m256i code) {  // code: one e2m1 code per lane (bits 0-3)
+  return _mm256_xor_ps(_mm256_permutevar8x32_ps(l.t, code),
+                       _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
+}
+// the 32 weights of 16 bytes in pair order (w[0], w[1]: columns 0..15; w[2], w[3]: 16..31)
+inline void mx_chunk(const uint8_t* p, const MxLut& l, V* w) {
+  for (int h8 = 0; h8 < 2; ++h8) {
+    const __m256i b = _mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h8)));
+    w[2 * h8] = mx_pick(l, b);  // bits 4-7 of b fall out of the << 28, vpermps ignores them
+    w[2 * h8 + 1] = mx_pick(l, _mm256_srli_epi32(b, 4));
+  }
+}
+#else
+inline void fp8_chunk(const uint8_t* p, V s, V* w) {  // s holds 2^120, as the vector builds
+  for (int u = 0; u < kChunk; ++u) w[u] = kTables.fp8[p[u]] * 0x1p-120f * s;
+}
+struct MxLut {
+  float s;
+};
+inline MxLut mx_lut(float s) { return MxLut{s}; }
+inline void mx_chunk(const uint8_t* p, const MxLut& l, V* w) {
+  for (int u = 0; u < kChunk; ++u) w[u] = l.s * kTables.e2m1[(p[u >> 1] >> (4 * (u & 1))) & 15];
+}
+#endif
+
+// chunks in a row at most (H, I <= 32 * kMaxScales: ft_cpu_experts_q checks)
+constexpr int64_t kMaxScales = 1024;
+
+// f[i] = the e8m0 scale s[i] as fp32 (2^(s - 127); 0 -> 2^-127, a subnormal), i < n
+inline void e8m0_row(const uint8_t* s, int64_t n, float* f) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  for (; i + 8 <= n; i += 8) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + i)));
+    const __m256i z = _mm256_cmpeq_epi32(b, _mm256_setzero_si256());
+    const __m256i bits = _mm256_blendv_epi8(_mm256_slli_epi32(b, 23),
+                                            _mm256_set1_epi32(0x00400000), z);
+    _mm256_storeu_ps(f + i, _mm256_castsi256_ps(bits));
+  }
+#endif
+  for (; i < n; ++i) f[i] = e8m0_to_f32(s[i]);
+}
+
+// acc[t][(PH * kVec + v) % U] += w[v] * x[t][j + v * VL]: one chunk of NT tokens
+template <int NT, int U, int PH>
+inline void fma_chunk(const V* w, const float* const* xs, int64_t j, V (&acc)[NT][U]) {
+#pragma GCC unroll 32
+  for (int v = 0; v < kVec; ++v)
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t)
+      acc[t][(PH * kVec + v) % U] = vfma(w[v], vload(xs[t] + j + v * VL), acc[t][(PH * kVec + v) % U]);
+}
+
+// R chunks of a row from column j (R = U / kVec phases, so every accumulator gets one FMA per
+// vector of the step). sc: fp8: the scale block's scale times 2^120 (*sc); mxfp4: the row's
+// e8m0 scales as fp32, one per chunk.
+// BIG (fp8 only): the row has a scale whose 2^120 multiple overflows; its weights are
+// multiplied by 2^64 first and sc holds scale * 2^56.
+template <int FMT, int NT, int U, int PH, int R, bool BIG>
+inline void row_step(const uint8_t* row, const float* sc, const float* const* xs, int64_t j,
+                     V (&acc)[NT][U]) {
+  V w[kVec];
+  if constexpr (FMT == 0) {
+    fp8_chunk(row + j, vset1(*sc), w);
+    if constexpr (BIG)
+      for (int u = 0; u < kVec; ++u) w[u] = vmul(w[u], vset1(0x1p64f));
+  } else {
+    mx_chunk(row + j / 2, mx_lut(sc[j / kChunk]), w);
+  }
+  fma_chunk<NT, U, PH>(w, xs, j, acc);
+  if constexpr (PH + 1 < R) row_step<FMT, NT, U, PH + 1, R, BIG>(row, sc, xs, j + kChunk, acc);
+}
+
+template <int FMT, int NT, int U, bool BIG>
+inline void row_span(const uint8_t* row, const float* sc, const float* const* xs, int64_t j,
+                     int64_t j1, V (&acc)[NT][U]) {
+  constexpr int R = U > kVec ? U / kVec : 1;
+  for (; j + R * kChunk <= j1; j += R * kChunk)
+    row_step<FMT, NT, U, 0, R, BIG>(row, sc, xs, j, acc);
+  for (; j < j1; j += kChunk) row_step<FMT, NT, U, 0, 1, BIG>(row, sc, xs, j, acc);
+}
+
+// res[t] = row r of m . xs[t] for NT tokens, the row converted chunk by chunk in registers with
+// its scales (one per chunk, made first); MXFP4's xs are in pair order.
 template <int FMT, int NT>
 inline void qdot_row(const QMat& m, int64_t r, const float* const* xs, float* res) {
-  V acc[NT][kVec];
+  constexpr int U = accs<NT>();
+  V acc[NT][U];
   for (int t = 0; t < NT; ++t)
-    for (int u = 0; u < kVec; ++u) acc[t][u] = vzero();
-  const int64_t rb = FMT == 0 ? m.cols : m.cols / 2;
-  const uint8_t* row = m.data + r * rb;
-  const float* fscale = FMT == 0 ? static_cast<const float*>(m.scale) +
-                                       ((r / m.half) * m.nb + (r % m.half) / m.block) * m.cb
-                                 : nullptr;
-  const uint8_t* mscale = FMT == 1 ? static_cast<const uint8_t*>(m.scale) + r * (m.cols / 32)
-                                   : nullptr;
-  V w[kVec];
-  for (int64_t j = 0; j < m.cols; j += kChunk) {
-    const float s = FMT == 0 ? fscale[j / m.block] : e8m0_to_f32(mscale[j / kChunk]);
-    load_chunk<FMT>(row + (FMT == 0 ? j : j / 2), s, w);
-    for (int u = 0; u < kVec; ++u)
-      for (int t = 0; t < NT; ++t) acc[t][u] = vfma(w[u], vload(xs[t] + j + u * VL), acc[t][u]);
+    for (int u = 0; u < U; ++u) acc[t][u] = vzero();
+  if constexpr (FMT == 1) {
+    const int64_t nc = m.cols / kChunk;
+    float sc[kMaxScales];
+    e8m0_row(static_cast<const uint8_t*>(m.scale) + r * nc, nc, sc);
+    row_span<1, NT, U, false>(m.data + r * (m.cols / 2), sc, xs, 0, m.cols, acc);
+  } else {
+    // one scale block at a time
+    const float* fs = static_cast<const float*>(m.scale) +
+                      ((r / m.half) * m.nb + (r % m.half) / m.block) * m.cb;
+    const uint8_t* row = m.data + r * m.cols;
+    for (int64_t j = 0, b = 0; j < m.cols; j += m.block, ++b) {
+      const int64_t j1 = std::min(m.cols, j + m.block);
+      float v = fs[b] * 0x1p120f;  // exact: a power of two
+      if (!std::isinf(v)) {
+        row_span<0, NT, U, false>(row, &v, xs, j, j1, acc);
+      } else {
+        v = fs[b] * 0x1p56f;
+        row_span<0, NT, U, true>(row, &v, xs, j, j1, acc);
+      }
+    }
   }
   for (int t = 0; t < NT; ++t) {
-    float sum = 0.f;
-    for (int u = 0; u < kVec; ++u) sum += vsum(acc[t][u]);
-    res[t] = sum;
+    V sum = acc[t][0];
+    for (int u = 1; u < U; ++u) sum = sum + acc[t][u];
+    res[t] = vsum(sum);
   }
 }
 
@@ -206,6 +304,27 @@ void run_quant(ExpertCall& c, const QCall& q, int nth) {
   const int64_t u1 = (I + kRows1 - 1) / kRows1, u2 = (H + kRows2 - 1) / kRows2;
   int nmax = 1;
   for (const Group& g : c.groups) nmax = std::max(nmax, g.n);
+  // MXFP4 reads its activations in pair order (mx_pos): x rows permuted once here, the act
+  // rows written permuted by phase 1
+  std::vector<float> xq;
+  std::vector<const float*> xqp;
+  const float* const* xrows = c.xp.data();
+  if (FMT == 1 && VL > 1) {
+    const int64_t n_ent = static_cast<int64_t>(c.entries.size());
+    xq.resize(c.T * H);
+    std::vector<char> seen(c.T, 0);
+    xqp.resize(n_ent);
+    for (int64_t j = 0; j < n_ent; ++j) {
+      const int64_t t = c.entries[j] / c.K;
+      float* dst = xq.data() + t * H;
+      if (!seen[t]) {
+        for (int64_t h = 0; h < H; ++h) dst[mx_pos(h)] = c.xp[j][h];
+        seen[t] = 1;
+      }
+      xqp[j] = dst;
+    }
+    xrows = xqp.data();
+  }
 #pragma omp parallel num_threads(nth)
   {
     std::vector<float> gres(nmax), ures(nmax);
@@ -213,21 +332,22 @@ void run_quant(ExpertCall& c, const QCall& q, int nth) {
     for (int64_t w = 0; w < ng * u1; ++w) {
       const Group& g = c.groups[w / u1];
       const QMat m = expert_mat<FMT>(q, true, g.expert, H, I);
-      const float* const* xs = c.xp.data() + g.begin;
+      const float* const* xs = xrows + g.begin;
       const int64_t r0 = (w % u1) * kRows1, r1 = std::min(I, r0 + kRows1);
       for (int64_t r = r0; r < r1; ++r) {
+        const int64_t ra = FMT == 1 ? mx_pos(r) : r;  // where the act value goes
         qdot_tokens<FMT>(m, r, xs, g.n, gres.data());
         qdot_tokens<FMT>(m, I + r, xs, g.n, ures.data());
         if (q.gub) {
           for (int t = 0; t < g.n; ++t) {
             const float* b = q.gub + q.bias_ids[c.entries[g.begin + t]] * 2 * I;
-            c.act[(g.begin + t) * I + r] =
+            c.act[(g.begin + t) * I + ra] =
                 swiglu_oai(gres[t] + b[r], ures[t] + b[I + r], q.alpha, q.limit);
           }
           continue;
         }
         for (int t = 0; t < g.n; ++t)
-          c.act[(g.begin + t) * I + r] = gres[t] / (1.f + std::exp(-gres[t])) * ures[t];
+          c.act[(g.begin + t) * I + ra] = gres[t] / (1.f + std::exp(-gres[t])) * ures[t];
       }
     }
 #pragma omp for schedule(dynamic, 1)
@@ -262,6 +382,7 @@ int ft_cpu_experts_q(const float* x, int64_t T, int64_t H, const int64_t* ids, i
                      const float* dn_bias, const int64_t* bias_ids, float alpha, float limit) {
   if (fmt != 0 && fmt != 1) return 2;
   if (H % kChunk || I % kChunk || (fmt == 0 && (block <= 0 || block % kChunk))) return 3;
+  if (std::max(H, I) > kChunk * kMaxScales) return 3;
   const int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
   ExpertCall c;
   const int rc = expert_prepare(c, x, T, H, ids, K, mask, gate_up, down, E, I, 0, out, nth, 0,

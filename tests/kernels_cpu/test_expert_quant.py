@@ -6,15 +6,34 @@ import pytest
 import torch
 
 from kernels.cpu.expert_ops import cpu_experts, cpu_experts_torch, run_quant
-from kernels.cpu.ext import CpuKernel
+from kernels.cpu.ext import CpuKernel, build_emulated, simde_include
 from kernels.quant import quantize_bank
 from kernels.reference import expert_ffn_reference
 from tests.kernels_cpu.test_expert_ops import _build_runnable, _test_isas
 
+EMULATED = "avx512-simde"  # the AVX-512 paths under SIMDe, where the CPU has no AVX-512
 
-@pytest.fixture(scope="module", params=_test_isas())
+
+def quant_isas() -> list[str]:
+    """The builds this CPU runs, plus the emulated AVX-512 paths when it runs none of them."""
+    isas = _test_isas()
+    return isas if any(i.startswith("avx512") for i in isas) else [*isas, EMULATED]
+
+
+def quant_kernel(isa: str) -> CpuKernel:
+    if isa != EMULATED:
+        return _build_runnable(isa)
+    if simde_include() is None:
+        pytest.skip("simde-py (a dev dependency) is missing: the AVX-512 paths run only on "
+                    "an AVX-512 CPU")
+    kern = build_emulated()
+    assert kern.built_isa == "avx512"
+    return kern
+
+
+@pytest.fixture(scope="module", params=quant_isas())
 def isa_kernel(request: pytest.FixtureRequest) -> CpuKernel:
-    return _build_runnable(request.param)
+    return quant_kernel(request.param)
 
 
 def _case(fmt: str, seed: int, T: int, H=96, I=64, E=5, K=3, block=32):
