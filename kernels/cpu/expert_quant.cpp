@@ -26,155 +26,17 @@
 // before the clamped SwiGLU (u + 1) * g * sigmoid(alpha * g), g = min(gate, limit),
 // u = clamp(up, -limit, limit), and its down bias row after the down product.
 #include "expert_call.h"
+#include "quant_simd.h"
 
 namespace {
 
 using namespace ft;
-
-constexpr int kChunk = 32;  // columns per scale step (one MX block; divides every fp8 block)
-constexpr int kQnt = 4;     // tokens per pass over a row
 
 struct QMat {
   const uint8_t* data;  // one expert's [rows, cols] codes
   const void* scale;    // its scales: fp8 float grid, mxfp4 e8m0 bytes
   int64_t rows, cols, block, half, nb, cb;
 };
-
-inline float e8m0_to_f32(uint8_t s) {
-  const uint32_t u = s ? static_cast<uint32_t>(s) << 23 : 0x00400000u;  // 0: 2^-127
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-struct Tables {
-  float fp8[256];
-  float e2m1[16];
-  Tables() {
-    for (int b = 0; b < 256; ++b) {
-      const int e = (b >> 3) & 15, m = b & 7;
-      const float v = e == 0 ? std::ldexp(m / 8.f, -6) : std::ldexp(1.f + m / 8.f, e - 7);
-      fp8[b] = (b & 0x80) ? -v : v;
-    }
-    const float mag[8] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
-    for (int c = 0; c < 16; ++c) e2m1[c] = c & 8 ? -mag[c & 7] : mag[c & 7];
-  }
-};
-const Tables kTables;
-
-constexpr int kVec = kChunk / VL;  // vectors per chunk
-
-// Accumulators per token of a row pass of NT tokens: enough independent FMA chains to cover
-// the FMA latency at T = 1, few enough to stay in registers (16 ymm, 32 zmm) with the codes.
-template <int NT>
-constexpr int accs() {
-  return VL == 1 ? 1 : NT == 1 ? 8 : NT == 2 ? (VL == 16 ? 8 : 4) : (VL == 16 ? 4 : 2);
-}
-
-// MXFP4's activations are read in "pair order": within each group of 2 * VL columns the even
-// columns first, then the odd ones (the two nibbles of VL bytes decode to those two vectors
-// without a byte shuffle). mx_pos maps a column to its place; at VL = 1 it is the identity.
-inline int64_t mx_pos(int64_t j) {
-  const int64_t g = j / (2 * VL), o = j % (2 * VL);
-  return g * 2 * VL + (o & 1) * VL + o / 2;
-}
-
-#if defined(FT_AVX512)
-// FP8: the 32 e4m3 bytes of a chunk as fp32 * s, in column order, where s already holds the
-// 2^120 of the rebias. The byte sign-extended to 32 bits and shifted left by 20 holds the
-// sign in bits 31-27 and eeee mmm in bits 26-20: masking 0x87f00000 leaves the fp32 with
-// sign s, exponent 0000eeee and mantissa mmm0..., the e4m3 value * 2^-120 (subnormals too:
-// they become fp32 subnormals), which the multiply by s rescales exactly.
-inline void fp8_chunk(const uint8_t* p, V s, V* w) {
-  const __m512i mask = _mm512_set1_epi32(static_cast<int>(0x87f00000u));
-  for (int u = 0; u < kVec; ++u) {
-    const __m512i b =
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * u)));
-    w[u] = vmul(_mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(b, 20), mask)), s);
-  }
-}
-
-// MXFP4: the scaled 16-entry e2m1 table of one chunk (one e8m0 scale)
-struct MxLut {
-  V t;
-};
-inline MxLut mx_lut(float s) {
-  const V tab = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
-                               -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
-  return MxLut{vmul(tab, vset1(s))};
-}
-// the 32 weights of 16 bytes in pair order: w[0] the low nibbles (even columns), w[1] the
-// high ones, each one permute of the table by the code (vpermps reads an index's low 4 bits)
-inline void mx_chunk(const uint8_t* p, const MxLut& l, V* w) {
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  w[0] = _mm512_permutexvar_ps(b, l.t);
-  w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), l.t);
-}
-#elif defined(__AVX2__)
-// FP8 as in the AVX-512 build, 8 bytes at a time
-inline void fp8_chunk(const uint8_t* p, V s, V* w) {
-  const __m256i mask = _mm256_set1_epi32(static_cast<int>(0x87f00000u));
-  for (int u = 0; u < kVec; ++u) {
-    const __m256i b =
-        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * u)));
-    w[u] = vmul(_mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 20), mask)), s);
-  }
-}
-
-// MXFP4: vpermps reads only 3 index bits, so the table holds the 8 magnitudes * scale, each
-// XORed with its own index << 28; XORing the permuted entry with (code << 28) then cancels
-// those bits and sets the sign from the code's bit 3, in one op.
-struct MxLut {
-  V t;
-};
-inline MxLut mx_lut(float s) {
-  const V mag = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
-  const __m256i pat = _mm256_slli_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), 28);
-  return MxLut{_mm256_xor_ps(vmul(mag, vset1(s)), _mm256_castsi256_ps(pat))};
-}
-inline V mx_pick(const MxLut& l, __m256i code) {  // code: one e2m1 code per lane (bits 0-3)
-  return _mm256_xor_ps(_mm256_permutevar8x32_ps(l.t, code),
-                       _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
-}
-// the 32 weights of 16 bytes in pair order (w[0], w[1]: columns 0..15; w[2], w[3]: 16..31)
-inline void mx_chunk(const uint8_t* p, const MxLut& l, V* w) {
-  for (int h8 = 0; h8 < 2; ++h8) {
-    const __m256i b = _mm256_cvtepu8_epi32(
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h8)));
-    w[2 * h8] = mx_pick(l, b);  // bits 4-7 of b fall out of the << 28, vpermps ignores them
-    w[2 * h8 + 1] = mx_pick(l, _mm256_srli_epi32(b, 4));
-  }
-}
-#else
-inline void fp8_chunk(const uint8_t* p, V s, V* w) {  // s holds 2^120, as the vector builds
-  for (int u = 0; u < kChunk; ++u) w[u] = kTables.fp8[p[u]] * 0x1p-120f * s;
-}
-struct MxLut {
-  float s;
-};
-inline MxLut mx_lut(float s) { return MxLut{s}; }
-inline void mx_chunk(const uint8_t* p, const MxLut& l, V* w) {
-  for (int u = 0; u < kChunk; ++u) w[u] = l.s * kTables.e2m1[(p[u >> 1] >> (4 * (u & 1))) & 15];
-}
-#endif
-
-// chunks in a row at most (H, I <= 32 * kMaxScales: ft_cpu_experts_q checks)
-constexpr int64_t kMaxScales = 1024;
-
-// f[i] = the e8m0 scale s[i] as fp32 (2^(s - 127); 0 -> 2^-127, a subnormal), i < n
-inline void e8m0_row(const uint8_t* s, int64_t n, float* f) {
-  int64_t i = 0;
-#if defined(__AVX2__)
-  for (; i + 8 <= n; i += 8) {
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + i)));
-    const __m256i z = _mm256_cmpeq_epi32(b, _mm256_setzero_si256());
-    const __m256i bits = _mm256_blendv_epi8(_mm256_slli_epi32(b, 23),
-                                            _mm256_set1_epi32(0x00400000), z);
-    _mm256_storeu_ps(f + i, _mm256_castsi256_ps(bits));
-  }
-#endif
-  for (; i < n; ++i) f[i] = e8m0_to_f32(s[i]);
-}
 
 // acc[t][(PH * kVec + v) % U] += w[v] * x[t][j + v * VL]: one chunk of NT tokens
 template <int NT, int U, int PH>
@@ -208,17 +70,23 @@ inline void row_step(const uint8_t* row, const float* sc, const float* const* xs
 
 template <int FMT, int NT, int U, bool BIG>
 inline void row_span(const uint8_t* row, const float* sc, const float* const* xs, int64_t j,
-                     int64_t j1, V (&acc)[NT][U]) {
+                     int64_t j1, V (&acc)[NT][U], Stream& pf) {
   constexpr int R = U > kVec ? U / kVec : 1;
-  for (; j + R * kChunk <= j1; j += R * kChunk)
+  constexpr int64_t kStepBytes = R * kChunk / (FMT == 0 ? 1 : 2);  // code bytes per step
+  for (; j + R * kChunk <= j1; j += R * kChunk) {
+    pf.step(kStepBytes);
     row_step<FMT, NT, U, 0, R, BIG>(row, sc, xs, j, acc);
-  for (; j < j1; j += kChunk) row_step<FMT, NT, U, 0, 1, BIG>(row, sc, xs, j, acc);
+  }
+  for (; j < j1; j += kChunk) {
+    pf.step(kChunk / (FMT == 0 ? 1 : 2));
+    row_step<FMT, NT, U, 0, 1, BIG>(row, sc, xs, j, acc);
+  }
 }
 
 // res[t] = row r of m . xs[t] for NT tokens, the row converted chunk by chunk in registers with
 // its scales (one per chunk, made first); MXFP4's xs are in pair order.
 template <int FMT, int NT>
-inline void qdot_row(const QMat& m, int64_t r, const float* const* xs, float* res) {
+inline void qdot_row(const QMat& m, int64_t r, const float* const* xs, float* res, Stream& pf) {
   constexpr int U = accs<NT>();
   V acc[NT][U];
   for (int t = 0; t < NT; ++t)
@@ -227,7 +95,7 @@ inline void qdot_row(const QMat& m, int64_t r, const float* const* xs, float* re
     const int64_t nc = m.cols / kChunk;
     float sc[kMaxScales];
     e8m0_row(static_cast<const uint8_t*>(m.scale) + r * nc, nc, sc);
-    row_span<1, NT, U, false>(m.data + r * (m.cols / 2), sc, xs, 0, m.cols, acc);
+    row_span<1, NT, U, false>(m.data + r * (m.cols / 2), sc, xs, 0, m.cols, acc, pf);
   } else {
     // one scale block at a time
     const float* fs = static_cast<const float*>(m.scale) +
@@ -237,10 +105,10 @@ inline void qdot_row(const QMat& m, int64_t r, const float* const* xs, float* re
       const int64_t j1 = std::min(m.cols, j + m.block);
       float v = fs[b] * 0x1p120f;  // exact: a power of two
       if (!std::isinf(v)) {
-        row_span<0, NT, U, false>(row, &v, xs, j, j1, acc);
+        row_span<0, NT, U, false>(row, &v, xs, j, j1, acc, pf);
       } else {
         v = fs[b] * 0x1p56f;
-        row_span<0, NT, U, true>(row, &v, xs, j, j1, acc);
+        row_span<0, NT, U, true>(row, &v, xs, j, j1, acc, pf);
       }
     }
   }
@@ -251,15 +119,19 @@ inline void qdot_row(const QMat& m, int64_t r, const float* const* xs, float* re
   }
 }
 
-// res[t] for the n tokens of xs (any n), kQnt at a time
+// res[t] for the n tokens of xs (any n), kQnt at a time; the first pass over the row steps
+// the prefetch cursor `pf` by the code bytes it reads
 template <int FMT>
-void qdot_tokens(const QMat& m, int64_t r, const float* const* xs, int n, float* res) {
+void qdot_tokens(const QMat& m, int64_t r, const float* const* xs, int n, float* res,
+                 Stream& pf) {
+  Stream none;
   int t = 0;
-  for (; t + kQnt <= n; t += kQnt) qdot_row<FMT, kQnt>(m, r, xs + t, res + t);
+  for (; t + kQnt <= n; t += kQnt) qdot_row<FMT, kQnt>(m, r, xs + t, res + t, t ? none : pf);
+  Stream& p = t ? none : pf;
   switch (n - t) {
-    case 3: qdot_row<FMT, 3>(m, r, xs + t, res + t); break;
-    case 2: qdot_row<FMT, 2>(m, r, xs + t, res + t); break;
-    case 1: qdot_row<FMT, 1>(m, r, xs + t, res + t); break;
+    case 3: qdot_row<FMT, 3>(m, r, xs + t, res + t, p); break;
+    case 2: qdot_row<FMT, 2>(m, r, xs + t, res + t, p); break;
+    case 1: qdot_row<FMT, 1>(m, r, xs + t, res + t, p); break;
     default: break;
   }
 }
@@ -325,44 +197,99 @@ void run_quant(ExpertCall& c, const QCall& q, int nth) {
     }
     xrows = xqp.data();
   }
+  // phase 1 unit w: gate and up rows of one group, the act values; phase 2: down rows
+  const int64_t rb = FMT == 0 ? 1 : 2;  // columns per code byte
+  auto unit1 = [&](int64_t w, float* gres, float* ures, Stream& pf) {
+    const Group& g = c.groups[w / u1];
+    const QMat m = expert_mat<FMT>(q, true, g.expert, H, I);
+    const float* const* xs = xrows + g.begin;
+    const int64_t r0 = (w % u1) * kRows1, r1 = std::min(I, r0 + kRows1);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t ra = FMT == 1 ? mx_pos(r) : r;  // where the act value goes
+      qdot_tokens<FMT>(m, r, xs, g.n, gres, pf);
+      qdot_tokens<FMT>(m, I + r, xs, g.n, ures, pf);
+      for (int t = 0; t < g.n; ++t) {
+        float& out = c.act[(g.begin + t) * I + ra];
+        if (q.gub) {
+          const float* b = q.gub + q.bias_ids[c.entries[g.begin + t]] * 2 * I;
+          out = swiglu_oai(gres[t] + b[r], ures[t] + b[I + r], q.alpha, q.limit);
+        } else {
+          out = gres[t] / (1.f + std::exp(-gres[t])) * ures[t];
+        }
+      }
+    }
+  };
+  auto unit2 = [&](int64_t w, float* res, Stream& pf) {
+    const Group& g = c.groups[w / u2];
+    const QMat m = expert_mat<FMT>(q, false, g.expert, H, I);
+    const float* const* as = c.ap.data() + g.begin;
+    const int64_t r0 = (w % u2) * kRows2, r1 = std::min(H, r0 + kRows2);
+    for (int64_t r = r0; r < r1; ++r) {
+      qdot_tokens<FMT>(m, r, as, g.n, res, pf);
+      for (int t = 0; t < g.n; ++t) {
+        const int64_t ent = c.entries[g.begin + t];
+        c.out[ent * H + r] = q.dnb ? res[t] + q.dnb[q.bias_ids[ent] * H + r] : res[t];
+      }
+    }
+  };
+  // decode-size groups: each thread owns a contiguous run of each phase's units, reads them
+  // in order and prefetches that read sequence ahead (simd.h Stream); a thread done with its
+  // own steals from the back of the others' (a descheduled thread on a shared machine holds
+  // up one unit, not its share). Larger groups: dynamic loops.
+  const bool contig = nmax <= kQnt;
+  std::unique_ptr<Deque[]> dq(new Deque[2 * nth]);  // [thread] phase 1, [nth + thread] phase 2
 #pragma omp parallel num_threads(nth)
   {
     std::vector<float> gres(nmax), ures(nmax);
+    Stream none;
+    if (!contig) {
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < ng * u1; ++w) {
-      const Group& g = c.groups[w / u1];
-      const QMat m = expert_mat<FMT>(q, true, g.expert, H, I);
-      const float* const* xs = xrows + g.begin;
-      const int64_t r0 = (w % u1) * kRows1, r1 = std::min(I, r0 + kRows1);
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t ra = FMT == 1 ? mx_pos(r) : r;  // where the act value goes
-        qdot_tokens<FMT>(m, r, xs, g.n, gres.data());
-        qdot_tokens<FMT>(m, I + r, xs, g.n, ures.data());
-        if (q.gub) {
-          for (int t = 0; t < g.n; ++t) {
-            const float* b = q.gub + q.bias_ids[c.entries[g.begin + t]] * 2 * I;
-            c.act[(g.begin + t) * I + ra] =
-                swiglu_oai(gres[t] + b[r], ures[t] + b[I + r], q.alpha, q.limit);
-          }
-          continue;
-        }
-        for (int t = 0; t < g.n; ++t)
-          c.act[(g.begin + t) * I + ra] = gres[t] / (1.f + std::exp(-gres[t])) * ures[t];
-      }
-    }
+      for (int64_t w = 0; w < ng * u1; ++w) unit1(w, gres.data(), ures.data(), none);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < ng * u2; ++w) {
-      const Group& g = c.groups[w / u2];
-      const QMat m = expert_mat<FMT>(q, false, g.expert, H, I);
-      const float* const* as = c.ap.data() + g.begin;
-      const int64_t r0 = (w % u2) * kRows2, r1 = std::min(H, r0 + kRows2);
-      for (int64_t r = r0; r < r1; ++r) {
-        qdot_tokens<FMT>(m, r, as, g.n, gres.data());
-        for (int t = 0; t < g.n; ++t) {
-          const int64_t ent = c.entries[g.begin + t];
-          c.out[ent * H + r] = q.dnb ? gres[t] + q.dnb[q.bias_ids[ent] * H + r] : gres[t];
-        }
+      for (int64_t w = 0; w < ng * u2; ++w) unit2(w, gres.data(), none);
+    } else {
+      const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
+      auto lo = [&](int64_t n, int64_t v) { return n * v / nt; };  // thread v's first unit
+      const int64_t n1 = ng * u1, n2 = ng * u2;
+      dq[tid].reset(static_cast<uint32_t>(lo(n1, tid + 1) - lo(n1, tid)));
+      dq[nth + tid].reset(static_cast<uint32_t>(lo(n2, tid + 1) - lo(n2, tid)));
+      std::vector<const char*> sb, se;  // the thread's code segments, in reading order
+      auto add = [&](const uint8_t* p, int64_t n) {
+        const char* b = reinterpret_cast<const char*>(p);
+        if (!se.empty() && se.back() == b) se.back() = b + n;
+        else { sb.push_back(b); se.push_back(b + n); }
+      };
+      for (int64_t w = lo(n1, tid); w < lo(n1, tid + 1); ++w) {
+        const QMat m = expert_mat<FMT>(q, true, c.groups[w / u1].expert, H, I);
+        const int64_t r0 = (w % u1) * kRows1, n = std::min(I, r0 + kRows1) - r0;
+        add(m.data + r0 * (H / rb), n * (H / rb));
+        add(m.data + (I + r0) * (H / rb), n * (H / rb));
       }
+      for (int64_t w = lo(n2, tid); w < lo(n2, tid + 1); ++w) {
+        const QMat m = expert_mat<FMT>(q, false, c.groups[w / u2].expert, H, I);
+        const int64_t r0 = (w % u2) * kRows2, n = std::min(H, r0 + kRows2) - r0;
+        add(m.data + r0 * (I / rb), n * (I / rb));
+      }
+      Stream pf;
+      if (!sb.empty() && g_prefetch > 0) {
+        pf.seg_b = sb.data();
+        pf.seg_e = se.data();
+        pf.nseg = static_cast<int>(sb.size());
+        pf.p = sb[0];
+        pf.step(g_pf_dist);
+      }
+#pragma omp barrier
+      for (int64_t k; (k = dq[tid].take_front()) >= 0;)
+        unit1(lo(n1, tid) + k, gres.data(), ures.data(), pf);
+      for (int64_t d = 1; g_steal && d < nt; ++d)
+        for (int64_t v = (tid + d) % nt, k; (k = dq[v].take_back()) >= 0;)
+          unit1(lo(n1, v) + k, gres.data(), ures.data(), none);
+#pragma omp barrier
+      for (int64_t k; (k = dq[nth + tid].take_front()) >= 0;)
+        unit2(lo(n2, tid) + k, gres.data(), pf);
+      for (int64_t d = 1; g_steal && d < nt; ++d)
+        for (int64_t v = (tid + d) % nt, k; (k = dq[nth + v].take_back()) >= 0;)
+          unit2(lo(n2, v) + k, gres.data(), none);
     }
   }
 }

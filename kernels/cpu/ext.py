@@ -49,7 +49,7 @@ PREFETCH_HINTS = ("t0", "t1", "t2", "nta")  # order = the kernel's hint codes
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "expert_kernel.cpp", _DIR / "expert_tiles.cpp", _DIR / "decode_ops.cpp",
             _DIR / "bridge_kernel.cpp", _DIR / "expert_quant.cpp"]
-_HEADERS = [_DIR / "simd.h", _DIR / "expert_call.h"]
+_HEADERS = [_DIR / "simd.h", _DIR / "expert_call.h", _DIR / "quant_simd.h"]
 
 
 def cache_root() -> Path:

@@ -98,6 +98,29 @@ def test_dispatcher_and_fallback_read_quantized_banks(fmt):
         assert _rel(cpu_experts(x2, ids2, gu2, dn2, m2)[m2], ref2[m2]) < 2e-6
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_quant_decode_layout_prefetch_and_stealing_do_not_change_results(isa_kernel, fmt):
+    # decode-size groups take per-thread runs of units with a prefetch cursor and stealing;
+    # each output is still one dot product: bit-identical with prefetch / stealing off, with
+    # more threads than units to share, and the float64 reference holds
+    x, ids, gu, dn, mask = _case(fmt, seed=11, T=2, H=128, I=96)
+    ref = expert_ffn_reference(x, ids, gu, dn, mask)
+    outs = []
+    try:
+        for pf, steal, nth in ((True, True, 3), (False, True, 2), (True, False, 3),
+                               (True, True, 1), (True, True, 64)):
+            isa_kernel.set_prefetch(pf)
+            isa_kernel.set_steal(steal)
+            out = torch.zeros(ref.shape)
+            run_quant(isa_kernel, x, ids, gu, dn, mask, out, num_threads=nth)
+            outs.append(out)
+    finally:
+        isa_kernel.set_prefetch(True)
+        isa_kernel.set_steal(True)
+    assert _rel(outs[0][mask], ref[mask]) < 2e-6
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
 def test_quant_kernel_fp8_huge_scales(isa_kernel):
     # block scales >= 2^8: the kernel cannot fold e4m3's 2^120 rebias into them (fp32
     # overflow) and takes the two-multiply conversion; same function
