@@ -72,15 +72,21 @@ template <int FMT, int NT, int U, bool BIG>
 inline void row_span(const uint8_t* row, const float* sc, const float* const* xs, int64_t j,
                      int64_t j1, V (&acc)[NT][U], Stream& pf) {
   constexpr int R = U > kVec ? U / kVec : 1;
-  constexpr int64_t kStepBytes = R * kChunk / (FMT == 0 ? 1 : 2);  // code bytes per step
+  constexpr int64_t kStep = R * kChunk / (FMT == 0 ? 1 : 2);  // code bytes per step
+  int64_t owed = 0;  // bytes read since the cursor last moved: it moves every 256 (a
+                     // prefetch instruction per line costs little; a call per chunk did)
   for (; j + R * kChunk <= j1; j += R * kChunk) {
-    pf.step(kStepBytes);
+    if ((owed += kStep) >= 256) {
+      pf.step(owed);
+      owed = 0;
+    }
     row_step<FMT, NT, U, 0, R, BIG>(row, sc, xs, j, acc);
   }
   for (; j < j1; j += kChunk) {
-    pf.step(kChunk / (FMT == 0 ? 1 : 2));
+    owed += kChunk / (FMT == 0 ? 1 : 2);
     row_step<FMT, NT, U, 0, 1, BIG>(row, sc, xs, j, acc);
   }
+  if (owed) pf.step(owed);
 }
 
 // res[t] = row r of m . xs[t] for NT tokens, the row converted chunk by chunk in registers with
