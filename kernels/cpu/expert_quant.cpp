@@ -18,9 +18,12 @@
 //   [E, 2 * ceil(I / B), ceil(H / B)]); down [E, H, I] (grid [E, ceil(H / B), ceil(I / B)]);
 //   mxfp4 scales [E, rows, cols / 32]. x [T, H] fp32, out [T, K, H] fp32 (masked-out rows are
 //   not touched).
-// Work: phase 1 units (one expert group, 8 gate rows and the matching 8 up rows) then phase 2
-// units (one group, 16 down rows), each an OpenMP dynamic loop; every output element is one
-// dot product, so results do not depend on the thread count.
+// The conversions are in quant_simd.h. Work: phase 1 units (one expert group, 8 gate rows and
+// the matching 8 up rows) then phase 2 units (one group, 16 down rows). Decode-size groups
+// (<= kQnt tokens): each thread owns a contiguous run of each phase's units, read in order
+// behind a prefetch cursor (simd.h Stream), and steals from the back of the others' runs when
+// done; larger groups: OpenMP dynamic loops. Every output element is one dot product, so
+// results do not depend on the thread count, the prefetch or the stealing.
 // gpt-oss's experts (kernels/expert_act.py): with `gu_bias` the entry's gate_up bias row
 // (bias_ids[t * K + k], its logical expert: a slot bank's row is not its bias row) is added
 // before the clamped SwiGLU (u + 1) * g * sigmoid(alpha * g), g = min(gate, limit),
