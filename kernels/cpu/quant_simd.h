@@ -40,12 +40,14 @@ constexpr int accs() {
   return VL == 1 ? 1 : NT == 1 ? 8 : NT == 2 ? (VL == 16 ? 8 : 4) : (VL == 16 ? 4 : 2);
 }
 
-// MXFP4's activations are read in "pair order": within each group of 2 * VL columns the even
-// columns first, then the odd ones (the two nibbles of VL bytes decode to those two vectors
-// without a byte shuffle). mx_pos maps a column to its place; at VL = 1 it is the identity.
+// MXFP4's activations are read in "pair order": within each group of 2 * kPair columns the
+// even columns first, then the odd ones (the two nibbles of a byte decode into two different
+// vectors, or vector halves, without a byte shuffle: see mx_chunk). mx_pos maps a column to
+// its place; at VL = 1 it is the identity.
+constexpr int64_t kPair = VL == 8 ? 4 : VL;  // AVX2: 128-bit lane halves
 inline int64_t mx_pos(int64_t j) {
-  const int64_t g = j / (2 * VL), o = j % (2 * VL);
-  return g * 2 * VL + (o & 1) * VL + o / 2;
+  const int64_t g = j / (2 * kPair), o = j % (2 * kPair);
+  return g * 2 * kPair + (o & 1) * kPair + o / 2;
 }
 
 #if defined(FT_AVX512)
@@ -90,29 +92,35 @@ inline void fp8_chunk(const uint8_t* p, V s, V* w) {
   }
 }
 
-// MXFP4: vpermps reads only 3 index bits, so the table holds the 8 magnitudes * scale, each
-// XORed with its own index << 28; XORing the permuted entry with (code << 28) then cancels
-// those bits and sets the sign from the code's bit 3, in one op.
+// MXFP4: one byte shuffle per table gives each code's fp32 high half (an e2m1 value has a
+// zero low half: sign, exponent, one mantissa bit), two unpacks place it into fp32 lanes, then
+// the chunk's scale multiplies. 16 bytes broadcast to both lanes, lane 1 shifted right 4, are
+// the 32 codes: lane 0 the low nibbles (even columns), lane 1 the high ones (odd); the
+// unpacks keep that split per vector: w[v] = columns 8v, 8v+2, 8v+4, 8v+6 | 8v+1, ..., 8v+7
+// (kPair = 4). Measured on Zen 3 1.3x the 8-entry vpermps route (3 index bits only).
 struct MxLut {
-  V t;
+  V s;
 };
-inline MxLut mx_lut(float s) {
-  const V mag = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
-  const __m256i pat = _mm256_slli_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), 28);
-  return MxLut{_mm256_xor_ps(vmul(mag, vset1(s)), _mm256_castsi256_ps(pat))};
-}
-inline V mx_pick(const MxLut& l, __m256i code) {  // code: one e2m1 code per lane (bits 0-3)
-  return _mm256_xor_ps(_mm256_permutevar8x32_ps(l.t, code),
-                       _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
-}
-// the 32 weights of 16 bytes in pair order (w[0], w[1]: columns 0..15; w[2], w[3]: 16..31)
+inline MxLut mx_lut(float s) { return MxLut{vset1(s)}; }
 inline void mx_chunk(const uint8_t* p, const MxLut& l, V* w) {
-  for (int h8 = 0; h8 < 2; ++h8) {
-    const __m256i b = _mm256_cvtepu8_epi32(
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h8)));
-    w[2 * h8] = mx_pick(l, b);  // bits 4-7 of b fall out of the << 28, vpermps ignores them
-    w[2 * h8 + 1] = mx_pick(l, _mm256_srli_epi32(b, 4));
-  }
+  const __m256i hi_t = _mm256_setr_epi8(  // byte 3 of the fp32 of code c (lanes alike)
+      0, 0x3f, 0x3f, 0x3f, 0x40, 0x40, 0x40, 0x40, -0x80, -0x41, -0x41, -0x41, -0x40, -0x40,
+      -0x40, -0x40, 0, 0x3f, 0x3f, 0x3f, 0x40, 0x40, 0x40, 0x40, -0x80, -0x41, -0x41, -0x41,
+      -0x40, -0x40, -0x40, -0x40);
+  const __m256i lo_t = _mm256_setr_epi8(  // byte 2
+      0, 0, -0x80, -0x40, 0, 0x40, -0x80, -0x40, 0, 0, -0x80, -0x40, 0, 0x40, -0x80, -0x40,
+      0, 0, -0x80, -0x40, 0, 0x40, -0x80, -0x40, 0, 0, -0x80, -0x40, 0, 0x40, -0x80, -0x40);
+  const __m256i raw =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i code = _mm256_and_si256(
+      _mm256_srlv_epi32(raw, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(15));
+  const __m256i hi = _mm256_shuffle_epi8(hi_t, code), lo = _mm256_shuffle_epi8(lo_t, code);
+  const __m256i a = _mm256_unpacklo_epi8(lo, hi), b = _mm256_unpackhi_epi8(lo, hi);
+  const __m256i z = _mm256_setzero_si256();
+  w[0] = vmul(_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, a)), l.s);
+  w[1] = vmul(_mm256_castsi256_ps(_mm256_unpackhi_epi16(z, a)), l.s);
+  w[2] = vmul(_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, b)), l.s);
+  w[3] = vmul(_mm256_castsi256_ps(_mm256_unpackhi_epi16(z, b)), l.s);
 }
 #else
 inline void fp8_chunk(const uint8_t* p, V s, V* w) {  // s holds 2^120, as the vector builds
