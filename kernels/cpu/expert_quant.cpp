@@ -4,9 +4,10 @@
 // converted in registers, 32 columns (one chunk) at a time, into fp32 products and sums:
 // - e4m3: the byte sign-extended, shifted and masked is an fp32 of the value * 2^-120 (exact,
 //   subnormals included), multiplied by the block's scale * 2^120 (fp8_chunk);
-// - e2m1: one permute per vector of a per-chunk table (the 16 signed values times the chunk's
-//   scale; AVX2's 8-entry permute takes the sign by one XOR, see mx_lut), so no multiply per
-//   weight. The two nibbles of a byte land in two vectors (even and odd columns), so the
+// - e2m1: AVX-512: one permute per vector of a per-chunk table (the 16 signed values times
+//   the chunk's scale), no multiply per weight; AVX2: two byte shuffles give each code's fp32
+//   high half, two unpacks make the fp32s, one multiply by the scale (mx_chunk). The two
+//   nibbles of a byte land in different vectors or lanes (even and odd columns), so the
 //   activations are read in "pair order" (mx_pos): x permuted once per call, the act rows
 //   written permuted by phase 1. Scalar builds: tables, natural order.
 // Each row pass keeps 8 (AVX2: 4 at 2 tokens, 2 past) accumulators per token so the FMA
