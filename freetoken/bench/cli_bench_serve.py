@@ -103,13 +103,14 @@ def _floor_tok_s(d: dict[str, Any] | None, tokens: int, bw: tuple[float, float] 
 
 
 def _bandwidths(model_dir: Path) -> tuple[float, float] | None:
-    """(B_P, B_H) GB/s of this machine's cached `ft bench bw` profile for the model's shape."""
+    """(B_P, B_H) GB/s of this machine's cached `ft bench bw` profile for the model's expert
+    shape and bank format (a quantized checkpoint's own: its bytes and its CPU kernel)."""
     try:
         from freetoken.experts.profile import load_profile, profile_key, shape_for
         from freetoken.types.model_config import load_config
 
         cfg = load_config(model_dir)
-        prof = load_profile(profile_key(shape_for(cfg)[0], cfg.torch_dtype))
+        prof = load_profile(profile_key(shape_for(cfg)[0], cfg.expert_format))
     except Exception:  # noqa: BLE001 (no profile is a normal case: no floor column)
         return None
     if prof is None or not prof.b_p:

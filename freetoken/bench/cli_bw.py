@@ -2,6 +2,11 @@
 
 Each rate is printed beside its ceiling (host read stream for B_H, one large pinned copy for
 B_P). Without CUDA, B_P is skipped with a message and the profile holds B_H alone.
+
+`--format` picks the bank format measured (default: the shape preset's own, e.g. MXFP4 for
+gpt-oss-120b; `dense` takes `--dtype`): a quantized pool is read by the quantized CPU kernel
+and copied as codes + scales, every rate counts the real bytes (`expert_nbytes`), and the
+profile is saved under that format, the key a quantized store's runtime looks up.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from freetoken.experts.cost_model import (
     q_star_overlapped,
     recommend_backend,
 )
+from freetoken.types.model_config import ExpertFormat
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -24,7 +30,11 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bw", help="host/link bandwidths, q*, backend recommendation")
     p.add_argument("--shape", choices=sorted(bwp.SHAPES), default="qwen3.6-35b-a3b")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16",
+                   help="the dense format's dtype")
+    p.add_argument("--format", choices=["preset", "dense", "fp8", "mxfp4"], default="preset",
+                   help="expert bank format (default: the shape preset's own)")
+    p.add_argument("--block", type=int, default=128, help="fp8 scale block edge")
     p.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
     p.add_argument("--pool-gb", type=float, default=4.0,
                    help="host pool per measurement; must be far larger than the LLC")
@@ -39,8 +49,18 @@ def _pct(v: float | None, ceil: float | None) -> str:
     return f"{100 * v / ceil:5.1f}%" if v and ceil else "    -"
 
 
+def bank_format(args: argparse.Namespace) -> torch.dtype | ExpertFormat:
+    """The format `--format` / `--dtype` / `--block` name for `--shape`."""
+    if args.format == "preset":
+        fmt = bwp.preset_format(args.shape)
+        return fmt if isinstance(fmt, ExpertFormat) else _DTYPES[args.dtype]
+    if args.format == "dense":
+        return _DTYPES[args.dtype]
+    return ExpertFormat(args.format, args.block if args.format == "fp8" else 32)
+
+
 def run(args: argparse.Namespace) -> int:
-    shape, dtype = bwp.SHAPES[args.shape], _DTYPES[args.dtype]
+    shape, dtype = bwp.SHAPES[args.shape], bank_format(args)
     if args.threads is None:
         from freetoken.experts.runtime import default_cpu_threads
 

@@ -36,6 +36,7 @@ from freetoken.experts.random_fill import make_pool
 from freetoken.log import get_logger, kv
 from freetoken.types.model_config import ExpertFormat
 from kernels.cpu.ext import load_kernel
+from kernels.quant import QuantBank, empty_bank
 
 log = get_logger("experts")
 GB = 1e9
@@ -114,15 +115,24 @@ def cpu_kernel_fn(threads: int | None = None) -> ExpertFn:
     return lambda x, ids, gu, dn: cpu_experts(x, ids, gu, dn, num_threads=threads)
 
 
-class FillBench:
-    """Pinned host pool -> GPU slots, per-expert non_blocking copies on a copy stream."""
+def _slots_like(bank: Tensor | QuantBank, n: int) -> Tensor | QuantBank:
+    """`n` GPU slots for rows of `bank` (a quantized bank's slots hold codes and scales)."""
+    if isinstance(bank, QuantBank):
+        return empty_bank(bank.fmt, n, bank.shape[1], bank.shape[2], bank.halves, bank.block,
+                          "cuda")
+    return torch.empty((n, *bank.shape[1:]), dtype=bank.dtype, device="cuda")
 
-    def __init__(self, shape: ExpertShape, dtype: torch.dtype, pool_bytes: float) -> None:
+
+class FillBench:
+    """Pinned host pool -> GPU slots, per-expert non_blocking copies on a copy stream (a
+    quantized expert: its codes and its scales, as SlotCache.fill copies them)."""
+
+    def __init__(self, shape: ExpertShape, dtype: torch.dtype | ExpertFormat,
+                 pool_bytes: float) -> None:
         self.shape = shape
         self.gu, self.dn = make_pool(shape, dtype, pool_bytes, pin=True)  # [P, ...] pinned
         m = shape.top_k
-        self.slot_gu = torch.empty((m, *self.gu.shape[1:]), dtype=dtype, device="cuda")
-        self.slot_dn = torch.empty((m, *self.dn.shape[1:]), dtype=dtype, device="cuda")
+        self.slot_gu, self.slot_dn = _slots_like(self.gu, m), _slots_like(self.dn, m)
         self.stream = torch.cuda.Stream()
         self.s_bytes = shape.expert_bytes(dtype)
 
@@ -142,14 +152,15 @@ class FillBench:
         return n * self.s_bytes / (start.elapsed_time(end) / 1e3) / GB
 
     def link_gbps(self) -> float:
-        """One large pinned copy (the whole pool's gate_up) into one device buffer."""
-        dst = torch.empty_like(self.gu, device="cuda")
-        dst.copy_(self.gu, non_blocking=True)
+        """One large pinned copy (the whole pool's gate_up codes) into one device buffer."""
+        src = self.gu.data if isinstance(self.gu, QuantBank) else self.gu
+        dst = torch.empty_like(src, device="cuda")
+        dst.copy_(src, non_blocking=True)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        dst.copy_(self.gu, non_blocking=True)
+        dst.copy_(src, non_blocking=True)
         torch.cuda.synchronize()
-        return self.gu.numel() * self.gu.element_size() / (time.perf_counter() - t0) / GB
+        return src.numel() * src.element_size() / (time.perf_counter() - t0) / GB
 
 
 def measure_overlap(fill: FillBench, cpu_pool: tuple[Tensor, Tensor], steps: int,
@@ -171,14 +182,17 @@ def _steps_for(seconds: float, step_s: float) -> int:
     return int(min(5000, max(10, seconds / max(step_s, 1e-6))))
 
 
-def measure_profile(name: str, shape: ExpertShape, dtype: torch.dtype, seconds: float,
-                    pool_gb: float, threads: int, say=print) -> BandwidthProfile:
-    """Measure the machine's profile for an expert shape (keyed `name`): the host read ceiling,
-    B_H (the CPU kernel at batch 1 on fresh experts), and with CUDA the link ceiling, B_P and
-    the pair at once. `say` gets one line per stage (progress)."""
+def measure_profile(name: str, shape: ExpertShape, dtype: torch.dtype | ExpertFormat,
+                    seconds: float, pool_gb: float, threads: int, say=print) -> BandwidthProfile:
+    """Measure the machine's profile for an expert shape (keyed `name`) in a bank format
+    (`dtype`: dense, or an `ExpertFormat`, whose pools hold quantized banks: B_H is then the
+    quantized CPU kernel, B_P the codes + scales copies, and every rate counts the real
+    bytes, `expert_nbytes`): the host read ceiling, B_H (the CPU kernel at batch 1 on fresh
+    experts), and with CUDA the link ceiling, B_P and the pair at once. `say` gets one line
+    per stage (progress)."""
     s_bytes = shape.expert_bytes(dtype)
     pool = pool_gb * 1e9
-    say(f"[bw] shape={name} dtype={str(dtype).removeprefix('torch.')} "
+    say(f"[bw] shape={name} dtype={profile_key(name, dtype)['dtype'].removeprefix('torch.')} "
         f"expert={s_bytes / 1e6:.2f} MB pool={pool_gb:g} GB threads={threads}")
 
     say("[bw] host read ceiling ...")
@@ -225,12 +239,13 @@ def find_profile(host: MoEHost, dtype: torch.dtype | ExpertFormat) -> BandwidthP
     return load_profile(profile_key(shape_for(host.cfg)[0], dtype))
 
 
-def measure_profile_now(host: MoEHost, dtype: torch.dtype, threads: int
+def measure_profile_now(host: MoEHost, dtype: torch.dtype | ExpertFormat, threads: int
                         ) -> BandwidthProfile | None:
     """Measure and save this machine's bandwidth profile for the model's expert shape (a
     first start without one), logging each stage; None, with a warning, if it fails."""
     name, shape = shape_for(host.cfg)
-    log.info(kv("bw_profile_measure", shape=name, threads=threads, pool_gb=AUTO_BW_POOL_GB,
+    log.info(kv("bw_profile_measure", shape=name, fmt=profile_key(name, dtype)["dtype"],
+                threads=threads, pool_gb=AUTO_BW_POOL_GB,
                 why="no profile for this machine and shape (once; --no-bw-measure skips)"))
     t0 = time.perf_counter()
     try:

@@ -43,7 +43,17 @@ def _from_preset(name: str) -> ExpertShape:
 
 
 # the expert shapes bandwidth profiles are measured for: the presets' own dimensions
-SHAPES: dict[str, ExpertShape] = {"qwen3.6-35b-a3b": _from_preset("qwen3.6-35b-a3b")}
+# (gpt-oss-20b's experts have gpt-oss-120b's dimensions, so it finds that profile)
+SHAPES: dict[str, ExpertShape] = {name: _from_preset(name)
+                                  for name in ("qwen3.6-35b-a3b", "gpt-oss-120b")}
+
+
+def preset_format(name: str) -> torch.dtype | ExpertFormat:
+    """The bank format a preset's checkpoint stores its experts in (gpt-oss: MXFP4; a dense
+    preset: its dtype)."""
+    from freetoken.types.presets import preset_config
+
+    return preset_config(name).expert_format
 
 
 def shape_for(cfg) -> tuple[str, ExpertShape]:

@@ -126,12 +126,18 @@ class MoERuntime:
         backend = config.backend
         cpu_threads = config.cpu_threads or default_cpu_threads(device)
         if profile is None and backend in ("auto", "hybrid"):
-            # a quantized store without its own profile prices its bytes at the dense one's
-            profile = find_profile(host, store.format) or (
-                find_profile(host, store.dtype) if store.fmt is not None else None)
-            if (profile is None and device.type == "cuda" and config.measure_bw
-                    and store.fmt is None):  # `ft bench bw` measures dense pools only
-                profile = measure_profile_now(host, store.dtype, cpu_threads)
+            # the profile of the store's own bank format (its B_H is that format's CPU kernel,
+            # its bytes the real ones); measured at a first start like a dense one
+            profile = find_profile(host, store.format)
+            if profile is None and device.type == "cuda" and config.measure_bw:
+                profile = measure_profile_now(host, store.format, cpu_threads)
+            if profile is None and store.fmt is not None:
+                # no quantized profile and none measured: the dense one's rates, if any
+                profile = find_profile(host, store.dtype) or find_profile(host, torch.bfloat16)
+                if profile is not None:
+                    log.warning(kv("bw_profile_dense_for_quantized", fmt=store.fmt.name,
+                                   profile=profile.key["dtype"],
+                                   hint=f"run `ft bench bw --format {store.fmt.name}`"))
         q_rule = q_rule_for(profile, config.hybrid_max_fetch)
         guard = None
         if backend == "auto" and slots >= pool:

@@ -114,11 +114,9 @@ class SlotCache:
         return len(experts)
 
     def can_fill_on_device(self, store: ExpertBanks) -> bool:
-        """Whether `fill_device` applies: a CUDA cache of dense slots over a pinned host store,
-        with triton (quantized slots fill through `fill`: the UVA kernel copies one tensor per
-        bank, not a bank's weights and scales)."""
-        if (self.device.type != "cuda" or not getattr(store, "pinned", False)
-                or isinstance(self.gate_up_slots, QuantBank)):
+        """Whether `fill_device` applies: a CUDA cache over a pinned host store, with triton
+        (dense slots or quantized ones: codes and scales both travel by UVA)."""
+        if self.device.type != "cuda" or not getattr(store, "pinned", False):
             return False
         try:
             import kernels.triton.uva_fill  # noqa: F401
@@ -131,10 +129,11 @@ class SlotCache:
         """`fill` without leaving the device: a kernel reads the chosen experts from the pinned
         store through its mapped address into their slots (padding entries are skipped on the
         device), so nothing syncs and the call can be captured in a CUDA graph."""
-        from kernels.triton.uva_fill import fill_pair
+        from kernels.triton.uva_fill import fill_banks, fill_pair
 
-        fill_pair(store.gate_up(layer), self.gate_up_slots, store.down(layer), self.down_slots,
-                  fetch_experts, fetch_slots)
+        fill = fill_banks if isinstance(self.gate_up_slots, QuantBank) else fill_pair
+        fill(store.gate_up(layer), self.gate_up_slots, store.down(layer), self.down_slots,
+             fetch_experts, fetch_slots)
 
     def resize(self, num_slots: int) -> None:
         """Re-budget to `num_slots` slots at run time, all or nothing.

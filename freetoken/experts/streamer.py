@@ -316,11 +316,12 @@ class LayerStreamer:
                            self._free[m][(pu - n_down).clamp(0, E - 1)])  # [E] for `up`
         c = self.cache
         src_rows, dst_rows = torch.where(up, buf, -1), torch.where(up, dest, -1)
-        if self._cuda and not isinstance(c.gate_up_slots, QuantBank):  # one tensor per bank
-            from kernels.triton.uva_fill import fill_pair
+        if self._cuda:  # slot to slot on the device, codes and scales alike when quantized
+            from kernels.triton.uva_fill import fill_banks, fill_pair
 
-            fill_pair(c.gate_up_slots, c.gate_up_slots, c.down_slots, c.down_slots, src_rows,
-                      dst_rows)
+            fill = fill_banks if isinstance(c.gate_up_slots, QuantBank) else fill_pair
+            fill(c.gate_up_slots, c.gate_up_slots, c.down_slots, c.down_slots, src_rows,
+                 dst_rows)
         else:
             sel = up.nonzero().flatten()
             c.gate_up_slots.index_copy_(0, dest[sel], c.gate_up_slots.index_select(0, buf[sel]))

@@ -154,14 +154,18 @@ def cpu_experts(
     return out
 
 
+_QUANT_MAX_DIM = 32 * 1024  # expert_quant.cpp: 32 * kMaxScales columns a row at most
+
+
 def _quant_usable(gate_up: QuantBank, down: QuantBank) -> bool:
     """Whether expert_quant.cpp takes these banks: one format, on the CPU, H and I multiples of
-    32 (one scale step), fp8 blocks too."""
+    32 (one scale step) and at most 32768, fp8 blocks multiples of 32 too."""
     _, two_i, h = gate_up.shape
     return (isinstance(down, QuantBank) and down.fmt == gate_up.fmt
             and down.block == gate_up.block and gate_up.device.type == "cpu"
             and (gate_up.halves, down.halves) == (2, 1)
-            and h % 32 == 0 and (two_i // 2) % 32 == 0 and gate_up.block % 32 == 0)
+            and h % 32 == 0 and (two_i // 2) % 32 == 0 and gate_up.block % 32 == 0
+            and max(h, two_i // 2) <= _QUANT_MAX_DIM)
 
 
 def run_quant(kern, x: Tensor, topk_ids: Tensor, gate_up: QuantBank, down: QuantBank,

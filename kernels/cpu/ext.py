@@ -49,7 +49,7 @@ PREFETCH_HINTS = ("t0", "t1", "t2", "nta")  # order = the kernel's hint codes
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "expert_kernel.cpp", _DIR / "expert_tiles.cpp", _DIR / "decode_ops.cpp",
             _DIR / "bridge_kernel.cpp", _DIR / "expert_quant.cpp"]
-_HEADERS = [_DIR / "simd.h", _DIR / "expert_call.h"]
+_HEADERS = [_DIR / "simd.h", _DIR / "expert_call.h", _DIR / "quant_simd.h"]
 
 
 def cache_root() -> Path:
@@ -242,8 +242,29 @@ _lock = threading.Lock()
 _loaded: dict[str, CpuKernel | None] = {}
 
 
-def build(isa: str, verbose: bool = False) -> CpuKernel:
-    """Compile (or reuse the cached build) for `isa` and load it. Raises on failure."""
+def simde_include() -> str | None:
+    """SIMDe's headers (the `simde-py` dev dependency), or None where it is not installed."""
+    try:
+        import simde_py
+    except ImportError:
+        return None
+    return simde_py.get_include()
+
+
+def build_emulated(verbose: bool = False) -> CpuKernel:
+    """The avx512 code paths compiled against SIMDe's portable AVX-512 into an avx2 build
+    (simd.h's FT_SIMDE_AVX512), so a CPU without AVX-512 runs them, slowly, against the same
+    references; `built_isa` says "avx512". Tests only: the engine never loads it. Raises
+    RuntimeError without simde-py, or on a build failure."""
+    inc = simde_include()
+    if inc is None:
+        raise RuntimeError("simde-py is not installed (pip install simde-py)")
+    return build("avx2", verbose, emulate=["-DFT_SIMDE_AVX512", f"-I{inc}"])
+
+
+def build(isa: str, verbose: bool = False, emulate: list[str] | None = None) -> CpuKernel:
+    """Compile (or reuse the cached build) for `isa` and load it. Raises on failure.
+    `emulate`: build_emulated's extra flags (its own library name and directory)."""
     from torch.utils import cpp_extension
 
     # one build directory per version of the sources and headers: checkouts of different
@@ -251,7 +272,8 @@ def build(isa: str, verbose: bool = False) -> CpuKernel:
     # same directory in turn, and a process could load another version's library (whose C ABI
     # may differ from the ctypes signatures this checkout declares)
     srcs = hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS)))
-    build_dir = cache_root() / "ext" / isa / srcs.hexdigest()[:16]
+    tag = isa + ("-simde512" if emulate else "")
+    build_dir = cache_root() / "ext" / tag / srcs.hexdigest()[:16]
     build_dir.mkdir(parents=True, exist_ok=True)
     # torch re-builds when a source or a flag changes, not a header: the headers' hash rides
     # in the flags
@@ -259,10 +281,10 @@ def build(isa: str, verbose: bool = False) -> CpuKernel:
 
     def load(ldflags: list[str]) -> CpuKernel:
         path = cpp_extension.load(
-            name=f"ft_expert_kernel_{isa}",
+            name=f"ft_expert_kernel_{tag.replace('-', '_')}",
             sources=[str(p) for p in _SOURCES],
             extra_cflags=["-O3", "-fopenmp", "-std=c++17", f"-DFT_SIMD_H={header}",
-                          *_ISA_FLAGS[isa]],
+                          *_ISA_FLAGS[isa], *(emulate or [])],
             extra_ldflags=ldflags,
             build_directory=str(build_dir),
             is_python_module=False,

@@ -18,6 +18,34 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+// FT_AVX512: the AVX-512 code paths. FT_SIMDE_AVX512 (tests only: ext.build_emulated) compiles
+// them against SIMDe's portable AVX-512 on an AVX2 build, so a CPU without AVX-512 runs them
+// (slowly) against the same float64 references; the real build is the one with -mavx512*.
+#if defined(FT_SIMDE_AVX512)
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#define FT_AVX512 1
+// what SIMDe 0.8 lacks, from what it has
+inline simde__m512i ft_simde_cvtepu8_epi32(simde__m128i a) {
+  return simde_mm512_cvtepu16_epi32(simde_mm256_cvtepu8_epi16(a));
+}
+inline simde__m512i ft_simde_cvtepi8_epi32(simde__m128i a) {
+  return simde_mm512_cvtepi16_epi32(simde_mm256_cvtepi8_epi16(a));
+}
+inline float ft_simde_mask_reduce_add_ps(simde__mmask16 k, simde__m512 a) {
+  float f[16], s = 0.f;
+  simde_mm512_storeu_ps(f, a);
+  for (int i = 0; i < 16; ++i) s += (k >> i) & 1 ? f[i] : 0.f;
+  return s;
+}
+inline float ft_simde_reduce_add_ps(simde__m512 a) { return ft_simde_mask_reduce_add_ps(0xffff, a); }
+#define _mm512_cvtepu8_epi32 ft_simde_cvtepu8_epi32
+#define _mm512_cvtepi8_epi32 ft_simde_cvtepi8_epi32
+#define _mm512_mask_reduce_add_ps ft_simde_mask_reduce_add_ps
+#define _mm512_reduce_add_ps ft_simde_reduce_add_ps
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define FT_AVX512 1
+#endif
 
 namespace ft {
 
@@ -35,7 +63,7 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even
   return static_cast<uint16_t>(u >> 16);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(FT_AVX512)
 #if defined(__AVX512BF16__)
 #define FT_ISA "avx512bf16"
 #define FT_HAVE_DPBF16 1

@@ -6,15 +6,34 @@ import pytest
 import torch
 
 from kernels.cpu.expert_ops import cpu_experts, cpu_experts_torch, run_quant
-from kernels.cpu.ext import CpuKernel
+from kernels.cpu.ext import CpuKernel, build_emulated, simde_include
 from kernels.quant import quantize_bank
 from kernels.reference import expert_ffn_reference
 from tests.kernels_cpu.test_expert_ops import _build_runnable, _test_isas
 
+EMULATED = "avx512-simde"  # the AVX-512 paths under SIMDe, where the CPU has no AVX-512
 
-@pytest.fixture(scope="module", params=_test_isas())
+
+def quant_isas() -> list[str]:
+    """The builds this CPU runs, plus the emulated AVX-512 paths when it runs none of them."""
+    isas = _test_isas()
+    return isas if any(i.startswith("avx512") for i in isas) else [*isas, EMULATED]
+
+
+def quant_kernel(isa: str) -> CpuKernel:
+    if isa != EMULATED:
+        return _build_runnable(isa)
+    if simde_include() is None:
+        pytest.skip("simde-py (a dev dependency) is missing: the AVX-512 paths run only on "
+                    "an AVX-512 CPU")
+    kern = build_emulated()
+    assert kern.built_isa == "avx512"
+    return kern
+
+
+@pytest.fixture(scope="module", params=quant_isas())
 def isa_kernel(request: pytest.FixtureRequest) -> CpuKernel:
-    return _build_runnable(request.param)
+    return quant_kernel(request.param)
 
 
 def _case(fmt: str, seed: int, T: int, H=96, I=64, E=5, K=3, block=32):
@@ -77,6 +96,29 @@ def test_dispatcher_and_fallback_read_quantized_banks(fmt):
         x2, ids2, gu2, dn2, m2 = _case(fmt, seed=5, T=1, H=48, I=32, block=16)
         ref2 = expert_ffn_reference(x2, ids2, gu2, dn2, m2)
         assert _rel(cpu_experts(x2, ids2, gu2, dn2, m2)[m2], ref2[m2]) < 2e-6
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_quant_decode_layout_prefetch_and_stealing_do_not_change_results(isa_kernel, fmt):
+    # decode-size groups take per-thread runs of units with a prefetch cursor and stealing;
+    # each output is still one dot product: bit-identical with prefetch / stealing off, with
+    # more threads than units to share, and the float64 reference holds
+    x, ids, gu, dn, mask = _case(fmt, seed=11, T=2, H=128, I=96)
+    ref = expert_ffn_reference(x, ids, gu, dn, mask)
+    outs = []
+    try:
+        for pf, steal, nth in ((True, True, 3), (False, True, 2), (True, False, 3),
+                               (True, True, 1), (True, True, 64)):
+            isa_kernel.set_prefetch(pf)
+            isa_kernel.set_steal(steal)
+            out = torch.zeros(ref.shape)
+            run_quant(isa_kernel, x, ids, gu, dn, mask, out, num_threads=nth)
+            outs.append(out)
+    finally:
+        isa_kernel.set_prefetch(True)
+        isa_kernel.set_steal(True)
+    assert _rel(outs[0][mask], ref[mask]) < 2e-6
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
 def test_quant_kernel_fp8_huge_scales(isa_kernel):

@@ -13,12 +13,12 @@ from kernels.cpu.ext import CpuKernel
 from kernels.expert_act import ExpertAct
 from kernels.quant import quantize_bank
 from kernels.reference import expert_ffn_reference
-from tests.kernels_cpu.test_expert_ops import _build_runnable, _test_isas
+from tests.kernels_cpu.test_expert_quant import quant_isas, quant_kernel
 
 
-@pytest.fixture(scope="module", params=_test_isas())
+@pytest.fixture(scope="module", params=quant_isas())
 def isa_kernel(request: pytest.FixtureRequest) -> CpuKernel:
-    return _build_runnable(request.param)
+    return quant_kernel(request.param)
 
 
 def _case(fmt: str, T: int, seed: int = 0, H=96, I=64, E=6, K=3):
