@@ -34,14 +34,17 @@ from freetoken.chat.openai_map import openai_to_template
 from freetoken.chat.tokenizer import ChatTokenizer
 from freetoken.envs import harness_traces_dir
 from freetoken.models.demo_harnesses import HARNESSES, MINI_DONE, Harness
-from freetoken.models.demo_tasks import Task, Turn, make_task
+from freetoken.models.demo_tasks import Task, Turn, make_task, working_dir
 from freetoken.models.tool_schema import schema_errors, tool_call_errors  # noqa: F401
 
 # v2: two to five tasks a conversation (more targets per long prompt)
 # v3: twice the Claude Code conversations (the `ft launch` default; the 181-step v2 model named
 #     another harness's tool on its prompt); generated in shards of one harness, each with its
 #     own seeded rng, so they can run in parallel
-DATA_VERSION = 3
+# v4: what a call holds can only be copied from the request: working directories from
+#     thousands (was 19), README.md read in 15% of read tasks (was ~60%), file names from ~120
+#     words, list tasks that name a subdirectory
+DATA_VERSION = 4
 RECORDED_CWD = "/home/dev/project"
 _RECORDED_TASK = re.compile(r"Explore this repo:[^\n\"]*?summarize\.")
 
@@ -174,10 +177,7 @@ def corpus_lines(traces: Path | None = None) -> list[str]:
 def conversation(h: Harness, rng: random.Random, traces: Path | None = None,
                  corpus: list[str] | None = None) -> tuple[dict[str, Any], list[Task]]:
     """One synthetic conversation body (API shape) of one to three tasks."""
-    cwd = rng.choice(["/home/dev/project", "/home/user/app", "/work/repo", "/tmp/demo",
-                      "/srv/site", "/home/ana/code/tool", "/root/proj"])
-    if rng.random() < 0.5:
-        cwd = f"/home/{rng.choice(['sam', 'li', 'kim', 'dev'])}/{rng.choice(['api', 'web', 'x'])}"
+    cwd = working_dir(rng)
     mini = h.name.startswith("mini")
     tasks = [make_task(rng, mini=mini, corpus=corpus)
              for _ in range(1 if mini else rng.randint(2, 5))]

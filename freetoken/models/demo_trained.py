@@ -125,4 +125,6 @@ def plot_loss(log: list[dict[str, Any]], path: Path) -> None:
 if __name__ == "__main__":
     import sys
 
-    print(json.dumps(ship(Path(sys.argv[1])), indent=2))
+    # python -m freetoken.models.demo_trained TRAIN_OUT [WEIGHTS_DIR (default: the package's)]
+    dest = Path(sys.argv[2]) if len(sys.argv) > 2 else WEIGHTS_DIR
+    print(json.dumps(ship(Path(sys.argv[1]), dest), indent=2))
