@@ -164,11 +164,13 @@ def _use_torch(counter: list[int], reason: str, say: Callable[[str], None]
     return "torch", counter
 
 
-def use(kernel: str, device: str, autotune_configs: int = 1, tol: float = 2e-2,
+def use(kernel: str, device: str, autotune_configs: int = 1, tol: float = 0.1,
         say: Callable[[str], None] = print) -> tuple[str, list[int]]:
     """Point transformers' chunked gated delta rule at `kernel` ("auto": fla on CUDA when it
-    imports and passes `check_against_torch`, else torch). Returns (the kernel used, its call
-    counter). An explicit "fla" that fails to import or to match raises."""
+    imports and passes `check_against_torch` within `tol` of the largest value: bf16 rounding
+    stays near 1e-2, a wrong head grouping, scale or gate is off by O(1)), else torch. Returns
+    (the kernel used, its call counter). An explicit "fla" that fails to import or match
+    raises."""
     counter = [0]
     if kernel == "torch" or (kernel == "auto" and device != "cuda"):
         return _use_torch(counter, "asked" if kernel == "torch" else device, say)
@@ -176,16 +178,16 @@ def use(kernel: str, device: str, autotune_configs: int = 1, tol: float = 2e-2,
         t0 = time.time()
         fla_fn, cut = load_fla(autotune_configs, say)
         adapter = fla_adapter(fla_fn, counter)
-        err = {f"fp32_{k}": v for k, v in check_against_torch(adapter, device).items()}
-        err.update({f"bf16_{k}": v for k, v in check_against_torch(
-            adapter, device, "bfloat16").items()})
+        # bf16 q/k/v/beta and fp32 g: what the model passes it under autocast (the variant
+        # Triton compiles for training; an fp32 check would compile every kernel again)
+        err = check_against_torch(adapter, device, "bfloat16")
     except Exception as e:  # ImportError, or a Triton/driver error on this machine
         if kernel == "fla":
             raise
         return _use_torch(counter, f"fla_failed error={type(e).__name__}: {str(e)[:200]}", say)
     say("ft.train: dn_check " + " ".join(f"{k}={v:.1e}" for k, v in err.items())
         + f" autotuners_cut={cut} seconds={time.time() - t0:.1f}")
-    bad = [k for k, v in err.items() if v > (tol if k.startswith("fp32") else 5 * tol)]
+    bad = [k for k, v in err.items() if v > tol]
     if bad:
         if kernel == "fla":
             raise RuntimeError(f"fla's chunk_gated_delta_rule differs from torch's: {err}")
