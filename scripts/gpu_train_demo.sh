@@ -31,6 +31,7 @@ tail -3 "$OUT/machine.txt"
 stamp installed
 DATA=/tmp/ft-demo-data.xz RUN=/tmp/ft-demo-run
 python3 -m freetoken.models.demo_data --out "$DATA" --jobs "$JOBS" --seed "$SEED" --scale "$SCALE" \
+  --lzma-preset 1 \
   > "$OUT/data.log" 2>&1 || { tail -20 "$OUT/data.log"; exit 1; }
 tail -1 "$OUT/data.log" | cut -c1-400
 stamp data

@@ -43,7 +43,8 @@ from freetoken.models.tool_schema import schema_errors, tool_call_errors  # noqa
 #     own seeded rng, so they can run in parallel
 # v4: what a call holds can only be copied from the request: working directories from
 #     thousands (was 19), README.md read in 15% of read tasks (was ~60%), file names from ~120
-#     words, list tasks that name a subdirectory
+#     words, list tasks that name a subdirectory; three to seven tasks a conversation (the long
+#     prompts cost the same for more targets), twice the Claude Code conversations (1,200)
 DATA_VERSION = 4
 RECORDED_CWD = "/home/dev/project"
 _RECORDED_TASK = re.compile(r"Explore this repo:[^\n\"]*?summarize\.")
@@ -176,11 +177,11 @@ def corpus_lines(traces: Path | None = None) -> list[str]:
 
 def conversation(h: Harness, rng: random.Random, traces: Path | None = None,
                  corpus: list[str] | None = None) -> tuple[dict[str, Any], list[Task]]:
-    """One synthetic conversation body (API shape) of one to three tasks."""
+    """One synthetic conversation body (API shape): one task (mini) or three to seven."""
     cwd = working_dir(rng)
     mini = h.name.startswith("mini")
     tasks = [make_task(rng, mini=mini, corpus=corpus)
-             for _ in range(1 if mini else rng.randint(2, 5))]
+             for _ in range(1 if mini else rng.randint(3, 7))]
     body = base_request(h, tasks[0].request, cwd, traces)
     for i, task in enumerate(tasks):
         if i:
@@ -327,7 +328,7 @@ def generate(counts: dict[str, int], seed: int, tok: ChatTokenizer,
     return [x for part in parts for x in part]
 
 
-DEFAULT_COUNTS = {"claude_code": 600, "openclaw": 200, "opencode": 200, "codex": 200,
+DEFAULT_COUNTS = {"claude_code": 1200, "openclaw": 300, "opencode": 300, "codex": 300,
                   "mini_tool": 1500, "mini_text": 1500}
 
 
@@ -342,6 +343,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scale", type=float, default=1.0, help="multiply every harness's count")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (same samples)")
+    p.add_argument("--lzma-preset", type=int, default=6,
+                   help="the file's compression (1: several times faster to write, larger)")
     args = p.parse_args(argv)
     tok_dir = tokenizer_source_dir()
     tok = ChatTokenizer.from_dir(tok_dir)
@@ -351,7 +354,8 @@ def main(argv: list[str] | None = None) -> None:
     meta = {"data_version": DATA_VERSION, "seed": args.seed, "counts": counts,
             "vocab_size": vocab, "tokens": sum(len(s.ids) for s in samples),
             "target_tokens": sum(sum(s.mask) for s in samples)}
-    save_data(Path(args.out), [(s.harness, s.ids, s.mask) for s in samples], meta)
+    save_data(Path(args.out), [(s.harness, s.ids, s.mask) for s in samples], meta,
+              args.lzma_preset)
     print(json.dumps(meta))
 
 

@@ -90,7 +90,7 @@ def model_config(vocab_size: int) -> dict[str, Any]:
 # ---- the data file: lzma(npz) of compact uint16 ids, uint8 masks, offsets, used ids, meta ----
 
 def save_data(path: Path, samples: list[tuple[str, list[int], list[int]]],
-              meta: dict[str, Any]) -> None:
+              meta: dict[str, Any], preset: int = 6) -> None:
     """`samples`: (harness, full-vocab ids, mask)."""
     used = sorted({t for _, ids, _ in samples for t in ids})
     index = {t: i for i, t in enumerate(used)}
@@ -104,7 +104,7 @@ def save_data(path: Path, samples: list[tuple[str, list[int], list[int]]],
     np.savez(buf, ids=ids, mask=mask, lens=lens, harness=harness,
              used=np.array(used, dtype=np.int64),
              meta=np.frombuffer(json.dumps({**meta, "harnesses": names}).encode(), np.uint8))
-    path.write_bytes(lzma.compress(buf.getvalue(), preset=6))
+    path.write_bytes(lzma.compress(buf.getvalue(), preset=preset))
 
 
 def load_data(path: Path) -> dict[str, Any]:

@@ -144,7 +144,9 @@ def check_against_torch(fn: Callable[..., Any], device: str, dtype: str = "float
             q, k = (t.repeat_interleave(HV // H, dim=2) for t in (q, k))
         o, _ = f(q, k, x["value"], g=x["g"], beta=x["beta"], use_qk_l2norm_in_kernel=True)
         (o.float() * weight).sum().backward()
-        outs.append({"out": o.detach().float(), **{k: v.grad.float() for k, v in x.items()}})
+        outs.append({"out": o.detach().float(), **{  # no gradient at all counts as zeros
+            k: (v.grad if v.grad is not None else torch.zeros_like(v)).float()
+            for k, v in x.items()}})
     return {k: float((outs[0][k] - outs[1][k]).abs().max() / outs[1][k].abs().max().clamp_min(
         1e-12)) for k in outs[1]}
 
