@@ -40,8 +40,10 @@ import numpy as np
 
 TRAIN_VERSION = 4  # v4: fla chunked DeltaNet on CUDA, --budget-s plan/stop, checkpoints, pad to 64
 # how often each harness's batch comes up: Claude Code (the default `ft launch`, whose long prompt
-# holds the most tools to tell apart) most, then mini (the end-to-end test)
-HARNESS_WEIGHTS = {"claude_code": 4.0, "mini_tool": 2.0, "mini_text": 2.0}
+# holds the most tools to tell apart) most, then mini (the end-to-end test); mini's short
+# conversations (where reading the request is learnt first) are cheap steps
+HARNESS_WEIGHTS = {"claude_code": 4.0, "mini_tool": 2.0, "mini_text": 2.0,
+                   "mini_tool_short": 1.0, "mini_text_short": 1.0}
 # linear, full, linear, full: a DeltaNet (with its short conv: the previous-token features) before
 # each attention layer, so copying from the prompt (file names, tool output) is learnable.
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]

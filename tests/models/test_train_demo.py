@@ -135,3 +135,23 @@ def _cwd_of(ti) -> str:
     text = next(m["content"] for m in ti.messages if "Primary working directory: " in str(
         m["content"]))
     return str(text).split("Primary working directory: ", 1)[1].split("\n", 1)[0]
+
+
+@pytest.mark.parametrize("name", ["mini_tool", "mini_text"])
+def test_short_mini_conversations_cut_only_the_instructions(name: str) -> None:
+    """The short variant is the same conversation (same tasks, calls, results, answers) with
+    mini's first user message cut to its task line; the full one keeps the instructions."""
+    corpus = dd.corpus_lines()
+    h, short = dd.harness_of(name + dd.SHORT)
+    assert short and h is dd.HARNESSES[name]
+    for seed in range(5):
+        full, tasks = dd.conversation(h, random.Random(seed), corpus=corpus)
+        cut, tasks2 = dd.conversation(h, random.Random(seed), corpus=corpus, short=True)
+        assert [t.request for t in tasks] == [t.request for t in tasks2]
+        users = [i for i, m in enumerate(full["messages"]) if m["role"] == "user"]
+        line = f"Please solve this issue: {tasks[0].request}"
+        assert cut["messages"][users[0]]["content"] == line
+        assert full["messages"][users[0]]["content"].startswith(line + "\n\n")
+        assert len(full["messages"][users[0]]["content"]) > 1000
+        assert ([m for i, m in enumerate(full["messages"]) if i != users[0]]
+                == [m for i, m in enumerate(cut["messages"]) if i != users[0]])
