@@ -317,7 +317,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     result = meta(True)
     save(out, model, used, result, log)
     try:
-        from freetoken.models.demo_trained import plot_loss
+        from freetoken.models.loss_plot import plot_loss
         plot_loss(log, out / "loss.png")
     except ImportError as e:  # no matplotlib here: `demo_trained` plots it when shipping
         print(f"ft.train: no_loss_png reason={e}", flush=True)
