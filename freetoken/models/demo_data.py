@@ -34,14 +34,19 @@ from freetoken.chat.openai_map import openai_to_template
 from freetoken.chat.tokenizer import ChatTokenizer
 from freetoken.envs import harness_traces_dir
 from freetoken.models.demo_harnesses import HARNESSES, MINI_DONE, Harness
-from freetoken.models.demo_tasks import Task, Turn, make_task
+from freetoken.models.demo_tasks import Task, Turn, make_task, working_dir
 from freetoken.models.tool_schema import schema_errors, tool_call_errors  # noqa: F401
 
 # v2: two to five tasks a conversation (more targets per long prompt)
 # v3: twice the Claude Code conversations (the `ft launch` default; the 181-step v2 model named
 #     another harness's tool on its prompt); generated in shards of one harness, each with its
 #     own seeded rng, so they can run in parallel
-DATA_VERSION = 3
+# v4: what a call holds can only be copied from the request: working directories from
+#     thousands (was 19), README.md read in 15% of read tasks (was ~60%), file names from ~120
+#     words, list tasks that name a subdirectory; three to seven tasks a conversation (the long
+#     prompts cost the same for more targets), twice the Claude Code conversations (1,200),
+#     mini conversations with the request cut to its task line (`short`)
+DATA_VERSION = 4
 RECORDED_CWD = "/home/dev/project"
 _RECORDED_TASK = re.compile(r"Explore this repo:[^\n\"]*?summarize\.")
 
@@ -171,17 +176,36 @@ def corpus_lines(traces: Path | None = None) -> list[str]:
     return sorted(seen)
 
 
+SHORT = "_short"  # a mini harness's conversations with the request cut to its task line
+
+
+def harness_of(name: str) -> tuple[Harness, bool]:
+    """(the harness, short) a sample name stands for: "mini_tool_short" is mini_tool's
+    conversation with its first user message cut to the task line (`conversation(short=True)`)."""
+    if name.endswith(SHORT):
+        h = HARNESSES[name[:-len(SHORT)]]
+        assert h.name.startswith("mini"), name
+        return h, True
+    return HARNESSES[name], False
+
+
 def conversation(h: Harness, rng: random.Random, traces: Path | None = None,
-                 corpus: list[str] | None = None) -> tuple[dict[str, Any], list[Task]]:
-    """One synthetic conversation body (API shape) of one to three tasks."""
-    cwd = rng.choice(["/home/dev/project", "/home/user/app", "/work/repo", "/tmp/demo",
-                      "/srv/site", "/home/ana/code/tool", "/root/proj"])
-    if rng.random() < 0.5:
-        cwd = f"/home/{rng.choice(['sam', 'li', 'kim', 'dev'])}/{rng.choice(['api', 'web', 'x'])}"
+                 corpus: list[str] | None = None, short: bool = False
+                 ) -> tuple[dict[str, Any], list[Task]]:
+    """One synthetic conversation body (API shape): one task (mini) or three to seven.
+    `short` (mini only): the user message is its first paragraph, "Please solve this issue:
+    <task>", without mini's ~500 tokens of instructions after it. Training mixes these in
+    because a model this small first learns to read the request where it is easy to find:
+    on the full prompts alone a 300-step CPU run does not condition on the task at all, on
+    these it picks the task's kind by 200 (docs/models.md); the served prompts stay whole."""
+    cwd = working_dir(rng)
     mini = h.name.startswith("mini")
     tasks = [make_task(rng, mini=mini, corpus=corpus)
-             for _ in range(1 if mini else rng.randint(2, 5))]
+             for _ in range(1 if mini else rng.randint(3, 7))]
     body = base_request(h, tasks[0].request, cwd, traces)
+    if short:
+        user = next(m for m in body["messages"] if m["role"] == "user")
+        user["content"] = user["content"].split("\n\n", 1)[0]
     for i, task in enumerate(tasks):
         if i:
             body["messages"].append(_user_message(h, task.request))
@@ -286,11 +310,13 @@ def generate_shard(name: str, k: int, n: int, seed: int, tok: ChatTokenizer,
     rng = random.Random(f"{seed}:{name}:{k}")
     enc = _Encoder(tok)
     corpus = corpus_lines(traces)
-    h = HARNESSES[name]
+    h, short = harness_of(name)
     out = []
     for _ in range(n):
-        body, _ = conversation(h, rng, traces, corpus)
-        out.append(render_sample(h, body, enc, think_off=rng.random() < 0.3))
+        body, _ = conversation(h, rng, traces, corpus, short)
+        sample = render_sample(h, body, enc, think_off=rng.random() < 0.3)
+        sample.harness = name
+        out.append(sample)
     return out
 
 
@@ -327,8 +353,9 @@ def generate(counts: dict[str, int], seed: int, tok: ChatTokenizer,
     return [x for part in parts for x in part]
 
 
-DEFAULT_COUNTS = {"claude_code": 600, "openclaw": 200, "opencode": 200, "codex": 200,
-                  "mini_tool": 1500, "mini_text": 1500}
+DEFAULT_COUNTS = {"claude_code": 1200, "openclaw": 300, "opencode": 300, "codex": 300,
+                  "mini_tool": 1500, "mini_text": 1500, "mini_tool_short": 1500,
+                  "mini_text_short": 1500}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -342,6 +369,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scale", type=float, default=1.0, help="multiply every harness's count")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (same samples)")
+    p.add_argument("--lzma-preset", type=int, default=6,
+                   help="the file's compression (1: several times faster to write, larger)")
     args = p.parse_args(argv)
     tok_dir = tokenizer_source_dir()
     tok = ChatTokenizer.from_dir(tok_dir)
@@ -351,7 +380,8 @@ def main(argv: list[str] | None = None) -> None:
     meta = {"data_version": DATA_VERSION, "seed": args.seed, "counts": counts,
             "vocab_size": vocab, "tokens": sum(len(s.ids) for s in samples),
             "target_tokens": sum(sum(s.mask) for s in samples)}
-    save_data(Path(args.out), [(s.harness, s.ids, s.mask) for s in samples], meta)
+    save_data(Path(args.out), [(s.harness, s.ids, s.mask) for s in samples], meta,
+              args.lzma_preset)
     print(json.dumps(meta))
 
 

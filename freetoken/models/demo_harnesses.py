@@ -60,7 +60,7 @@ def _oc_result(t: Task, cwd: str) -> str:
 
 def _ocl_call(t: Task, cwd: str) -> tuple[str, dict[str, Any]]:
     if t.kind == "list":
-        return "ls", {}
+        return "ls", ({"path": t.path} if t.path else {})
     if t.kind == "read":
         return "read", {"path": t.path}
     if t.kind == "write":

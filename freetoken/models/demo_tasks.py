@@ -17,7 +17,20 @@ _WORDS = [
     "client", "kernel", "layer", "expert", "anchor", "buffer", "socket", "schema",
     "record", "branch", "commit", "notes", "todo", "draft", "plan", "budget", "lunch",
     "garden", "music", "river", "orange", "planet", "rocket",
+    "apple", "bridge", "candle", "desert", "engine", "forest", "harbor", "island", "jungle",
+    "ladder", "magnet", "needle", "ocean", "pepper", "quartz", "ribbon", "silver", "tunnel",
+    "velvet", "window", "yellow", "zipper", "atlas", "bloom", "cedar", "ember", "falcon",
+    "glider", "hollow", "ivory", "jasper", "kettle", "lemon", "maple", "nectar", "opal",
+    "pixel", "quill", "raven", "saddle", "timber", "umbra", "vortex", "walnut", "yarrow",
+    "zephyr", "auth", "login", "users", "orders", "billing", "search", "metrics", "logger",
+    "storage", "payment", "invoice", "session", "profile", "widget", "sensor", "monitor",
+    "export", "import", "backup", "deploy", "runner", "helper", "common", "shared", "core",
 ]
+# working directories: drawn from many, so a path in a call can only come from the prompt's own
+_USERS = ["dev", "sam", "li", "kim", "ana", "omar", "jo", "priya", "max", "eve", "noah", "mia",
+          "leo", "zoe", "ivan", "aiko", "ben", "chen", "dana", "emil", "fatima", "gus"]
+_ROOTS = ["/home/{u}/{p}", "/home/{u}/code/{p}", "/home/{u}/src/{p}", "/work/{p}", "/srv/{p}",
+          "/tmp/{p}", "/root/{p}", "/Users/{u}/{p}", "/opt/{p}", "/home/{u}/projects/{p}"]
 _COMMON = ["README.md", "main.py", "setup.py", "pyproject.toml", "Makefile", "LICENSE",
            "package.json", "index.js", "app.py", "notes.txt", "TODO.md", "config.yaml",
            "requirements.txt", "Cargo.toml", "go.mod", "CHANGELOG.md", "Dockerfile",
@@ -35,6 +48,8 @@ LIST_ASKS = ["list the files", "List the files.", "list the files here", "What f
              "what files are in this directory?", "Show me the files.", "ls",
              "Which files does this project have?", "list files", "show the directory contents",
              "What is in this folder?", "list the files in the current directory"]
+LIST_DIR_ASKS = ["list the files in {d}", "What files are in {d}?", "ls {d}",
+                 "show me what is in {d}/", "List the contents of {d}.", "what's inside {d}"]
 READ_ASKS = ["what does {f} say", "What does {f} say?", "read {f}", "Read {f}.",
              "show me {f}", "cat {f}", "What's in {f}?", "open {f}", "print {f}",
              "Can you read {f} for me?", "what is in {f}", "Show the contents of {f}."]
@@ -87,10 +102,18 @@ class Task:
 
 
 def _name(rng: random.Random) -> str:
-    if rng.random() < 0.5:
+    if rng.random() < 0.25:
         return rng.choice(_COMMON)
-    stem = rng.choice(_WORDS) + rng.choice(["", "_" + rng.choice(_WORDS), str(rng.randint(1, 9))])
+    stem = rng.choice(_WORDS) + rng.choice(["", "_" + rng.choice(_WORDS), "-" + rng.choice(
+        _WORDS), str(rng.randint(1, 99))])
     return stem + rng.choice(_EXTS)
+
+
+def working_dir(rng: random.Random) -> str:
+    """A working directory from thousands (the recorded harness prompt states it)."""
+    project = rng.choice(_WORDS) + rng.choice(["", "", "-" + rng.choice(_WORDS),
+                                               str(rng.randint(2, 9))])
+    return rng.choice(_ROOTS).format(u=rng.choice(_USERS), p=project)
 
 
 def _sentence(rng: random.Random) -> str:
@@ -161,13 +184,20 @@ def make_task(rng: random.Random, mini: bool, corpus: list[str] | None = None) -
     if kind == "list":
         names = _listing(rng)
         out = "".join(n + "\n" for n in names)
+        if rng.random() < 0.35:  # a subdirectory, named in the request: copied into the call
+            d = rng.choice(_DIRS + _WORDS)
+            return Task("list", rng.choice(LIST_DIR_ASKS).format(d=d), path=d, command=f"ls {d}",
+                        description=f"List files in {d}", output=out,
+                        answer=f"The files in {d} are: " + ", ".join(names) + ".",
+                        thought=f"I will list the files in {d}.")
         return Task("list", rng.choice(LIST_ASKS), command="ls",
                     description="List files in current directory", output=out,
                     answer="The files here are: " + ", ".join(names) + ".",
                     thought="I will list the files in the current directory.")
     if kind == "read":
-        path = rng.choice(["README.md", "README.md", _name(rng)])
-        if rng.random() < 0.2:
+        # README.md now and then only: a model that always reads it must not score
+        path = "README.md" if rng.random() < 0.15 else _name(rng)
+        if rng.random() < 0.25:
             path = f"{rng.choice(_DIRS)}/{_name(rng)}"
         ask = rng.choice(READ_ASKS)
         if path == "README.md" and rng.random() < 0.3:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from freetoken.models.loss_plot import plot_loss
 from freetoken.models.train_demo import model_config
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "demo_weights"
@@ -100,29 +101,9 @@ def ship(train_out: Path, weights_dir: Path = WEIGHTS_DIR) -> dict[str, Any]:
     return man
 
 
-def plot_loss(log: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    by: dict[str, list[tuple[int, float]]] = {}
-    for r in log:
-        by.setdefault(r["harness"], []).append((r["step"], r["loss"]))
-    for name, pts in sorted(by.items()):
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], ".", ms=2, label=name)
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy of assistant tokens (nats)")
-    ax.set_title("demo model training (batches are one harness each)")
-    ax.legend(markerscale=4, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 if __name__ == "__main__":
     import sys
 
-    print(json.dumps(ship(Path(sys.argv[1])), indent=2))
+    # python -m freetoken.models.demo_trained TRAIN_OUT [WEIGHTS_DIR (default: the package's)]
+    dest = Path(sys.argv[2]) if len(sys.argv) > 2 else WEIGHTS_DIR
+    print(json.dumps(ship(Path(sys.argv[1]), dest), indent=2))
