@@ -27,7 +27,7 @@ def build_engine(cfg: EngineConfig) -> AsyncEngine:
         moe, reserve = resolve_moe(cfg.moe, cfg.moe_backend_given, cfg.max_context,
                                    model_dir, dtype, device)
     model, rt = load_with_experts(model_dir, moe, dtype=dtype, device=device,
-                                  kv_reserve_bytes=reserve, read=_weights_reader(model_dir))
+                                  kv_reserve_bytes=reserve)
     tok = ChatTokenizer.from_dir(model_dir)
     install_routing_hooks(model, cfg)
     max_context = cfg.max_context or model.cfg.max_position_embeddings
@@ -53,14 +53,6 @@ def build_engine(cfg: EngineConfig) -> AsyncEngine:
     _warm_up(engine, cfg.warm_up)
     _elastic(engine, cfg, moe, rt)
     return engine
-
-
-def _weights_reader(model_dir):
-    """In-memory random weights for a `ft bench checkpoint --format random` directory (a shape
-    whose checkpoint does not fit the disk), else None: the checkpoint's files."""
-    from freetoken.models.random_weights import is_random_checkpoint, random_runtime_weights
-
-    return random_runtime_weights if is_random_checkpoint(model_dir) else None
 
 
 def install_routing_hooks(model, cfg: EngineConfig) -> None:

@@ -52,12 +52,15 @@ def load_with_experts(model_dir: str | Path, moe: MoEConfig | None,
     """Load a checkpoint and build its expert runtime from `moe` (None: none, every expert
     resident). With a non-fused backend the routed experts go to the host expert store and
     the slot cache; only the rest of the model moves to `device`. `read(model_dir, cfg,
-    dtype, pin=, progress=)`: where the runtime-named host tensors come from (default
-    `checkpoint.reader.read_weights`; the composition root passes the in-memory random
-    weights of a `ft bench checkpoint --format random` directory)."""
+    dtype, pin=, progress=)`: where the runtime-named host tensors come from (default: the
+    in-memory random weights for a `ft bench checkpoint --format random` directory, else
+    `checkpoint.reader.read_weights` of its files), so every command that loads a directory
+    (serve, generate, bench elastic) takes both kinds."""
     from freetoken.checkpoint.reader import read_weights
+    from freetoken.models.random_weights import is_random_checkpoint, random_runtime_weights
 
-    read = read or read_weights
+    if read is None:
+        read = random_runtime_weights if is_random_checkpoint(model_dir) else read_weights
 
     t0 = time.perf_counter()
     cfg = load_config(model_dir)

@@ -11,7 +11,6 @@ import torch
 
 from freetoken.bench.checkpoint_writer import write_checkpoint
 from freetoken.checkpoint.reader import read_weights
-from freetoken.cli.build import _weights_reader
 from freetoken.models.loader import load_model, load_with_experts
 from freetoken.models.random_weights import (
     RANDOM_MARKER,
@@ -35,7 +34,6 @@ def test_random_dir_has_no_weights_and_is_recognised(dirs) -> None:
     assert (rnd / "tokenizer.json").is_file()
     assert not [p for p in rnd.iterdir() if p.suffix in (".safetensors", ".ftw", ".bin")]
     assert is_random_checkpoint(rnd) and not is_random_checkpoint(ftw)
-    assert _weights_reader(rnd) is random_runtime_weights and _weights_reader(ftw) is None
 
 
 def test_random_weights_equal_what_ftw_writes(dirs) -> None:
@@ -50,10 +48,12 @@ def test_random_weights_equal_what_ftw_writes(dirs) -> None:
 
 
 def test_the_model_served_from_it_is_the_ftw_model(dirs) -> None:
+    """The loader picks the reader by the directory: `ft bench elastic --model` and
+    `ft generate` on a random-format directory (they pass no reader) load the FTW model too
+    (`ft bench elastic` on one raised CheckpointError "no model.safetensors")."""
     ftw, rnd = dirs
     want = load_model(ftw, dtype=torch.float32, progress=False)
-    model, _ = load_with_experts(rnd, None, torch.float32, progress=False,
-                                 read=random_runtime_weights)
+    model, _ = load_with_experts(rnd, None, torch.float32, progress=False)
     w, g = want.state_dict(), model.state_dict()
     assert set(w) == set(g)
     assert all(torch.equal(w[n], g[n]) for n in w)  # fp32: a cast of the same bf16 values
