@@ -63,11 +63,18 @@ class GraphCapture:
         return sum(len(b.graphs) for b in self.buckets.values())
 
     def _drop_graphs(self) -> int:
-        """Forget every graph (and each bucket's failed tries); returns how many there were."""
+        """Forget every graph (and each bucket's failed tries); returns how many there were.
+        The next captures go to a new memory pool: the old one outlives its graphs while
+        tensors allocated in their captures are alive, and capturing into a pool whose graphs
+        are all gone trips the caching allocator's `use_count > 0` assert (every recapture
+        after a slot-cache resize failed that way on the H200, 2026-12-03); its memory is
+        freed as those tensors go."""
         n = self.graphs_held()
         for b in self.buckets.values():
             b.graphs.clear()
             b.failures = 0
+        if n and self._pool is not None:
+            self._pool = torch.cuda.graph_pool_handle()
         return n
 
     def capture_bucket(self, size: int, greedy: bool, where: str = "idle") -> bool:

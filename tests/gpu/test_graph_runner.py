@@ -103,3 +103,34 @@ def test_warm_up_captures_every_bucket_before_the_first_request(tiny_hf) -> None
     while core.has_work():
         core.step()
     assert all(core.runner.buckets[b].graphs == graphs[b] for b in graphs)
+
+
+def test_graphs_are_captured_again_after_a_slot_cache_resize(tiny_hf) -> None:
+    """Bug this catches: after a re-budget (`ft bench elastic`'s 6 GB shrink and regrow) every
+    recapture into the old graph pool tripped the CUDA caching allocator's `use_count > 0`
+    assert, so decode ran eagerly from then on (H200, 2026-12-03). Decode, shrink, decode,
+    regrow, decode: each phase replays newly captured graphs and gives the eager tokens."""
+    d = tiny_hf("qwen3_5_moe")
+    moe = MoEConfig(backend="offload", cache_size=6, measure_bw=False)
+    model, rt = load_with_experts(d, moe, dtype=torch.float32, device="cuda", progress=False)
+    V = model.cfg.vocab_size
+    g = torch.Generator().manual_seed(11)
+    phases = [[torch.randint(0, V, (20 + 5 * i,), generator=g).tolist() for i in range(2)]
+              for _ in range(3)]  # new prompts each phase: no prefix reuse across them
+    wants = [_engine_tokens(model, ps, 48, decode_runner=False, moe=rt)[0] for ps in phases]
+    core = EngineCore(model, [], kv_tokens=4096, state_slots=16, max_running=4,
+                      chunk_tokens=64, decode_runner=True, cuda_graph=True, moe=rt)
+    sp = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    for phase, (slots, prompts, want) in enumerate(zip((None, 3, 6), phases, wants)):
+        if slots is not None:
+            rt.resize(slots=slots)
+        out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+        for i, p in enumerate(prompts):
+            core.add(GenerateRequest(p, sp, [], request_id=f"p{phase}r{i}"),
+                     lambda ev, i=i, out=out: out[i].extend(ev.token_ids))
+        before = core.runner.replays
+        while core.has_work():
+            core.step()
+        assert [out[i] for i in range(len(prompts))] == want, phase
+        assert core.runner.replays - before >= 40, (phase, core.runner.replays - before)
+        assert not any(b.failures for b in core.runner.buckets.values()), phase
