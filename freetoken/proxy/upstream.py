@@ -33,8 +33,11 @@ from freetoken.server.errors import APIError
 
 log = get_logger("proxy")
 FINISH = re.compile(r'"(finish_reason|stop_reason)":\s*"')
+# the harness's session and lineage headers too (#23: an `ft serve` upstream keys sessions and
+# sub-agents by them, `server.generation.session_key_from` / `parent_key_from`)
 _PASS_HEADERS = ("anthropic-version", "anthropic-beta", "user-agent", "x-session-id",
-                 "x-session-affinity", "x-claude-code-session-id")
+                 "x-session-affinity", "x-claude-code-session-id", "x-claude-code-agent-id",
+                 "x-parent-session-id", "x-codex-turn-metadata")
 
 
 @dataclass

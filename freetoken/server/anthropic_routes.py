@@ -38,6 +38,7 @@ from freetoken.server.generation import (
     admit,
     drive,
     new_id,
+    parent_key_from,
     plan,
     session_key_from,
 )
@@ -109,7 +110,8 @@ async def messages(request: Request) -> Response:
     ti = cr.template
     rid = new_id("msg_")
     pl = plan(st.engine, prompt.input_ids, prompt.anchors, params, st.tokenizer.eos_token_ids,
-              session_key_from(request.headers), rid)
+              session_key_from(request.headers), rid,
+              parent_key=parent_key_from(request.headers))
     log.info(kv("messages", request=rid, prompt=pl.prompt_len,
                 max_tokens=pl.req.sampling.max_tokens, stream=stream, tools=len(ti.tools or []),
                 thinking=ti.enable_thinking, choice=cr.tool_choice))

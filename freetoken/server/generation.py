@@ -12,6 +12,7 @@ stop strings in the decoded text channel, and yields `Started`, parser events an
 """
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -39,6 +40,9 @@ OUTPUT_CAP_HEADER = "x-ft-output-cap"  # the server's own cap ended (or would en
 DEMO_OUTPUT_CAP = 256  # `ft serve --model demo`: the random-weight demo never ends on its own
 REQUESTED_HEADER = "x-ft-max-tokens-requested"
 SESSION_HEADERS = ("x-claude-code-session-id", "x-session-id", "x-session-affinity")
+AGENT_HEADER = "x-claude-code-agent-id"  # Claude Code: sent by sub-agents, beside the parent's id
+PARENT_HEADER = "x-parent-session-id"  # OpenCode: a sub-agent session names its parent's id
+CODEX_META = "x-codex-turn-metadata"  # Codex: JSON, `parent_thread_id` for a spawned thread
 
 
 def new_id(prefix: str) -> str:
@@ -46,12 +50,34 @@ def new_id(prefix: str) -> str:
 
 
 def session_key_from(headers: Any) -> str | None:
-    """The harness session header, in priority order (Claude Code, then OpenCode's)."""
+    """The harness session header, in priority order (Claude Code, then OpenCode's); a Claude
+    Code sub-agent (its agent id beside the parent's session id) is its own session,
+    `SESSION/AGENT` (#23: the cache's lineage, `freetoken.cache.lineage`)."""
     for h in SESSION_HEADERS:
         v = headers.get(h)
         if v:
-            return str(v)[:256]
+            agent = headers.get(AGENT_HEADER) if h == SESSION_HEADERS[0] else None
+            return (f"{str(v)[:128]}/{str(agent)[:64]}" if agent else str(v))[:256]
     return None
+
+
+def parent_key_from(headers: Any) -> str | None:
+    """The parent session a sub-agent's harness names, as that session's `session_key_from`
+    key: Claude Code's session id beside an agent id, OpenCode's `x-parent-session-id`,
+    Codex's turn metadata `parent_thread_id` (its threads are keyed by `prompt_cache_key`, the
+    thread id); None for a top-level session or where no header says (the cache then infers
+    the parent from prefix structure)."""
+    sid, agent = headers.get(SESSION_HEADERS[0]), headers.get(AGENT_HEADER)
+    if sid and agent:
+        return str(sid)[:128]
+    if headers.get(PARENT_HEADER):
+        return str(headers[PARENT_HEADER])[:256]
+    try:
+        meta = json.loads(headers.get(CODEX_META) or "null")
+    except ValueError:
+        return None
+    parent = meta.get("parent_thread_id") if isinstance(meta, dict) else None
+    return str(parent)[:256] if parent else None
 
 
 def default_output_cap(model: str | None, given: int | None) -> int | None:
@@ -76,7 +102,7 @@ class Plan:
 
 def plan(engine: EngineClient, input_ids: list[int], anchors: list[Anchor], p: CommonParams,
          eos_ids: list[int], session_key: str | None, request_id: str,
-         prompt_param: str = "messages") -> Plan:
+         prompt_param: str = "messages", parent_key: str | None = None) -> Plan:
     """The request, or APIError(400). `max_tokens` is a ceiling: clamped to the room left in
     the context and to the server's output cap if it has one (reported in CLAMP_HEADER);
     absent, it is that room."""
@@ -106,7 +132,8 @@ def plan(engine: EngineClient, input_ids: list[int], anchors: list[Anchor], p: C
         seed=p.seed, stop_token_ids=[] if p.ignore_eos else list(eos_ids),
         ignore_eos=p.ignore_eos, min_tokens=min(p.min_tokens, max_tokens))
     return Plan(GenerateRequest(list(input_ids), sampling, list(anchors), session_key,
-                                request_id), n, headers, max_tokens if capped_by_server else None)
+                                request_id, parent_key), n, headers,
+                max_tokens if capped_by_server else None)
 
 
 async def admit(engine: EngineClient, pl: Plan) -> AsyncIterator[EngineEvent]:

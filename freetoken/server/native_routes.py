@@ -26,7 +26,14 @@ from starlette.responses import JSONResponse, Response
 
 from freetoken.log import get_logger, kv
 from freetoken.server.errors import APIError, error_body
-from freetoken.server.generation import Plan, admit, new_id, plan, session_key_from
+from freetoken.server.generation import (
+    Plan,
+    admit,
+    new_id,
+    parent_key_from,
+    plan,
+    session_key_from,
+)
 from freetoken.server.sse import (
     KEEPALIVE_S,
     TICK,
@@ -158,7 +165,9 @@ def _native_plan(st: ServerState, body: dict, headers: Any) -> Plan:
     key = opt_str(body, "session_key") or session_key_from(headers)
     pl = plan(st.engine, ids, _anchors(body.get("anchors"), len(ids)), p, stop_ids, key,
               new_id("ftgen-"), "input_ids")
-    pl.req.parent_key = opt_str(body, "parent_key")  # a sub-agent's parent session (#23)
+    # a sub-agent's parent session (#23): the body's, else (headers keying it) the headers'
+    pl.req.parent_key = opt_str(body, "parent_key") or (
+        None if opt_str(body, "session_key") else parent_key_from(headers))
     return pl
 
 

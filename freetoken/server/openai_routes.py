@@ -23,7 +23,15 @@ from freetoken.chat import (
 )
 from freetoken.log import get_logger, kv
 from freetoken.server.errors import APIError, error_body
-from freetoken.server.generation import Finished, admit, drive, new_id, plan, session_key_from
+from freetoken.server.generation import (
+    Finished,
+    admit,
+    drive,
+    new_id,
+    parent_key_from,
+    plan,
+    session_key_from,
+)
 from freetoken.server.sse import (
     KEEPALIVE_S,
     TICK,
@@ -91,7 +99,8 @@ async def chat_completions(request: Request) -> Response:
     prompt = await st.render(ti, cr.prompt_tools)
     rid = new_id("chatcmpl-")
     pl = plan(st.engine, prompt.input_ids, prompt.anchors, params, st.tokenizer.eos_token_ids,
-              session_key_from(request.headers), rid)
+              session_key_from(request.headers), rid,
+              parent_key=parent_key_from(request.headers))
     log.info(kv("chat", request=rid, prompt=pl.prompt_len, max_tokens=pl.req.sampling.max_tokens,
                 stream=stream, tools=len(ti.tools or []), choice=cr.tool_choice))
     parser = st.parser(ti.enable_thinking is not False, prompt, ti.tools, "call_")
@@ -207,7 +216,8 @@ async def completions(request: Request) -> Response:
         params.max_tokens = 16  # the OpenAI default for this legacy endpoint
     rid = new_id("cmpl-")
     pl = plan(st.engine, ids, [], params, st.tokenizer.eos_token_ids,
-              session_key_from(request.headers), rid, "prompt")
+              session_key_from(request.headers), rid, "prompt",
+              parent_key_from(request.headers))
     parser = _TextParser(st.tokenizer)
     events = drive(await admit(st.engine, pl), pl, parser, params.stops, TextDelta, TextDelta)
     base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}

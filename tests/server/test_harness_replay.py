@@ -99,6 +99,11 @@ def test_replay(server: Server, engine: FakeEngine, path: Path) -> None:
                 hdrs = {k.lower(): v for k, v in rec["headers"].items()}
                 want = (hdrs.get("x-claude-code-session-id") or hdrs.get("x-session-id")
                         or hdrs.get("x-session-affinity") or body.get("prompt_cache_key"))
-                assert req.session_key == want, where
+                # lineage (#23 item 1): a sub-agent is its own session, naming its parent's
+                agent = hdrs.get("x-claude-code-agent-id")
+                parent = (want if agent else hdrs.get("x-parent-session-id"))
+                if agent:
+                    want = f"{want}/{agent}"
+                assert (req.session_key, req.parent_key) == (want, parent), where
     finally:
         engine.max_context = 40960
