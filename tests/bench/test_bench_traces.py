@@ -47,6 +47,40 @@ def test_cc_sub_agents_get_their_own_sessions_and_the_main_threads_parent(tok) -
         assert b.ids[: len(a.ids) + len(a.gen)] == a.ids + a.gen and a.gen[0] < 10**9
 
 
+def test_opencode_sub_agents_name_their_parent_by_x_parent_session_id(tok) -> None:
+    """#23 item 1 on the recorded OpenCode sub-agents (oc_try1: two `task` sub-agents, each
+    with its own `x-session-id` / `x-session-affinity` and the main's `x-parent-session-id`):
+    the adapter's keys, as the proxy sends them, resolve in the cache's lineage to the main
+    session, which waits on them until it speaks again."""
+    from freetoken.cache.lineage import Lineage
+
+    reqs = load_trace(tok, TRACES / "opencode" / "oc_try1.jsonl")
+    subs = [r for r in reqs if r.parent is not None]
+    assert len(subs) == 4 and len({r.session for r in subs}) == 2
+    lin = Lineage()
+    for i, r in enumerate(reqs):
+        lin.begin(r.session, r.parent)
+        lin.end(r.session)
+        if i == 7:  # the second sub-agent's last turn: the main waits on both
+            mains = {lin.sessions[s.session].parent for s in subs}
+            assert len(mains) == 1 and lin.waiting_on_children(mains.pop())
+    assert all(lin.sessions[r.session].declared and lin.sessions[r.session].finished
+               for r in subs)  # the main spoke again after both (seq 8 on)
+    main = reqs[1].session  # the agent's main thread (seq 0: the title request, its own head)
+    assert reqs[0].session != main and reqs[8].session == main
+    assert {lin.sessions[r.session].parent for r in subs} == {main}  # the latest with the id
+    # `x-session-affinity` alone keys the session as `x-session-id` does
+    from harness_adapters import HarnessRequest, detect_adapter
+
+    rec = json.loads((TRACES / "opencode" / "oc_try1.jsonl").read_text().splitlines()[0])
+    h = {k.lower(): v for k, v in rec["headers"].items()}
+    both = HarnessRequest("openai", rec["path"], h, rec["body"])
+    aff = HarnessRequest("openai", rec["path"], {k: v for k, v in h.items()
+                                                 if k != "x-session-id"}, rec["body"])
+    ad = detect_adapter(both)
+    assert detect_adapter(aff) is ad and ad.session_key(aff) == ad.session_key(both)
+
+
 def test_responses_api_trace_loads_every_request(tok) -> None:
     """Bug caught: Codex's Responses bodies (`input`, no `messages`) loaded 0 requests and the
     bench printed a table of 0.0 ratios."""
