@@ -187,3 +187,38 @@ def test_a_sessions_latest_cut_gets_the_latest_bonus() -> None:
     assert c.lineage.bonus(by[96], c._snaps[by[96]].users) == LATEST
     assert c.lineage.bonus(by[60], c._snaps[by[60]].users) == 0
     assert c.lineage.bonus(by[103], c._snaps[by[103]].users) == LATEST  # the end, latest
+
+
+def test_a_parent_is_inferred_from_prefix_structure_where_no_header_says() -> None:
+    """#23 item 1, no header: a new session whose first prompt resumes from a snapshot another
+    session made (its head, not its latest) is that session's sub-agent, and the parent's
+    latest gains BACK while it runs; a new session resuming at another's latest continues it
+    (not a sub-agent); an inferred sub-agent is never marked finished (an unrelated session of
+    the same harness shares the same head). Bug it catches: lineage only from headers, so
+    OpenClaw's and mini-swe-agent's sub-agents (no header) never kept their parent's state."""
+    from freetoken.cache.lineage import BACK, LATEST
+
+    c = _cache(states=16)
+    head = list(range(1, 101))
+    p1 = head + [200] * 20
+    c.begin("p")
+    _request(c, p1, [(100, "head")], "p")
+    c.end("p")
+    by = {node.depth: node for node in c._snaps}
+    end = by[len(p1) + 3]
+    assert c.lineage.bonus(end, c._snaps[end].users) == LATEST
+    kid = head + [400] * 30
+    m = c.match(kid, "k")
+    assert m.length == 100  # resumes at p's head
+    assert c.begin("k", None, m) == "p"
+    assert not c.lineage.sessions["k"].declared and c.lineage.waiting_on_children("p")
+    assert c.lineage.bonus(end, c._snaps[end].users) == BACK  # p will be back
+    c.end("k")
+    c.begin("p")
+    c.end("p")
+    assert not c.lineage.sessions["k"].finished  # inferred: never finished
+    # a new session resuming at p's latest continues it: no parent
+    m2 = c.match(p1 + [9000, 9001, 9002, 7, 7], "q")
+    assert m2.node is end and c.begin("q", None, m2) is None
+    # a session resuming nothing: no parent
+    assert c.begin("r", None, c.match([7000 + i for i in range(30)], "r")) is None
