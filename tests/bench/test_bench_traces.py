@@ -129,6 +129,21 @@ def test_one_request_trace_reports_its_recompute_not_a_ratio(tmp_path, capsys) -
     assert "ratio" not in sem and sem["recomputed"] == sc["minimum"]
 
 
+def test_one_request_trace_prints_no_ratio(tmp_path, capsys) -> None:
+    """The printed table (not only --json): bug caught, a one-request trace printed
+    "ratio 0.0" for every policy."""
+    good = json.dumps({"path": "/v1/chat/completions",
+                       "body": {"messages": [{"role": "user", "content": "hello there"}]}})
+    rc = main(["--log-level", "WARNING", "bench", "anchors", "--traces",
+               str(_write(tmp_path, [good])), "--policies", "semantic,llamacpp"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "no later turn" in out and "(no ratio)" in out
+    head = next(ln for ln in out.splitlines() if ln.strip().startswith("policy"))
+    assert "ratio" not in head.replace("recomputed", "")
+    rows = [ln.split() for ln in out.splitlines() if ln.strip().startswith("semantic")]
+    assert rows and all("0.0" not in r for r in rows)
+
+
 def test_budget_sweep_and_per_trace_scopes(capsys) -> None:
     rc = main(["--log-level", "WARNING", "bench", "anchors", "--traces",
                str(TRACES / "mini_swe_agent"), "--budget", "4+0", "--budget", "16+32",
