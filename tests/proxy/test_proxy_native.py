@@ -212,3 +212,35 @@ def test_engine_behind_an_api_key(stack) -> None:
     finally:
         for s in [*servers, serve]:
             s.stop()
+
+
+def test_codex_threads_and_spawned_sub_agents_reach_the_engine(stack) -> None:
+    """#23 item 1 through the proxy (Responses API, native mode): a Codex thread is keyed by
+    its turn metadata's thread id, or without the metadata by `prompt_cache_key` (the same
+    id); a spawned thread is its own session and names its parent thread, which resolves in
+    the cache's lineage to the parent's key."""
+    from freetoken.cache.lineage import Lineage
+
+    engine, proxy = stack
+    engine.reset()
+    p = proxy()
+    rec = records(TRACES / "codex" / "codex_responses.jsonl")[0]
+    meta = json.loads(rec["headers"]["x-codex-turn-metadata"])
+    root = meta["thread_id"]
+    assert rec["body"]["prompt_cache_key"] == root
+    child_meta = json.dumps(dict(meta, thread_id="child", parent_thread_id=root))
+    no_meta = {k: v for k, v in rec["headers"].items()
+               if k.lower() not in ("x-codex-turn-metadata", "session-id", "thread-id")}
+    body = {**rec["body"], "client_metadata": None}
+    for headers in (rec["headers"], no_meta, {**no_meta, "x-codex-turn-metadata": child_meta}):
+        r = _send(p.url, {"path": rec["path"], "headers": headers, "body": body})
+        assert r.status_code == 200, r.text[:300]
+    main, again, child = engine.requests[-3:]
+    assert main.session_key.startswith(f"codex:{root}:") and main.parent_key is None
+    assert again.session_key == main.session_key and again.parent_key is None
+    assert child.session_key.startswith("codex:child:") and child.parent_key == f"codex:{root}:"
+    lin = Lineage()
+    lin.begin(main.session_key)
+    lin.end(main.session_key)
+    lin.begin(child.session_key, child.parent_key)
+    assert lin.sessions[child.session_key].parent == main.session_key
