@@ -7,7 +7,9 @@ Usage: python scripts/serve_decode_check.py MODEL OUT_DIR LABEL TOKENS [ft serve
 (ROWS=1,2,4 in the environment: the batch sizes, default 1,2)
 Prints `[decode LABEL] ...` lines: start-to-ready phases, the first token of the first
 request, then per batch size the aggregate decode tok/s over the tokens past SKIP, and the
-expert counters of /v1/stats over that window (hit rate, misses per step, CPU share).
+expert counters of /v1/stats over that window (hit rate, misses per step, CPU share) and where
+a decode step's time went (`step_phases`: ms per step in the engine's step, blocked on the
+device, the rest on the host, and between steps).
 Writes OUT_DIR/decode-LABEL.json and the server log OUT_DIR/serve-LABEL.log.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from freetoken.bench.cli_bench_serve import expert_delta
+from freetoken.bench.cli_bench_serve import expert_delta, phase_delta
 from freetoken.bench.serve_process import ServerProcess
 
 SKIP = 32  # tokens left out at the start of each stream (first-request compiles, captures)
@@ -82,10 +84,12 @@ def main(argv: list[str]) -> int:
         for rows in (int(r) for r in os.environ.get("ROWS", "1,2").split(",")):
             a = srv.stats()
             r = run_batch(srv, rows, n)
-            r["experts"] = _delta(a, srv.stats())
+            b = srv.stats()
+            r["experts"], r["step_phases"] = _delta(a, b), phase_delta(a, b)
             res[f"batch{rows}"] = r
             print(f"[decode {label}] batch={rows} tok_s={r['tok_s']} tokens={r['tokens']} "
                   f"first_token_s={r['first_token_s']} experts={r['experts']}", flush=True)
+            print(f"[decode {label}] batch={rows} step_phases={r['step_phases']}", flush=True)
     (out / f"decode-{label}.json").write_text(json.dumps(res, indent=1, default=str))
     return 0
 

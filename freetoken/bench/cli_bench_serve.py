@@ -92,6 +92,21 @@ def expert_delta(before: dict, after: dict) -> dict[str, Any] | None:
     return d
 
 
+def phase_delta(before: dict, after: dict) -> dict[str, Any] | None:
+    """Mean milliseconds per decode-only step between two /v1/stats reads (`decode_phases`):
+    in the engine's step (`step`: of it `wait` blocked on the device's tokens, `host` the
+    rest) and `between` steps (the engine thread's loop); None without decode steps."""
+    a, b = after.get("decode_phases"), before.get("decode_phases") or {}
+    if not a:
+        return None
+    n = a["steps"] - b.get("steps", 0)
+    if n <= 0:
+        return None
+    ms = {k: 1e3 * (a[f"{k}_s"] - b.get(f"{k}_s", 0.0)) / n for k in ("step", "wait", "between")}
+    return {"steps": n, "step_ms": round(ms["step"], 3), "wait_ms": round(ms["wait"], 3),
+            "host_ms": round(ms["step"] - ms["wait"], 3), "between_ms": round(ms["between"], 3)}
+
+
 def _floor_tok_s(d: dict[str, Any] | None, tokens: int, bw: tuple[float, float] | None
                  ) -> float | None:
     """Decode tok/s the expert bytes allow: fetched bytes over B_P and CPU-read bytes over B_H,

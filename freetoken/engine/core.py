@@ -85,6 +85,7 @@ class EngineCore:
         # a lone request must always fit in the KV pool, so the context never exceeds it
         self.max_context = min(max_context or cfg.max_position_embeddings, kv_tokens)
         self.stats = EngineStats()
+        self._t_decode_end: float | None = None  # when the last decode-only step ended
         self.eager = EagerStep(model, self.caches, n_logits,
                                device_sampler=self.device.type == "cuda")
         self.overlap = DecodeOverlap(self.runner, self.sched, self.max_context,
@@ -162,11 +163,21 @@ class EngineCore:
         """One engine step: schedule, run, postprocess. A failure of the CPU bridge drops the
         bridge (`drop_bridge`) and is raised for the step's requests; any other failure of a
         forward pass fails one request only (engine/isolation.py)."""
+        t0, wait0, dec0 = time.perf_counter(), self.overlap.wait_s, self.stats.decode_tokens
+        pf0 = self.stats.prefill_tokens
         try:
             self._step()
         except BridgeError as e:
             self.drop_bridge(e)
             raise
+        t1 = time.perf_counter()
+        if self.stats.decode_tokens > dec0 and self.stats.prefill_tokens == pf0:
+            # a decode-only step: its split (the gap counts only from a decode step's end)
+            gap = t0 - self._t_decode_end if self._t_decode_end is not None else 0.0
+            self.stats.on_decode_phases(t1 - t0, self.overlap.wait_s - wait0, gap)
+            self._t_decode_end = t1
+        else:
+            self._t_decode_end = None
         if self.moe is not None and self.moe.reprofiler is not None:
             self.moe.reprofiler.at_safe_point()  # q* follows the measured bandwidths
 

@@ -55,6 +55,7 @@ class DecodeOverlap:
         # isolated once that one is post-processed (their states went past its tokens)
         self.failed: tuple[list[Request], Exception] | None = None
         self.t_done = 0.0  # when the last step's tokens were read
+        self.wait_s = 0.0  # seconds blocked in the runner's collect, summed (EngineStats)
 
     def leave(self, items: list[BatchItem], post_ops: list, rows: list, t0: float) -> None:
         """Launch `rows` (the runner rows of `items`) and leave the step in flight."""
@@ -99,8 +100,10 @@ class DecodeOverlap:
         ran is charged from that one's end (the statistics' busy time is wall time, not
         launch-to-tokens summed over overlapping steps)."""
         assert self.runner is not None
+        t_wait = time.perf_counter()
         toks = cur.tokens if cur.tokens is not None else self.runner.collect(cur.pending)
         now = time.perf_counter()
+        self.wait_s += now - t_wait
         dt = now - max(cur.t0, self.t_done)
         self.t_done = now
         return toks, dt

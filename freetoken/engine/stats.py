@@ -19,6 +19,11 @@ class EngineStats:
         self.requests = 0
         self.prefill_tokens = 0  # every token fed outside decode rows, since the start
         self.decode_tokens = 0
+        # where a decode step's wall time goes, summed since the start (clients take deltas):
+        # `step_s` inside EngineCore.step, of which `wait_s` blocked on the device's tokens,
+        # and `between_s` from one decode step's end to the next one's start (the engine
+        # thread's loop: its inbox, other threads holding the GIL)
+        self.phases = {"steps": 0, "step_s": 0.0, "wait_s": 0.0, "between_s": 0.0}
         self._lock = threading.Lock()
 
     def on_step(self, dt: float, prefill_tokens: int, decode_tokens: int) -> None:
@@ -29,6 +34,15 @@ class EngineStats:
             self.decode_tokens += decode_tokens
             while self._steps and self._steps[0][0] < now - self.window_s:
                 self._steps.popleft()
+
+    def on_decode_phases(self, step_s: float, wait_s: float, between_s: float) -> None:
+        """One decode-only step's split (see `phases`)."""
+        with self._lock:
+            ph = self.phases
+            ph["steps"] += 1
+            ph["step_s"] += step_s
+            ph["wait_s"] += wait_s
+            ph["between_s"] += between_s
 
     def on_first_token(self, ttft: float, prompt: int, cached: int) -> None:
         with self._lock:
@@ -41,6 +55,7 @@ class EngineStats:
         with self._lock:
             steps = list(self._steps)
             ttft = sorted(self._ttft)
+            phases = dict(self.phases)
         busy = sum(s[1] for s in steps)
         pf = sum(s[2] for s in steps)
         dc = sum(s[3] for s in steps)
@@ -59,4 +74,6 @@ class EngineStats:
             "tokens_per_s_window": round((pf + dc) / busy, 2) if busy else 0.0,
             "ttft_p50_s": round(ttft[len(ttft) // 2], 4) if ttft else None,
             "ttft_mean_s": round(sum(ttft) / len(ttft), 4) if ttft else None,
+            "decode_phases": {k: round(v, 6) if isinstance(v, float) else v
+                              for k, v in phases.items()},
         }
