@@ -71,6 +71,9 @@ def load_with_experts(model_dir: str | Path, moe: MoEConfig | None,
                    progress=progress)
     model = build_model(cfg, tensors, "cpu", dtype)
     del tensors
+    distinct = model.dedup_output_head()
+    if distinct is not None:
+        log.info(kv("output_head_dedup", rows=cfg.vocab_size, distinct=distinct))
     rt = MoERuntime.build(model, moe, device, kv_reserve_bytes) if moe is not None else None
     model = model.to(device).fuse_projections()
     if torch.device(device).type == "cpu" or (rt is not None
