@@ -83,6 +83,23 @@ def test_the_decode_runner_imports_no_experts_module() -> None:
     assert not bad, "the decode runner must ask the MoERuntime instead:\n" + "\n".join(bad)
 
 
+def test_every_backend_takes_the_step_with_the_call() -> None:
+    """`ExpertBackend.forward(x, topk_ids, step, shared=None, act=None)` for every backend: the
+    mode arrives with the call (no `layer` argument, no `forward_with_shared`)."""
+    import inspect
+
+    from freetoken.experts import registry
+    from freetoken.experts.base import ExpertBackend
+
+    classes = {ExpertBackend} | {c for c in vars(registry).values()
+                                 if isinstance(c, type) and issubclass(c, ExpertBackend)}
+    assert len(classes) >= 5  # base, fused, offload, split (cpu, hybrid), auto
+    for c in classes:
+        params = list(inspect.signature(c.forward).parameters)
+        assert params[:6] == ["self", "x", "topk_ids", "step", "shared", "act"], (c, params)
+        assert not hasattr(c, "forward_with_shared"), c
+
+
 def test_the_finder_finds_planted_assemblies() -> None:
     """The checker itself can fail: each planted installer form is found, a model's own
     `self.experts` and reads are not."""

@@ -97,3 +97,31 @@ def test_defined_sees_functions_classes_and_constants(tmp_path) -> None:
     p.write_text("X = 1\nY: int = 2\ndef f(): pass\nclass C:\n    def g(self): pass\n"
                  "import os\n")
     assert defined(p) == {"X", "Y", "f", "C", "g"}
+
+
+# Delete: the dead functions (anywhere in the product), and the lab's conventions in the README
+DEAD = {"measure_b_h", "device_can_read", "sized_fn"}
+DEAD_METHODS = {("SamplingRows", "narrow")}
+LAB_IN_README = ("gpu_run.sh", ".whl/", ".jitcache/", "$OUT")
+
+
+def test_the_dead_functions_are_gone() -> None:
+    found = []
+    for top in ("freetoken", "kernels"):
+        for p in sorted((ROOT / top).rglob("*.py")):
+            tree = ast.parse(p.read_text(), str(p))
+            found += [f"{p.relative_to(ROOT)}: {n.name}" for n in ast.walk(tree)
+                      if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                      and n.name in DEAD]
+            found += [f"{p.relative_to(ROOT)}: {c.name}.{f.name}" for c in ast.walk(tree)
+                      if isinstance(c, ast.ClassDef) for f in c.body
+                      if isinstance(f, ast.FunctionDef) and (c.name, f.name) in DEAD_METHODS]
+    assert not found, f"deleted by issue #21, defined again: {found}"
+
+
+def test_the_readme_has_no_lab_conventions() -> None:
+    """The device machine's conventions (wheels in .whl/, the compile cache carried as
+    .jitcache/, results under $OUT) are docs/testing.md's, not the README's."""
+    text = (ROOT / "README.md").read_text()
+    assert not [c for c in LAB_IN_README if c in text]
+    assert "gpu_check.sh" in text and ".jitcache/" in (ROOT / "docs" / "testing.md").read_text()
