@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from freetoken.experts import bandwidth as bw
+from freetoken.experts import calibrate as bw
 from freetoken.experts import profile as bwp
 from freetoken.types.model_config import ExpertFormat
 from kernels.cpu.expert_ops import cpu_experts_torch, run_quant

@@ -13,7 +13,7 @@ checkpoint does not fit the disk (Qwen3.6 at 40 layers is 71 GB; the H200 host h
 No vision-tower weights are written (the engine serves text and skips them anyway).
 
 Speed: `torch.normal_` on bf16 runs at well under 100 MB/s, so a 35 GB checkpoint would take
-many minutes. Matrices are windows of one random block (`RandomBlock`, as experts/random_fill.py
+many minutes. Matrices are windows of one random block (`RandomBlock`, as experts/calibrate.py
 does in memory) written without a copy; tensors larger than the block are filled by window
 copies. Norms, A_log and dt_bias get the values a trained model has near (random_model.py).
 """

@@ -146,7 +146,7 @@ def run_shape(args: argparse.Namespace) -> int:
         store = ExpertStore([b.experts.gate_up_proj.data for b in blocks],
                             [b.experts.down_proj.data for b in blocks], pin=device.type == "cuda")
     for b in blocks:
-        b.experts.gate_up_proj = b.experts.down_proj = None  # the store holds the only copy
+        b.experts.release_banks()  # the store holds the only copy
     opts = moe_options(args)
     if opts.cache_size is None and opts.cache_rate is None and opts.cache_mem is None:
         from dataclasses import replace

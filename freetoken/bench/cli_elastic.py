@@ -66,7 +66,7 @@ def _build(args):
                             [b.experts.down_proj.data for b in blocks],
                             pin=device.type == "cuda")
         for b in blocks:
-            b.experts.gate_up_proj = b.experts.down_proj = None  # the store holds the copy
+            b.experts.release_banks()  # the store holds the copy
         return model, MoERuntime.build(model, opts, device, store=store), device
     if not args.model:
         raise SystemExit("ft bench elastic: give --model DIR or --shape NAME")

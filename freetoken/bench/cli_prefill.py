@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     store = ExpertStore([b.experts.gate_up_proj.data for b in blocks],
                         [b.experts.down_proj.data for b in blocks], pin=True)
     for b in blocks:
-        b.experts.gate_up_proj = b.experts.down_proj = None  # the store holds the only copy
+        b.experts.release_banks()  # the store holds the only copy
     base = moe_options(args, "offload")
     if base.cache_size is None and base.cache_rate is None and base.cache_mem is None:
         base = replace(base, cache_rate=0.37)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
+from freetoken.experts.calibrate import random_fill_
 from freetoken.experts.fused import FusedExperts
-from freetoken.experts.random_fill import random_fill_
 from freetoken.models.qwen import QwenMoE
 from freetoken.types.model_config import ExpertFormat, ModelConfig
 from kernels.quant import QuantBank, quantize_bank

@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     v.add_argument("--expert-slots", type=int, default=None)
     v.add_argument("--kv-tokens", type=int, default=None)
     v.add_argument("--state-slots", type=int, default=None,
-                   help="device recurrent-state slots (hybrid models)")
+                   help="device recurrent-state slots (models with linear attention)")
     v.set_defaults(func=_vram)
     s = sub.add_parser("stats", help="print /v1/stats")
     s.set_defaults(func=_stats)

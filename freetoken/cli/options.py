@@ -195,7 +195,8 @@ def parse_bytes_arg(text: str) -> int:
 def add_cache_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("caches and scheduling")
     g.add_argument("--state-slots", type=int, default=64,
-                   help="recurrent-state slots (working states + snapshots), hybrid models")
+                   help="recurrent-state slots (working states + snapshots), models with "
+                        "linear attention")
     g.add_argument("--state-host-mem", type=parse_bytes_arg, default=None, metavar="BYTES",
                    help="host-RAM tier for state snapshots evicted from the device (e.g. 8G; "
                         "default: a quarter of the RAM free after loading, <= 16x --state-slots)")
@@ -211,8 +212,9 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kept-logits", type=int, default=None, metavar="N",
                    help="logits rows kept beside prompt-end snapshots, so that a resent prompt "
                         "(or the prompt one token back) computes nothing before its first "
-                        "token (hybrid models; one row is vocab floats on the device; default: "
-                        "--state-slots; 0: off, a resend then feeds its last token again)")
+                        "token (models with linear attention; one row is vocab floats on the "
+                        "device; default: --state-slots; 0: off, a resend then feeds its last "
+                        "token again)")
     g.add_argument("--record-routing", default=None, metavar="FILE",
                    help="write the routed expert ids of every step and layer to FILE at exit")
     g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",

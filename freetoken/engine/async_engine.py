@@ -1,11 +1,12 @@
 """AsyncEngine: EngineCore on a background thread, one asyncio queue per request.
 
-`start(req)` hands the request to the engine thread, which admits it (`EngineCore.add`, whose
-`check` is the one admission check of a request) and reports the result back: the caller gets
-`AdmissionError` before anything was sent to its client, or an `EventStream`. Closing that
-stream before the request finished (client disconnect, cancelled task) aborts the request in the
-core, which frees its KV and state; so does dropping it unclosed. `generate()` is `start` plus
-iteration, as one async generator.
+The thread bridge is one inbox of typed messages (`Add`, `Abort`, `Call`, `Stop`), drained by
+the engine thread between steps. `start(req)` hands the request to the engine thread, which
+admits it (`EngineCore.add`, whose `check` is the one admission check of a request) and reports
+the result back: the caller gets `AdmissionError` before anything was sent to its client, or an
+`EventStream`. Closing that stream before the request finished (client disconnect, cancelled
+task) aborts the request in the core, which frees its KV and state; so does dropping it
+unclosed. `generate()` is `start` plus iteration, as one async generator.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import threading
 import traceback
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,6 +30,38 @@ from freetoken.types.api import AdmissionError, EngineBusy, EngineEvent, Generat
 log = get_logger("engine")
 _ids = itertools.count(1)
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Add:
+    """Admit `req`; its events go to `emit`, the admission result (None or the error) to
+    `report` (both called on the engine thread)."""
+    req: GenerateRequest
+    emit: Callable[[EngineEvent], None]
+    report: Callable[[BaseException | None], None]
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Abort request `request_id` (its client went away), if it is still there."""
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Call:
+    """Run `fn(*args, **kwargs)` between two steps; `future` gets its result or error."""
+    fn: Callable[..., Any]
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    future: Future = field(default_factory=Future)
+
+
+@dataclass(frozen=True)
+class Stop:
+    """End the engine thread after the step it is in."""
+
+
+Message = Add | Abort | Call | Stop
 
 
 class AsyncEngine:
@@ -59,7 +93,7 @@ class AsyncEngine:
         4096-token prefill tasks yielded 40 times each, the warm-up never finished); a call
         waits for the task in flight (a few seconds at most) instead."""
         with self._inbox.mutex:
-            return any(m[0] in ("add", "stop") for m in self._inbox.queue)
+            return any(isinstance(m, (Add, Stop)) for m in self._inbox.queue)
 
     # -- EngineClient ------------------------------------------------------------------------
 
@@ -88,11 +122,11 @@ class AsyncEngine:
         def report(err: BaseException | None) -> None:
             loop.call_soon_threadsafe(lambda: admitted.done() or admitted.set_result(err))
 
-        self._inbox.put(("add", req, (emit, report)))
+        self._inbox.put(Add(req, emit, report))
         try:
             err = await self._admission(admitted)
         except BaseException:  # cancelled while waiting: the request may be admitted by now
-            self._inbox.put(("abort", req.request_id, None))
+            self._inbox.put(Abort(req.request_id))
             raise
         if err is not None:
             raise err
@@ -128,9 +162,9 @@ class AsyncEngine:
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future:
         """Queue `fn(*args, **kwargs)` for the engine thread between two steps (a safe point
         for anything that changes the engine's buffers); the Future gets its result or error."""
-        fut: Future = Future()
-        self._inbox.put(("call", (fn, args, kwargs), fut))
-        return fut
+        msg = Call(fn, args, kwargs)
+        self._inbox.put(msg)
+        return msg.future
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`submit`, awaited."""
@@ -144,7 +178,7 @@ class AsyncEngine:
         on they run one at a time whenever the engine is idle (engine/warm_up.py)."""
         if self.warm_up_idle:
             self.warm_up_idle = False
-            self._inbox.put(("call", (self.core.warmup.plan, (), {}), Future()))
+            self._inbox.put(Call(self.core.warmup.plan))
 
     async def rebuild_vram(self, **spec: Any) -> dict:
         """`ElasticVram.rebuild` on the engine thread (/ft/v1/control/vram)."""
@@ -160,7 +194,7 @@ class AsyncEngine:
         if self.watcher is not None:
             self.watcher.stop()
         self._stop = True
-        self._inbox.put(("stop", None, None))
+        self._inbox.put(Stop())
         self._thread.join(timeout=timeout_s)
         stopped = not self._thread.is_alive()
         if stopped:
@@ -178,32 +212,31 @@ class AsyncEngine:
             return
         while True:
             try:
-                self._handle(*msg)
+                self._handle(msg)
             except Exception as e:  # noqa: BLE001  (one message's failure never ends the thread)
                 # e.g. a report to an event loop that has closed since (the caller is gone)
-                log.warning(kv("inbox_op_failed", op=msg[0], error=repr(e)[:200]))
+                log.warning(kv("inbox_op_failed", op=type(msg).__name__.lower(),
+                               error=repr(e)[:200]))
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
-    def _handle(self, op: str, a, b) -> None:
-        if op == "add":
-            emit, report = b
+    def _handle(self, msg: Message) -> None:
+        if isinstance(msg, Add):
             try:
-                self.core.add(a, emit)
+                self.core.add(msg.req, msg.emit)
             except Exception as e:  # noqa: BLE001  (refused or failed: report, never crash)
-                report(e)
+                msg.report(e)
             else:
-                report(None)
-        elif op == "abort":
-            self.core.abort(a)
-        elif op == "call":
-            fn, args, kwargs = a
+                msg.report(None)
+        elif isinstance(msg, Abort):
+            self.core.abort(msg.request_id)
+        elif isinstance(msg, Call):
             try:
-                b.set_result(fn(*args, **kwargs))
+                msg.future.set_result(msg.fn(*msg.args, **msg.kwargs))
             except Exception as e:  # noqa: BLE001  (handed to the caller)
-                b.set_exception(e)
+                msg.future.set_exception(e)
 
     def _loop(self) -> None:
         while not self._stop:
@@ -260,7 +293,7 @@ class EventStream:
     def _abort(self) -> None:
         if not self._over:
             self._over = True
-            self._inbox.put(("abort", self.request_id, None))
+            self._inbox.put(Abort(self.request_id))
 
     def __del__(self) -> None:  # a stream dropped before its consumer started (a raced close)
         self._abort()

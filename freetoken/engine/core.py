@@ -51,9 +51,9 @@ class EngineCore:
         the host tier for state snapshots (None: derived from free RAM, see `cache_ops`).
         `moe`: the model's expert runtime (None: every expert resident, nothing to manage).
         `kept_logits`: logits rows kept beside prompt-end snapshots so that a resent prompt
-        computes nothing (`cache/logits.py`; None: `state_slots`, 0: off; hybrid models only;
-        one row is `vocab` floats on the device). `decode_attention`: the runner's paged
-        attention, auto | flashinfer | triton (engine/attention_build.py)."""
+        computes nothing (`cache/logits.py`; None: `state_slots`, 0: off; models with linear
+        attention only; one row is `vocab` floats on the device). `decode_attention`: the
+        runner's paged attention, auto | flashinfer | triton (engine/attention_build.py)."""
         cfg = model.cfg
         self.model, self.cfg, self.eos_ids = model, cfg, list(eos_ids)
         self.moe = moe

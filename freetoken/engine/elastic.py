@@ -11,10 +11,10 @@ the next step of each bucket. Requests in flight only wait: their KV is moved, n
 KV shrink: evictable prefixes of the radix cache go first (LRU); what is still held is
 compacted below the new size (`SlotAllocator.compaction`) and every slot id holder — radix
 nodes and running requests' rows — is relabelled. A pool that cannot hold the live tokens is
-refused. The recurrent-state pool (hybrid models, engine/elastic_state.py) is resized the same
-way: every running request's working state and every pinned snapshot stays, other snapshots
-leave by the cache's own eviction rule (spilled to the host tier when it has room worth
-giving), the rest are compacted below the new size.
+refused. The recurrent-state pool (models with linear attention, engine/elastic_state.py) is
+resized the same way: every running request's working state and every pinned snapshot stays,
+other snapshots leave by the cache's own eviction rule (spilled to the host tier when it has
+room worth giving), the rest are compacted below the new size.
 
 All or nothing: the shrinking part goes first (it frees memory), then the growing part; new
 buffers are allocated before anything changes, so a failed allocation leaves that part as it

@@ -7,7 +7,7 @@ without a GPU. `plan` returns the new sizes, or None when nothing should change:
 1. **memory claimed** (free < margin - hysteresis: another process took device memory): give
    the deficit back, from the expert cache first (down to `min_expert_slots`), then from the
    KV pool down to its floor (`kv_floor`: `--kv-reserve-tokens`, the context, and every token
-   live requests hold), then from the state pool (hybrid models) down to its floor
+   live requests hold), then from the state pool (models with linear attention) down to its floor
    (`state_floor`, and every working state and pinned snapshot: `state_live`);
 2. **KV pressure** (live KV tokens past `kv_high` of the pool, pool below `kv_cap`): grow the
    pool to `kv_growth` x live, paid from free memory above the margin first, then from expert

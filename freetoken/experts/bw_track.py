@@ -1,6 +1,6 @@
 """Bandwidth re-profiling from the engine's own traffic: B_P and B_H drift on a shared machine.
 
-The profile (`ft bench bw`, experts/bandwidth.py) is measured once; afterwards another process
+The profile (`ft bench bw`, experts/calibrate.py) is measured once; afterwards another process
 on the PCIe link or on the cores moves the real figures, and q* (experts/split.py's split of a
 layer's misses between fetches and the CPU) goes stale. `Reprofiler` re-measures them for free
 from what serving already does:

@@ -41,6 +41,11 @@ class FusedExperts(ExpertBackend):
             self._parameters.pop(name, None)
         self.gate_up_proj, self.down_proj = gate_up, down
 
+    def release_banks(self) -> None:
+        """Drop this layer's banks (a benchmark that moved them into an `ExpertStore` keeps
+        one copy: the store's); the block is given its backend by `MoERuntime.install`."""
+        self.gate_up_proj = self.down_proj = None
+
     def _apply(self, fn, recurse: bool = True):
         super()._apply(fn, recurse)
         if isinstance(self.gate_up_proj, QuantBank):

@@ -93,5 +93,5 @@ class DecodeContext:
     """The device-side inputs of one decode-only step (see the module docstring)."""
 
     out_slots: Tensor  # [B] int64
-    state_slots: Tensor | None  # [B] int64 (hybrid models), else None
+    state_slots: Tensor | None  # [B] int64 (models with linear attention), else None
     attn: PagedDecode

@@ -109,12 +109,13 @@ class EngineEvent:
 
 
 class EngineClient(Protocol):
-    """Every member the server (freetoken/server) reads of the engine it fronts. The last
-    four are optional for engines that lack them (the proxy's upstream engines, test fakes):
-    the server reads them with a default — `max_output_tokens` None (no server cap),
-    `vocab_size` None (the tokenizer's vocabulary bounds token ids), `model_dir` (only the
-    CLI reads it, for the tokenizer and the output-parser family), `resize_experts` absent
-    (POST /v1/control/experts answers 404 not_supported)."""
+    """Every member the server (freetoken/server) reads of the engine it fronts
+    (tests/structure/test_engine_client.py keeps the list whole). Five are optional for
+    engines that lack them (the proxy's upstream engines, test fakes): the server reads them
+    with a default — `max_output_tokens` None (no server cap), `vocab_size` None (the
+    tokenizer's vocabulary bounds token ids), `model_dir` (only the CLI reads it, for the
+    tokenizer and the output-parser family), `resize_experts` and `rebuild_vram` absent
+    (POST /ft/v1/control/experts and /ft/v1/control/vram answer 404 not_supported)."""
 
     model_name: str
     max_context: int
@@ -133,4 +134,11 @@ class EngineClient(Protocol):
     async def resize_experts(self, **spec: Any) -> dict:
         """Resize the GPU expert cache (`slots`, `rate` or `mem`); returns the new sizes.
         Raises AdmissionError on a bad spec, engine.core.ResizeError when it cannot allocate."""
+        ...
+
+    async def rebuild_vram(self, **spec: Any) -> dict:
+        """Rebuild the expert cache, the KV pool and the state pool (`expert_slots`,
+        `kv_tokens`, `state_slots`, any of them) at a safe point; returns the new sizes.
+        Raises AdmissionError (code `not_supported` when elastic VRAM is off),
+        engine.core.ResizeError when it cannot allocate."""
         ...

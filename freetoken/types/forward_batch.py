@@ -3,8 +3,9 @@
 A batch packs the new tokens of B sequences (prefill chunks and decode steps mixed) into one
 row-major stream of T tokens. Sequence b owns rows [cu[b], cu[b+1]); its cached prefix has
 `prefix_lens[b]` tokens whose K/V sit in the KV pool at `kv_slots[b][:prefix_lens[b]]`, and the
-slots for its new tokens are `kv_slots[b][prefix_lens[b]:]`. Hybrid models also carry one
-recurrent-state slot per sequence, read at the start of the chunk and overwritten at its end.
+slots for its new tokens are `kv_slots[b][prefix_lens[b]:]`. Models with linear attention also
+carry one recurrent-state slot per sequence, read at the start of the chunk and overwritten at
+its end.
 """
 from __future__ import annotations
 

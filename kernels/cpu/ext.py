@@ -44,7 +44,7 @@ _ISA_FLAGS: dict[str, list[str]] = {
 }
 # Tokens per decode tile (simd.h's kNtMax per ISA): a call whose expert groups all have at most
 # this many tokens takes the decode path (per-thread row blocks, stealing, timing); larger
-# groups take the tiled path. tests/kernels_cpu checks this table against each build.
+# groups take the tiled path. tests/kernels/cpu checks this table against each build.
 DECODE_TILE_TOKENS = {"avx512bf16": 3, "avx512": 3, "avx2": 2, "scalar": 2}
 PREFETCH_HINTS = ("t0", "t1", "t2", "nta")  # order = the kernel's hint codes
 _DIR = Path(__file__).parent

@@ -15,8 +15,8 @@ import torch
 from freetoken.bench.cli_bw import bank_format, register
 from freetoken.experts import profile as bwp
 from freetoken.experts.bw_track import Reprofiler
+from freetoken.experts.calibrate import make_pool
 from freetoken.experts.cost_model import BandwidthProfile
-from freetoken.experts.random_fill import make_pool
 from freetoken.models.loader import load_with_experts
 from freetoken.types.config import MoEConfig
 from freetoken.types.model_config import ExpertFormat, expert_nbytes, load_config

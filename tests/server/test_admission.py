@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from freetoken.engine.async_engine import AsyncEngine
+from freetoken.engine.async_engine import Add, AsyncEngine
 from freetoken.types.api import AdmissionError, EngineEvent, GenerateRequest, SamplingParams
 
 
@@ -112,7 +112,7 @@ def test_a_failing_report_does_not_end_the_engine_thread(eng: AsyncEngine) -> No
     def report(_e: object) -> None:
         raise RuntimeError("Event loop is closed")
 
-    eng._inbox.put(("add", _req("gone"), (lambda ev: None, report)))
+    eng._inbox.put(Add(_req("gone"), lambda ev: None, report))
     with pytest.raises(AdmissionError):  # the thread still answers the next request
         asyncio.run(asyncio.wait_for(eng.start(_req("long", 500)), 10))
     assert eng._thread.is_alive()

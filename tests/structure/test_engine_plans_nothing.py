@@ -68,3 +68,21 @@ def test_the_finder_finds_planted_planning() -> None:
            "sched.cache.alloc_kv(3)\naccept_token(r, t, 9)\nx = r.computed + r.row[0]\n")
     assert [w for w, _ in planning_in(ast.parse(src))] == ["row", "computed", "ids",
                                                             "alloc_kv", "accept_token"]
+
+
+def tuple_messages(tree: ast.AST) -> list[str]:
+    """`<...>inbox.put((...))`: an untyped message into an engine inbox."""
+    return [ast.unparse(n) for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            and n.func.attr in ("put", "put_nowait") and ast.unparse(n.func.value).endswith("inbox")
+            and n.args and isinstance(n.args[0], ast.Tuple)]
+
+
+def test_the_thread_bridge_sends_typed_messages() -> None:
+    """AsyncEngine's inbox carries `Add`/`Abort`/`Call`/`Stop` records (issue #21 target:
+    "thread bridge with typed inbox messages"), not ("op", a, b) tuples unpacked by position."""
+    bad = [f"{p.relative_to(ROOT)}: {s}" for top in ("freetoken", "tests")
+           for p in sorted((ROOT / top).rglob("*.py"))
+           for s in tuple_messages(ast.parse(p.read_text(), str(p)))]
+    assert not bad, "untyped inbox messages:\n" + "\n".join(bad)
+    assert tuple_messages(ast.parse('self._inbox.put(("stop", None, None))'))

@@ -108,3 +108,46 @@ def test_a_directory_without_traces_is_a_clear_error(tmp_path) -> None:
 def test_harness_traces_default_to_the_checkouts_own() -> None:
     want = ROOT / "tests" / "data" / "harness_traces"
     assert envs.harness_traces_dir({}).resolve() == want.resolve()
+
+
+def import_time_reads(tree: ast.Module) -> list[str]:
+    """`FT_X.get()` / `envs.FT_X.get()` run at import: in a module's or a class's body, or in a
+    default argument (evaluated when the `def` runs)."""
+    out = []
+
+    def scan(nodes: list[ast.AST]) -> None:
+        for node in nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                scan([d for d in node.args.defaults + node.args.kw_defaults if d is not None])
+                scan(node.decorator_list if not isinstance(node, ast.Lambda) else [])
+                continue
+            if isinstance(node, ast.ClassDef):
+                scan(node.body)
+                continue
+            for n in ast.walk(node):
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                    continue
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) \
+                        and n.func.attr == "get" and NAME.search(ast.unparse(n.func.value)):
+                    out.append(ast.unparse(n))
+
+    scan(list(tree.body))
+    return out
+
+
+def test_no_ft_variable_is_read_at_import_time() -> None:
+    bad = {}
+    for p in _files(".py"):
+        if p.parts[len(ROOT.parts)] == "tests" or p == ROOT / "freetoken" / "envs.py":
+            continue
+        reads = import_time_reads(ast.parse(p.read_text(), str(p)))
+        if reads:
+            bad[str(p.relative_to(ROOT))] = reads
+    assert not bad, f"FT_* read at import time (read at the call instead): {bad}"
+
+
+def test_the_import_time_finder_finds_planted_reads() -> None:
+    src = ("ISA = FT_CPU_ISA.get()\nclass C:\n    x = envs.FT_LOG_LEVEL.get()\n"
+           "def f(a=FT_API_KEY.get()):\n    return FT_TEST_JOBS.get()\n")
+    assert import_time_reads(ast.parse(src)) == ["FT_CPU_ISA.get()", "envs.FT_LOG_LEVEL.get()",
+                                                 "FT_API_KEY.get()"]

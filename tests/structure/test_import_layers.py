@@ -247,3 +247,41 @@ def test_layer_of_names_each_layer() -> None:
         < layer_of("freetoken.cli.serve")
     assert layer_of("freetoken.experts.runtime") < layer_of("freetoken.models.qwen")
     assert layer_of("scripts.x") is None
+
+
+# -- the team's layer picture (issue #21, acceptance 2) -------------------------------------------
+# Rules the layer order alone does not give: the HTTP front doors sit above `experts` but never
+# reach into it (they talk to the engine through `EngineClient`); `experts` sits below `models`
+# and `layers` and never reaches up, by type either (the MoEHost protocol stands for the model).
+FORBIDDEN: list[tuple[str, str]] = [
+    ("freetoken.server", "freetoken.experts"),
+    ("freetoken.proxy", "freetoken.experts"),
+    ("freetoken.experts", "freetoken.models"),
+    ("freetoken.experts", "freetoken.layers"),
+]
+
+
+def forbidden_imports(rules: list[tuple[str, str]]) -> list[str]:
+    modules = _project_modules()
+    bad = []
+    for mod, path in modules.items():
+        for src, dst_pkg in rules:
+            if not (mod == src or mod.startswith(src + ".")):
+                continue
+            for target in all_imports(path):
+                dst = _resolve(target, modules)
+                if dst and (dst == dst_pkg or dst.startswith(dst_pkg + ".")):
+                    bad.append(f"{path.relative_to(ROOT)} imports {dst} ({src} never imports "
+                               f"{dst_pkg})")
+    return bad
+
+
+def test_server_never_imports_experts_and_experts_never_import_models() -> None:
+    bad = forbidden_imports(FORBIDDEN)
+    assert not bad, "\n".join(bad)
+
+
+def test_forbidden_imports_finds_a_real_edge() -> None:
+    """The checker itself can fail: an edge that exists (engine -> experts) is found."""
+    assert any("freetoken/engine/core.py" in b
+               for b in forbidden_imports([("freetoken.engine", "freetoken.experts")]))

@@ -9,7 +9,7 @@ from kernels.cpu.expert_ops import cpu_experts, cpu_experts_torch, run_quant
 from kernels.cpu.ext import CpuKernel, build_emulated, simde_include
 from kernels.quant import quantize_bank
 from kernels.reference import expert_ffn_reference
-from tests.kernels_cpu.test_expert_ops import _build_runnable, _test_isas
+from tests.kernels.cpu.test_expert_ops import _build_runnable, _test_isas
 
 EMULATED = "avx512-simde"  # the AVX-512 paths under SIMDe, where the CPU has no AVX-512
 

@@ -13,7 +13,7 @@ from kernels.cpu.ext import CpuKernel
 from kernels.expert_act import ExpertAct
 from kernels.quant import quantize_bank
 from kernels.reference import expert_ffn_reference
-from tests.kernels_cpu.test_expert_quant import quant_isas, quant_kernel
+from tests.kernels.cpu.test_expert_quant import quant_isas, quant_kernel
 
 
 @pytest.fixture(scope="module", params=quant_isas())
