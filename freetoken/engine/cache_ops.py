@@ -48,6 +48,12 @@ class CacheOps:
         self.state, self.host = state, host
         self.counts = {"copy": 0, "reset": 0, "spill": 0, "restore": 0}
 
+    def busy(self, flag: bool) -> None:
+        """Whether the engine has requests: the host tier's background fill waits while it
+        does (engine/host_states.py)."""
+        if self.host is not None:
+            self.host.busy(flag)
+
     def run(self, ops: list[StateOp]) -> None:
         if not ops:
             return

@@ -147,9 +147,11 @@ class EngineCore:
         self.check(req)
         r = Request(req, RequestSampler(req.sampling, self.eos_ids, self.device), emit)
         self.sched.add(r)
+        self.cache_ops.busy(True)
 
     def abort(self, rid: str) -> None:
         self.sched.abort(rid)
+        self.cache_ops.busy(self.has_work())
 
     def has_work(self) -> bool:
         return self.sched.has_work() or self.overlap.current is not None
@@ -171,6 +173,7 @@ class EngineCore:
             self.drop_bridge(e)
             raise
         t1 = time.perf_counter()
+        self.cache_ops.busy(self.has_work())
         if self.stats.decode_tokens > dec0 and self.stats.prefill_tokens == pf0:
             # a decode-only step: its split (the gap counts only from a decode step's end)
             gap = t0 - self._t_decode_end if self._t_decode_end is not None else 0.0

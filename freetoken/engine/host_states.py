@@ -6,9 +6,13 @@ of GB (748 slots x 31 MB on the Qwen3.6 shape), and pinning that much at start-u
 the server's start-to-ready on the H200 (2026-12-02). So the tier is cut into chunks: a chunk is
 one flat buffer holding `chunk_slots` whole slots (slot-major, every layer's tensor at an
 offset aligned to 64 bytes), pinned when the device is CUDA. Chunks are allocated by a daemon
-thread in slot order, paced so that it never holds the CPU for long; a spill or restore that
-reaches a slot whose chunk is not there yet allocates that chunk itself (once, under the lock).
-Either way the engine is ready at once and the tier's capacity is the same from the first step.
+thread in slot order, paced so that it never holds the CPU for long, and only while the engine
+has no request (`busy`): a `cudaHostAlloc` of a 64 MB chunk takes ~40 ms, during which the
+engine thread's own CUDA calls wait on the driver, so a fill paced at half the time beside
+decode took up to half of every served decode step (every served figure of 2026-12-02/03 ran
+within the first 30 s of a start, inside the fill). A spill or restore that reaches a slot
+whose chunk is not there yet allocates that chunk itself (once, under the lock). Either way the
+engine is ready at once and the tier's capacity is the same from the first step.
 
 The chunk size is chosen so that `chunk_slots * slot_bytes` fills a power of two closely:
 torch's pinned-memory allocator rounds every allocation up to one, so one `[N, ...]` tensor per
@@ -95,6 +99,9 @@ class HostStates:
         self.alloc_seconds = 0.0
         self.on_demand = 0  # chunks the engine thread had to allocate itself
         self._pace = pace
+        self._idle = threading.Event()  # set while the engine has no request: the fill runs
+        self._idle.set()
+        self.paused_s = 0.0  # seconds the fill waited for the engine to go idle
         self._thread: threading.Thread | None = None
         if fill and n_chunks:
             self._thread = threading.Thread(target=self._fill, name="ft-host-states", daemon=True)
@@ -122,6 +129,22 @@ class HostStates:
                                 ms=f"{(time.perf_counter() - t0) * 1e3:.1f}"))
         return buf
 
+    def busy(self, flag: bool) -> None:
+        """The engine has requests (the fill waits) or none (it goes on)."""
+        if flag:
+            self._idle.clear()
+        else:
+            self._idle.set()
+
+    def _wait_idle(self) -> bool:
+        """Wait until the engine is idle; False if the tier is closed meanwhile."""
+        t0 = time.perf_counter()
+        while not self._idle.wait(0.05):
+            if self._stop.is_set():
+                return False
+        self.paused_s += time.perf_counter() - t0
+        return not self._stop.is_set()
+
     def _alloc(self, nbytes: int) -> torch.Tensor:
         # empty: a slot is always written by a spill before a restore reads it
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
@@ -139,7 +162,7 @@ class HostStates:
     def _fill(self) -> None:
         t0 = time.perf_counter()
         for c in range(len(self._chunks)):
-            if self._stop.is_set():
+            if not self._wait_idle():
                 return
             t = time.perf_counter()
             if not self._fill_chunk(c):
@@ -150,7 +173,8 @@ class HostStates:
         log.info(kv("state_host_tier_filled", chunks=len(self._chunks), slots=self.num_slots,
                     mb=self.num_slots * self.slot_bytes // 2**20,
                     seconds=f"{time.perf_counter() - t0:.1f}",
-                    alloc_seconds=f"{self.alloc_seconds:.1f}", on_demand=self.on_demand))
+                    alloc_seconds=f"{self.alloc_seconds:.1f}", on_demand=self.on_demand,
+                    paused_s=f"{self.paused_s:.1f}"))
 
     def _fill_chunk(self, c: int, tries: int = FILL_TRIES) -> bool:
         """Allocate chunk c for the background fill; an allocation that fails (the driver

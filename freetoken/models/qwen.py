@@ -72,9 +72,6 @@ class QwenMoE(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # weight only
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
-        # the output head's distinct rows [U, H] and each id's row [V] (`dedup_output_head`)
-        self.register_buffer("head_rows", None, persistent=False)
-        self.register_buffer("head_index", None, persistent=False)
 
     def output_embedding(self) -> torch.Tensor:
         return (
@@ -95,7 +92,9 @@ class QwenMoE(nn.Module):
         if torch.unique(w.float() @ probe).numel() > max_share * w.shape[0]:
             return None
         rows, index = torch.unique(w, dim=0, return_inverse=True)  # [U, H], [V]
-        self.head_rows, self.head_index = rows.contiguous(), index
+        # buffers (moved with the model), not in the state dict: derived from the head
+        self.register_buffer("head_rows", rows.contiguous(), persistent=False)
+        self.register_buffer("head_index", index, persistent=False)
         return rows.shape[0]
 
     def fuse_projections(self) -> QwenMoE:
@@ -124,6 +123,7 @@ class QwenMoE(nn.Module):
             out = layer(x, cos, sin, batch, caches, h=h, next_norm=nxt)
             x, h = out if nxt is not None else (out, None)
         h = self.model.norm(x[batch.logits_rows])  # [R, H]
-        if self.head_index is not None:  # [R, U] -> each id's row: [R, V]
-            return small_linear(h, self.head_rows).float().index_select(1, self.head_index)
+        index = self._buffers.get("head_index")  # (`dedup_output_head`)
+        if index is not None:  # the distinct rows' logits [R, U] -> each id's row's: [R, V]
+            return small_linear(h, self._buffers["head_rows"]).float().index_select(1, index)
         return small_linear(h, self.output_embedding()).float()  # [R, V]

@@ -134,3 +134,50 @@ def test_background_fill_survives_failed_allocations(monkeypatch) -> None:
     assert not h2.wait_filled(timeout=30) and h2.chunks_ready == 2
     h2.views(39)  # on demand, once the driver allows it again
     assert h2.on_demand == 1 and h2.chunks_ready == 3
+
+
+def test_background_fill_waits_while_the_engine_has_requests() -> None:
+    """Bug this catches: the fill allocating pinned chunks beside decode (each `cudaHostAlloc`
+    of ~40 ms holds the driver the engine thread's launches need; paced at half the time, it
+    took up to half of every served decode step in a server's first 30 s on the H200). While
+    busy no chunk comes from the fill (a spill still gets its chunk on demand); once idle the
+    fill completes."""
+    like = _FakeState(2)
+    h = HostStates(like, 40, fill=False, chunk_target=1)
+    h.busy(True)
+    h._thread = threading.Thread(target=h._fill, daemon=True)
+    h._thread.start()
+    h._thread.join(0.4)
+    assert h.chunks_ready == 0 and h._thread.is_alive()
+    h.views(5)  # a spill while busy: its chunk on demand
+    assert h.chunks_ready == 1 and h.on_demand == 1
+    h.busy(False)
+    assert h.wait_filled(timeout=30) and h.paused_s >= 0.3
+    h.close()
+
+
+def test_the_engine_marks_the_tier_busy_from_admission_to_its_last_step(tiny_hf) -> None:
+    from freetoken.engine.core import EngineCore
+    from freetoken.models.loader import load_model
+    from freetoken.types.api import GenerateRequest, SamplingParams
+
+    model = load_model(tiny_hf("qwen3_5_moe"), dtype=torch.float32, progress=False)
+    core = EngineCore(model, [], kv_tokens=256, state_slots=4, max_running=2, chunk_tokens=32,
+                      state_host_mem=1 << 20)
+    host = core.cache_ops.host
+    assert host is not None and host._idle.is_set()
+    seen = []
+    core.add(GenerateRequest(list(range(3, 20)), SamplingParams(max_tokens=4, temperature=0.0,
+                                                                ignore_eos=True),
+                             request_id="a"), lambda ev: seen.append(host._idle.is_set()))
+    assert not host._idle.is_set()
+    while core.has_work():
+        core.step()
+    assert seen and not any(seen[:-1])  # idle only once the last token's step is done
+    assert host._idle.is_set()
+    core.add(GenerateRequest(list(range(3, 20)), SamplingParams(max_tokens=50), request_id="b"),
+             lambda ev: None)
+    core.step()
+    core.abort("b")
+    assert host._idle.is_set() == (not core.has_work())
+    core.close()

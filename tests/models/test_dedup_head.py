@@ -44,5 +44,5 @@ def test_demo_head_is_deduplicated_and_gives_the_full_heads_logits_and_tokens() 
 
 def test_a_head_of_distinct_rows_is_left_alone(tiny_hf) -> None:
     model = load_model(tiny_hf("qwen3_5_moe"), dtype=torch.float32, progress=False)
-    assert model.head_rows is None and model.head_index is None
+    assert model._buffers.get("head_index") is None
     assert model.dedup_output_head() is None
