@@ -239,3 +239,28 @@ def test_context_learned_from_the_upstreams_context_error(tmp_path) -> None:
     finally:
         proxy.stop()
         up.stop()
+
+
+def test_eval_form_finds_a_harness_the_install_script_put_off_path(tmp_path) -> None:
+    """README: `scripts/install_harnesses.sh` installs into PREFIX/bin, off PATH, and
+    `eval "$(ft launch H)" && H` runs it: the eval'd env puts PREFIX/bin on PATH."""
+    prefix = tmp_path / "prefix"
+    (prefix / "bin").mkdir(parents=True)
+    fake = prefix / "bin" / "codex"
+    fake.write_text("#!/bin/sh\necho installed-codex\n")
+    fake.chmod(0o755)
+    path = f"{Path(sys.executable).parent}:/usr/bin:/bin"  # no harness on it
+    env = {"PATH": path, "HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg"),
+           "PYTHONPATH": str(ROOT), "FT_HARNESS_PREFIX": str(prefix)}
+    ft = f"{sys.executable} -m freetoken.cli launch codex --dry-run"
+    out = subprocess.run(["bash", "-c", f'eval "$({ft})" && command -v codex && codex'],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == [str(fake), "installed-codex"], out
+    printed = subprocess.run(["bash", "-c", ft], env=env, capture_output=True, text=True,
+                             check=True).stdout
+    assert "not found" not in printed
+    (prefix / "bin" / "codex").unlink()  # not installed: the note names the script
+    printed = subprocess.run(["bash", "-c", ft], env=env, capture_output=True, text=True,
+                             check=True).stdout
+    assert "scripts/install_harnesses.sh installs it" in printed
+    assert "export PATH" not in printed
