@@ -11,7 +11,7 @@ import json
 import httpx
 import openai
 import pytest
-from upstream_fakes import UP, Events, an_stream, oa_stream, start_proxy
+from upstream_fakes import UP, Events, an_stream, oa_chunk, oa_stream, start_proxy
 
 SSE = {"content-type": "text/event-stream"}
 TOOLS = [{"type": "function", "name": "read", "description": "read a file",
@@ -105,3 +105,35 @@ def test_previous_response_id_through_an_upstream(proxy) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         c.responses.create(model="m", previous_response_id="resp_never", input="x")
     assert e.value.code == "previous_response_not_found"
+
+
+def test_llama_cpp_reuse_counter_is_the_cached_tokens() -> None:
+    """llama-server reports its prompt reuse as `timings.cache_n`, not in `usage`: Codex is
+    told that count, not 0 (issue 28 items 4 and 7: cached_tokens truthful, read from the
+    upstream's own counters)."""
+    p = start_proxy({"upstream_api": "openai", "metrics_path": None})
+    usage = {"prompt_tokens": 120, "completion_tokens": 2, "total_tokens": 122}
+    timings = {"cache_n": 97, "prompt_n": 23, "predicted_n": 2}
+
+    def side(req: httpx.Request) -> httpx.Response:
+        if not json.loads(req.content).get("stream"):
+            return httpx.Response(200, json={
+                "id": "c", "object": "chat.completion", "created": 1, "model": "q",
+                "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                    "role": "assistant", "content": "hi"}}], "usage": usage,
+                "timings": timings})
+        last = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "q",
+                "choices": [], "usage": usage, "timings": timings}
+        frames = [oa_chunk({"role": "assistant", "content": ""}), oa_chunk({"content": "hi"}),
+                  oa_chunk({}, "stop"), "data: " + json.dumps(last) + "\n\n", "data: [DONE]\n\n"]
+        return httpx.Response(200, headers=SSE, stream=Events(frames))
+
+    p.router.post(UP + "/v1/chat/completions").mock(side_effect=side)
+    try:
+        c = openai.OpenAI(base_url=p.url + "/v1", api_key="k")
+        r = c.responses.create(model="m", input="hi")
+        assert r.usage.input_tokens == 120 and r.usage.input_tokens_details.cached_tokens == 97
+        final = list(c.responses.create(model="m", input="hi", stream=True))[-1].response
+        assert final.usage.input_tokens_details.cached_tokens == 97
+    finally:
+        p.server.stop()
