@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -108,9 +109,9 @@ def test_previous_response_id_through_an_upstream(proxy) -> None:
 
 
 def test_llama_cpp_reuse_counter_is_the_cached_tokens() -> None:
-    """llama-server reports its prompt reuse as `timings.cache_n`, not in `usage`: Codex is
-    told that count, not 0 (issue 28 items 4 and 7: cached_tokens truthful, read from the
-    upstream's own counters)."""
+    """llama-server reports its prompt reuse as `timings.cache_n`, not in `usage`: Codex and
+    Claude Code (translated to chat) are told that count, not 0 (issue 28 items 4 and 7:
+    cached_tokens truthful, read from the upstream's own counters)."""
     p = start_proxy({"upstream_api": "openai", "metrics_path": None})
     usage = {"prompt_tokens": 120, "completion_tokens": 2, "total_tokens": 122}
     timings = {"cache_n": 97, "prompt_n": 23, "predicted_n": 2}
@@ -135,5 +136,12 @@ def test_llama_cpp_reuse_counter_is_the_cached_tokens() -> None:
         assert r.usage.input_tokens == 120 and r.usage.input_tokens_details.cached_tokens == 97
         final = list(c.responses.create(model="m", input="hi", stream=True))[-1].response
         assert final.usage.input_tokens_details.cached_tokens == 97
+        a = anthropic.Anthropic(base_url=p.url, api_key="k")
+        msg = {"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}
+        u = a.messages.create(**msg).usage
+        assert (u.input_tokens, u.cache_read_input_tokens) == (23, 97)
+        with a.messages.stream(**msg) as st:
+            u = st.get_final_message().usage
+        assert (u.input_tokens, u.cache_read_input_tokens) == (23, 97)
     finally:
         p.server.stop()
