@@ -154,8 +154,10 @@ def test_opencode_run_and_continue(stack, tmp_path) -> None:
     model = json.loads((tmp_path / "cfg" / "opencode.json").read_text())["model"]
     work = tmp_path / "repo"
     work.mkdir()
-    for args in (["Say hi."], ["--continue", "Say it again."]):
-        p = subprocess.run([OPENCODE, "run", "-m", model, *args], check=False, cwd=work,
+    # the README's form first (`opencode run "hi"`: the model from the written config), then
+    # the printed one (`-m MODEL`)
+    for args in (["Say hi."], ["-m", model, "--continue", "Say it again."]):
+        p = subprocess.run([OPENCODE, "run", *args], check=False, cwd=work,
                            env=env, capture_output=True, text=True, timeout=120,
                            stdin=subprocess.DEVNULL)
         assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
