@@ -68,11 +68,11 @@ def test_eval_form_writes_what_it_points_at(tmp_path) -> None:
 
 def test_mini_command_uses_its_config_on_top_of_the_builtin(tmp_path) -> None:
     printed, shown = _eval("mini", tmp_path, show='echo "$OPENAI_API_BASE"; '
-                           'echo "$FT_MINI_CONFIG"')
+                           'echo "$FREETOKEN_MINI_CONFIG"')
     cmd = next(line for line in printed.splitlines() if line.startswith("# then run:"))
     path = tmp_path / "cfg" / "freetoken" / "launch" / "mini" / "ft-model.yaml"
     # mini uses its built-in mini.yaml only when no -c is given: name it, then ours on top
-    assert '-c mini.yaml -c "$FT_MINI_CONFIG"' in cmd, cmd
+    assert '-c mini.yaml -c "$FREETOKEN_MINI_CONFIG"' in cmd, cmd
     assert "max_tokens:" in path.read_text()
     assert shown.split() == ["http://127.0.0.1:9/v1", str(path)]
 
@@ -275,11 +275,11 @@ args = sys.argv[1:]
 for i, a in enumerate(args[:-1]):
     if a == "-c" and args[i + 1] != "mini.yaml" and "=" not in args[i + 1]:
         assert os.path.isfile(args[i + 1]), args[i + 1]
-for var in ("OPENCODE_CONFIG", "OPENCLAW_CONFIG_PATH", "FT_MINI_CONFIG"):
+for var in ("OPENCODE_CONFIG", "OPENCLAW_CONFIG_PATH", "FREETOKEN_MINI_CONFIG"):
     if var in os.environ:
         assert os.path.isfile(os.environ[var]), (var, os.environ[var])
 if os.path.basename(sys.argv[0]) == "mini":  # mini reads no config from the env: -c it
-    assert os.environ.get("FT_MINI_CONFIG") in args, args
+    assert os.environ.get("FREETOKEN_MINI_CONFIG") in args, args
 if "CODEX_HOME" in os.environ:
     assert os.path.isfile(os.path.join(os.environ["CODEX_HOME"], "config.toml"))
 print("RAN", os.path.basename(sys.argv[0]), *args)

@@ -107,7 +107,7 @@ def test_mini_swe_agent_runs_to_submission(stack, tmp_path) -> None:
     cfg = tmp_path / "cfg"
     env = _env(_written_env("mini", proxy.url, cfg), tmp_path)
     traj = tmp_path / "traj.json"
-    p = subprocess.run([MINI, "-c", "mini.yaml", "-c", env["FT_MINI_CONFIG"], "-t",
+    p = subprocess.run([MINI, "-c", "mini.yaml", "-c", env["FREETOKEN_MINI_CONFIG"], "-t",
                         "Print step numbers, then submit.", "-y", "--exit-immediately", "-o",
                         str(traj)], check=False, cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
