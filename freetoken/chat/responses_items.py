@@ -31,10 +31,16 @@ class ToolNames:
         return self.kinds.get(name, ("function", None))
 
 
-def usage_from_chat(u: Any) -> dict:
+def usage_from_chat(u: Any, timings: Any = None) -> dict:
+    """Responses usage from a chat `usage`; the cached tokens from its
+    `prompt_tokens_details.cached_tokens`, else llama.cpp's `timings.cache_n` (an upstream
+    llama-server's own reuse counter, which it reports there and not in usage)."""
     u = u if isinstance(u, dict) else {}
     p, o = int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0)
     det = u.get("prompt_tokens_details") if isinstance(u.get("prompt_tokens_details"), dict) else {}
+    if "cached_tokens" not in det and isinstance(timings, dict) and isinstance(
+            timings.get("cache_n"), int):
+        det = {"cached_tokens": timings["cache_n"]}
     out_det = (u.get("completion_tokens_details")
                if isinstance(u.get("completion_tokens_details"), dict) else {})
     return {"input_tokens": p, "input_tokens_details": {"cached_tokens": int(
@@ -110,5 +116,6 @@ def to_response(chat: dict, rid: str, body: dict, names: ToolNames) -> dict:
     choice = (chat.get("choices") or [{}])[0]
     output = output_items(choice.get("message") or {}, names)
     status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
-    return response_object(rid, body, output, usage_from_chat(chat.get("usage")), status,
+    return response_object(rid, body, output, usage_from_chat(chat.get("usage"),
+                                                              chat.get("timings")), status,
                            chat.get("created"))

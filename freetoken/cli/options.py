@@ -206,7 +206,7 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-output-tokens", type=int, default=None,
                    help="cap every reply at N tokens (header x-ft-output-cap; a reply stopped "
                         "there ends as a normal turn). `ft serve` default: 256 for the demo "
-                        "model, none otherwise; 0 = no cap")
+                        "models (demo, demo-random), none otherwise; 0 = no cap")
     g.add_argument("--checkpoint-policy", default="semantic",
                    choices=["semantic", "interval", "end_only"])
     g.add_argument("--kept-logits", type=int, default=None, metavar="N",

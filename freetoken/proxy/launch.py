@@ -19,6 +19,7 @@ from freetoken.envs import FT_HARNESS_PREFIX
 PINNED_CLAUDE_MODEL = "claude-opus-4-8"
 DUMMY_KEY = "sk-ft-local"
 HARNESSES = ("claude", "opencode", "openclaw", "mini", "codex")
+MINI_CONFIG_ENV = "FREETOKEN_MINI_CONFIG"  # ft-model.yaml, for `mini -c mini.yaml -c "$..."`
 CODEX_KEY_ENV = "FREETOKEN_CODEX_KEY"  # the variable Codex's provider entry reads its key from
 DIR = "{dir}"  # stands for the config directory in env values and commands until rendered
 
@@ -158,14 +159,15 @@ def openclaw(proxy: str, lim: Limits) -> LaunchPlan:
 def mini(proxy: str, lim: Limits) -> LaunchPlan:
     env = {"OPENAI_API_BASE": proxy + "/v1", "OPENAI_BASE_URL": proxy + "/v1",
            "OPENAI_API_KEY": DUMMY_KEY, "MSWEA_COST_TRACKING": "ignore_errors",
-           "MSWEA_CONFIGURED": "true"}
+           "MSWEA_CONFIGURED": "true", MINI_CONFIG_ENV: f"{DIR}/ft-model.yaml"}
     out = lim.cap or lim.output or 4096
     yaml = (f"model:\n  model_name: openai/{lim.model}\n  model_kwargs:\n"
             f"    max_tokens: {out}\n    api_base: {proxy}/v1\n")
     # mini merges every -c in order and uses its built-in mini.yaml only when none is given:
-    # name it first, then this file's model section on top (alone it has no agent templates)
+    # name it first, then this file's model section on top (alone it has no agent templates);
+    # the file is also exported as $FREETOKEN_MINI_CONFIG, so the README's command needs no path
     return LaunchPlan(env, {"ft-model.yaml": yaml},
-                      f"mini -c mini.yaml -c {DIR}/ft-model.yaml -y -t '...'",
+                      f'mini -c mini.yaml -c "${MINI_CONFIG_ENV}" -y -t \'...\'',
                       [f"litellm sends no max_tokens unless told; ft-model.yaml sets {out}"],
                       "mini")
 

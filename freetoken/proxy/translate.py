@@ -227,10 +227,15 @@ def openai_usage(prompt: int, cached: int, output: int) -> dict:
             "total_tokens": prompt + output, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def usage_from_openai(u: dict | None) -> tuple[int, int, int]:
+def usage_from_openai(u: dict | None, timings: Any = None) -> tuple[int, int, int]:
+    """(prompt, cached, output); cached from `prompt_tokens_details`, else llama.cpp's
+    `timings.cache_n` (llama-server's own reuse counter, sent beside usage)."""
     u = u or {}
-    cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    return int(u.get("prompt_tokens") or 0), cached, int(u.get("completion_tokens") or 0)
+    det = u.get("prompt_tokens_details") or {}
+    cached = det.get("cached_tokens")
+    if cached is None and isinstance(timings, dict) and isinstance(timings.get("cache_n"), int):
+        cached = timings["cache_n"]
+    return int(u.get("prompt_tokens") or 0), int(cached or 0), int(u.get("completion_tokens") or 0)
 
 
 def usage_from_anthropic(u: dict | None) -> tuple[int, int, int]:
@@ -258,7 +263,8 @@ def openai_to_anthropic_response(resp: dict, model: str) -> dict:
     stop = STOP_TO_ANTHROPIC.get(ch.get("finish_reason") or "stop", "end_turn")
     return {"id": "msg_" + str(resp.get("id", "")).removeprefix("chatcmpl-"), "type": "message",
             "role": "assistant", "model": model, "content": blocks, "stop_reason": stop,
-            "stop_sequence": None, "usage": anthropic_usage(*usage_from_openai(resp.get("usage")))}
+            "stop_sequence": None, "usage": anthropic_usage(*usage_from_openai(
+                resp.get("usage"), resp.get("timings")))}
 
 
 def anthropic_to_openai_response(resp: dict, model: str) -> dict:

@@ -114,7 +114,7 @@ class OpenAIToAnthropic:
                                                    "message": str(err.get("message"))}}, "error")]
         out = self._start()
         if data.get("usage"):
-            self.usage = usage_from_openai(data["usage"])
+            self.usage = usage_from_openai(data["usage"], data.get("timings"))
         for ch in data.get("choices") or []:
             d = ch.get("delta") or {}
             r = d.get("reasoning_content") or d.get("reasoning")

@@ -37,7 +37,8 @@ log = get_logger("server")
 
 CLAMP_HEADER = "x-ft-max-tokens-clamped"
 OUTPUT_CAP_HEADER = "x-ft-output-cap"  # the server's own cap ended (or would end) the reply
-DEMO_OUTPUT_CAP = 256  # `ft serve --model demo`: the random-weight demo never ends on its own
+DEMO_OUTPUT_CAP = 256  # `ft serve --model demo|demo-random`: the demos may never end a reply
+DEMO_MODELS = ("demo", "demo-random")
 REQUESTED_HEADER = "x-ft-max-tokens-requested"
 SESSION_HEADERS = ("x-claude-code-session-id", "x-session-id", "x-session-affinity")
 AGENT_HEADER = "x-claude-code-agent-id"  # Claude Code: sent by sub-agents, beside the parent's id
@@ -82,10 +83,11 @@ def parent_key_from(headers: Any) -> str | None:
 
 def default_output_cap(model: str | None, given: int | None) -> int | None:
     """`ft serve --max-output-tokens`: N as given (0 = no cap); unset, DEMO_OUTPUT_CAP for the
-    demo model and no cap for a real checkpoint (the context room bounds it)."""
+    demo models (`demo`, and `demo-random`, whose random weights never end a reply) and no cap
+    for a real checkpoint (the context room bounds it)."""
     if given is not None:
         return given if given > 0 else None
-    return DEMO_OUTPUT_CAP if (model or "demo") == "demo" else None
+    return DEMO_OUTPUT_CAP if (model or "demo") in DEMO_MODELS else None
 
 
 @dataclass

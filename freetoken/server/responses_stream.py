@@ -39,6 +39,7 @@ class ResponsesEvents:
         self.calls: dict[int, dict] = {}  # chat tool-call index -> open item state
         self.finish_reason: str | None = None
         self.usage: dict | None = None
+        self.timings: dict | None = None  # llama.cpp's counters, beside (or instead of) usage
         self.created = 0
 
     def _ev(self, kind: str, **fields: Any) -> str:
@@ -129,6 +130,8 @@ class ResponsesEvents:
         out: list[str] = []
         if isinstance(chunk.get("usage"), dict):
             self.usage = chunk["usage"]
+        if isinstance(chunk.get("timings"), dict):
+            self.timings = chunk["timings"]
         for ch in chunk.get("choices") or []:
             d = ch.get("delta") or {}
             if d.get("reasoning_content"):
@@ -154,8 +157,8 @@ class ResponsesEvents:
 
     def response(self) -> dict:
         status = "incomplete" if self.finish_reason == "length" else "completed"
-        return response_object(self.rid, self.body, self.output, usage_from_chat(self.usage),
-                               status, self.created)
+        return response_object(self.rid, self.body, self.output,
+                               usage_from_chat(self.usage, self.timings), status, self.created)
 
     def finish(self) -> list[str]:
         out = self._close()
@@ -165,8 +168,8 @@ class ResponsesEvents:
 
     def failed(self, message: str, code: str = "server_error") -> list[str]:
         out = self._close()
-        r = response_object(self.rid, self.body, self.output, usage_from_chat(self.usage),
-                            "failed", self.created)
+        r = response_object(self.rid, self.body, self.output,
+                            usage_from_chat(self.usage, self.timings), "failed", self.created)
         r["error"] = {"code": code, "message": message}
         return out + [self._ev("response.failed", response=r)]
 

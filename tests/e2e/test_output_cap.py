@@ -73,6 +73,8 @@ def test_client_limit_below_cap_is_reported_as_is(capped) -> None:
 def test_default_cap_is_the_documented_one() -> None:
     assert default_output_cap("demo", None) == DEMO_OUTPUT_CAP
     assert default_output_cap(None, None) == DEMO_OUTPUT_CAP  # `ft serve` defaults to demo
+    # random weights never end a reply: capped as in `ft agent-proxy --model demo-random`
+    assert default_output_cap("demo-random", None) == DEMO_OUTPUT_CAP
     assert default_output_cap("/ckpt/qwen3", None) is None
     assert default_output_cap("demo", 1000) == 1000
     assert default_output_cap("demo", 0) is None

@@ -67,12 +67,14 @@ def test_eval_form_writes_what_it_points_at(tmp_path) -> None:
 
 
 def test_mini_command_uses_its_config_on_top_of_the_builtin(tmp_path) -> None:
-    printed, shown = _eval("mini", tmp_path, show='echo "$OPENAI_API_BASE"')
+    printed, shown = _eval("mini", tmp_path, show='echo "$OPENAI_API_BASE"; '
+                           'echo "$FREETOKEN_MINI_CONFIG"')
     cmd = next(line for line in printed.splitlines() if line.startswith("# then run:"))
     path = tmp_path / "cfg" / "freetoken" / "launch" / "mini" / "ft-model.yaml"
     # mini uses its built-in mini.yaml only when no -c is given: name it, then ours on top
-    assert f"-c mini.yaml -c {path}" in cmd, cmd
-    assert "max_tokens:" in path.read_text() and shown.strip() == "http://127.0.0.1:9/v1"
+    assert '-c mini.yaml -c "$FREETOKEN_MINI_CONFIG"' in cmd, cmd
+    assert "max_tokens:" in path.read_text()
+    assert shown.split() == ["http://127.0.0.1:9/v1", str(path)]
 
 
 def test_write_dir_stays(tmp_path, capsys) -> None:
@@ -239,3 +241,84 @@ def test_context_learned_from_the_upstreams_context_error(tmp_path) -> None:
     finally:
         proxy.stop()
         up.stop()
+
+
+def test_eval_form_finds_a_harness_the_install_script_put_off_path(tmp_path) -> None:
+    """README: `scripts/install_harnesses.sh` installs into PREFIX/bin, off PATH, and
+    `eval "$(ft launch H)" && H` runs it: the eval'd env puts PREFIX/bin on PATH."""
+    prefix = tmp_path / "prefix"
+    (prefix / "bin").mkdir(parents=True)
+    fake = prefix / "bin" / "codex"
+    fake.write_text("#!/bin/sh\necho installed-codex\n")
+    fake.chmod(0o755)
+    path = f"{Path(sys.executable).parent}:/usr/bin:/bin"  # no harness on it
+    env = {"PATH": path, "HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg"),
+           "PYTHONPATH": str(ROOT), "FT_HARNESS_PREFIX": str(prefix)}
+    ft = f"{sys.executable} -m freetoken.cli launch codex --dry-run"
+    out = subprocess.run(["bash", "-c", f'eval "$({ft})" && command -v codex && codex'],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == [str(fake), "installed-codex"], out
+    printed = subprocess.run(["bash", "-c", ft], env=env, capture_output=True, text=True,
+                             check=True).stdout
+    assert "not found" not in printed
+    (prefix / "bin" / "codex").unlink()  # not installed: the note names the script
+    printed = subprocess.run(["bash", "-c", ft], env=env, capture_output=True, text=True,
+                             check=True).stdout
+    assert "scripts/install_harnesses.sh installs it" in printed
+    assert "export PATH" not in printed
+
+
+_FAKE = """#!{py}
+# a stand-in for the harness: every config it is pointed at must exist
+import os, sys
+args = sys.argv[1:]
+for i, a in enumerate(args[:-1]):
+    if a == "-c" and args[i + 1] != "mini.yaml" and "=" not in args[i + 1]:
+        assert os.path.isfile(args[i + 1]), args[i + 1]
+for var in ("OPENCODE_CONFIG", "OPENCLAW_CONFIG_PATH", "FREETOKEN_MINI_CONFIG"):
+    if var in os.environ:
+        assert os.path.isfile(os.environ[var]), (var, os.environ[var])
+if os.path.basename(sys.argv[0]) == "mini":  # mini reads no config from the env: -c it
+    assert os.environ.get("FREETOKEN_MINI_CONFIG") in args, args
+if "CODEX_HOME" in os.environ:
+    assert os.path.isfile(os.path.join(os.environ["CODEX_HOME"], "config.toml"))
+print("RAN", os.path.basename(sys.argv[0]), *args)
+"""
+
+
+def test_readme_launch_lines_run_as_printed(tmp_path) -> None:
+    """Every `eval "$(ft launch H)" && COMMAND` line of README.md and docs/proxy.md, run in
+    bash as printed (`ft` on PATH, the harness a stand-in in the install script's PREFIX/bin,
+    off PATH, no proxy running): the eval'd env finds the harness, and every config file the
+    command or the env names exists. Regression (issue 28): mini's README command ignored the
+    config `ft launch mini` wrote."""
+    import re
+
+    prefix, bindir = tmp_path / "prefix", tmp_path / "ftbin"
+    (prefix / "bin").mkdir(parents=True)
+    bindir.mkdir()
+    for name in ("claude", "opencode", "openclaw", "mini", "codex"):
+        f = prefix / "bin" / name
+        f.write_text(_FAKE.replace("{py}", sys.executable))
+        f.chmod(0o755)
+    ft = bindir / "ft"
+    ft.write_text(f'#!/bin/sh\nexec {sys.executable} -m freetoken.cli "$@"\n')
+    ft.chmod(0o755)
+    env = {"PATH": f"{bindir}:/usr/bin:/bin", "HOME": str(tmp_path),
+           "XDG_CONFIG_HOME": str(tmp_path / "cfg"), "PYTHONPATH": str(ROOT),
+           "FT_HARNESS_PREFIX": str(prefix)}
+    seen = set()
+    for doc in ("README.md", "docs/proxy.md"):
+        for line in (ROOT / doc).read_text().splitlines():
+            m = re.match(r'eval "\$\(ft launch (\w+)\)" && (.*?)(?:\s+#.*)?$', line)
+            if not m:
+                continue
+            harness, cmd = m.groups()
+            p = subprocess.run(["bash", "-c", f'eval "$(ft launch {harness})" && {cmd}'],
+                               check=False, env=env, capture_output=True, text=True,
+                               timeout=60)
+            assert p.returncode == 0, (doc, line, p.stdout, p.stderr)
+            runs = [x for x in p.stdout.splitlines() if x.startswith("RAN ")]
+            assert runs and all(x.split()[1] == cmd.split()[0] for x in runs), (line, p.stdout)
+            seen.add(harness)
+    assert seen == {"claude", "opencode", "openclaw", "mini", "codex"}, seen

@@ -107,7 +107,7 @@ def test_mini_swe_agent_runs_to_submission(stack, tmp_path) -> None:
     cfg = tmp_path / "cfg"
     env = _env(_written_env("mini", proxy.url, cfg), tmp_path)
     traj = tmp_path / "traj.json"
-    p = subprocess.run([MINI, "-c", "mini.yaml", "-c", str(cfg / "ft-model.yaml"), "-t",
+    p = subprocess.run([MINI, "-c", "mini.yaml", "-c", env["FREETOKEN_MINI_CONFIG"], "-t",
                         "Print step numbers, then submit.", "-y", "--exit-immediately", "-o",
                         str(traj)], check=False, cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
@@ -154,8 +154,10 @@ def test_opencode_run_and_continue(stack, tmp_path) -> None:
     model = json.loads((tmp_path / "cfg" / "opencode.json").read_text())["model"]
     work = tmp_path / "repo"
     work.mkdir()
-    for args in (["Say hi."], ["--continue", "Say it again."]):
-        p = subprocess.run([OPENCODE, "run", "-m", model, *args], check=False, cwd=work,
+    # the README's form first (`opencode run "hi"`: the model from the written config), then
+    # the printed one (`-m MODEL`)
+    for args in (["Say hi."], ["-m", model, "--continue", "Say it again."]):
+        p = subprocess.run([OPENCODE, "run", *args], check=False, cwd=work,
                            env=env, capture_output=True, text=True, timeout=120,
                            stdin=subprocess.DEVNULL)
         assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])

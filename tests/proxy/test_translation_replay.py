@@ -1,7 +1,10 @@
 """Every recorded harness session (tests/data/harness_traces, Codex's Responses session
 included) through every translation path the proxy takes — Anthropic -> OpenAI chat, OpenAI
 chat -> Anthropic, each round trip, Responses -> chat and Responses -> chat -> Anthropic —
-rendered with the real Qwen3 template the way an engine behind the proxy sees it.
+rendered with the real Qwen3 template the way an engine behind the proxy sees it. The chat and
+Anthropic sessions also go through the Responses mapping (`_chat_to_responses`, the history as
+a Responses client would keep it, then `to_chat`): its byte-stable folding of a turn's items is
+checked on every harness's history, not only Codex's.
 
 Oracle: the session's own traffic rendered untranslated (the native proxy's view, as
 `trace_replay.replay` renders it). Wherever the harness only appended there, the translated
@@ -31,17 +34,68 @@ from harness_adapters import HarnessRequest, detect_adapter
 CODEX = TRACES / "codex" / "codex_responses.jsonl"
 SLACK = 8
 A2O, O2A = anthropic_to_openai_request, openai_to_anthropic_request
+
+
+def _responses_to_chat(body: dict) -> dict:
+    return to_chat(body, input_items(body))[0]
+
+
+def _parts(content, kind: str) -> list[dict]:
+    if isinstance(content, str):
+        return [{"type": kind, "text": content}]
+    return [{"type": kind, "text": p.get("text", "")} for p in content or []
+            if isinstance(p, dict) and p.get("type") == "text"]
+
+
+def _chat_to_responses(body: dict) -> dict:
+    """A chat body as the Responses request a Responses client keeping the same history would
+    send (test-only: the proxy never translates into Responses): each message as its items,
+    an assistant turn as reasoning, message and function_call items in the order the model
+    emits them, tool results as function_call_output."""
+    items: list[dict] = []
+    for m in body["messages"]:
+        role = m["role"]
+        if role == "assistant":
+            if m.get("reasoning_content"):
+                items.append({"type": "reasoning", "summary": [
+                    {"type": "summary_text", "text": m["reasoning_content"]}]})
+            text = _parts(m.get("content"), "output_text")
+            if any(p["text"] for p in text):
+                items.append({"type": "message", "role": "assistant", "content": text})
+            for tc in m.get("tool_calls") or []:
+                items.append({"type": "function_call", "call_id": tc["id"],
+                              "name": tc["function"]["name"],
+                              "arguments": tc["function"]["arguments"]})
+        elif role == "tool":
+            out = m.get("content")
+            items.append({"type": "function_call_output", "call_id": m["tool_call_id"],
+                          "output": out if isinstance(out, str) else _parts(out, "input_text")})
+        else:
+            items.append({"type": "message", "role": role,
+                          "content": _parts(m.get("content"), "input_text")})
+    tools = [{"type": "function", "name": t["function"]["name"],
+              "description": t["function"].get("description", ""),
+              "parameters": t["function"].get("parameters")} for t in body.get("tools") or []]
+    out = {"model": body.get("model", ""), "input": items, "tools": tools,
+           "stream": bool(body.get("stream"))}
+    effort = body.get("reasoning_effort")
+    if (body.get("chat_template_kwargs") or {}).get("enable_thinking") is False:
+        effort = "none"  # thinking off, in the Responses API's terms
+    if effort is not None:
+        out["reasoning"] = {"effort": effort}
+    return out
+
+
 # (name, api the body comes in, the steps, api the engine behind sees)
 PATHS: list[tuple[str, str, list[Callable[[dict], dict]], str]] = [
     ("anthropic->openai", "anthropic", [A2O], "openai"),
     ("anthropic->openai->anthropic", "anthropic", [A2O, O2A], "anthropic"),
     ("openai->anthropic", "openai", [O2A], "anthropic"),
     ("openai->anthropic->openai", "openai", [O2A, A2O], "openai"),
+    ("openai->responses->openai", "openai", [_chat_to_responses, _responses_to_chat], "openai"),
+    ("anthropic->openai->responses->openai", "anthropic",
+     [A2O, _chat_to_responses, _responses_to_chat], "openai"),
 ]
-
-
-def _responses_to_chat(body: dict) -> dict:
-    return to_chat(body, input_items(body))[0]
 
 
 _IDS: dict[str, list[int]] = {}  # template input -> ids: a faithful translation renders alike

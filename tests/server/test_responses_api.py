@@ -140,6 +140,24 @@ def test_cap_and_length_end_as_incomplete(server, engine, auth) -> None:
     assert evs[-1]["type"] == "response.incomplete"
 
 
+def test_server_cap_ends_as_a_normal_completed_turn(server, engine, auth) -> None:
+    """`ft serve --max-output-tokens` (256 on the demo) cut the reply, not the client's own
+    limit: a normal end of turn (`completed`), as on the other APIs, with the cap header."""
+    engine.script = lambda req: "a b c d e f g h i j k l m n o p"
+    engine.max_output_tokens = 3
+    try:
+        r = _post(server, auth, {"model": "m", "input": "x", "max_output_tokens": 64000})
+        assert r.headers["x-ft-output-cap"] == "3"
+        out = r.json()
+        assert out["status"] == "completed" and out["incomplete_details"] is None
+        assert out["usage"]["output_tokens"] == 3
+        evs = _events(_post(server, auth, {"model": "m", "input": "x", "stream": True}).text)
+        assert evs[-1]["type"] == "response.completed"
+        assert evs[-1]["response"]["usage"]["output_tokens"] == 3
+    finally:
+        engine.max_output_tokens = None
+
+
 def test_store_is_bounded_lru() -> None:
     s = ResponseStore(max_responses=2)
     for i in range(3):
