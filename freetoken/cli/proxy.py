@@ -220,6 +220,7 @@ def run_proxy(args: argparse.Namespace) -> int:
     cfg = build_config(args, native_url, link.key if link else None)
     limits = limits_from(args)
     app = create_proxy_app(cfg, tok, family, client=engine_client(cfg, link), limits=limits)
+    app.app.state.proxy.probe_at_start()  # (the Guard wraps the proxy's app)
     url = f"http://{args.host}:{args.port}"
     print(banner(url, cfg), flush=True)
     if cfg.upstream_api_key and not cfg.api_key:

@@ -75,16 +75,39 @@ class ProxyState:
                         first_byte_s=c.first_byte_timeout_s, idle_s=c.idle_timeout_s,
                         total_s=c.total_timeout_s)
 
+    def _probe_headers(self) -> dict[str, str]:
+        key = self.cfg.upstream_api_key
+        return {"authorization": f"Bearer {key}"} if key else {}
+
     async def probed(self) -> UpstreamInfo | None:
-        """API mode: the upstream's surfaces and limits, asked once (first request)."""
+        """API mode: the upstream's surfaces and limits, asked once (at start, `probe_at_start`;
+        else, or if the upstream did not answer then, at the first request)."""
         if self.cfg.upstream is None or self.info is not None or self.cfg.upstream_api != "both":
             return self.info
         self._probe_lock = self._probe_lock or asyncio.Lock()
         async with self._probe_lock:
             if self.info is None:
-                key = self.cfg.upstream_api_key
-                self.info = await probe(self.client, self.cfg.upstream,
-                                        {"authorization": f"Bearer {key}"} if key else {})
+                self.info = await probe(self.client, self.cfg.upstream, self._probe_headers())
+        return self.info
+
+    def probe_at_start(self, timeout_s: float = 2.0) -> UpstreamInfo | None:
+        """API mode, before serving (`ft agent-proxy --upstream`): the probe now, on a client
+        of its own, so the first client (and `ft launch`, which reads the proxy's /v1/models)
+        meets the upstream's surfaces and limits. An upstream that answers nothing yet (started
+        after the proxy) is probed again at the first request."""
+        if self.cfg.upstream is None or self.cfg.upstream_api != "both":
+            return None
+
+        async def ask() -> UpstreamInfo:
+            async with httpx.AsyncClient() as c:
+                return await probe(c, self.cfg.upstream, self._probe_headers(), timeout_s)
+
+        info = asyncio.run(ask())
+        if info.surfaces or info.context is not None:
+            self.info = info
+        else:
+            log.info(kv("upstream_probe_deferred", upstream=self.cfg.upstream,
+                        reason="no answer at start", next="the first request"))
         return self.info
 
     def learn(self, rec: Any) -> None:

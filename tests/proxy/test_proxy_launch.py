@@ -166,6 +166,27 @@ def test_proxy_probes_and_translates_for_a_missing_messages_surface(tmp_path) ->
         up.stop()
 
 
+def test_the_upstream_is_probed_at_start_and_later_if_it_was_not_up(tmp_path) -> None:
+    """`ft agent-proxy --upstream` probes before serving (issue 28 item 7: "probed at
+    start"), so the proxy's /v1/models has the upstream's limits before any request; an
+    upstream not up yet leaves the probe to the first request instead of caching nothing."""
+    from freetoken.cli.proxy import free_port
+
+    up = _llama_like()
+    try:
+        app = create_proxy_app(ProxyConfig(upstream=up.url, caps={"*": 8192},
+                                           metrics_path=str(tmp_path / "m.jsonl")))
+        info = app.app.state.proxy.probe_at_start()
+        assert info is not None and app.app.state.proxy.info is info
+        assert info.surfaces == {"anthropic": False} and info.context == 40960
+    finally:
+        up.stop()
+    down = create_proxy_app(ProxyConfig(upstream=f"http://127.0.0.1:{free_port()}",
+                                        metrics_path=str(tmp_path / "n.jsonl")))
+    assert down.app.state.proxy.probe_at_start() is None
+    assert down.app.state.proxy.info is None  # asked again at the first request
+
+
 def test_upstream_mode_has_a_default_cap_and_metrics_honour_xdg(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     args = build_parser().parse_args(["agent-proxy", "--upstream", "http://u"])
