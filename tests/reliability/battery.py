@@ -31,13 +31,23 @@ __all__ = ["browser", "check_answer", "flood", "forgery", "fuzz", "sessions", "s
 
 # ---- hostile browser requests -----------------------------------------------------------
 
+def browser_bodies() -> dict[str, bytes]:
+    """Each POST route with a body it answers 200 when sent properly (so in the battery only
+    the front door can refuse it)."""
+    body = json.dumps({"model": "m", "max_tokens": 2, "messages": USER}).encode()
+    out = {p: body for p in ("/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens")}
+    out["/v1/responses"] = json.dumps({"model": "m", "input": "hi",
+                                       "max_output_tokens": 2}).encode()
+    return out
+
+
 def browser_variants(front: Any) -> list[tuple[str, str, dict[str, str], bytes]]:
     """(method, path, headers, body): what a page on another site can make a browser send
     (with and without the key, which a page should not have but might)."""
     port = front.url.rsplit(":", 1)[1]
     body = json.dumps({"model": "m", "max_tokens": 2, "messages": USER}).encode()
+    bodies = browser_bodies()
     out = []
-    posts = ["/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens"]
     hosts = ["evil.example", f"evil.example:{port}", "localhost.evil.example",
              f"127.0.0.1.nip.io:{port}"]
     origins = ["http://evil.example", "null", f"http://evil.example:{port}",
@@ -46,15 +56,15 @@ def browser_variants(front: Any) -> list[tuple[str, str, dict[str, str], bytes]]
               "multipart/form-data; boundary=x", "application/json; charset=iso-8859-1"]
     for key in (False, True):
         auth = front.auth if key else {}
-        for p in posts:
+        for p, b in bodies.items():
             for h in hosts:
                 out.append(("POST", p, {**auth, "host": h, "content-type": "application/json"},
-                            body))
+                            b))
             for o in origins:
                 out.append(("POST", p, {**auth, "origin": o, "content-type": "application/json"},
-                            body))
+                            b))
             for ct in ctypes:
-                out.append(("POST", p, {**auth, "content-type": ct}, body))
+                out.append(("POST", p, {**auth, "content-type": ct}, b))
         for g in ("/v1/models", "/proxy/stats" if front.name != "S" else "/v1/stats"):
             out.append(("GET", g, {**auth, "host": "evil.example"}, b""))
             out.append(("GET", g, {**auth, "origin": "http://evil.example"}, b""))

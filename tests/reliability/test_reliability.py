@@ -43,8 +43,16 @@ def test_fuzz_no_5xx(stack, name: str) -> None:
 
 @pytest.mark.parametrize("name", FRONTS)
 def test_hostile_browser_requests_refused(stack, name: str) -> None:
-    res = browser(stack.fronts[name])
+    import httpx
+    from battery import browser_bodies
+
+    f = stack.fronts[name]
+    res = browser(f)
     assert res["refused"] == res["sent"], res["answered"]
+    for path, body in browser_bodies().items():  # the control: sent properly, each is served
+        r = httpx.post(f.url + path, content=body, timeout=60,
+                       headers={**f.auth, "content-type": "application/json"})
+        assert r.status_code == 200, (path, r.text[:200])
 
 
 @pytest.mark.parametrize("name", FRONTS)
