@@ -30,7 +30,7 @@ from freetoken.server.errors import APIError
 from freetoken.server.guard import replaying
 from freetoken.server.responses_stream import ResponsesEvents, chat_frames
 from freetoken.server.sse import EventStreamResponse, sse_comment
-from freetoken.server.validation import read_json
+from freetoken.server.validation import parse_json
 
 log = get_logger("server")
 ChatCall = Callable[[Request], Awaitable[Response]]
@@ -102,7 +102,9 @@ def _passed_headers(resp: Response) -> dict[str, str]:
 
 async def create_response(request: Request, store: ResponseStore, call_chat: ChatCall
                           ) -> Response:
-    body = await read_json(request)
+    # NaN / Infinity refused as JSON (the proxy's rule): the response echoes the request's
+    # fields (tools, metadata, ...), and an out-of-range float there cannot be written back
+    body = parse_json(await request.body(), constants=False)
     if "input" not in body:
         raise APIError.bad("input is required", "input")
     if body.get("stream") is not None and not isinstance(body.get("stream"), bool):
