@@ -176,6 +176,20 @@ def test_foreign_stream_options_on_messages(stack, name: str) -> None:
     assert r.status_code == 200 and "message_stop" in r.text
 
 
+@pytest.mark.parametrize("name", FRONTS)
+def test_responses_session_keys_that_are_no_header_value(stack, name: str) -> None:
+    """Found by the fuzz of /v1/responses: `prompt_cache_key` becomes the chat request's
+    `x-session-id`, and U forwards that header: a NUL, newline or edge space in it (or over
+    256 bytes cut inside a character) made httpx refuse the upstream request (502)."""
+    import httpx
+
+    f = stack.fronts[name]
+    for key in ("\x00", "a\r\nx-injected: 1", " edge ", "\x7f", "\u00e9" * 200, "plain"):
+        r = httpx.post(f.url + "/v1/responses", headers=f.auth, timeout=60, json={
+            "model": "m", "input": "hi", "max_output_tokens": 2, "prompt_cache_key": key})
+        assert r.status_code == 200, (key, r.text[:300])
+
+
 def _answer(front, path: str, raw: bytes) -> tuple[int, str | None, str | None]:
     """(status, error type, error param) of one non-streamed request."""
     import httpx
