@@ -80,16 +80,16 @@ def main() -> int:
             if "forgery" in only:
                 r = forgery(f, stack.engine)
                 report("forgery", n, r, all(r.values()))
-        if "faults" in only:
-            front, mode, up = start_fault_proxy(stack.tok, first_byte_timeout_s=2.0,
+        for api in ("openai", "anthropic") if "faults" in only else ():
+            front, mode, up = start_fault_proxy(stack.tok, api=api, first_byte_timeout_s=2.0,
                                                 idle_timeout_s=1.5, total_timeout_s=5.0)
             try:
-                res = upstream_faults(front, mode, FAULTS[:-1], limit_s=7.0)
+                res = upstream_faults(front, mode, ("ok", *FAULTS[:-1]), limit_s=7.0)
             finally:
                 front.served.stop()
                 up.stop()
             for r in res:
-                report("faults", "U", r, r["ok"])
+                report("faults", f"U({api} upstream)", r, r["ok"])
         if "sessions" in only:
             front, mode, up = start_fault_proxy(stack.tok)
             mode["now"] = "ok"

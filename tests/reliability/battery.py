@@ -307,7 +307,7 @@ def upstream_faults(front: Any, mode: dict[str, str], faults: tuple[str, ...],
                     limit_s: float) -> list[dict[str, Any]]:
     """Each fault x client API x streamed or not: the answer and how long it took. `ok`: an
     error in the client's shape (in-band for a started stream, never after a clean end) within
-    `limit_s`, or for `status_413` the upstream's 413."""
+    `limit_s`, or for `status_413` the upstream's 413; for `ok` (the control) a clean answer."""
     out = []
     for fault in faults:
         mode["now"] = fault
@@ -331,8 +331,16 @@ def upstream_faults(front: Any, mode: dict[str, str], faults: tuple[str, ...],
 
 
 def _fault_ok(fault: str, path: str, r: httpx.Response) -> tuple[bool, str]:
+    """`fault` `ok` is the control: a clean, complete answer."""
     anthropic = path == "/v1/messages"
-    if fault == "status_413":
+    if fault == "ok":
+        if r.status_code != 200 or check_answer(path, r) is not None:
+            return False, f"status {r.status_code} {check_answer(path, r)}"
+        if not r.headers.get("content-type", "").startswith("text/event-stream"):
+            j = r.json()
+            text = j["content"][0]["text"] if anthropic else j["choices"][0]["message"]["content"]
+            return text == "ok", f"200 {text!r}"
+    elif fault == "status_413":
         return r.status_code == 413, f"status {r.status_code}"
     if r.status_code >= 400:
         why = check_answer(path, r) if r.status_code < 500 else None
@@ -352,6 +360,8 @@ def _fault_ok(fault: str, path: str, r: httpx.Response) -> tuple[bool, str]:
                                                 for c in d.get("choices") or [])
                     for _, d in events)
         err = any(isinstance(d, dict) and "error" in d for _, d in events)
+    if fault == "ok":
+        return (clean and not err), f"200 stream, error={err}, clean_end={clean}"
     return (err and not clean), f"200 stream, error={err}, clean_end={clean}"
 
 

@@ -96,11 +96,14 @@ def test_special_token_forgery_stays_text(stack, name: str) -> None:
     assert all(forgery(stack.fronts[name], stack.engine).values())
 
 
-def test_upstream_faults_in_shape_within_the_timeout(stack) -> None:
-    front, mode, up = start_fault_proxy(stack.tok, first_byte_timeout_s=1.5,
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+def test_upstream_faults_in_shape_within_the_timeout(stack, api: str) -> None:
+    """Each fault of an OpenAI and of an Anthropic upstream, to both APIs' clients (passed
+    through for the upstream's own API, translated for the other), streamed and not."""
+    front, mode, up = start_fault_proxy(stack.tok, api=api, first_byte_timeout_s=1.5,
                                         idle_timeout_s=1.0, total_timeout_s=4.0)
     try:
-        res = upstream_faults(front, mode, FAULTS[:-1], limit_s=6.0)
+        res = upstream_faults(front, mode, ("ok", *FAULTS[:-1]), limit_s=6.0)
         t0 = time.time()  # every request given up on lets go of its upstream connection
         while upstream_pool(front).get("ACTIVE") and time.time() - t0 < 3:
             time.sleep(0.05)
