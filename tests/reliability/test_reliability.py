@@ -140,6 +140,62 @@ def test_refused_upstream_and_count_tokens_in_shape(stack) -> None:
         p.stop()
 
 
+def test_upstream_that_never_accepts_times_out_in_shape(stack) -> None:
+    """Item 4's connect timeout: an upstream whose listen backlog is full (its SYNs go
+    unanswered, so connecting hangs) ends every request within the connect timeout, with 504
+    `upstream_timeout` in the client's shape (in-band for a stream that started: `ping_s` is
+    below the timeout here); count_tokens too. Was (before the relay mapped transport errors):
+    an in-band 502 naming a Python exception for a stream."""
+    import json
+    import socket
+
+    import httpx
+    from fronts import KEY, Served, limits
+
+    from freetoken.proxy.app import create_proxy_app
+    from freetoken.proxy.config import ProxyConfig
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(0)
+    held = socket.create_connection(srv.getsockname(), timeout=2)  # fills the backlog
+    cfg = ProxyConfig(upstream=f"http://127.0.0.1:{srv.getsockname()[1]}",
+                      upstream_api="anthropic", api_key=KEY, metrics_path=None,
+                      connect_timeout_s=0.8, ping_s=0.3)
+    p = Served(create_proxy_app(cfg, stack.tok, "qwen3"), limits())
+    try:
+        h = {"authorization": f"Bearer {KEY}"}
+        body = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "x"}]}
+        for path in ("/v1/messages", "/v1/messages/count_tokens", "/v1/chat/completions"):
+            for stream in (False, True) if "count" not in path else (False,):
+                t0 = time.time()
+                r = httpx.post(p.url + path, json={**body, "stream": stream}, headers=h,
+                               timeout=20)
+                took = time.time() - t0
+                assert took < 3.0, (path, stream, took)
+                if not stream:
+                    assert r.status_code == 504, (path, r.text)
+                    j = r.json()
+                    assert (j["type"] == "error") if "messages" in path else ("error" in j)
+                    assert "upstream_timeout" in r.text or "timed out" in r.text
+                    continue
+                assert r.status_code == 200
+                if path == "/v1/messages":
+                    ev = [ln for ln in r.text.splitlines() if ln.startswith("event:")]
+                    assert ev[-1] == "event: error" and "message_stop" not in r.text, r.text
+                    err = json.loads(r.text.split("event: error\ndata: ")[1].split("\n")[0])
+                    assert "timed out" in err["error"]["message"], err
+                else:
+                    data = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+                    assert data[-1] == "[DONE]"
+                    err = json.loads(data[-2])["error"]
+                    assert err["code"] == "upstream_timeout", err
+    finally:
+        p.stop()
+        held.close()
+        srv.close()
+
+
 def test_413_from_the_upstream_stays_413(stack) -> None:
     """Was: through U, serve's 413 became a 502 'upstream unreachable' (S reset the
     connection with the body unread). U's cap is above S's here, so S refuses."""
