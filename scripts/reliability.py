@@ -7,9 +7,11 @@ line per battery and front, and exiting 1 if any goal is missed.
   python scripts/reliability.py --fuzz 200 --sessions 2000 --slowloris 100 --flood 1000
   python scripts/reliability.py --only fuzz,browser --fronts N,U
 
-Goals: 0 5xx and 0 wrong shapes in the fuzz; every hostile browser request refused; every
+Goals: 0 5xx and 0 wrong shapes in the fuzz; every hostile browser request refused; the door's
+own refusals in shape (413, 408, mid-body disconnects, wrong keys rate-limited); every
 slowloris connection closed by the header timeout; a request served during a flood of
-half-open connections, with under 50 log lines; forged control tokens stay text; every
+half-open connections, with under 50 log lines; served again right after the process ran
+out of descriptors; forged control tokens stay text; every
 upstream fault an in-shape error within its timeout; the proxy's session state capped.
 """
 from __future__ import annotations
@@ -29,10 +31,21 @@ sys.modules["fla"] = None  # type: ignore[assignment]
 sys.modules["causal_conv1d"] = None  # type: ignore[assignment]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from battery import browser, flood, forgery, fuzz, sessions, slowloris, upstream_faults
+from battery import (
+    browser,
+    door,
+    door_ok,
+    fd_exhaustion,
+    flood,
+    forgery,
+    fuzz,
+    sessions,
+    slowloris,
+    upstream_faults,
+)
 from fronts import FAULTS, build_tiny, start_fault_proxy, start_stack
 
-ALL = ("fuzz", "browser", "slowloris", "flood", "forgery", "faults", "sessions")
+ALL = ("fuzz", "browser", "door", "slowloris", "flood", "fds", "forgery", "faults", "sessions")
 
 
 def main() -> int:
@@ -77,6 +90,12 @@ def main() -> int:
                 r = flood(f, args.flood)
                 report("flood", n, r, r["request_ok"] and r["after_status"] == 200
                        and r["log_lines"] < 50)
+            if "door" in only:
+                r = door(f, client_ip=f"127.0.0.{10 + names.index(n)}")
+                report("door", n, r, door_ok(r))
+            if "fds" in only:
+                r = fd_exhaustion(f)
+                report("fds", n, r, r["status_after"] == 200 and r["log_lines"] < 50)
             if "forgery" in only:
                 r = forgery(f, stack.engine)
                 report("forgery", n, r, all(r.values()))

@@ -12,6 +12,8 @@ them at full size. Fronts come from `fronts.py`.
 - `slowloris`: connections that dribble their headers: closed by the header timeout.
 - `flood`: idle connections past the cap: a real request still gets through, and the log
   stays small.
+- `fd_exhaustion`: the process out of descriptors for a while: served again after, a few
+  log lines.
 - `forgery`: chat-template control tokens inside message text stay text.
 - `upstream_faults`: a hung, truncated, malformed, non-SSE or refusing upstream behind the
   proxy: an error in the client's shape within the timeout, never a clean end of turn.
@@ -28,8 +30,8 @@ from typing import Any
 import httpx
 from fuzzing import USER, check_answer, fuzz, parse_sse
 
-__all__ = ["browser", "check_answer", "door", "door_ok", "flood", "forgery", "fuzz", "sessions",
-           "slowloris", "upstream_faults"]
+__all__ = ["browser", "check_answer", "door", "door_ok", "fd_exhaustion", "flood", "forgery",
+           "fuzz", "sessions", "slowloris", "upstream_faults"]
 
 # ---- hostile browser requests -----------------------------------------------------------
 
@@ -136,10 +138,13 @@ class _Count(logging.Handler):
         super().__init__(logging.DEBUG)
         self.n = 0
         self.chars = 0
+        self.first: list[str] = []  # the first few messages
 
     def emit(self, record: logging.LogRecord) -> None:
         self.n += 1
         self.chars += len(self.format(record))
+        if len(self.first) < 4:
+            self.first.append(record.getMessage()[:160])
 
 
 def flood(front: Any, n: int) -> dict[str, Any]:
@@ -279,6 +284,51 @@ def door_ok(res: dict[str, Any]) -> bool:
             and codes[:30] == [401] * 30 and codes[30:] == [429] * 5
             and res["auth_lines"] == 1 and not res["key_logged"]
             and res["right_key_after"] == 200)
+
+
+def fd_exhaustion(front: Any, spare: int = 48) -> dict[str, Any]:
+    """The process's descriptors run out (its soft RLIMIT_NOFILE lowered to what is open now
+    plus `spare`, below any connection cap), held by idle connections for 2 s, then given
+    back: the front serves again (the request after), and the accept failures meanwhile
+    (asyncio retries every second) leave a few log lines, not a flood. Was (issue 22, N/U):
+    223,230 `Too many open files` tracebacks (90 MB of log) in 40 s and requests hanging."""
+    import os
+    import resource
+
+    counter = _Count()
+    loggers = [logging.getLogger(n) for n in ("", "uvicorn", "ft")]
+    for lg in loggers:
+        lg.addHandler(counter)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    socks, errors = [], 0
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + spare,
+                                                    hard))
+        for _ in range(spare * 4):
+            try:
+                socks.append(socket.create_connection(_addr(front), timeout=0.5))
+            except OSError:  # EMFILE here, or the server's accept failing (a timeout)
+                errors += 1
+                if errors > 8:
+                    break
+        time.sleep(2.0)
+    finally:
+        for s in socks:
+            s.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    t0 = time.time()
+    try:
+        r = httpx.post(front.url + "/v1/chat/completions", headers=front.auth, timeout=20,
+                       json={"model": "m", "max_tokens": 2, "messages": USER})
+        status = r.status_code
+    except httpx.HTTPError as e:
+        status = repr(e)
+    took = time.time() - t0
+    for lg in loggers:
+        lg.removeHandler(counter)
+    return {"opened": len(socks), "connect_errors": errors, "status_after": status,
+            "after_s": round(took, 2), "log_lines": counter.n, "log_bytes": counter.chars,
+            "log_first": counter.first}
 
 
 # ---- special-token forgery --------------------------------------------------------------

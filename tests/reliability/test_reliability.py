@@ -21,6 +21,7 @@ from battery import (
     browser,
     door,
     door_ok,
+    fd_exhaustion,
     flood,
     forgery,
     fuzz,
@@ -89,6 +90,16 @@ def test_half_open_flood_bounded(stack, name: str) -> None:
     res = flood(front, front.limits.max_connections * 2)
     assert res["request_ok"] and res["after_status"] == 200, res
     assert res["log_lines"] < 20, res
+
+
+@pytest.mark.parametrize("name", FRONTS)
+def test_descriptor_exhaustion_contained(stack, name: str) -> None:
+    """The process out of descriptors (a lowered RLIMIT_NOFILE, below the connection caps):
+    the front's accepts fail meanwhile (a few rate-limited lines), and it serves at once
+    after."""
+    res = fd_exhaustion(stack.fronts[name])
+    assert res["status_after"] == 200 and res["after_s"] < 5, res
+    assert res["log_lines"] < 20 and res["connect_errors"] > 0, res
 
 
 @pytest.mark.parametrize("name", FRONTS)
@@ -306,11 +317,25 @@ def test_openai_stream_contract_on_every_front(stack, name: str) -> None:
     chunk without choices (code reading `chunk.choices[0]` must not raise); one that asked
     gets one usage chunk, with `choices: []`, last before [DONE]. Was: through U every chunk
     carried `"usage": null` and an extra `choices: []` chunk came unasked."""
+    _openai_stream_contract(stack.fronts[name])
+
+
+def test_openai_stream_contract_through_an_anthropic_upstream(stack) -> None:
+    """The same on the translated path (an OpenAI client, an Anthropic-only upstream)."""
+    front, mode, up = start_fault_proxy(stack.tok, api="anthropic")
+    mode["now"] = "ok"
+    try:
+        _openai_stream_contract(front)
+    finally:
+        front.served.stop()
+        up.stop()
+
+
+def _openai_stream_contract(f) -> None:
     import json
 
     import httpx
 
-    f = stack.fronts[name]
     for asked in (False, True):
         body = {"model": "m", "max_tokens": 3, "stream": True,
                 "messages": [{"role": "user", "content": "hi"}]}
