@@ -251,7 +251,8 @@ SLOW_S = 2.0  # the `slow` upstream's wait before its (normal) answer
 
 
 def fault_app(mode: dict[str, str]) -> Any:
-    """An OpenAI 'upstream' whose behaviour is `mode['now']` (one of FAULTS, or `ok`), or for
+    """An OpenAI 'upstream' whose behaviour is `mode['now']` (one of FAULTS, `ok`, or `drip`: a
+    stream that sends a chunk every 0.2 s for ever), or for
     one request the mode its model names (`"model": "fault:slow"`); `slow` answers normally
     after SLOW_S (a proxy whose first-byte timeout is shorter gives up first)."""
     import asyncio
@@ -296,6 +297,9 @@ def fault_app(mode: dict[str, str]) -> Any:
         async def gen():
             yield oa({"role": "assistant", "content": ""})
             yield oa({"content": "half an"})
+            while m == "drip":  # alive, never idle, never done: only the total timeout ends it
+                await asyncio.sleep(0.2)
+                yield oa({"content": " more"})
             if m == "hang_mid":
                 await asyncio.sleep(3600)
             if m == "malformed":

@@ -129,6 +129,68 @@ def test_upstream_faults_in_shape_within_the_timeout(stack, api: str) -> None:
     assert not pool.get("ACTIVE"), pool
 
 
+def test_a_stream_that_never_ends_stops_at_the_total_timeout(stack) -> None:
+    """Item 4's total timeout: an upstream stream that sends a chunk every 0.2 s for ever
+    (never idle) ends, for both clients, with an in-band error at the total timeout."""
+    import httpx
+
+    front, mode, up = start_fault_proxy(stack.tok, first_byte_timeout_s=1.0,
+                                        idle_timeout_s=1.0, total_timeout_s=2.0)
+    mode["now"] = "drip"
+    try:
+        for path in ("/v1/chat/completions", "/v1/messages"):
+            t0 = time.time()
+            text = ""
+            with httpx.stream("POST", front.url + path, headers=front.auth, timeout=30, json={
+                    "model": "m", "max_tokens": 5, "stream": True, "messages": [
+                        {"role": "user", "content": "hi"}]}) as r:
+                for chunk in r.iter_text():  # (a drip is never a read timeout: bound it here)
+                    text += chunk
+                    if time.time() - t0 > 8:
+                        break
+            took = time.time() - t0
+            assert r.status_code == 200 and 1.9 < took < 4.0, (path, took)
+            assert " more" in text and "did not finish its reply" in text, text[-300:]
+            assert "message_stop" not in text and '"finish_reason":"stop"' not in text
+    finally:
+        front.served.stop()
+        up.stop()
+
+
+def test_the_in_process_engine_has_no_port_and_needs_its_key(stack) -> None:
+    """Item 1: N's engine is reached over a Unix socket in a private directory (no TCP
+    port), behind the Guard with a random key. Was: an internal TCP port with no auth, no
+    header timeout and no cap, in the proxy's process."""
+    import argparse
+    import os
+    import socket
+    import stat
+
+    import httpx
+
+    from freetoken.cli.proxy import start_engine_server
+
+    link, _, _ = start_engine_server(argparse.Namespace(stall_timeout=2.0), stack.engine,
+                                     stack.tok, "qwen3_5_moe")
+    try:
+        assert stat.S_IMODE(os.stat(os.path.dirname(link.uds)).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(link.uds).st_mode) == 0o600
+        families = {s.family for srv in link.server.servers for s in srv.sockets}
+        assert families == {socket.AF_UNIX}, families
+        assert len(link.key) >= 32
+        with httpx.Client(transport=httpx.HTTPTransport(uds=link.uds), timeout=30) as c:
+            assert c.get(link.url + "/v1/models").status_code == 401
+            assert c.get(link.url + "/v1/models",
+                         headers={"authorization": "Bearer wrong"}).status_code == 401
+            ok = c.get(link.url + "/v1/models", headers={"authorization": f"Bearer {link.key}"})
+            assert ok.status_code == 200
+            r = c.post(link.url + "/ft/v1/generate", content=b"{}", headers={
+                "authorization": f"Bearer {link.key}", "content-type": "text/plain"})
+            assert r.status_code == 415  # the same door: content types too
+    finally:
+        link.stop()
+
+
 def test_refused_upstream_and_count_tokens_in_shape(stack) -> None:
     """Was: count_tokens turned a refused connection into a 500."""
     import httpx
