@@ -252,7 +252,8 @@ SLOW_S = 2.0  # the `slow` upstream's wait before its (normal) answer
 
 def fault_app(mode: dict[str, str]) -> Any:
     """An OpenAI 'upstream' whose behaviour is `mode['now']` (one of FAULTS, `ok`, or `drip`: a
-    stream that sends a chunk every 0.2 s for ever), or for
+    stream that sends a chunk every 0.2 s for ever; `gush`: 4 KB chunks as fast as they go),
+    or for
     one request the mode its model names (`"model": "fault:slow"`); `slow` answers normally
     after SLOW_S (a proxy whose first-byte timeout is shorter gives up first)."""
     import asyncio
@@ -300,6 +301,9 @@ def fault_app(mode: dict[str, str]) -> Any:
             while m == "drip":  # alive, never idle, never done: only the total timeout ends it
                 await asyncio.sleep(0.2)
                 yield oa({"content": " more"})
+            while m == "gush":  # a long reply as fast as it goes (for clients that stop reading)
+                await asyncio.sleep(0.01)
+                yield oa({"content": "x" * 4000})
             if m == "hang_mid":
                 await asyncio.sleep(3600)
             if m == "malformed":

@@ -157,6 +157,43 @@ def test_a_stream_that_never_ends_stops_at_the_total_timeout(stack) -> None:
         up.stop()
 
 
+def test_a_proxy_client_that_stops_reading_is_cut_and_the_upstream_closed(stack,
+                                                                          caplog) -> None:
+    """The slow-client rule of the door (unread bytes, the stall timeout) on the proxy: a
+    streaming client that stops reading is cut (`client_stalled`), and the proxy closes its
+    upstream stream (no pooled connection left ACTIVE) instead of relaying for ever."""
+    import json
+    import logging
+    import socket
+
+    caplog.set_level(logging.INFO)
+    front, mode, up = start_fault_proxy(stack.tok)
+    mode["now"] = "gush"
+    try:
+        body = json.dumps({"model": "m", "max_tokens": 5, "stream": True,
+                           "messages": [{"role": "user", "content": "hi"}]}).encode()
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", front.served.port))
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                  b"authorization: Bearer " + front.key.encode() + b"\r\ncontent-type: "
+                  b"application/json\r\ncontent-length: " + str(len(body)).encode()
+                  + b"\r\n\r\n" + body)  # and never read
+        t0 = time.time()
+        while time.time() - t0 < 15 and "client_stalled" not in caplog.text:
+            time.sleep(0.1)
+        took = time.time() - t0
+        while upstream_pool(front).get("ACTIVE") and time.time() - t0 < 20:
+            time.sleep(0.1)
+        pool = upstream_pool(front)
+        s.close()
+    finally:
+        front.served.stop()
+        up.stop()
+    assert "client_stalled" in caplog.text and took < front.limits.stall_timeout_s + 6, took
+    assert not pool.get("ACTIVE"), pool
+
+
 def test_the_in_process_engine_has_no_port_and_needs_its_key(stack) -> None:
     """Item 1: N's engine is reached over a Unix socket in a private directory (no TCP
     port), behind the Guard with a random key. Was: an internal TCP port with no auth, no
