@@ -31,18 +31,8 @@ sys.modules["fla"] = None  # type: ignore[assignment]
 sys.modules["causal_conv1d"] = None  # type: ignore[assignment]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from battery import (
-    browser,
-    door,
-    door_ok,
-    fd_exhaustion,
-    flood,
-    forgery,
-    fuzz,
-    sessions,
-    slowloris,
-    upstream_faults,
-)
+from battery import browser, flood, forgery, fuzz, sessions, slowloris, upstream_faults
+from door import door, door_ok, fd_exhaustion
 from fronts import FAULTS, build_tiny, start_fault_proxy, start_stack
 
 ALL = ("fuzz", "browser", "door", "slowloris", "flood", "fds", "forgery", "faults", "sessions")
