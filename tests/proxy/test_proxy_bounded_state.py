@@ -112,3 +112,19 @@ def test_the_proxys_key_sources_and_the_upstreams_are_distinct(tmp_path, monkeyp
     # the in-process engine's random key is the upstream key, never the proxy's own
     cfg = build_config(_args("--api-key", "mine"), "http://localhost", engine_key="rnd")
     assert (cfg.api_key, cfg.upstream_api_key) == ("mine", "rnd")
+
+
+def test_ft_ctl_takes_its_key_from_a_file_or_the_environment(tmp_path, monkeypatch) -> None:
+    """Was: `ft ctl` took the server's key only on the command line (`ps` shows it)."""
+    from freetoken.cli.ctl import _headers
+
+    f = tmp_path / "k"
+    f.write_text("ctl-key\n")
+    monkeypatch.delenv("FT_API_KEY", raising=False)
+    args = build_parser().parse_args(["ctl", "--api-key-file", str(f), "stats"])
+    assert _headers(args) == {"Authorization": "Bearer ctl-key"}
+    monkeypatch.setenv("FT_API_KEY", "env-key")
+    assert _headers(build_parser().parse_args(["ctl", "stats"])) == {
+        "Authorization": "Bearer env-key"}
+    with pytest.raises(SystemExit):
+        _headers(args)  # two sources: refused, not guessed
