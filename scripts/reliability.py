@@ -7,9 +7,11 @@ line per battery and front, and exiting 1 if any goal is missed.
   python scripts/reliability.py --fuzz 200 --sessions 2000 --slowloris 100 --flood 1000
   python scripts/reliability.py --only fuzz,browser --fronts N,U
 
-Goals: 0 5xx and 0 wrong shapes in the fuzz; every hostile browser request refused; every
+Goals: 0 5xx and 0 wrong shapes in the fuzz; every hostile browser request refused; the door's
+own refusals in shape (413, 408, mid-body disconnects, wrong keys rate-limited); every
 slowloris connection closed by the header timeout; a request served during a flood of
-half-open connections, with under 50 log lines; forged control tokens stay text; every
+half-open connections, with under 50 log lines; served again right after the process ran
+out of descriptors; forged control tokens stay text; every
 upstream fault an in-shape error within its timeout; the proxy's session state capped.
 """
 from __future__ import annotations
@@ -30,9 +32,10 @@ sys.modules["causal_conv1d"] = None  # type: ignore[assignment]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from battery import browser, flood, forgery, fuzz, sessions, slowloris, upstream_faults
+from door import door, door_ok, fd_exhaustion
 from fronts import FAULTS, build_tiny, start_fault_proxy, start_stack
 
-ALL = ("fuzz", "browser", "slowloris", "flood", "forgery", "faults", "sessions")
+ALL = ("fuzz", "browser", "door", "slowloris", "flood", "fds", "forgery", "faults", "sessions")
 
 
 def main() -> int:
@@ -77,19 +80,25 @@ def main() -> int:
                 r = flood(f, args.flood)
                 report("flood", n, r, r["request_ok"] and r["after_status"] == 200
                        and r["log_lines"] < 50)
+            if "door" in only:
+                r = door(f, client_ip=f"127.0.0.{10 + names.index(n)}")
+                report("door", n, r, door_ok(r))
+            if "fds" in only:
+                r = fd_exhaustion(f)
+                report("fds", n, r, r["status_after"] == 200 and r["log_lines"] < 50)
             if "forgery" in only:
                 r = forgery(f, stack.engine)
                 report("forgery", n, r, all(r.values()))
-        if "faults" in only:
-            front, mode, up = start_fault_proxy(stack.tok, first_byte_timeout_s=2.0,
+        for api in ("openai", "anthropic") if "faults" in only else ():
+            front, mode, up = start_fault_proxy(stack.tok, api=api, first_byte_timeout_s=2.0,
                                                 idle_timeout_s=1.5, total_timeout_s=5.0)
             try:
-                res = upstream_faults(front, mode, FAULTS[:-1], limit_s=7.0)
+                res = upstream_faults(front, mode, ("ok", *FAULTS[:-1]), limit_s=7.0)
             finally:
                 front.served.stop()
                 up.stop()
             for r in res:
-                report("faults", "U", r, r["ok"])
+                report("faults", f"U({api} upstream)", r, r["ok"])
         if "sessions" in only:
             front, mode, up = start_fault_proxy(stack.tok)
             mode["now"] = "ok"

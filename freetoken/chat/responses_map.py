@@ -66,7 +66,7 @@ def _text(content: Any, param: str) -> str:
     out = []
     for i, p in enumerate(content):
         t = p.get("type") if isinstance(p, dict) else None
-        if t in _TEXT_PARTS:
+        if isinstance(t, str) and t in _TEXT_PARTS:
             out.append(str(p.get("text", p.get("refusal", ""))))
         else:
             raise ChatInputError(f"content part type {t!r} is not supported by this server "
@@ -116,7 +116,7 @@ def tools_to_chat(tools: Any) -> tuple[list[dict], ToolNames]:
                 "parameters": {"type": "object", "properties": {"input": {"type": "string"}},
                                "required": ["input"]}}})
             names.add(name, "custom", None, param)
-        elif kind in HOSTED_TOOLS:
+        elif isinstance(kind, str) and kind in HOSTED_TOOLS:  # (a list/dict: unhashable)
             continue  # accepted, not offered: no executor here (module docstring)
         else:
             raise ChatInputError(f"tool type {kind!r} is not supported by this server "
@@ -220,7 +220,7 @@ def _tool_choice(tc: Any) -> Any:
         return tc
     if isinstance(tc, dict) and tc.get("type") == "function" and tc.get("name"):
         return {"type": "function", "function": {"name": tc["name"]}}
-    if isinstance(tc, dict) and tc.get("type") in HOSTED_TOOLS:
+    if isinstance(tc, dict) and isinstance(tc.get("type"), str) and tc["type"] in HOSTED_TOOLS:
         return "auto"
     raise ChatInputError("tool_choice must be auto, none, required or a function", "tool_choice")
 

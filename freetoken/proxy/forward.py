@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from freetoken.log import get_logger, kv
 from freetoken.proxy.metrics import RequestRecord
 from freetoken.proxy.probe import cached_from_openai
-from freetoken.proxy.relay import StreamRelay, close_opened, upstream_timeout
+from freetoken.proxy.relay import StreamRelay, close_opened, unreachable, upstream_timeout
 from freetoken.proxy.translate import (
     TranslationError,
     anthropic_to_openai_request,
@@ -32,13 +32,6 @@ from freetoken.server.scoped import ScopedTask, unless_disconnected
 from freetoken.server.sse import EventStreamResponse
 
 log = get_logger("proxy")
-
-
-def unreachable(e: BaseException | None) -> APIError:
-    """An upstream transport failure: 504 for a connect timeout, 502 otherwise."""
-    if isinstance(e, httpx.TimeoutException):
-        return APIError(504, f"upstream timed out: {e!r}", None, "upstream_timeout")
-    return APIError(502, f"upstream unreachable: {e!r}", None, "upstream_error")
 
 
 def translate_request(body: dict, api_in: str, api_out: str) -> dict:

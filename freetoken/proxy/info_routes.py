@@ -18,7 +18,7 @@ from freetoken.server.state import ServerState
 async def count_upstream(request: Request, ps: ProxyState, body: dict, api: str) -> Response:
     up = ps.upstream()
     if up.api_out("anthropic") == "anthropic":
-        from freetoken.proxy.forward import unreachable
+        from freetoken.proxy.relay import unreachable
         from freetoken.proxy.upstream import error_from
 
         try:

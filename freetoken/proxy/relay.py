@@ -56,6 +56,13 @@ def upstream_timeout(what: str, seconds: float) -> APIError:
     return APIError(504, f"the upstream {what} within {seconds:g} s", None, "upstream_timeout")
 
 
+def unreachable(e: BaseException | None) -> APIError:
+    """An upstream transport failure: 504 for a timeout (connect included), 502 otherwise."""
+    if isinstance(e, httpx.TimeoutException):
+        return APIError(504, f"upstream timed out: {e!r}", None, "upstream_timeout")
+    return APIError(502, f"upstream unreachable: {e!r}", None, "upstream_error")
+
+
 def _protocol(msg: str, code: str = "upstream_protocol") -> APIError:
     return APIError(502, f"upstream: {msg}", None, code)
 
@@ -246,6 +253,12 @@ class StreamRelay:
                     log.info(kv("upstream_error", request=rec.request_id, status=item.status,
                                 code=item.code, error=item.message[:200]))
                     yield self._error_frame(item)
+                    return
+                elif isinstance(item, httpx.HTTPError):  # (a connect timeout: 504)
+                    err = unreachable(item)
+                    log.info(kv("upstream_error", request=rec.request_id, status=err.status,
+                                code=err.code, error=repr(item)[:200]))
+                    yield self._error_frame(err)
                     return
                 elif isinstance(item, Exception):
                     log.info(kv("upstream_error", request=rec.request_id, error=repr(item)[:200]))

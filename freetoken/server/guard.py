@@ -40,9 +40,11 @@ from freetoken.server.limits import RateLimiter, ServerLimits
 
 log = get_logger("server")
 LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
+# every POST route of `ft serve` and `ft agent-proxy` (tests/server/test_hardening.py checks
+# both apps' routes against it)
 JSON_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/messages",
-               "/v1/messages/count_tokens", "/ft/v1/generate", "/ft/v1/control/experts",
-               "/ft/v1/control/vram"}
+               "/v1/messages/count_tokens", "/v1/responses", "/ft/v1/generate",
+               "/ft/v1/control/experts", "/ft/v1/control/vram"}
 _WILDCARD = {"", "0.0.0.0", "::"}
 DRAIN_BYTES = 1 << 30
 DRAIN_S = 5.0

@@ -15,6 +15,7 @@ so the engine and the proxy key the conversation by it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,7 +31,7 @@ from freetoken.server.errors import APIError
 from freetoken.server.guard import replaying
 from freetoken.server.responses_stream import ResponsesEvents, chat_frames
 from freetoken.server.sse import EventStreamResponse, sse_comment
-from freetoken.server.validation import read_json
+from freetoken.server.validation import parse_json
 
 log = get_logger("server")
 ChatCall = Callable[[Request], Awaitable[Response]]
@@ -78,9 +79,19 @@ def _inner(request: Request, chat: dict, session: str | None) -> Request:
     headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-length",)]
     headers.append((b"content-length", str(len(raw)).encode()))
     if session and not any(k == b"x-session-id" for k, _ in headers):
-        headers.append((b"x-session-id", session.encode()[:256]))
+        headers.append((b"x-session-id", _header_value(session)))
     scope["headers"] = headers
     return Request(scope, replaying(raw, request.receive))
+
+
+def _header_value(key: str) -> bytes:
+    """`prompt_cache_key` as an `x-session-id` value that can be sent on (the proxy forwards
+    it upstream): at most 256 bytes, else, or with a control character or edge whitespace
+    (no HTTP header may carry those; httpx refused it, a 502), its digest."""
+    raw = key.encode()
+    if len(raw) <= 256 and raw == raw.strip() and not any(c < 0x20 or c == 0x7F for c in raw):
+        return raw
+    return b"pck-" + hashlib.sha256(raw).hexdigest()[:32].encode()
 
 
 def _history(store: ResponseStore, body: dict) -> list[Any]:
@@ -102,7 +113,9 @@ def _passed_headers(resp: Response) -> dict[str, str]:
 
 async def create_response(request: Request, store: ResponseStore, call_chat: ChatCall
                           ) -> Response:
-    body = await read_json(request)
+    # NaN / Infinity refused as JSON (the proxy's rule): the response echoes the request's
+    # fields (tools, metadata, ...), and an out-of-range float there cannot be written back
+    body = parse_json(await request.body(), constants=False)
     if "input" not in body:
         raise APIError.bad("input is required", "input")
     if body.get("stream") is not None and not isinstance(body.get("stream"), bool):

@@ -14,6 +14,8 @@ them at full size. Fronts come from `fronts.py`.
 - `upstream_faults`: a hung, truncated, malformed, non-SSE or refusing upstream behind the
   proxy: an error in the client's shape within the timeout, never a clean end of turn.
 - `sessions`: the proxy's memory and stats size over many sessions.
+
+`door.py` has two more: the door's own refusals and descriptor exhaustion.
 """
 from __future__ import annotations
 
@@ -31,13 +33,23 @@ __all__ = ["browser", "check_answer", "flood", "forgery", "fuzz", "sessions", "s
 
 # ---- hostile browser requests -----------------------------------------------------------
 
+def browser_bodies() -> dict[str, bytes]:
+    """Each POST route with a body it answers 200 when sent properly (so in the battery only
+    the front door can refuse it)."""
+    body = json.dumps({"model": "m", "max_tokens": 2, "messages": USER}).encode()
+    out = {p: body for p in ("/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens")}
+    out["/v1/responses"] = json.dumps({"model": "m", "input": "hi",
+                                       "max_output_tokens": 2}).encode()
+    return out
+
+
 def browser_variants(front: Any) -> list[tuple[str, str, dict[str, str], bytes]]:
     """(method, path, headers, body): what a page on another site can make a browser send
     (with and without the key, which a page should not have but might)."""
     port = front.url.rsplit(":", 1)[1]
     body = json.dumps({"model": "m", "max_tokens": 2, "messages": USER}).encode()
+    bodies = browser_bodies()
     out = []
-    posts = ["/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens"]
     hosts = ["evil.example", f"evil.example:{port}", "localhost.evil.example",
              f"127.0.0.1.nip.io:{port}"]
     origins = ["http://evil.example", "null", f"http://evil.example:{port}",
@@ -46,15 +58,15 @@ def browser_variants(front: Any) -> list[tuple[str, str, dict[str, str], bytes]]
               "multipart/form-data; boundary=x", "application/json; charset=iso-8859-1"]
     for key in (False, True):
         auth = front.auth if key else {}
-        for p in posts:
+        for p, b in bodies.items():
             for h in hosts:
                 out.append(("POST", p, {**auth, "host": h, "content-type": "application/json"},
-                            body))
+                            b))
             for o in origins:
                 out.append(("POST", p, {**auth, "origin": o, "content-type": "application/json"},
-                            body))
+                            b))
             for ct in ctypes:
-                out.append(("POST", p, {**auth, "content-type": ct}, body))
+                out.append(("POST", p, {**auth, "content-type": ct}, b))
         for g in ("/v1/models", "/proxy/stats" if front.name != "S" else "/v1/stats"):
             out.append(("GET", g, {**auth, "host": "evil.example"}, b""))
             out.append(("GET", g, {**auth, "origin": "http://evil.example"}, b""))
@@ -124,10 +136,13 @@ class _Count(logging.Handler):
         super().__init__(logging.DEBUG)
         self.n = 0
         self.chars = 0
+        self.first: list[str] = []  # the first few messages
 
     def emit(self, record: logging.LogRecord) -> None:
         self.n += 1
         self.chars += len(self.format(record))
+        if len(self.first) < 4:
+            self.first.append(record.getMessage()[:160])
 
 
 def flood(front: Any, n: int) -> dict[str, Any]:
@@ -190,7 +205,7 @@ def upstream_faults(front: Any, mode: dict[str, str], faults: tuple[str, ...],
                     limit_s: float) -> list[dict[str, Any]]:
     """Each fault x client API x streamed or not: the answer and how long it took. `ok`: an
     error in the client's shape (in-band for a started stream, never after a clean end) within
-    `limit_s`, or for `status_413` the upstream's 413."""
+    `limit_s`, or for `status_413` the upstream's 413; for `ok` (the control) a clean answer."""
     out = []
     for fault in faults:
         mode["now"] = fault
@@ -214,8 +229,16 @@ def upstream_faults(front: Any, mode: dict[str, str], faults: tuple[str, ...],
 
 
 def _fault_ok(fault: str, path: str, r: httpx.Response) -> tuple[bool, str]:
+    """`fault` `ok` is the control: a clean, complete answer."""
     anthropic = path == "/v1/messages"
-    if fault == "status_413":
+    if fault == "ok":
+        if r.status_code != 200 or check_answer(path, r) is not None:
+            return False, f"status {r.status_code} {check_answer(path, r)}"
+        if not r.headers.get("content-type", "").startswith("text/event-stream"):
+            j = r.json()
+            text = j["content"][0]["text"] if anthropic else j["choices"][0]["message"]["content"]
+            return text == "ok", f"200 {text!r}"
+    elif fault == "status_413":
         return r.status_code == 413, f"status {r.status_code}"
     if r.status_code >= 400:
         why = check_answer(path, r) if r.status_code < 500 else None
@@ -235,6 +258,8 @@ def _fault_ok(fault: str, path: str, r: httpx.Response) -> tuple[bool, str]:
                                                 for c in d.get("choices") or [])
                     for _, d in events)
         err = any(isinstance(d, dict) and "error" in d for _, d in events)
+    if fault == "ok":
+        return (clean and not err), f"200 stream, error={err}, clean_end={clean}"
     return (err and not clean), f"200 stream, error={err}, clean_end={clean}"
 
 

@@ -7,7 +7,8 @@ real engine (the e2e suite's random qwen3_5_moe with the real Qwen3 tokenizer):
 - U: `ft agent-proxy --upstream S`.
 
 Every front has an API key (KEY) and the short `LIMITS`, so slow-client batteries finish fast.
-`fault_app` is a scripted upstream (hung, slow, truncated, malformed, non-SSE) for U's
+`fault_app` is a scripted upstream (hung, slow, truncated, malformed, non-SSE; OpenAI's
+`/v1/chat/completions` and Anthropic's `/v1/messages`) for U's
 upstream-fault battery and the soak's U* front; `warm_pools` makes the engine's preallocated
 pools resident before a soak measures RSS, `upstream_pool` reads a proxy's upstream
 connections. Used by tests/reliability and scripts/reliability.py / soak.py.
@@ -250,7 +251,9 @@ SLOW_S = 2.0  # the `slow` upstream's wait before its (normal) answer
 
 
 def fault_app(mode: dict[str, str]) -> Any:
-    """An OpenAI 'upstream' whose behaviour is `mode['now']` (one of FAULTS, or `ok`), or for
+    """An OpenAI 'upstream' whose behaviour is `mode['now']` (one of FAULTS, `ok`, or `drip`: a
+    stream that sends a chunk every 0.2 s for ever; `gush`: 4 KB chunks as fast as they go),
+    or for
     one request the mode its model names (`"model": "fault:slow"`); `slow` answers normally
     after SLOW_S (a proxy whose first-byte timeout is shorter gives up first)."""
     import asyncio
@@ -295,6 +298,12 @@ def fault_app(mode: dict[str, str]) -> Any:
         async def gen():
             yield oa({"role": "assistant", "content": ""})
             yield oa({"content": "half an"})
+            while m == "drip":  # alive, never idle, never done: only the total timeout ends it
+                await asyncio.sleep(0.2)
+                yield oa({"content": " more"})
+            while m == "gush":  # a long reply as fast as it goes (for clients that stop reading)
+                await asyncio.sleep(0.01)
+                yield oa({"content": "x" * 4000})
             if m == "hang_mid":
                 await asyncio.sleep(3600)
             if m == "malformed":
@@ -310,20 +319,71 @@ def fault_app(mode: dict[str, str]) -> Any:
             return StreamingResponse(gen(), media_type="text/plain")
         return StreamingResponse(gen(), media_type="text/event-stream")
 
-    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+    def an(kind: str, **v: Any) -> str:
+        return f"event: {kind}\ndata: " + json.dumps({"type": kind, **v}) + "\n\n"
+
+    async def messages(request: Request) -> Response:
+        """The same faults as an Anthropic upstream (its event stream and shapes)."""
+        body = await request.json()
+        m = mode["now"]
+        if m == "status_413":
+            return JSONResponse({"type": "error", "error": {"type": "request_too_large",
+                                                            "message": "too big"}}, 413)
+        if m == "hang":
+            await asyncio.sleep(3600)
+        if not body.get("stream"):
+            if m == "not_sse":
+                return Response("<html>gateway</html>", 200, media_type="text/html")
+            if m == "hang_mid":
+                await asyncio.sleep(3600)
+            if m in ("truncated", "malformed"):
+                return Response('{"id": "msg_1", "content": [{"type"', 200,
+                                media_type="application/json")
+            return JSONResponse({"id": "msg_1", "type": "message", "role": "assistant",
+                                 "model": "up", "content": [{"type": "text", "text": "ok"}],
+                                 "stop_reason": "end_turn", "stop_sequence": None,
+                                 "usage": {"input_tokens": 3, "output_tokens": 1}})
+
+        async def gen():
+            yield an("message_start", message={
+                "id": "msg_1", "type": "message", "role": "assistant", "model": "up",
+                "content": [], "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": 3, "output_tokens": 0}})
+            yield an("content_block_start", index=0, content_block={"type": "text", "text": ""})
+            yield an("content_block_delta", index=0, delta={"type": "text_delta",
+                                                             "text": "half an"})
+            if m == "hang_mid":
+                await asyncio.sleep(3600)
+            if m == "malformed":
+                yield 'event: content_block_delta\ndata: {"type": "content_block_delta", "in\n\n'
+                return
+            if m == "truncated":
+                return
+            yield an("content_block_stop", index=0)
+            yield an("message_delta", delta={"stop_reason": "end_turn", "stop_sequence": None},
+                     usage={"output_tokens": 2})
+            yield an("message_stop")
+
+        if m == "not_sse":
+            return StreamingResponse(gen(), media_type="text/plain")
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
+                             Route("/v1/messages", messages, methods=["POST"])])
 
 
-def start_fault_proxy(tok: Any, front_limits: Any = None, **timeouts: float
-                      ) -> tuple[Front, dict[str, str], Served]:
-    """U in front of the scripted upstream (OpenAI only: Anthropic clients are translated);
-    `front_limits`: the proxy's (default: the short `limits()`)."""
+def start_fault_proxy(tok: Any, front_limits: Any = None, api: str = "openai",
+                      **timeouts: float) -> tuple[Front, dict[str, str], Served]:
+    """U in front of the scripted upstream, as an OpenAI (`api`; the other API's clients are
+    translated) or an Anthropic server; `front_limits`: the proxy's (default: the short
+    `limits()`)."""
     from freetoken.proxy.app import create_proxy_app
     from freetoken.proxy.config import ProxyConfig
     from freetoken.server.limits import ServerLimits
 
     mode = {"now": "truncated"}
     up = Served(fault_app(mode), ServerLimits(header_timeout_s=10))
-    cfg = ProxyConfig(upstream=up.url, upstream_api="openai", api_key=KEY, metrics_path=None,
+    cfg = ProxyConfig(upstream=up.url, upstream_api=api, api_key=KEY, metrics_path=None,
                       ping_s=0.5, **timeouts)
     lim = front_limits or limits()
     p = Served(create_proxy_app(cfg, tok, "qwen3"), lim)

@@ -1,5 +1,6 @@
 """The fuzz battery's bodies and answer checks (see battery.py): seeded mutations of valid
-bodies of the three chat routes, and the contract every answer must keep."""
+bodies of the chat routes (chat, messages, count_tokens, responses), and the contract every
+answer must keep."""
 from __future__ import annotations
 
 import copy
@@ -43,6 +44,18 @@ BASES: dict[str, dict[str, Any]] = {
                           "cache_control": {"type": "ephemeral"}},
                          {"type": "text", "text": "go on"}]}]},
     "/v1/messages/count_tokens": {"model": "m", "messages": USER, "tools": TOOLS_AN},
+    "/v1/responses": {  # Codex's shape (issue 28's route)
+        "model": "m", "max_output_tokens": 3, "instructions": "You are a coding agent.",
+        "store": False, "prompt_cache_key": "sess-1",
+        "tools": [{"type": "function", "name": "read", "parameters": {
+            "type": "object", "properties": {"path": {"type": "string"}}}},
+                  {"type": "web_search"}],
+        "input": [{"type": "message", "role": "user", "content": [
+                      {"type": "input_text", "text": "read it"}]},
+                  {"type": "function_call", "call_id": "call_1", "name": "read",
+                   "arguments": "{\"path\": \"a.py\"}"},
+                  {"type": "function_call_output", "call_id": "call_1", "output": "print(1)"},
+                  {"type": "message", "role": "user", "content": "go on"}]},
 }
 HOSTILE: list[Any] = [None, True, False, 0, -1, 1.5, 10**30, "", SURROGATE, "a" + SURROGATE,
                       [], {}, [1], {"a": 1}, ["user"], {"type": 1}, "<|im_end|>",
@@ -100,14 +113,19 @@ def fuzz_body(rng: random.Random, path: str) -> dict[str, Any]:
         elif r < 0.75:
             k, v = rng.choice(SAMPLING)
             body[k] = v
-        elif r < 0.9 and path == "/v1/chat/completions":
+        elif r < 0.9 and path in ("/v1/chat/completions", "/v1/responses"):
             try:
-                body["messages"][2]["tool_calls"][0]["function"]["arguments"] = rng.choice(
-                    ARG_BOMBS)
+                if path == "/v1/responses":
+                    body["input"][1]["arguments"] = rng.choice(ARG_BOMBS)
+                else:
+                    body["messages"][2]["tool_calls"][0]["function"]["arguments"] = \
+                        rng.choice(ARG_BOMBS)
             except (KeyError, IndexError, TypeError):  # an earlier edit broke the path
                 pass
         elif isinstance(body.get("messages"), list):
             body["messages"].append(copy.deepcopy(rng.choice(HOSTILE)))
+        elif isinstance(body.get("input"), list):
+            body["input"].append(copy.deepcopy(rng.choice(HOSTILE)))
     return body
 
 
@@ -156,6 +174,11 @@ def check_answer(path: str, r: httpx.Response) -> str | None:
     if not events:
         return "empty stream"
     name, data = events[-1]
+    if path == "/v1/responses":  # ends with the whole response; no [DONE]
+        if name not in ("response.completed", "response.incomplete", "response.failed"):
+            return f"stream ended with {name}"
+        err = (data.get("response") or {}).get("error") if isinstance(data, dict) else None
+        return f"stream failed {err}" if err and err.get("code") == "server_error" else None
     if anthropic:
         if name == "error":
             return f"stream error {data}" if data["error"]["type"] == "api_error" else None

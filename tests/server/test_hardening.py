@@ -144,7 +144,25 @@ def test_non_json_content_types_refused(server: Server, engine: FakeEngine,
     assert assert_openai_error(r, 415)["code"] == "unsupported_media_type"
     r = httpx.post(server.url + "/v1/messages", content=body, headers={**AN, **headers})
     assert_anthropic_error(r, 415, "invalid_request_error")
+    # was (issue 22): /v1/responses (issue 28's route) was missing from the guard's JSON
+    # routes, so a text/plain or form POST there generated
+    raw = json.dumps({"model": "m", "input": "hi", "max_output_tokens": 3}).encode()
+    r = httpx.post(server.url + "/v1/responses", content=raw, headers=headers)
+    assert assert_openai_error(r, 415)["code"] == "unsupported_media_type"
     assert engine.requests == []
+
+
+def test_every_post_route_is_a_json_route(engine: FakeEngine, tok: ChatTokenizer) -> None:
+    """The content-type rule covers every POST route of both front doors (a route added
+    without it is a CORS-simple target for any web page)."""
+    from freetoken.proxy.app import create_proxy_app
+    from freetoken.proxy.config import ProxyConfig
+    from freetoken.server.guard import JSON_ROUTES
+
+    apps = [create_app(engine, tok, api_key=None, served_model_names=["m"]),
+            create_proxy_app(ProxyConfig(upstream="http://127.0.0.1:9", metrics_path=None))]
+    posts = {r.path for a in apps for r in a.app.routes if "POST" in (r.methods or ())}
+    assert "/v1/responses" in posts and posts <= JSON_ROUTES, posts - JSON_ROUTES
 
 
 @pytest.mark.parametrize("headers,status", [

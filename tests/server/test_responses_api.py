@@ -130,6 +130,30 @@ def test_bad_requests_are_clear_400s_in_the_openai_shape(server, auth, body, par
     assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("raw,param", [
+    # issue 22's fuzz of /v1/responses (0 5xx on every front): each of these was a 500
+    (b'{"model": "m", "input": "x", "tools": [{"type": ["function"], "name": "f"}]}',
+     "tools[0].type"),  # TypeError: unhashable type (the hosted-tools set)
+    (b'{"model": "m", "input": "x", "tools": [{"type": {"a": 1}}]}', "tools[0].type"),
+    (b'{"model": "m", "input": "x", "tools": [TOOL], "tool_choice": {"type": [1]}}',
+     "tool_choice"),
+    ((b'{"model": "m", "input": [{"type": "message", "role": "user", "content": [{"type": '
+      b'["input_text"], "text": "x"}]}]}'), "input[0].content[0].type"),
+    # the response echoes the request's fields: an out-of-range float cannot be written back
+    ((b'{"model": "m", "input": "x", "tools": [{"type": "function", "name": "f", '
+      b'"parameters": Infinity}]}'), None),
+    (b'{"model": "m", "input": "x", "metadata": {"a": NaN}}', None),
+])
+def test_former_500s_are_400s(server, auth, raw: bytes, param: str | None) -> None:
+    raw = raw.replace(b"TOOL", json.dumps(TOOL).encode())
+    for stream in (b"false", b"true"):
+        r = httpx.post(server.url + "/v1/responses", headers={**auth, "content-type":
+                       "application/json"}, content=raw[:-1] + b', "stream": ' + stream + b"}")
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and err["message"] and err["type"] == "invalid_request_error"
+
+
 def test_cap_and_length_end_as_incomplete(server, engine, auth) -> None:
     engine.script = lambda req: "a b c d e f g h i j k l m n o p"
     r = _post(server, auth, {"model": "m", "input": "x", "max_output_tokens": 3}).json()
