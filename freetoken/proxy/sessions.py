@@ -11,6 +11,7 @@ canonical JSON of the messages: the edit point is a message index.
 from __future__ import annotations
 
 import threading
+import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -60,19 +61,30 @@ class _Prev:
 
 
 class SessionStore:
-    """LRU of sessions (at most `max_sessions`), thread-safe."""
+    """LRU of sessions (at most `max_sessions`; one idle for `idle_s` goes too, as the proxy's
+    session metrics do: a 200k-token session holds 1.6 MB), thread-safe."""
 
-    def __init__(self, max_sessions: int = 512) -> None:
+    def __init__(self, max_sessions: int = 512, idle_s: float = 6 * 3600.0) -> None:
         self._prev: OrderedDict[str, _Prev] = OrderedDict()
+        self._seen: dict[str, float] = {}  # key -> last use (time.monotonic)
         self._lock = threading.Lock()
-        self.max_sessions = max_sessions
+        self.max_sessions, self.idle_s = max_sessions, idle_s
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._prev)
 
     def _swap(self, key: str, new: _Prev) -> _Prev | None:
+        now = time.monotonic()
         with self._lock:
             old = self._prev.pop(key, None)
-            self._prev[key] = new
-            while len(self._prev) > self.max_sessions:
-                self._prev.popitem(last=False)
+            self._prev[key], self._seen[key] = new, now
+            while self._prev:  # the front is the least recently used
+                first = next(iter(self._prev))
+                if len(self._prev) <= self.max_sessions and self._seen[first] >= now - self.idle_s:
+                    break
+                del self._prev[first], self._seen[first]
+                self.evicted += 1
         return old
 
     def observe_tokens(self, key: str, ids: Sequence[int], anchors: Sequence[Anchor],

@@ -128,3 +128,25 @@ def test_ft_ctl_takes_its_key_from_a_file_or_the_environment(tmp_path, monkeypat
         "Authorization": "Bearer env-key"}
     with pytest.raises(SystemExit):
         _headers(args)  # two sources: refused, not guessed
+
+
+def test_edit_point_sessions_expire_when_idle_and_stay_under_the_cap(monkeypatch) -> None:
+    """The proxy's other per-session state, the previous prompt of each session (edit
+    points): bounded by a cap and an idle expiry like the metrics (it had the cap only, up to
+    512 x 1.6 MB held by sessions that never come back)."""
+    import freetoken.proxy.sessions as ss
+
+    now = [1000.0]
+    monkeypatch.setattr(ss.time, "monotonic", lambda: now[0])
+    st = ss.SessionStore(max_sessions=3, idle_s=60.0)
+    for k in "abc":
+        assert st.observe_tokens(k, [1, 2, 3], [], []).kind == "new"
+    now[0] += 30
+    assert st.observe_tokens("a", [1, 2, 3, 4], [], []).kind == "append"  # a is fresh again
+    now[0] += 40  # b and c idle 70 s > 60: they go with the next use
+    assert st.observe_tokens("d", [5], [], []).kind == "new"
+    assert list(st._prev) == ["a", "d"] and st.evicted == 2
+    for k in "efg":  # over the cap of 3: the least recently used go first
+        st.observe_tokens(k, [6], [], [])
+    assert list(st._prev) == ["e", "f", "g"] and len(st) == 3 and st.evicted == 4
+    assert st.observe_tokens("b", [1, 2, 3], [], []).kind == "new"  # forgotten, not an edit
