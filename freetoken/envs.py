@@ -1,4 +1,5 @@
-"""Every `FT_*` environment variable the package reads, declared once: name, default, meaning.
+"""Every `FT_*` environment variable the package reads, declared once: name, default, kind,
+meaning.
 
 Read them through `VAR.get()` at the point of use (never at import time), so a test or a
 launcher that sets one before the call is honoured. The kernels read `FT_CPU_ISA` from here
@@ -16,15 +17,41 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+KINDS = ("text", "path", "count", "choice")  # count: an integer >= 0; choice: one of `choices`
+
 
 @dataclass(frozen=True)
 class EnvVar:
     name: str
     default: str | None
     doc: str
+    kind: str = "text"
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"{self.name}: kind {self.kind!r} is not one of {KINDS}")
+        if (self.kind == "choice") != bool(self.choices):
+            raise ValueError(f"{self.name}: choices go with kind 'choice' only")
 
     def get(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The raw value (the default when unset)."""
         return (os.environ if environ is None else environ).get(self.name, self.default)
+
+    def value(self, environ: Mapping[str, str] | None = None) -> str | int | None:
+        """The value checked against its kind (a count as an int); a value of the wrong kind
+        raises ValueError naming the variable and what it takes."""
+        raw = self.get(environ)
+        if raw is None:
+            return None
+        if self.kind == "count":
+            v = raw.strip()
+            if not v.isdigit():
+                raise ValueError(f"{self.name}={raw!r}: give an integer >= 0 ({self.doc})")
+            return int(v)
+        if self.kind == "choice" and raw not in self.choices:
+            raise ValueError(f"{self.name}={raw!r}: give one of {', '.join(self.choices)}")
+        return raw
 
 
 FT_API_KEY = EnvVar("FT_API_KEY", None,
@@ -32,34 +59,38 @@ FT_API_KEY = EnvVar("FT_API_KEY", None,
                     "--api-key-file or this)")
 FT_CPU_ISA = EnvVar("FT_CPU_ISA", "auto",
                     "the C++ CPU kernels' instruction set: auto, avx512bf16, avx512, avx2, "
-                    "scalar, or torch (no C++ kernel)")
+                    "scalar, or torch (no C++ kernel)", "choice",
+                    ("auto", "avx512bf16", "avx512", "avx2", "scalar", "torch"))
 FT_MALLOC_ARENA_MAX = EnvVar("FT_MALLOC_ARENA_MAX", "0",
                              "the most glibc malloc arenas an `ft` process keeps, set at its "
                              "start (0: glibc's default, 8 per core; glibc's own "
-                             "MALLOC_ARENA_MAX wins when set): freetoken/cli/malloc.py")
+                             "MALLOC_ARENA_MAX wins when set): freetoken/cli/malloc.py",
+                             "count")
 FT_MALLOC_MMAP_THRESHOLD = EnvVar("FT_MALLOC_MMAP_THRESHOLD", "0",
                                   "bytes from which an `ft` process's allocations get their "
                                   "own mapping, fixed at its start (0, the default: glibc's "
                                   "dynamic threshold; 131072 keeps RSS flat under mixed "
                                   "traffic at 11-16% fewer requests on the CPU demo; glibc's "
                                   "own MALLOC_MMAP_THRESHOLD_ wins when set): "
-                                  "freetoken/cli/malloc.py")
-FT_LOG_LEVEL = EnvVar("FT_LOG_LEVEL", "INFO", "the `ft` commands' log level (--log-level)")
+                                  "freetoken/cli/malloc.py", "count")
+FT_LOG_LEVEL = EnvVar("FT_LOG_LEVEL", "INFO", "the `ft` commands' log level (--log-level; "
+                      "any case)")
 FT_HARNESS_PREFIX = EnvVar("FT_HARNESS_PREFIX", None,
                            "where scripts/install_harnesses.sh installs the harnesses and "
-                           "`ft launch` finds them (default $XDG_CACHE_HOME/freetoken/harnesses)")
+                           "`ft launch` finds them (default $XDG_CACHE_HOME/freetoken/harnesses)",
+                           "path")
 FT_PEER_VENV = EnvVar("FT_PEER_VENV", None,
                       "the venv scripts/install_peer.sh builds llama-cpp-python into and "
-                      "tests/peer runs it from (default ~/.cache/freetoken/peer)")
+                      "tests/peer runs it from (default ~/.cache/freetoken/peer)", "path")
 FT_ROUTING_TRACES = EnvVar("FT_ROUTING_TRACES", None,
                            "the directory of the shared routing traces (`--route-trace "
                            "shared`): decode_routing.npy, prefill_routing.npy, meta.json "
                            "(default: the copy in the workloads package, "
-                           "workloads/data/routing_traces)")
+                           "workloads/data/routing_traces)", "path")
 FT_HARNESS_TRACES = EnvVar("FT_HARNESS_TRACES", None,
                            "the directory of the recorded harness traces (`ft bench anchors`' "
                            "default, the demo checkpoint's training data; default: the "
-                           "checkout's tests/data/harness_traces)")
+                           "checkout's tests/data/harness_traces)", "path")
 # read by the test suite and its script, not by the package
 FT_PROXY_E2E_ALL = EnvVar("FT_PROXY_E2E_ALL", None,
                           "1: tests/e2e/test_proxy_engine.py replays all seven harness traces "

@@ -57,14 +57,7 @@ def wanted(var: EnvVar, glibc_name: str, environ: Mapping[str, str]) -> tuple[in
     non-negative integer."""
     if glibc_name in environ:
         return None, glibc_name
-    raw = (var.get(environ) or "").strip()
-    try:
-        n = int(raw)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise ValueError(f"{var.name}={raw!r}: give a non-negative integer (0 for glibc's "
-                         "default)")
+    n = var.value(environ)  # a count: an int >= 0, else ValueError naming the variable
     return (n or None), var.name
 
 

@@ -309,7 +309,7 @@ def build(isa: str, verbose: bool = False, emulate: list[str] | None = None) -> 
 def load_kernel(isa: str | None = None) -> CpuKernel | None:
     """The kernel for `isa` (default: FT_CPU_ISA or this CPU's best), or None if unavailable.
     Builds at most once per ISA and process; a failure is logged once and remembered."""
-    want = isa or FT_CPU_ISA.get()
+    want = isa or FT_CPU_ISA.value()  # (a choice: ValueError naming the variable)
     if want == "torch":
         return None
     if want == "auto":

@@ -151,3 +151,22 @@ def test_the_import_time_finder_finds_planted_reads() -> None:
            "def f(a=FT_API_KEY.get()):\n    return FT_TEST_JOBS.get()\n")
     assert import_time_reads(ast.parse(src)) == ["FT_CPU_ISA.get()", "envs.FT_LOG_LEVEL.get()",
                                                  "FT_API_KEY.get()"]
+
+
+def test_every_variable_has_a_kind_its_default_satisfies() -> None:
+    """envs.py declares name, kind, default and doc (issue 21's `envs.py`): each default
+    reads back under its kind, and a value of the wrong kind is refused naming the variable."""
+    for v in envs.ALL:
+        assert v.kind in envs.KINDS and v.doc, v.name
+        assert v.value({}) == (int(v.default) if v.kind == "count" and v.default else v.default)
+        if v.kind == "count":
+            for bad in ("-1", "two", "1.5", ""):
+                with pytest.raises(ValueError, match=v.name):
+                    v.value({v.name: bad})
+        if v.kind == "choice":
+            assert v.default in v.choices
+            with pytest.raises(ValueError, match=v.name):
+                v.value({v.name: "no-such-choice"})
+    assert envs.FT_CPU_ISA.value({"FT_CPU_ISA": "avx2"}) == "avx2"
+    with pytest.raises(ValueError, match="kind"):
+        envs.EnvVar("FT_X", None, "x", "number")
