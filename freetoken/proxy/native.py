@@ -43,14 +43,21 @@ class NativeEngine:
         self.max_context = max_context
         self.headers = headers or {}
         self.max_output_tokens: int | None = None
+        # seconds without a byte from the engine's stream before it counts as hung: its
+        # stream carries a keep-alive comment every KEEPALIVE_S (5 s) while it prefills, so
+        # only a stopped or unreachable engine stays silent this long
+        self.idle_s: float | None = None
 
     @classmethod
     async def connect(cls, base_url: str, client: httpx.AsyncClient,
-                      headers: dict[str, str] | None = None) -> NativeEngine:
+                      headers: dict[str, str] | None = None,
+                      idle_s: float | None = None) -> NativeEngine:
         r = await client.get(base_url.rstrip("/") + "/health", headers=headers or {})
         r.raise_for_status()
         h = r.json()
-        return cls(base_url, client, str(h["model"]), int(h["max_context"]), headers)
+        eng = cls(base_url, client, str(h["model"]), int(h["max_context"]), headers)
+        eng.idle_s = idle_s
+        return eng
 
     def check(self, req: GenerateRequest) -> None:
         """The engine checks admission itself; its 400 arrives from `generate()`."""
@@ -64,9 +71,14 @@ class NativeEngine:
     async def start(self, req: GenerateRequest) -> AsyncIterator[EngineEvent]:
         """Open the engine's stream; its admission error (a 4xx the engine answers before any
         event) raises here, before the client's response starts. Returns the event stream."""
-        r = await self.client.send(self.client.build_request(
-            "POST", self.base_url + "/ft/v1/generate", json=self._body(req),
-            headers=self.headers), stream=True)
+        timeout = (httpx.Timeout(None, connect=self.client.timeout.connect, read=self.idle_s)
+                   if self.idle_s else httpx.USE_CLIENT_DEFAULT)
+        try:
+            r = await self.client.send(self.client.build_request(
+                "POST", self.base_url + "/ft/v1/generate", json=self._body(req),
+                headers=self.headers, timeout=timeout), stream=True)
+        except httpx.ReadTimeout:
+            raise self._silent() from None
         try:
             if r.status_code >= 400:
                 await self._raise_for(r)
@@ -103,9 +115,15 @@ class NativeEngine:
         raise APIError(502, f"engine error {r.status_code}: {err.get('message')}", None,
                        "upstream_error")
 
+    def _silent(self) -> APIError:
+        log.warning(kv("engine_silent", engine=self.base_url, idle_s=self.idle_s))
+        return APIError(504, f"the engine at {self.base_url} sent nothing for {self.idle_s:g} s "
+                        "(not even a keep-alive): it is stopped or unreachable", None,
+                        "upstream_timeout")
+
     async def _events(self, r: httpx.Response) -> AsyncIterator[EngineEvent]:
         try:
-            async for line in r.aiter_lines():
+            async for line in self._lines(r):
                 if not line.startswith("data: "):
                     continue  # keep-alive comments, event names
                 ev = json.loads(line[6:])
@@ -119,6 +137,13 @@ class NativeEngine:
                     return
         finally:
             await r.aclose()
+
+    async def _lines(self, r: httpx.Response) -> AsyncIterator[str]:
+        try:
+            async for line in r.aiter_lines():
+                yield line
+        except httpx.ReadTimeout:
+            raise self._silent() from None
 
     async def _gen(self, req: GenerateRequest) -> AsyncIterator[EngineEvent]:
         async for ev in await self.start(req):

@@ -136,8 +136,9 @@ class ProxyState:
                     try:
                         key = self.cfg.upstream_api_key  # an `ft serve --api-key` engine
                         auth = {"authorization": f"Bearer {key}"} if key else None
-                        self._native = await NativeEngine.connect(self.cfg.native_url,
-                                                                  self.client, auth)
+                        self._native = await NativeEngine.connect(
+                            self.cfg.native_url, self.client, auth,
+                            idle_s=self.cfg.idle_timeout_s)
                     except httpx.HTTPError as e:
                         raise APIError(502, f"engine unreachable at {self.cfg.native_url}: "
                                        f"{e!r}", None, "upstream_error") from None
