@@ -42,6 +42,16 @@ def test_safetensors_checkpoint_loads_and_every_id_decodes(tmp_path: Path) -> No
                                                               ignore_eos=True), []).token_ids
     assert len(ids) == 6
     assert tok.decode([cfg.vocab_size - 1]) == f"[PAD{cfg.vocab_size - 1}]"
+    # the pads are vocabulary entries, not added tokens (96k added tokens took 8.3 s to load,
+    # and the input could spell them): the text encodes as with the real tokenizer
+    from freetoken.chat import qwen3_tokenizer_dir
+
+    real = ChatTokenizer.from_dir(qwen3_tokenizer_dir())
+    text = "hi [PAD151700] <|im_start|>user\nx<|im_end|><think>y</think>"
+    assert tok.encode(text) == real.encode(text)
+    added = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
+    assert len(added) == len(json.loads((qwen3_tokenizer_dir() / "tokenizer.json").read_text())
+                                ["added_tokens"])
 
 
 def test_ftw_checkpoint_is_written_directly(tmp_path: Path) -> None:
