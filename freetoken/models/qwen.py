@@ -88,10 +88,17 @@ class QwenMoE(nn.Module):
         signature rules it out without sorting rows)."""
         w = self.output_embedding()
         g = torch.Generator(device="cpu").manual_seed(0)
-        probe = torch.randn(w.shape[1], generator=g, dtype=torch.float32).to(w.device)
-        if torch.unique(w.float() @ probe).numel() > max_share * w.shape[0]:
+        probe = torch.randn(w.shape[1], generator=g, dtype=torch.float64).to(w.device)
+        sig, index = torch.unique(w.double() @ probe, return_inverse=True)  # [U], [V]
+        if sig.numel() > max_share * w.shape[0]:
             return None
-        rows, index = torch.unique(w, dim=0, return_inverse=True)  # [U, H], [V]
+        # equal rows have equal signatures; the groups are exact only if no two different rows
+        # share one, which the check below proves (else: sort the rows themselves)
+        first = torch.full((sig.numel(),), w.shape[0], dtype=torch.long, device=w.device)
+        first.scatter_reduce_(0, index, torch.arange(w.shape[0], device=w.device), "amin")
+        rows = w[first]  # [U, H]: each group's first row
+        if not torch.equal(rows[index], w):
+            rows, index = torch.unique(w, dim=0, return_inverse=True)  # [U, H], [V]
         # buffers (moved with the model), not in the state dict: derived from the head
         self.register_buffer("head_rows", rows.contiguous(), persistent=False)
         self.register_buffer("head_index", index, persistent=False)

@@ -46,3 +46,21 @@ def test_a_head_of_distinct_rows_is_left_alone(tiny_hf) -> None:
     model = load_model(tiny_hf("qwen3_5_moe"), dtype=torch.float32, progress=False)
     assert model._buffers.get("head_index") is None
     assert model.dedup_output_head() is None
+
+
+def test_a_head_of_few_rows_is_grouped_exactly(tiny_hf) -> None:
+    """Any head with at most half its rows distinct, not only the demo's: five row values
+    spread over the vocabulary give five groups, each id its own row's logits."""
+    model = load_model(tiny_hf("qwen3_5_moe"), dtype=torch.float32, progress=False)
+    w = model.output_embedding()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        w.copy_(torch.randn(5, w.shape[1], generator=g)[torch.randint(0, 5, (w.shape[0],),
+                                                                       generator=g)])
+    ids = list(range(3, 19))
+    want = _logits(model, ids)
+    assert model.dedup_output_head() == 5
+    assert torch.equal(model.head_rows[model.head_index], w)
+    got = _logits(model, ids)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6) and torch.equal(got.argmax(-1),
+                                                                            want.argmax(-1))
