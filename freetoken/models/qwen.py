@@ -88,8 +88,10 @@ class QwenMoE(nn.Module):
         signature rules it out without sorting rows)."""
         w = self.output_embedding()
         g = torch.Generator(device="cpu").manual_seed(0)
-        probe = torch.randn(w.shape[1], generator=g, dtype=torch.float64).to(w.device)
-        sig, index = torch.unique(w.double() @ probe, return_inverse=True)  # [U], [V]
+        probe = torch.randn(w.shape[1], generator=g, dtype=torch.float32).to(w.device)
+        # in row chunks: a real head in fp32 at once would be a multi-GB copy at every load
+        sig = torch.cat([c.float() @ probe for c in w.split(8192)])  # [V]
+        sig, index = torch.unique(sig, return_inverse=True)  # [U], [V]
         if sig.numel() > max_share * w.shape[0]:
             return None
         # equal rows have equal signatures; the groups are exact only if no two different rows

@@ -36,7 +36,8 @@ class NativeEngine:
     closes the connection, which aborts the request in the engine."""
 
     def __init__(self, base_url: str, client: httpx.AsyncClient, model_name: str,
-                 max_context: int, headers: dict[str, str] | None = None) -> None:
+                 max_context: int, headers: dict[str, str] | None = None,
+                 idle_s: float | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.client = client
         self.model_name = model_name
@@ -45,8 +46,8 @@ class NativeEngine:
         self.max_output_tokens: int | None = None
         # seconds without a byte from the engine's stream before it counts as hung: its
         # stream carries a keep-alive comment every KEEPALIVE_S (5 s) while it prefills, so
-        # only a stopped or unreachable engine stays silent this long
-        self.idle_s: float | None = None
+        # only a stopped or unreachable engine stays silent this long (None: no limit)
+        self.idle_s = idle_s
 
     @classmethod
     async def connect(cls, base_url: str, client: httpx.AsyncClient,
@@ -55,9 +56,7 @@ class NativeEngine:
         r = await client.get(base_url.rstrip("/") + "/health", headers=headers or {})
         r.raise_for_status()
         h = r.json()
-        eng = cls(base_url, client, str(h["model"]), int(h["max_context"]), headers)
-        eng.idle_s = idle_s
-        return eng
+        return cls(base_url, client, str(h["model"]), int(h["max_context"]), headers, idle_s)
 
     def check(self, req: GenerateRequest) -> None:
         """The engine checks admission itself; its 400 arrives from `generate()`."""

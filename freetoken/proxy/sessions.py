@@ -58,6 +58,7 @@ class _Prev:
     anchors: list[Anchor] = field(default_factory=list)
     predicted: frozenset[int] = frozenset()
     roles: list[str] = field(default_factory=list)
+    seen: float = 0.0  # last use (time.monotonic), set by SessionStore
 
 
 class SessionStore:
@@ -66,7 +67,6 @@ class SessionStore:
 
     def __init__(self, max_sessions: int = 512, idle_s: float = 6 * 3600.0) -> None:
         self._prev: OrderedDict[str, _Prev] = OrderedDict()
-        self._seen: dict[str, float] = {}  # key -> last use (time.monotonic)
         self._lock = threading.Lock()
         self.max_sessions, self.idle_s = max_sessions, idle_s
         self.evicted = 0
@@ -75,15 +75,15 @@ class SessionStore:
         return len(self._prev)
 
     def _swap(self, key: str, new: _Prev) -> _Prev | None:
-        now = time.monotonic()
+        new.seen = now = time.monotonic()
         with self._lock:
             old = self._prev.pop(key, None)
-            self._prev[key], self._seen[key] = new, now
+            self._prev[key] = new
             while self._prev:  # the front is the least recently used
-                first = next(iter(self._prev))
-                if len(self._prev) <= self.max_sessions and self._seen[first] >= now - self.idle_s:
+                first = next(iter(self._prev.values()))
+                if len(self._prev) <= self.max_sessions and first.seen >= now - self.idle_s:
                     break
-                del self._prev[first], self._seen[first]
+                self._prev.popitem(last=False)
                 self.evicted += 1
         return old
 

@@ -111,8 +111,8 @@ def test_harness_traces_default_to_the_checkouts_own() -> None:
 
 
 def import_time_reads(tree: ast.Module) -> list[str]:
-    """`FT_X.get()` / `envs.FT_X.get()` run at import: in a module's or a class's body, or in a
-    default argument (evaluated when the `def` runs)."""
+    """`FT_X.get()` / `envs.FT_X.get()` (or `.value()`) run at import: in a module's or a
+    class's body, or in a default argument (evaluated when the `def` runs)."""
     out = []
 
     def scan(nodes: list[ast.AST]) -> None:
@@ -128,7 +128,8 @@ def import_time_reads(tree: ast.Module) -> list[str]:
                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                     continue
                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) \
-                        and n.func.attr == "get" and NAME.search(ast.unparse(n.func.value)):
+                        and n.func.attr in ("get", "value") \
+                        and NAME.search(ast.unparse(n.func.value)):
                     out.append(ast.unparse(n))
 
     scan(list(tree.body))
