@@ -19,9 +19,10 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | st
     quantized ones). Norm weights as a trained model's are near: zero-centred 0, plain 1.
     A_log = log(U(1, 16)), dt_bias = 1."""
     torch.manual_seed(seed)
+    from freetoken.models.loader import meta_without_init
     from freetoken.models.registry import model_class
 
-    with torch.device("meta"):
+    with meta_without_init():
         model = model_class(cfg)(cfg)
     params = list(model.named_parameters())
     for name, p in tqdm(params, desc="random weights", disable=not progress, unit="t"):

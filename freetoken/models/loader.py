@@ -1,8 +1,9 @@
 """Build a model from a checkpoint directory: config → runtime tensors → module on device."""
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -17,11 +18,32 @@ from kernels.quant import QuantBank
 log = get_logger("model")
 
 
+_INITS = ("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+          "xavier_uniform_", "xavier_normal_", "zeros_", "ones_", "constant_")
+
+
+@contextlib.contextmanager
+def meta_without_init() -> Iterator[None]:
+    """Modules built on the meta device without their parameter initialisers: every parameter
+    is assigned from the checkpoint right after, and `nn.Embedding`'s `normal_` on a meta tensor
+    runs through torch's Python refs, whose first call imports torch._dynamo (~2-4 s of every
+    start, measured on the demo's `ft serve`) for an initialisation nobody reads."""
+    saved = {n: getattr(torch.nn.init, n) for n in _INITS}
+    try:
+        for n in _INITS:
+            setattr(torch.nn.init, n, lambda t, *a, **k: t)
+        with torch.device("meta"):
+            yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
+
+
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device | str,
                 dtype: torch.dtype) -> QwenMoE:
     from freetoken.models.registry import model_class
 
-    with torch.device("meta"):
+    with meta_without_init():
         model = model_class(cfg)(cfg)
     # quantized expert banks (an FP8 checkpoint's) are no parameters: their blocks hold them
     quant = {n: t for n, t in tensors.items() if isinstance(t, QuantBank)}

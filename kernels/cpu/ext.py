@@ -5,8 +5,9 @@ bridge_kernel.cpp: the CPU branch of a captured decode step, bound in bridge_ops
 expert_call.h: what they share), once per process.
 
 The sources are compiled lazily at first use with torch.utils.cpp_extension.load (ninja, JIT),
-into `<cache>/freetoken/ext/<isa>/<sources hash>/` so later processes reuse the build (and
-checkouts of other versions on the machine build beside it, never over it). The ISA is read from the
+into `<cache>/freetoken/ext/<isa>/<configuration key>/`; later processes load a finished build
+directly (checkouts of other versions on the machine build beside it, never over it). The ISA
+is read from the
 CPU's feature flags and selects the compiler flags, hence the code path inside the source:
 `avx512bf16`, `avx512`, `avx2` or `scalar`. `FT_CPU_ISA` overrides it (one of those names, or
 `torch` to disable the kernel). If the build or load fails, `load_kernel()` returns None, logs
@@ -20,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import os
 import platform
 import threading
@@ -266,35 +268,79 @@ def build_emulated(verbose: bool = False) -> CpuKernel:
     return build("avx2", verbose, emulate=["-DFT_SIMDE_AVX512", f"-I{inc}"])
 
 
+_BUILT = "built.json"  # in a build directory, written after its build loaded: {key, library}
+
+
+def _build_key(sources_hash: str, cflags: list[str], ldflags: list[str]) -> str:
+    """One build configuration: the sources and headers, every flag, torch and Python."""
+    parts = [sources_hash, torch.__version__, platform.python_version(), *cflags, "|", *ldflags]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _built_library(build_dir: Path, key: str) -> Path | None:
+    """The library a finished build of configuration `key` left in `build_dir`, or None.
+
+    Loading it directly skips `cpp_extension.load`, which runs ninja under a file lock on the
+    directory at every process start: 0.3 s alone, seconds behind another process holding
+    the lock, and a full rebuild (~25 s) whenever a checkout at another path with the same
+    sources had rewritten build.ninja (ninja sees new source paths; measured between two
+    worktrees here)."""
+    try:
+        rec = json.loads((build_dir / _BUILT).read_text())
+        name = rec["library"] if rec.get("key") == key else None
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return None
+    path = build_dir / name if isinstance(name, str) and "/" not in name else None
+    return path if path is not None and path.is_file() else None
+
+
+def _record_build(build_dir: Path, key: str, lib: Path) -> None:
+    """Mark `build_dir` finished (atomically: a reader sees no record or the whole one)."""
+    tmp = build_dir / f".{_BUILT}.{os.getpid()}.{threading.get_ident()}"
+    try:
+        tmp.write_text(json.dumps({"key": key, "library": lib.name}))
+        os.replace(tmp, build_dir / _BUILT)
+    except OSError as e:  # a read-only cache: the next process goes through ninja again
+        log.warning(kv("cpu_kernel_build_record_failed", dir=str(build_dir), reason=repr(e)))
+
+
 def build(isa: str, verbose: bool = False, emulate: list[str] | None = None) -> CpuKernel:
     """Compile (or reuse the cached build) for `isa` and load it. Raises on failure.
     `emulate`: build_emulated's extra flags (its own library name and directory)."""
     from torch.utils import cpp_extension
 
-    # one build directory per version of the sources and headers: checkouts of different
-    # versions on one machine (worktrees, an installed copy) would otherwise rebuild into the
-    # same directory in turn, and a process could load another version's library (whose C ABI
-    # may differ from the ctypes signatures this checkout declares)
-    srcs = hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS)))
+    # one build directory per configuration (sources and headers, flags, link flags, torch):
+    # checkouts of different versions on one machine (worktrees, an installed copy) would
+    # otherwise rebuild into the same directory in turn, and a process could load another
+    # version's library (whose C ABI may differ from the ctypes signatures this checkout
+    # declares); the system-OpenMP fallback link gets its own directory too
+    srcs = hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))).hexdigest()
     tag = isa + ("-simde512" if emulate else "")
-    build_dir = cache_root() / "ext" / tag / srcs.hexdigest()[:16]
-    build_dir.mkdir(parents=True, exist_ok=True)
     # torch re-builds when a source or a flag changes, not a header: the headers' hash rides
     # in the flags
     header = hashlib.sha256(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:16]
+    cflags = ["-O3", "-fopenmp", "-std=c++17", f"-DFT_SIMD_H={header}", *_ISA_FLAGS[isa],
+              *(emulate or [])]
 
     def load(ldflags: list[str]) -> CpuKernel:
+        key = _build_key(srcs, cflags, ldflags)
+        build_dir = cache_root() / "ext" / tag / key
+        built = _built_library(build_dir, key)
+        if built is not None:  # finished before: no ninja, no lock
+            return CpuKernel(ctypes.CDLL(str(built)), isa)
+        build_dir.mkdir(parents=True, exist_ok=True)
         path = cpp_extension.load(
             name=f"ft_expert_kernel_{tag.replace('-', '_')}",
             sources=[str(p) for p in _SOURCES],
-            extra_cflags=["-O3", "-fopenmp", "-std=c++17", f"-DFT_SIMD_H={header}",
-                          *_ISA_FLAGS[isa], *(emulate or [])],
+            extra_cflags=cflags,
             extra_ldflags=ldflags,
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=verbose,
         )
-        return CpuKernel(ctypes.CDLL(str(path)), isa)
+        kern = CpuKernel(ctypes.CDLL(str(path)), isa)
+        _record_build(build_dir, key, Path(path))
+        return kern
 
     torch_omp = torch_openmp_ldflags()  # one OpenMP runtime in the process: torch's
     if torch_omp is not None:

@@ -91,3 +91,34 @@ def test_build_falls_back_to_the_system_openmp(tmp_path, monkeypatch) -> None:
     out = torch.zeros(1, K, H)
     k.run(x, ids, gu, dn, None, out, 1)
     assert torch.allclose(out.double(), expert_ffn_reference(x, ids, gu, dn), atol=1e-5)
+    # the failed link and the fallback are two configurations, in two directories; the
+    # finished one is recorded, so the next process loads it without ninja (or its lock)
+    dirs = sorted(p.parent.name for p in (tmp_path / "freetoken" / "ext" / "scalar").glob("*/*"))
+    recorded = list((tmp_path / "freetoken" / "ext" / "scalar").glob("*/built.json"))
+    assert len(recorded) == 1 and len(set(dirs)) == 2, (dirs, recorded)
+    from torch.utils import cpp_extension
+
+    def no_ninja(**kw):
+        raise AssertionError("a finished build went through cpp_extension.load again")
+
+    monkeypatch.setattr(cpp_extension, "load", no_ninja)
+    out2 = torch.zeros(1, K, H)
+    ext.build("scalar").run(x, ids, gu, dn, None, out2, 1)
+    assert torch.equal(out, out2)
+
+
+def test_a_build_record_is_trusted_only_for_its_own_configuration(tmp_path) -> None:
+    """`_built_library` answers only for the key it recorded and a library still there."""
+    lib = tmp_path / "ft_expert_kernel_avx2.so"
+    lib.write_bytes(b"")
+    ext._record_build(tmp_path, "k1", lib)
+    assert ext._built_library(tmp_path, "k1") == lib
+    assert ext._built_library(tmp_path, "k2") is None  # another configuration: build it
+    lib.unlink()
+    assert ext._built_library(tmp_path, "k1") is None  # recorded, but the file is gone
+    (tmp_path / "built.json").write_text("{not json")
+    assert ext._built_library(tmp_path, "k1") is None
+    (tmp_path / "built.json").write_text('{"key": "k1", "library": "../elsewhere.so"}')
+    assert ext._built_library(tmp_path, "k1") is None
+    k = ext._build_key("s", ["-O3"], ["-lgomp"])
+    assert k != ext._build_key("s", ["-O3"], ["-fopenmp"]) != ext._build_key("t", ["-O3"], [])
