@@ -278,7 +278,6 @@ def test_request_during_a_long_rebuild_gets_503(tiny_dir, monkeypatch) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_rebuild_recaptures_graphs_gpu(tiny_dir) -> None:
     """On CUDA with graphs: a rebuild mid-stream (KV shrink with compaction, experts shrink,
     then both grow) drops the captured graphs, the next steps capture again on the new

@@ -20,7 +20,8 @@ import torch
 
 pytest.importorskip("triton")
 if torch.cuda.is_available():
-    pytest.skip("interprets the CUDA path on CPU tensors; tests/gpu runs it for real",
+    pytest.skip("interprets the CUDA path on CPU tensors; test_gpt_oss_moe_gpu.py "
+                "runs it for real",
                 allow_module_level=True)
 
 from freetoken.engine.core import EngineCore

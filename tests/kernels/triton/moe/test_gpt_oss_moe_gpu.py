@@ -9,12 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
-
 from kernels.expert_act import ExpertAct
 from kernels.reference import expert_ffn_reference
 from kernels.triton.fused_moe import fused_moe
+
+pytestmark = pytest.mark.gpu
 
 H, I, E, K = 2880, 2880, 32, 4
 

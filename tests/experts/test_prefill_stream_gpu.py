@@ -12,6 +12,8 @@ from freetoken.types.api import SamplingParams
 from freetoken.types.config import MoEConfig
 from tests.experts.invariants import check_tables
 
+pytestmark = pytest.mark.gpu
+
 
 @pytest.mark.parametrize("backend,extra", [
     ("offload", {}),

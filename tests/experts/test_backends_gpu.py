@@ -11,6 +11,8 @@ from freetoken.types.api import SamplingParams
 from freetoken.types.config import MoEConfig
 from tests.models.fixtures import hf_reference
 
+pytestmark = pytest.mark.gpu
+
 
 @pytest.mark.parametrize("backend", ["offload", "cpu", "hybrid", "auto"])
 def test_backend_greedy_tokens_equal_fused_on_gpu(tiny_hf, backend: str) -> None:

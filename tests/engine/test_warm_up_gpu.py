@@ -14,8 +14,9 @@ from freetoken.models.loader import load_with_experts
 from freetoken.types.api import GenerateRequest, SamplingParams
 from freetoken.types.config import MoEConfig
 
+pytestmark = pytest.mark.gpu
 
-@pytest.mark.gpu
+
 @pytest.mark.parametrize("backend", ["fused", "hybrid"])
 def test_idle_warm_up_tasks_leave_nothing_for_the_first_request(tiny_hf, backend) -> None:
     d = tiny_hf("qwen3_5_moe")

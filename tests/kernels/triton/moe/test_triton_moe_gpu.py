@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    # before importing the kernels: on a CPU machine they must be wrapped for the interpreter
-    pytest.skip("needs CUDA", allow_module_level=True)
-
 import torch.nn.functional as F
 
 from kernels.triton.fused_moe import fused_moe, moe_sum
 from kernels.triton.moe_grouped import moe_align, moe_align_small
 from kernels.triton.router import fused_router
+
+pytestmark = pytest.mark.gpu
 
 H, I, K = 2048, 512, 8
 # 1100 slots: gate_up holds 1100*1024*2048 > 2**31 elements, so bank offsets need int64

@@ -14,6 +14,8 @@ from freetoken.types.config import MoEConfig
 from tests.experts.test_moe_backends import _logits
 from tests.models.test_fp8_vs_hf import _write_fp8
 
+pytestmark = pytest.mark.gpu
+
 
 @pytest.fixture(scope="module")
 def fp8_dir(tiny_hf, tmp_path_factory):
@@ -35,7 +37,6 @@ def _gpu_logits(model, ids):
     return torch.cat(out).float().cpu()
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["fused", "offload", "hybrid", "cpu"])
 def test_fp8_backends_on_gpu(fp8_dir, backend: str) -> None:
     ids = torch.randint(0, 512, (56,), generator=torch.Generator().manual_seed(7)).tolist()

@@ -12,6 +12,8 @@ from freetoken.models.loader import load_model, load_with_experts
 from freetoken.types.api import GenerateRequest, SamplingParams
 from freetoken.types.config import MoEConfig
 
+pytestmark = pytest.mark.gpu
+
 
 def _engine_tokens(model, prompts, n, **kw) -> tuple[list[list[int]], EngineCore]:
     core = EngineCore(model, [], kv_tokens=4096, state_slots=16, max_running=4,

@@ -1,7 +1,7 @@
 """On the GPU, at Qwen3.6-35B-A3B shapes in bf16: the decode-step fusions against references
 built from the unfused ops, and the fused MoE step captured in a CUDA graph. (The same kernels
-run interpreted on tiny fp32 shapes in tests/kernels/triton; tests/gpu/conftest.py skips this
-module without CUDA.)
+run interpreted on tiny fp32 shapes in test_decode_fusions.py and tests/kernels/triton/moe; the
+`gpu` marker skips this module without CUDA.)
 
 - the shared expert as T extra entries of the routed decode launches, and alone;
 - zero_missing; the router's row mask;
@@ -11,14 +11,10 @@ module without CUDA.)
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():  # collected before tests/kernels/triton: keep it valid
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from kernels.triton.decode_fusions import moe_combine, sigmoid_gate_mul
@@ -26,6 +22,8 @@ from kernels.triton.fused_moe import fused_moe, fused_moe_decode, shared_expert_
 from kernels.triton.gdn import gdn_gates, gdn_recurrent_pool
 from kernels.triton.norm import gated_rmsnorm, rmsnorm, rmsnorm_rope, rmsnorm_rope_store
 from kernels.triton.router import fused_router
+
+pytestmark = pytest.mark.gpu
 
 H, I, E, K = 2048, 512, 64, 8  # E cut from 256 to keep the banks small
 HQ, HK, D = 16, 2, 256
