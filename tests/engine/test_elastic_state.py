@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from freetoken.cache.tensors import StateTensors
+from freetoken.cli.build import load_with_experts
 from freetoken.engine import elastic_state
 from freetoken.engine.core import EngineCore
 from freetoken.engine.elastic import ElasticVram
 from freetoken.experts.runtime import ResizeError
-from freetoken.models.loader import load_with_experts
 from freetoken.types.api import Anchor
 from freetoken.types.config import MoEConfig
 from tests.engine.test_engine_core import _prompt, _req, _run, _tokens

@@ -285,3 +285,43 @@ def test_forbidden_imports_finds_a_real_edge() -> None:
     """The checker itself can fail: an edge that exists (engine -> experts) is found."""
     assert any("freetoken/engine/core.py" in b
                for b in forbidden_imports([("freetoken.engine", "freetoken.experts")]))
+
+
+# -- the module side takes only a block's parts from `experts` (issue #21: "models/loader.py
+# builds the module only") --------------------------------------------------------------------
+# `layers` and `models` may import from `experts` what an MoE block is made of: the backend
+# contract, the FFN paths and the resident `FusedExperts`. The runtime (MoERuntime, the backend
+# registry and classes, store, slot cache, bridge, ...) is composed with the module above both
+# (cli/build.py `load_with_experts`), by type too. Bug it catches: the loader building the
+# MoERuntime itself again (models/loader.py importing experts.runtime), which puts the
+# composition inside `models` and lets the model own its runtime.
+BLOCK_PARTS = {"freetoken.experts.base", "freetoken.experts.ffn", "freetoken.experts.fused"}
+MODULE_SIDE = ("freetoken.layers", "freetoken.models")
+
+
+def expert_imports_beyond(allowed: set[str], sources: tuple[str, ...] = MODULE_SIDE) -> list[str]:
+    """'file imports module' for each import of `freetoken.experts` by `sources` outside
+    `allowed` (`if TYPE_CHECKING:` blocks included)."""
+    modules = _project_modules()
+    bad = []
+    for mod, path in modules.items():
+        if not any(mod == s or mod.startswith(s + ".") for s in sources):
+            continue
+        for target in all_imports(path):
+            dst = _resolve(target, modules)
+            if dst and (dst + ".").startswith("freetoken.experts.") and dst not in allowed:
+                bad.append(f"{path.relative_to(ROOT)} imports {dst}")
+    return bad
+
+
+def test_models_and_layers_import_no_expert_runtime() -> None:
+    bad = expert_imports_beyond(BLOCK_PARTS)
+    assert not bad, ("the module side imports the expert runtime (compose it in cli/build.py):\n"
+                     + "\n".join(bad))
+
+
+def test_expert_imports_beyond_finds_a_real_edge() -> None:
+    """The checker itself can fail: with nothing allowed, the model's real imports of a
+    block's parts are found (gpt_oss.py builds its blocks on `FusedExperts`)."""
+    assert any("freetoken/models/gpt_oss.py imports freetoken.experts.fused" in b
+               for b in expert_imports_beyond(set()))

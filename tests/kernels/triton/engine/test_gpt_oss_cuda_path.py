@@ -24,8 +24,8 @@ if torch.cuda.is_available():
                 "runs it for real",
                 allow_module_level=True)
 
+from freetoken.cli.build import load_with_experts
 from freetoken.engine.core import EngineCore
-from freetoken.models.loader import load_with_experts
 from freetoken.types.api import GenerateRequest, SamplingParams
 from freetoken.types.config import MoEConfig
 from tests.engine.test_decode_runner import _prompt, _run

@@ -62,8 +62,9 @@ def test_quantized_fill_device_eager_and_in_a_graph(fmt: str, block: int) -> Non
 
 
 def test_offload_over_fp8_takes_the_device_fill(tiny_hf, tmp_path) -> None:
+    from freetoken.cli.build import load_with_experts
     from freetoken.engine.generate import generate
-    from freetoken.models.loader import load_model, load_with_experts
+    from freetoken.models.loader import load_model
     from freetoken.types.api import SamplingParams
     from freetoken.types.config import MoEConfig
     from tests.models.test_fp8_vs_hf import _write_fp8
