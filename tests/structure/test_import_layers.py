@@ -2,10 +2,11 @@
 table of docs/architecture.md) with `TYPE_CHECKING` imports counted, and the bottom layer
 importing nothing above.
 
-Walks every module's imports with `ast` (imports inside functions count, `if TYPE_CHECKING:`
-blocks do not: they never run). A package is `freetoken.X`, `kernels.X`, `workloads` or
-`harness_adapters`. Bug it catches: `cache/policy.py` importing `Anchor` from `engine.api` while
-`engine` imports `cache` (the cycle issue 9 found), or any new one like it.
+Walks every module's imports with `ast` (imports inside functions count, and so do
+`if TYPE_CHECKING:` blocks: a type import is a dependency all the same, issue #21 acceptance
+2). A package is `freetoken.X`, `kernels.X`, `workloads` or `harness_adapters`. Bug it
+catches: `cache/policy.py` importing `Anchor` from `engine.api` while `engine` imports `cache`
+(the cycle issue 9 found), or any new one like it.
 """
 from __future__ import annotations
 
@@ -34,30 +35,6 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_modules(path: Path) -> list[str]:
-    """Absolute names of every module `path` imports at run time."""
-    tree = ast.parse(path.read_text(), str(path))
-    skip = {id(n) for node in ast.walk(tree)
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for sub in node.body for n in ast.walk(sub)}
-    mod = module_name(path)
-    out = []
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
-        if isinstance(node, ast.Import):
-            out += [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                pkg = mod.split(".")[: None if path.name == "__init__.py" else -1]
-                pkg = pkg[: len(pkg) - (node.level - 1)]
-                base = ".".join(pkg + ([node.module] if node.module else []))
-            out.append(base)
-            out += [f"{base}.{a.name}" for a in node.names]  # `from freetoken import engine`
-    return out
-
-
 def package_graph() -> dict[str, dict[str, str]]:
     """package -> {imported package: one module that imports it (for the failure message)}."""
     graph: dict[str, dict[str, str]] = {}
@@ -67,7 +44,7 @@ def package_graph() -> dict[str, dict[str, str]]:
             if src is None:
                 continue
             edges = graph.setdefault(src, {})
-            for target in imported_modules(path):
+            for target in all_imports(path):
                 dst = package_of(target)
                 exists = dst and ((ROOT / dst.replace(".", "/")).exists()
                                   or (ROOT / (dst.replace(".", "/") + ".py")).exists())
