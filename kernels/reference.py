@@ -1,7 +1,12 @@
 """The reference expert FFN every implementation is tested against (plain float64 torch, no
 kernel, no batching trick): the grouped and gathered torch paths, the C++ CPU kernel, the Triton
 fused MoE, and every expert backend. Quantized banks (kernels/quant.py) enter it dequantized in
-float64, so a kernel reading FP8 / MXFP4 is held to the exact dequantized weights."""
+float64, so a kernel reading FP8 / MXFP4 is held to the exact dequantized weights.
+
+It reads only the bank rows `topk_ids` names, one at a time, and the banks may stay on their
+device (each row is copied to the host as stored, then widened): at a real shape (1100 banks
+of 2048 x 1024) a test checks a sample of tokens, `expert_ffn_reference(x[s], ids[s], ...)`,
+and pays for the rows those tokens route to only."""
 from __future__ import annotations
 
 import torch
@@ -12,9 +17,11 @@ from kernels.quant import QuantBank
 
 
 def _f64(w: Tensor | QuantBank) -> Tensor:
+    """One bank row in float64 on the host (copied as stored first: a bf16 row moves half the
+    bytes of a float32 one, a quarter of a float64 one; the widening is exact either way)."""
     if isinstance(w, QuantBank):
         return w.cpu().dequantize(torch.float64)
-    return w.detach().double().cpu()
+    return w.detach().cpu().double()
 
 
 def expert_ffn_reference(x: Tensor, topk_ids: Tensor, gate_up: Tensor, down: Tensor,
@@ -24,6 +31,8 @@ def expert_ffn_reference(x: Tensor, topk_ids: Tensor, gate_up: Tensor, down: Ten
     elsewhere. x [T, H]; gate_up [E, 2I, H] rows [gate | up]; down [E, H, I]. With `act`
     (kernels/expert_act.py, bound to the logical ids) gpt-oss's biased, clamped SwiGLU."""
     T, K = topk_ids.shape
+    topk_ids = topk_ids.cpu()  # (read entry by entry: one copy, not one sync per entry)
+    mask = mask.cpu() if mask is not None else None
     inter = gate_up.shape[1] // 2
     out = torch.zeros(T, K, x.shape[-1], dtype=torch.float64)
     xd = x.detach().double().cpu()

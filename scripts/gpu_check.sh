@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the GPU tests and the reference benchmarks of docs/benchmarks.md.
 # Usage: OUT=/tmp/out scripts/gpu_check.sh [tests] [bw] [decode] [prefill]   (default: all four)
-#   tests    the GPU tests (tests/gpu) and the CPU-bridge / slot-decision tests on CUDA
+#   tests    every `gpu`-marked test (they sit next to their package's CPU tests) and the
+#            CPU-bridge / slot-decision tests on CUDA
 #   bw       ft bench bw --pool-gb 3 --seconds 1 (the bandwidth profile q* and the floors read)
 #   decode   ft bench decode, Qwen3.6-35B-A3B shape cut to 20 layers, cache 37 %, both routings
 #   prefill  ft bench prefill, the same shape, an 8192-token chunk, TTFT of 32k tokens
@@ -35,10 +36,15 @@ save_jit() { tar -czf "$OUT/jit_cache.tgz" -C /tmp/ft-jit . 2>/dev/null
 trap save_jit EXIT
 SHAPE=(--shape qwen3.6-35b-a3b --layers 20 --random-weights --moe-cache-rate 0.37)
 if has tests; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu \
-    tests/experts/test_cpu_bridge.py tests/experts/test_slot_decide_kernel.py \
-    > "$OUT/gpu_tests.log" 2>&1
-  tail -15 "$OUT/gpu_tests.log"
+  # `-m gpu` over the files that name the marker: what `-m gpu tests` selects, without
+  # importing every other test module (peers, reliability) on this machine
+  mapfile -t GPU_FILES < <(grep -rlE "pytest\.mark\.gpu" tests --include="test_*.py" \
+    --exclude-dir=structure | sort)
+  { timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short -m gpu "${GPU_FILES[@]}"
+    timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short -m "not gpu" \
+      tests/experts/test_cpu_bridge.py tests/experts/test_slot_decide_kernel.py
+  } > "$OUT/gpu_tests.log" 2>&1
+  grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -4; tail -15 "$OUT/gpu_tests.log"
 fi
 if has bw; then
   timeout 120 $FT bench bw --pool-gb 3 --seconds 1 2>&1 | tail -12 | tee "$OUT/bw.log"

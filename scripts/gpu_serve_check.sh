@@ -57,13 +57,15 @@ unset TRITON_CACHE_DIR FLASHINFER_WORKSPACE_BASE TORCHINDUCTOR_CACHE_DIR TORCH_E
 } > "$OUT/machine.txt" 2>&1
 FT="python3 -m freetoken.cli"
 if stage tests 200; then
-  timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_warm_up_gpu.py \
-    tests/gpu/test_graph_runner.py > "$OUT/gpu_tests.log" 2>&1
+  timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=short tests/engine/test_warm_up_gpu.py \
+    tests/engine/test_graph_runner_gpu.py > "$OUT/gpu_tests.log" 2>&1
   tail -4 "$OUT/gpu_tests.log" | tee -a "$OUT/summary.txt"
 fi
 if stage gputests 180; then
-  timeout 170 python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_gpt_oss_moe_gpu.py \
-    tests/gpu/test_triton_moe_gpu.py tests/gpu/test_mla_kda_gpu.py tests/gpu/test_fp8_gpu.py \
+  timeout 170 python3 -m pytest -q -p no:cacheprovider --tb=short \
+    tests/kernels/triton/moe/test_gpt_oss_moe_gpu.py \
+    tests/kernels/triton/moe/test_triton_moe_gpu.py \
+    tests/kernels/triton/attn/test_mla_kda_gpu.py tests/models/test_fp8_gpu.py \
     > "$OUT/gpu_family_tests.log" 2>&1
   tail -12 "$OUT/gpu_family_tests.log" | tee -a "$OUT/summary.txt"
 fi

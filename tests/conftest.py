@@ -13,6 +13,21 @@ import logging
 
 import pytest
 
+GPU_SKIP_REASON = "gpu test (pytest.mark.gpu): needs CUDA, torch.cuda.is_available() is False"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The one rule for GPU tests: an item marked `gpu` (a module's `pytestmark =
+    pytest.mark.gpu`, or one test's `@pytest.mark.gpu`) is skipped without CUDA, with the
+    reason. GPU tests sit next to their package's CPU tests (tests/structure/test_test_tree.py
+    keeps it so); `pytest -m gpu` selects them, on the H200 as on a CPU (where they skip)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
 
 @pytest.fixture(autouse=True)
 def _ft_logger_as_found():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -47,6 +48,7 @@ def _build(args):
     import torch
 
     from freetoken.cli.options import moe_options, resolve_device, resolve_dtype
+    from freetoken.experts.runtime import MoERuntime
 
     device = torch.device(resolve_device(args.device))
     dtype = resolve_dtype(args.dtype)
@@ -55,7 +57,6 @@ def _build(args):
         opts = dataclasses.replace(opts, cache_rate=0.37)  # the consumer-GPU setting
     if args.shape:
         from freetoken.bench.random_model import random_model
-        from freetoken.experts.runtime import MoERuntime
         from freetoken.experts.store import ExpertStore
         from freetoken.types.presets import preset_config
 
@@ -70,10 +71,14 @@ def _build(args):
         return model, MoERuntime.build(model, opts, device, store=store), device
     if not args.model:
         raise SystemExit("ft bench elastic: give --model DIR or --shape NAME")
-    from freetoken.models.loader import load_with_experts
+    from freetoken.models.loader import place_model, read_model
 
-    model, rt = load_with_experts(args.model, opts, dtype=dtype, device=str(device),
-                                  progress=False)
+    # (cli/build.py `load_with_experts`'s composition; bench imports no cli module but options)
+    t0 = time.perf_counter()
+    model = read_model(args.model, dtype, str(device), progress=False)
+    rt = MoERuntime.build(model, opts, device)
+    model = place_model(model, device, cpu_kernels=rt.computes_on_cpu,
+                        name=Path(args.model).name, started=t0)
     return model, rt, device
 
 

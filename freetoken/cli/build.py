@@ -1,12 +1,40 @@
 """The composition root of the serving stack: `build_engine` turns an `EngineConfig` (from
 `ft serve` or `ft agent-proxy --model` arguments, cli/options.py `engine_config_from_args`)
 into a running `AsyncEngine` — the only module that puts models, experts, engine and chat
-together."""
+together. `load_with_experts` composes a model with its expert runtime (`ft serve`,
+`ft generate`, the tests): models/loader.py builds the module only."""
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
 
 from freetoken.engine.async_engine import AsyncEngine
 from freetoken.engine.core import EngineCore
-from freetoken.types.config import EngineConfig
+from freetoken.experts.runtime import MoERuntime
+from freetoken.models.loader import place_model, read_model
+from freetoken.models.qwen import QwenMoE
+from freetoken.types.config import EngineConfig, MoEConfig
+
+
+def load_with_experts(model_dir: str | Path, moe: MoEConfig | None,
+                      dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+                      progress: bool = True, kv_reserve_bytes: int = 0,
+                      read: Callable[..., dict[str, torch.Tensor]] | None = None
+                      ) -> tuple[QwenMoE, MoERuntime | None]:
+    """A checkpoint's module and the expert runtime `moe` asks for (None: no runtime, every
+    expert resident, as `load_model`). The runtime is built between reading the module on the
+    host and placing it: a non-fused backend takes the routed experts' banks into the host
+    expert store and the slot cache first, so only the rest of the model moves to `device`.
+    `read`: models/loader.py `read_model`'s (random weights or the checkpoint's files)."""
+    t0 = time.perf_counter()
+    model = read_model(model_dir, dtype, device, progress, read)
+    rt = MoERuntime.build(model, moe, device, kv_reserve_bytes) if moe is not None else None
+    model = place_model(model, device, cpu_kernels=rt is not None and rt.computes_on_cpu,
+                        name=Path(model_dir).name, started=t0)
+    return model, rt
 
 
 def build_engine(cfg: EngineConfig) -> AsyncEngine:
@@ -17,8 +45,6 @@ def build_engine(cfg: EngineConfig) -> AsyncEngine:
     from freetoken.cli.options import resolve_device, resolve_dtype, resolve_moe
     from freetoken.engine.sizing import default_chunk_tokens, default_kv_tokens
     from freetoken.models.demo import DEMO_ALIASES, resolve_model_path
-    from freetoken.models.loader import load_with_experts
-
     model_dir = resolve_model_path(cfg.model)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype)

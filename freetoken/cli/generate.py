@@ -33,10 +33,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from freetoken.chat import ChatTokenizer, IncrementalDetokenizer
+    from freetoken.cli.build import load_with_experts
     from freetoken.cli.options import moe_from_args
     from freetoken.engine.generate import generate
     from freetoken.models.demo import resolve_model_path
-    from freetoken.models.loader import load_with_experts
     from freetoken.types.api import SamplingParams
 
     model_dir = resolve_model_path(args.model)

@@ -284,6 +284,12 @@ class MoERuntime:
         return all(b.device_fill or bridge is not None for b in self.backends)
 
     @property
+    def computes_on_cpu(self) -> bool:
+        """Whether a backend of this runtime runs experts on the CPU (`cpu`, `hybrid`, `auto`):
+        the C++ CPU kernels are then built at load (models/loader.py `place_model`)."""
+        return self.backend in ("cpu", "hybrid", "auto")
+
+    @property
     def reprofiler(self) -> Reprofiler | None:
         return self.counters.reprofiler
 

@@ -1,4 +1,7 @@
-"""Build a model from a checkpoint directory: config → runtime tensors → module on device."""
+"""Build a model from a checkpoint directory: config → runtime tensors → module on the host
+(`read_model`) → module on its device (`place_model`); `load_model` does both. This builds the
+module only: the expert runtime is composed with it above the models (cli/build.py
+`load_with_experts`, between the two steps), so nothing here imports the runtime."""
 from __future__ import annotations
 
 import contextlib
@@ -8,10 +11,8 @@ from pathlib import Path
 
 import torch
 
-from freetoken.experts.runtime import MoERuntime
 from freetoken.log import get_logger, kv
 from freetoken.models.qwen import QwenMoE
-from freetoken.types.config import MoEConfig
 from freetoken.types.model_config import ModelConfig, load_config
 from kernels.quant import QuantBank
 
@@ -60,35 +61,25 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: torc
     return model.to(device=device, dtype=dtype).eval()
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype | None = None,
-               device: torch.device | str = "cpu", progress: bool = True) -> QwenMoE:
-    """Load a checkpoint with every expert resident on `device` (the `fused` layout)."""
-    return load_with_experts(model_dir, None, dtype, device, progress)[0]
-
-
-def load_with_experts(model_dir: str | Path, moe: MoEConfig | None,
-                      dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-                      progress: bool = True, kv_reserve_bytes: int = 0,
-                      read: Callable[..., dict[str, torch.Tensor]] | None = None
-                      ) -> tuple[QwenMoE, MoERuntime | None]:
-    """Load a checkpoint and build its expert runtime from `moe` (None: none, every expert
-    resident). With a non-fused backend the routed experts go to the host expert store and
-    the slot cache; only the rest of the model moves to `device`. `read(model_dir, cfg,
-    dtype, pin=, progress=)`: where the runtime-named host tensors come from (default: the
-    in-memory random weights for a `ft bench checkpoint --format random` directory, else
-    `checkpoint.reader.read_weights` of its files), so every command that loads a directory
-    (serve, generate, bench elastic) takes both kinds."""
+def read_model(model_dir: str | Path, dtype: torch.dtype | None = None,
+               device: torch.device | str = "cpu", progress: bool = True,
+               read: Callable[..., dict[str, torch.Tensor]] | None = None) -> QwenMoE:
+    """The checkpoint at `model_dir` as a module on the host, not yet placed: every weight in
+    `dtype` (default: float32 for a CPU `device`, else the checkpoint's), read in place and,
+    for a CUDA `device`, pinned in place (the expert store's own pin_memory() is then a
+    no-op); the output head's repeated rows shared. `place_model` moves it to `device`; in
+    between, a caller may take the routed experts' banks out of its blocks (MoERuntime.build).
+    `read(model_dir, cfg, dtype, pin=, progress=)`: where the runtime-named host tensors come
+    from (default: the in-memory random weights for a `ft bench checkpoint --format random`
+    directory, else `checkpoint.reader.read_weights` of its files), so every command that
+    loads a directory (serve, generate, bench elastic) takes both kinds."""
     from freetoken.checkpoint.reader import read_weights
     from freetoken.models.random_weights import is_random_checkpoint, random_runtime_weights
 
     if read is None:
         read = random_runtime_weights if is_random_checkpoint(model_dir) else read_weights
-
-    t0 = time.perf_counter()
     cfg = load_config(model_dir)
     dtype = dtype or (torch.float32 if str(device) == "cpu" else cfg.torch_dtype)
-    # FTW or safetensors, read in place; pinned in place for a CUDA run (the expert store's
-    # own pin_memory() is then a no-op)
     tensors = read(model_dir, cfg, dtype, pin=torch.device(device).type == "cuda",
                    progress=progress)
     model = build_model(cfg, tensors, "cpu", dtype)
@@ -96,17 +87,35 @@ def load_with_experts(model_dir: str | Path, moe: MoEConfig | None,
     distinct = model.dedup_output_head()
     if distinct is not None:
         log.info(kv("output_head_dedup", rows=cfg.vocab_size, distinct=distinct))
-    rt = MoERuntime.build(model, moe, device, kv_reserve_bytes) if moe is not None else None
+    return model
+
+
+def place_model(model: QwenMoE, device: torch.device | str, *, cpu_kernels: bool = False,
+                name: str = "", started: float | None = None) -> QwenMoE:
+    """`model` (from `read_model`) moved to `device` (what is still in it: banks a runtime
+    took stay where it put them) with its projections fused. The C++ CPU kernels (decode
+    linears, attention, experts) are built now, about 10 s once per machine, rather than
+    inside the first request, when `device` is the CPU or `cpu_kernels` (an expert backend
+    that computes on the CPU). Logs `loaded` (`seconds` since `started`: `ft bench serve`
+    reads it as the load phase)."""
     model = model.to(device).fuse_projections()
-    if torch.device(device).type == "cpu" or (rt is not None
-                                              and rt.backend in ("cpu", "hybrid", "auto")):
-        # the C++ CPU kernels (decode linears, attention, experts) are built on first use, about
-        # 10 s once per machine: now, rather than inside the first request
+    if torch.device(device).type == "cpu" or cpu_kernels:
         from kernels.cpu.ext import load_kernel
 
         load_kernel()
     n = sum(p.numel() for p in model.parameters())
-    log.info(kv("loaded", model=Path(model_dir).name, family=cfg.model_type, params=n,
+    seconds = time.perf_counter() - started if started is not None else 0.0
+    dtype = model.model.embed_tokens.weight.dtype  # (build_model casts every weight to it)
+    log.info(kv("loaded", model=name, family=model.cfg.model_type, params=n,
                 dtype=str(dtype).replace("torch.", ""), device=device,
-                seconds=f"{time.perf_counter() - t0:.1f}"))
-    return model, rt
+                seconds=f"{seconds:.1f}"))
+    return model
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype | None = None,
+               device: torch.device | str = "cpu", progress: bool = True,
+               read: Callable[..., dict[str, torch.Tensor]] | None = None) -> QwenMoE:
+    """Load a checkpoint with every expert resident on `device` (the `fused` layout)."""
+    t0 = time.perf_counter()
+    model = read_model(model_dir, dtype, device, progress, read)
+    return place_model(model, device, name=Path(model_dir).name, started=t0)

@@ -9,7 +9,7 @@ import argparse
 import torch
 
 from freetoken.bench.cli_elastic import bench, print_rows, register
-from freetoken.models.loader import load_with_experts
+from freetoken.cli.build import load_with_experts
 from freetoken.types.config import MoEConfig
 from tests.models.conftest import tiny_hf  # noqa: F401  (shared session fixture)
 

@@ -11,7 +11,8 @@ import torch
 
 from freetoken.bench.checkpoint_writer import write_checkpoint
 from freetoken.checkpoint.reader import read_weights
-from freetoken.models.loader import load_model, load_with_experts
+from freetoken.cli.build import load_with_experts
+from freetoken.models.loader import load_model
 from freetoken.models.random_weights import (
     RANDOM_MARKER,
     is_random_checkpoint,

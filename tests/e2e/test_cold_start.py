@@ -21,6 +21,7 @@ import torch
 from server_helpers import Server
 
 from freetoken.chat import ChatTokenizer
+from freetoken.cli.build import load_with_experts
 from freetoken.engine.async_engine import AsyncEngine
 from freetoken.engine.core import EngineCore
 from freetoken.engine.generate import generate
@@ -28,7 +29,7 @@ from freetoken.experts import bridge as bridge_mod
 from freetoken.experts.bridge import CpuBridge
 from freetoken.experts.runtime import MoERuntime
 from freetoken.experts.slot_cache import SlotCache
-from freetoken.models.loader import load_model, load_with_experts
+from freetoken.models.loader import load_model
 from freetoken.server import create_app
 from freetoken.types.api import SamplingParams
 from freetoken.types.config import MoEConfig

@@ -12,12 +12,13 @@ import torch
 from server_helpers import Server
 
 from freetoken.chat import ChatTokenizer
+from freetoken.cli.build import load_with_experts
 from freetoken.engine import elastic
 from freetoken.engine.async_engine import AsyncEngine
 from freetoken.engine.core import EngineCore
 from freetoken.engine.generate import generate
 from freetoken.engine.vram_watch import attach_elastic
-from freetoken.models.loader import load_model, load_with_experts
+from freetoken.models.loader import load_model
 from freetoken.server import create_app
 from freetoken.types.api import SamplingParams
 from freetoken.types.config import MoEConfig

@@ -2,11 +2,11 @@
 flashinfer's JIT off the request path; engine/attention_build.py `plan_attention`).
 
 This machine has no flashinfer, so the module's three questions (built? build it, load it)
-go to a recording probe; the decision table is the real function's. tests/gpu covers the
-real flashinfer calls. Bugs caught: a restart (module built) that starts on Triton and builds
-again, a first start that builds on the request path (blocking) under `auto`, an explicit
-`flashinfer` that serves on Triton without trying to build, a broken probe or load that
-crashes start-up instead of falling back to Triton."""
+go to a recording probe; the decision table is the real function's.
+test_flashinfer_build_gpu.py covers the real flashinfer calls. Bugs caught: a restart (module
+built) that starts on Triton and builds again, a first start that builds on the request path
+(blocking) under `auto`, an explicit `flashinfer` that serves on Triton without trying to
+build, a broken probe or load that crashes start-up instead of falling back to Triton."""
 from __future__ import annotations
 
 import threading

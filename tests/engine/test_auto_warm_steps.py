@@ -9,10 +9,10 @@ import time
 
 import torch
 
+from freetoken.cli.build import load_with_experts
 from freetoken.engine.core import EngineCore
 from freetoken.experts.auto import AutoGuard
 from freetoken.experts.cost_model import BandwidthProfile
-from freetoken.models.loader import load_with_experts
 from freetoken.types.api import GenerateRequest, SamplingParams
 from freetoken.types.config import MoEConfig
 

@@ -110,7 +110,7 @@ def test_resize_with_a_step_in_flight(tiny_hf) -> None:
     for the step in flight, then still chains on its ids (kept in the device buffer), and the
     engine reads the first step's ids afterwards. Tokens stay the eager engine's. Bug caught:
     ids lost or read from the wrong pinned buffer across that drain."""
-    from freetoken.models.loader import load_with_experts
+    from freetoken.cli.build import load_with_experts
     from freetoken.types.config import MoEConfig
 
     d = tiny_hf("qwen3_5_moe")

@@ -65,7 +65,7 @@ def test_runner_slot_backends_equal_eager(tiny_hf, backend: str) -> None:
     """The slot-cache backends through the runner: q* and the miss count on the device, the CPU
     share handed to the bridge's worker thread (hybrid, cpu), fills, merge — the eager engine's
     tokens exactly (fp32: every backend is bit-identical to fused)."""
-    from freetoken.models.loader import load_with_experts
+    from freetoken.cli.build import load_with_experts
     from freetoken.types.config import MoEConfig
 
     model, rt = load_with_experts(tiny_hf("qwen3_5_moe"),
@@ -96,9 +96,9 @@ def test_runner_runs_auto_through_the_bridge(tiny_hf, monkeypatch) -> None:
     place (a graph holds their address), and once settled the engine launches steps ahead
     again. Tokens equal fused's. Bugs caught: `auto` left eager (not capturable), a table left
     on the previous phase's rule, the overlap never resumed."""
+    from freetoken.cli.build import load_with_experts
     from freetoken.engine.generate import generate
     from freetoken.experts.cost_model import BandwidthProfile
-    from freetoken.models.loader import load_with_experts
     from freetoken.types.config import MoEConfig
 
     d = tiny_hf("qwen3_5_moe")

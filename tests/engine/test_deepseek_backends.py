@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from freetoken.cache.tensors import Caches, KVPool, StateTensors
-from freetoken.models.loader import load_model, load_with_experts
+from freetoken.cli.build import load_with_experts
+from freetoken.models.loader import load_model
 from freetoken.types.config import MoEConfig
 from freetoken.types.forward_batch import ForwardBatch
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from freetoken.cache.tensors import StateTensors
+from freetoken.cli.build import load_with_experts
 from freetoken.engine import elastic_state
 from freetoken.engine.core import EngineCore
 from freetoken.engine.elastic import ElasticVram
 from freetoken.experts.runtime import ResizeError
-from freetoken.models.loader import load_with_experts
 from freetoken.types.api import Anchor
 from freetoken.types.config import MoEConfig
 from tests.engine.test_engine_core import _prompt, _req, _run, _tokens
@@ -243,7 +243,6 @@ def test_replan_pays_a_large_claim_with_state_slots_then_regrows_them(tiny_dir) 
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_state_rebuild_recaptures_graphs_gpu(tiny_dir) -> None:
     """On CUDA with graphs: the state pool shrinks to the live states and grows back while
     four streams decode from captured graphs: the graphs go with the old state tensors, the

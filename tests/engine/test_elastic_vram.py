@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from freetoken.cache.tensors import KVPool
+from freetoken.cli.build import load_with_experts
 from freetoken.engine import elastic as elastic_mod
 from freetoken.engine.async_engine import AsyncEngine
 from freetoken.engine.core import EngineCore
@@ -20,7 +21,6 @@ from freetoken.engine.vram_plan import VramKnobs
 from freetoken.engine.vram_watch import attach_elastic
 from freetoken.experts.runtime import ResizeError
 from freetoken.experts.slot_cache import SlotCache
-from freetoken.models.loader import load_with_experts
 from freetoken.types.api import EngineBusy
 from freetoken.types.config import MoEConfig
 from tests.engine.test_engine_core import _prompt, _req, _run, _tokens
@@ -278,7 +278,6 @@ def test_request_during_a_long_rebuild_gets_503(tiny_dir, monkeypatch) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_rebuild_recaptures_graphs_gpu(tiny_dir) -> None:
     """On CUDA with graphs: a rebuild mid-stream (KV shrink with compaction, experts shrink,
     then both grow) drops the captured graphs, the next steps capture again on the new

@@ -13,8 +13,9 @@ sys.modules["causal_conv1d"] = None  # type: ignore[assignment]
 import pytest
 import torch
 
+from freetoken.cli.build import load_with_experts
 from freetoken.engine.core import EngineCore
-from freetoken.models.loader import load_model, load_with_experts
+from freetoken.models.loader import load_model
 from freetoken.types.api import GenerateRequest, SamplingParams
 from freetoken.types.config import MoEConfig
 from tests.engine.test_decode_runner import _prompt, _run

@@ -19,10 +19,11 @@ import threading
 import pytest
 import torch
 
+from freetoken.cli.build import load_with_experts
 from freetoken.engine.core import EngineCore
 from freetoken.engine.generate import generate
 from freetoken.experts import bridge as bridge_mod
-from freetoken.models.loader import load_model, load_with_experts
+from freetoken.models.loader import load_model
 from freetoken.types.api import SamplingParams
 from freetoken.types.config import MoEConfig
 from tests.engine.test_graph_fault import N, _prompts, _run, _with_graphs

@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from freetoken.cli.build import load_with_experts
 from freetoken.engine.core import EngineCore
 from freetoken.experts import split
 from freetoken.experts.bridge import CpuBridge
@@ -22,7 +23,6 @@ from freetoken.experts.bw_track import Reprofiler, native_sampler
 from freetoken.experts.cost_model import q_star
 from freetoken.experts.split import QStarRule, cpu_branch
 from freetoken.experts.store import ExpertStore
-from freetoken.models.loader import load_with_experts
 from freetoken.types.config import MoEConfig
 from kernels.cpu.ext import load_kernel
 from tests.engine.test_engine_core import _prompt, _req, _run

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from freetoken.bench.cli_bw import bank_format, register
+from freetoken.cli.build import load_with_experts
 from freetoken.experts import profile as bwp
 from freetoken.experts.bw_track import Reprofiler
 from freetoken.experts.calibrate import make_pool
 from freetoken.experts.cost_model import BandwidthProfile
-from freetoken.models.loader import load_with_experts
 from freetoken.types.config import MoEConfig
 from freetoken.types.model_config import ExpertFormat, expert_nbytes, load_config
 from tests.engine.test_engine_core import _prompt, _req, _run

@@ -8,12 +8,12 @@ import time
 
 import torch
 
+from freetoken.cli.build import load_with_experts
 from freetoken.engine.core import EngineCore
 from freetoken.experts import split
 from freetoken.experts.bw_track import BandwidthEstimate, Reprofiler
 from freetoken.experts.cost_model import q_star
 from freetoken.experts.split import QStarRule
-from freetoken.models.loader import load_with_experts
 from freetoken.types.config import MoEConfig
 from tests.engine.test_engine_core import _prompt, _req, _run
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from freetoken.cache.tensors import Caches, KVPool, StateTensors
+from freetoken.cli.build import load_with_experts
 from freetoken.engine.generate import generate
-from freetoken.models.loader import load_model, load_with_experts
+from freetoken.models.loader import load_model
 from freetoken.types.api import SamplingParams
 from freetoken.types.config import MoEConfig
 from freetoken.types.forward_batch import ForwardBatch

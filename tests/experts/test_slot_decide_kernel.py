@@ -108,7 +108,6 @@ def test_kernel_chunks_long_id_lists(small_q: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_realistic_shapes_gpu(small_q: int) -> None:
     """Qwen3.6-sized pool (40 x 256, top-8) at 37% capacity, batch 4: GPU kernel == CPU
     reference."""
@@ -129,7 +128,6 @@ def test_kernel_realistic_shapes_gpu(small_q: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_decide_step_replays_from_cuda_graph() -> None:
     """A whole decode step's decisions (every layer) captured once, replayed on new routing."""
     from freetoken.bench.routing import synthetic_trace

@@ -15,8 +15,9 @@ from safetensors.torch import load_file, save_file
 
 from freetoken.checkpoint.fp8 import is_fp8_linear
 from freetoken.checkpoint.safetensors_reader import CheckpointError
+from freetoken.cli.build import load_with_experts
 from freetoken.engine.generate import generate
-from freetoken.models.loader import load_model, load_with_experts
+from freetoken.models.loader import load_model
 from freetoken.types.api import SamplingParams
 from freetoken.types.config import MoEConfig
 from kernels.quant import QuantBank, quantize_fp8

@@ -2,10 +2,11 @@
 table of docs/architecture.md) with `TYPE_CHECKING` imports counted, and the bottom layer
 importing nothing above.
 
-Walks every module's imports with `ast` (imports inside functions count, `if TYPE_CHECKING:`
-blocks do not: they never run). A package is `freetoken.X`, `kernels.X`, `workloads` or
-`harness_adapters`. Bug it catches: `cache/policy.py` importing `Anchor` from `engine.api` while
-`engine` imports `cache` (the cycle issue 9 found), or any new one like it.
+Walks every module's imports with `ast` (imports inside functions count, and so do
+`if TYPE_CHECKING:` blocks: a type import is a dependency all the same, issue #21 acceptance
+2). A package is `freetoken.X`, `kernels.X`, `workloads` or `harness_adapters`. Bug it
+catches: `cache/policy.py` importing `Anchor` from `engine.api` while `engine` imports `cache`
+(the cycle issue 9 found), or any new one like it.
 """
 from __future__ import annotations
 
@@ -34,30 +35,6 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_modules(path: Path) -> list[str]:
-    """Absolute names of every module `path` imports at run time."""
-    tree = ast.parse(path.read_text(), str(path))
-    skip = {id(n) for node in ast.walk(tree)
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for sub in node.body for n in ast.walk(sub)}
-    mod = module_name(path)
-    out = []
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
-        if isinstance(node, ast.Import):
-            out += [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                pkg = mod.split(".")[: None if path.name == "__init__.py" else -1]
-                pkg = pkg[: len(pkg) - (node.level - 1)]
-                base = ".".join(pkg + ([node.module] if node.module else []))
-            out.append(base)
-            out += [f"{base}.{a.name}" for a in node.names]  # `from freetoken import engine`
-    return out
-
-
 def package_graph() -> dict[str, dict[str, str]]:
     """package -> {imported package: one module that imports it (for the failure message)}."""
     graph: dict[str, dict[str, str]] = {}
@@ -67,7 +44,7 @@ def package_graph() -> dict[str, dict[str, str]]:
             if src is None:
                 continue
             edges = graph.setdefault(src, {})
-            for target in imported_modules(path):
+            for target in all_imports(path):
                 dst = package_of(target)
                 exists = dst and ((ROOT / dst.replace(".", "/")).exists()
                                   or (ROOT / (dst.replace(".", "/") + ".py")).exists())
@@ -285,3 +262,43 @@ def test_forbidden_imports_finds_a_real_edge() -> None:
     """The checker itself can fail: an edge that exists (engine -> experts) is found."""
     assert any("freetoken/engine/core.py" in b
                for b in forbidden_imports([("freetoken.engine", "freetoken.experts")]))
+
+
+# -- the module side takes only a block's parts from `experts` (issue #21: "models/loader.py
+# builds the module only") --------------------------------------------------------------------
+# `layers` and `models` may import from `experts` what an MoE block is made of: the backend
+# contract, the FFN paths and the resident `FusedExperts`. The runtime (MoERuntime, the backend
+# registry and classes, store, slot cache, bridge, ...) is composed with the module above both
+# (cli/build.py `load_with_experts`), by type too. Bug it catches: the loader building the
+# MoERuntime itself again (models/loader.py importing experts.runtime), which puts the
+# composition inside `models` and lets the model own its runtime.
+BLOCK_PARTS = {"freetoken.experts.base", "freetoken.experts.ffn", "freetoken.experts.fused"}
+MODULE_SIDE = ("freetoken.layers", "freetoken.models")
+
+
+def expert_imports_beyond(allowed: set[str], sources: tuple[str, ...] = MODULE_SIDE) -> list[str]:
+    """'file imports module' for each import of `freetoken.experts` by `sources` outside
+    `allowed` (`if TYPE_CHECKING:` blocks included)."""
+    modules = _project_modules()
+    bad = []
+    for mod, path in modules.items():
+        if not any(mod == s or mod.startswith(s + ".") for s in sources):
+            continue
+        for target in all_imports(path):
+            dst = _resolve(target, modules)
+            if dst and (dst + ".").startswith("freetoken.experts.") and dst not in allowed:
+                bad.append(f"{path.relative_to(ROOT)} imports {dst}")
+    return bad
+
+
+def test_models_and_layers_import_no_expert_runtime() -> None:
+    bad = expert_imports_beyond(BLOCK_PARTS)
+    assert not bad, ("the module side imports the expert runtime (compose it in cli/build.py):\n"
+                     + "\n".join(bad))
+
+
+def test_expert_imports_beyond_finds_a_real_edge() -> None:
+    """The checker itself can fail: with nothing allowed, the model's real imports of a
+    block's parts are found (gpt_oss.py builds its blocks on `FusedExperts`)."""
+    assert any("freetoken/models/gpt_oss.py imports freetoken.experts.fused" in b
+               for b in expert_imports_beyond(set()))

@@ -46,13 +46,14 @@ NOT_DEFINED = {
     "harness_adapters/base.py": {"digest"},
     "kernels/cpu/expert_ops.py": {"cpu_experts_ref"},
     "freetoken/experts/calibrate.py": {"measure_b_h", "device_can_read"},  # dead: deleted
+    "freetoken/models/loader.py": {"load_with_experts"},  # the composition: cli/build.py
 }
 # where the moved names live now (one definition each)
 HOMES = {
     "freetoken/experts/ffn.py": {"expert_group_forward", "dispatch_experts", "run_experts"},
     "freetoken/experts/fused.py": {"FusedExperts"},
     "kernels/dispatch.py": {"triton_module", "triton_for"},
-    "freetoken/cli/build.py": {"build_engine"},
+    "freetoken/cli/build.py": {"build_engine", "load_with_experts"},
     "freetoken/engine/sizing.py": {"kv_pool_tokens", "default_kv_tokens", "default_chunk_tokens"},
     "kernels/triton/moe_common.py": {"_block", "check_args", "interpreting"},
     "harness_adapters/normalise.py": {"digest"},

@@ -13,9 +13,8 @@ OWN_KINDS = {
     "data": "recorded traces and templates the tests read",
     "peer": "real harness peers against the stack",
     "reliability": "the reliability suite (faults, fuzzing, soak)",
-    # owed (issue #21: "GPU tests next to their package under the `gpu` marker"): not moved yet
-    "gpu": "CUDA tests, skipped without a GPU",
 }
+# (no "gpu": GPU tests sit next to their package under the `gpu` marker, test_gpu_tests.py)
 
 
 def packages() -> set[str]:

@@ -99,7 +99,7 @@ def test_moe_combine_gate_rounds_like_the_linear() -> None:
     """16-bit: the computed gate is rounded to x's dtype before the sigmoid, as the Linear's
     output is; the result equals the combine given that rounded gate (the previous two-step
     path). fp16 here: the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest), so a
-    bf16 check would compare rounding modes; tests/gpu checks bf16."""
+    bf16 check would compare rounding modes; test_decode_fusions_gpu.py checks bf16."""
     g0 = torch.Generator().manual_seed(12)
     T, K, H = 4, 3, 64
     dt = torch.float16

@@ -16,7 +16,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 if torch.cuda.is_available():
-    pytest.skip("interprets the CUDA path on CPU tensors; tests/gpu covers the GPU",
+    pytest.skip("interprets the CUDA path on CPU tensors; the gpu-marked tests cover "
+                "the GPU",
                 allow_module_level=True)
 
 from freetoken.engine.decode_staging import DecodeRow

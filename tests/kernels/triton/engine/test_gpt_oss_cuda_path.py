@@ -20,11 +20,12 @@ import torch
 
 pytest.importorskip("triton")
 if torch.cuda.is_available():
-    pytest.skip("interprets the CUDA path on CPU tensors; tests/gpu runs it for real",
+    pytest.skip("interprets the CUDA path on CPU tensors; test_gpt_oss_moe_gpu.py "
+                "runs it for real",
                 allow_module_level=True)
 
+from freetoken.cli.build import load_with_experts
 from freetoken.engine.core import EngineCore
-from freetoken.models.loader import load_with_experts
 from freetoken.types.api import GenerateRequest, SamplingParams
 from freetoken.types.config import MoEConfig
 from tests.engine.test_decode_runner import _prompt, _run

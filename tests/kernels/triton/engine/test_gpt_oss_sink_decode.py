@@ -16,7 +16,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 if torch.cuda.is_available():
-    pytest.skip("interprets the CUDA path on CPU tensors; tests/gpu runs it for real",
+    pytest.skip("interprets the CUDA path on CPU tensors; test_sink_attention_gpu.py "
+                "runs it for real",
                 allow_module_level=True)
 
 from freetoken.engine.attention_plans import choose_sink_backend

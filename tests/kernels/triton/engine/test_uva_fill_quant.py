@@ -1,7 +1,7 @@
 """The device-driven fill (kernels/triton/uva_fill.py `fill_banks`) over quantized banks: codes
 and scales of FP8 / MXFP4 experts copied into their slots in one launch, against a plain copy
-(the host-driven `SlotCache.fill`). Interpreted on the CPU; tests/gpu/test_uva_fill_quant_gpu.py
-runs it from a pinned store and inside a CUDA graph."""
+(the host-driven `SlotCache.fill`). Interpreted on the CPU; test_uva_fill_quant_gpu.py (next to this
+file) runs it from a pinned store and inside a CUDA graph."""
 from __future__ import annotations
 
 import pytest

@@ -18,11 +18,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-import torch.nn.functional as F
-
 from kernels.reference import expert_ffn_reference
 from kernels.triton.fused_moe import fused_moe, fused_moe_decode, moe_sum, shared_expert_decode
 from kernels.triton.moe_grouped import fused_moe_grouped, moe_align, moe_align_small, tile
+from tests.kernels.triton.moe.oracle import SAMPLE, check_sampled
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, I, S = 64, 32, 8
@@ -116,6 +115,32 @@ def test_dispatch_and_strided_output():
         check(y, ref, ids, 1e-4)
 
 
+def test_the_sampled_oracle_check_of_the_gpu_test():
+    """oracle.check_sampled, what test_triton_moe_gpu.py holds the kernel to at 1100 banks,
+    here on the interpreted kernel: 40 tokens of top-3, 8 of them against the oracle. It
+    passes on the kernel's output and fails on one wrong entry of a sampled token, on an
+    unwritten entry of a token it does not sample, and on a write where ids < 0."""
+    T, K = 40, 3
+    x, ids, gu, dn = make(T, K, 21)
+    y = run(fused_moe_grouped, x, ids, gu, dn, config=GROUPED_SMALL).cpu()
+    tok = check_sampled(y, x, ids, gu, dn, rel_tol=1e-4, worst_tol=1e-3)
+    assert len(tok) == SAMPLE and tok[0] == 0 and tok[-1] == T - 1
+    t = next(t for t in tok.tolist() if (ids[t] >= 0).any())
+    bad = y.clone()
+    bad[t, int((ids[t] >= 0).nonzero()[0])] *= 1.05
+    with pytest.raises(AssertionError, match="worst entry"):
+        check_sampled(bad, x, ids, gu, dn, rel_tol=1e-4, worst_tol=1e-3)
+    u = next(u for u in range(T) if u not in tok.tolist() and (ids[u] >= 0).any())
+    bad = y.clone()
+    bad[u, int((ids[u] >= 0).nonzero()[0])] = float("nan")
+    with pytest.raises(AssertionError, match="not written"):
+        check_sampled(bad, x, ids, gu, dn, rel_tol=1e-4, worst_tol=1e-3)
+    bad = y.clone()
+    bad[ids < 0] = 0.0
+    with pytest.raises(AssertionError, match="id < 0 was written"):
+        check_sampled(bad, x, ids, gu, dn, rel_tol=1e-4, worst_tol=1e-3)
+
+
 def test_all_entries_left_out_writes_nothing():
     x, ids, gu, dn = make(2, 2, 6)
     ids[:] = -1
@@ -171,10 +196,10 @@ def test_moe_sum_matches_float64():
 
 
 def shared_reference(x, s_gate_up, s_down):
-    """float64 dense SwiGLU: the shared expert on every token."""
-    i = s_gate_up.shape[0] // 2
-    gu = x.double() @ s_gate_up.double().T  # [T, 2I]
-    return (F.silu(gu[:, :i]) * gu[:, i:]) @ s_down.double().T  # [T, H]
+    """The shared expert on every token: the one oracle over a bank of one expert, every token
+    routed to it. float64 [T, H]."""
+    ids = torch.zeros(x.shape[0], 1, dtype=torch.long)  # [T, 1]
+    return expert_ffn_reference(x, ids, s_gate_up[None], s_down[None])[:, 0]
 
 
 def shared_weights(seed, h=H, inter=I, dtype=torch.float32):

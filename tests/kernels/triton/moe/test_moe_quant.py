@@ -72,7 +72,6 @@ def test_quant_grouped_matches_dequantized_reference(fmt, block):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("fmt,block", [("fp8", 128), ("mxfp4", 32)])
 def test_quant_decode_on_gpu(fmt, block):
     _run(fmt, block, True)

@@ -12,6 +12,8 @@ from freetoken.experts.store import ExpertStore
 from freetoken.types.model_config import ExpertFormat
 from kernels.quant import quantize_bank
 
+pytestmark = pytest.mark.gpu
+
 L, E, H, I, S = 2, 16, 256, 128, 6
 
 
@@ -28,7 +30,6 @@ def _same(a: SlotCache, b: SlotCache) -> bool:
                for x, y in ((a.gate_up_slots, b.gate_up_slots), (a.down_slots, b.down_slots)))
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("fmt,block", [("fp8", 128), ("mxfp4", 32)])
 def test_quantized_fill_device_eager_and_in_a_graph(fmt: str, block: int) -> None:
     store = _store(fmt, block)
@@ -60,10 +61,10 @@ def test_quantized_fill_device_eager_and_in_a_graph(fmt: str, block: int) -> Non
         assert _same(host, dev), e_list
 
 
-@pytest.mark.gpu
 def test_offload_over_fp8_takes_the_device_fill(tiny_hf, tmp_path) -> None:
+    from freetoken.cli.build import load_with_experts
     from freetoken.engine.generate import generate
-    from freetoken.models.loader import load_model, load_with_experts
+    from freetoken.models.loader import load_model
     from freetoken.types.api import SamplingParams
     from freetoken.types.config import MoEConfig
     from tests.models.test_fp8_vs_hf import _write_fp8

@@ -1,16 +1,12 @@
 """On the GPU: the Triton attention, gated DeltaNet and norm kernels at Qwen3.6-35B-A3B shapes in
 bf16 against fp32 references, and captured in a CUDA graph, replayed on changed slot/index
-contents. (tests/gpu/conftest.py skips this module without CUDA.)"""
+contents. (The `gpu` marker skips this module without CUDA.)"""
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():  # collected before tests/kernels/triton/attn: keep it valid
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from kernels.triton.gdn import causal_conv1d_update_pool, gdn_gates, gdn_recurrent_pool
@@ -19,6 +15,8 @@ from kernels.triton.paged_attention import (
     paged_decode_attention,
     paged_prefill_attention,
 )
+
+pytestmark = pytest.mark.gpu
 
 HQ, HK, D = 16, 2, 256  # full attention
 LHK, LHV, LD, KC = 16, 32, 128, 4  # gated DeltaNet

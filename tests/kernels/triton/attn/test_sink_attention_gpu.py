@@ -4,20 +4,18 @@ against an fp32 reference, captured in a CUDA graph and replayed on changed CSR 
 the tiny gpt-oss model's greedy tokens through the CUDA decode runner (plan `triton_sink`, CUDA
 graphs replayed) equal to the eager engine's (torch sink attention). The CPU runs the same
 kernel interpreted in tests/kernels/triton/attn/test_triton_sink_attention.py and
-tests/kernels/triton/engine/test_gpt_oss_sink_decode.py. (tests/gpu/conftest.py skips this
-module without CUDA.)"""
+tests/kernels/triton/engine/test_gpt_oss_sink_decode.py. (The `gpu` marker skips
+this module without CUDA.)"""
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # collected before tests/kernels/triton/attn: keep it valid
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from kernels.triton.sink_attention import sink_decode_attention
+
+pytestmark = pytest.mark.gpu
 
 HQ, HK, D, W = 64, 8, 64, 128
 BF = torch.bfloat16

@@ -7,12 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from freetoken.cli.build import load_with_experts
 from freetoken.engine.generate import generate
-from freetoken.models.loader import load_model, load_with_experts
+from freetoken.models.loader import load_model
 from freetoken.types.api import SamplingParams
 from freetoken.types.config import MoEConfig
 from tests.experts.test_moe_backends import _logits
 from tests.models.test_fp8_vs_hf import _write_fp8
+
+pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,6 @@ def _gpu_logits(model, ids):
     return torch.cat(out).float().cpu()
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["fused", "offload", "hybrid", "cpu"])
 def test_fp8_backends_on_gpu(fp8_dir, backend: str) -> None:
     ids = torch.randint(0, 512, (56,), generator=torch.Generator().manual_seed(7)).tolist()

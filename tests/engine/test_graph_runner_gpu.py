@@ -6,11 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from freetoken.cli.build import load_with_experts
 from freetoken.engine.core import EngineCore
 from freetoken.engine.generate import generate, private_runner
-from freetoken.models.loader import load_model, load_with_experts
+from freetoken.models.loader import load_model
 from freetoken.types.api import GenerateRequest, SamplingParams
 from freetoken.types.config import MoEConfig
+
+pytestmark = pytest.mark.gpu
 
 
 def _engine_tokens(model, prompts, n, **kw) -> tuple[list[list[int]], EngineCore]:

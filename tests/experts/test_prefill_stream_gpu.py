@@ -6,11 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from freetoken.cli.build import load_with_experts
 from freetoken.engine.generate import generate
-from freetoken.models.loader import load_model, load_with_experts
+from freetoken.models.loader import load_model
 from freetoken.types.api import SamplingParams
 from freetoken.types.config import MoEConfig
 from tests.experts.invariants import check_tables
+
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("backend,extra", [

@@ -5,11 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from freetoken.cli.build import load_with_experts
 from freetoken.engine.generate import generate
-from freetoken.models.loader import load_model, load_with_experts
+from freetoken.models.loader import load_model
 from freetoken.types.api import SamplingParams
 from freetoken.types.config import MoEConfig
 from tests.models.fixtures import hf_reference
+
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("backend", ["offload", "cpu", "hybrid", "auto"])

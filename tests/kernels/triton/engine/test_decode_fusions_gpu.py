@@ -1,7 +1,7 @@
 """On the GPU, at Qwen3.6-35B-A3B shapes in bf16: the decode-step fusions against references
 built from the unfused ops, and the fused MoE step captured in a CUDA graph. (The same kernels
-run interpreted on tiny fp32 shapes in tests/kernels/triton; tests/gpu/conftest.py skips this
-module without CUDA.)
+run interpreted on tiny fp32 shapes in test_decode_fusions.py and tests/kernels/triton/moe; the
+`gpu` marker skips this module without CUDA.)
 
 - the shared expert as T extra entries of the routed decode launches, and alone;
 - zero_missing; the router's row mask;
@@ -11,21 +11,20 @@ module without CUDA.)
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():  # collected before tests/kernels/triton: keep it valid
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from kernels.reference import expert_ffn_reference
 from kernels.triton.decode_fusions import moe_combine, sigmoid_gate_mul
 from kernels.triton.fused_moe import fused_moe, fused_moe_decode, shared_expert_decode
 from kernels.triton.gdn import gdn_gates, gdn_recurrent_pool
 from kernels.triton.norm import gated_rmsnorm, rmsnorm, rmsnorm_rope, rmsnorm_rope_store
 from kernels.triton.router import fused_router
+
+pytestmark = pytest.mark.gpu
 
 H, I, E, K = 2048, 512, 64, 8  # E cut from 256 to keep the banks small
 HQ, HK, D = 16, 2, 256
@@ -49,10 +48,12 @@ def moe():
     return gate_up, down, sgu, sdn
 
 
-def _swiglu(x, gu, dn):
-    """fp32 from the bf16 weights: x [T, H], gu [2I, H], dn [H, I] -> [T, H]."""
-    h = x.float() @ gu.float().T
-    return (F.silu(h[:, :I]) * h[:, I:]) @ dn.float().T
+def _shared(x, gu, dn):
+    """The shared expert on every token: the one expert oracle (kernels/reference.py, float64
+    from the bf16 weights) over a bank of one. x [T, H], gu [2I, H], dn [H, I] -> [T, H] on
+    x's device."""
+    ids = torch.zeros(x.shape[0], 1, dtype=torch.long)  # [T, 1]
+    return expert_ffn_reference(x, ids, gu[None], dn[None])[:, 0].to(x.device)
 
 
 @pytest.mark.parametrize("T", [1, 4, 16])
@@ -65,12 +66,12 @@ def test_shared_expert_in_the_routed_launches(moe, T):
     ys = torch.empty(T, H, device="cuda", dtype=BF)
     fused_moe_decode(x, ids, gate_up, down, y, zero_missing=True, shared=(sgu, sdn, ys))
     assert (y[0, 0] == 0).all()
+    routed = expert_ffn_reference(x, ids, gate_up, down).to(y.device)  # [T, K, H], the rows used
     for t in range(T):
         for k in range(K):
-            e = int(ids[t, k])
-            if e >= 0:
-                assert rel(y[t, k], _swiglu(x[t:t + 1], gate_up[e], down[e])[0]) < 2e-2
-    want = _swiglu(x, sgu, sdn)
+            if int(ids[t, k]) >= 0:
+                assert rel(y[t, k], routed[t, k]) < 2e-2, (t, k)
+    want = _shared(x, sgu, sdn)
     assert rel(ys, want) < 2e-2
     assert rel(shared_expert_decode(x, sgu, sdn), want) < 2e-2
     y2 = torch.full((T, K, H), float("nan"), device="cuda", dtype=BF)
@@ -111,7 +112,7 @@ def test_fused_moe_step_replays_from_a_cuda_graph(moe):
         assert torch.equal(outs[0], want[0]) and torch.equal(outs[1], want[1])
     # the masked row: residual + gated shared expert only
     gate = torch.sigmoid((x[3:].float() @ gw.float().T).to(BF).float())
-    assert rel(want[0][3:], res[3:].float() + gate * _swiglu(x[3:], sgu, sdn)) < 2e-2
+    assert rel(want[0][3:], res[3:].double() + gate.double() * _shared(x[3:], sgu, sdn)) < 2e-2
 
 
 def test_router_row_mask_bf16():

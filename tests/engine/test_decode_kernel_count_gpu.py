@@ -16,6 +16,8 @@ from freetoken.engine.core import EngineCore
 from freetoken.engine.decode_staging import DecodeRow
 from freetoken.models.loader import load_model
 
+pytestmark = pytest.mark.gpu
+
 COUNTED = 72  # CUDA_STEP_TOTAL of tests/engine/test_decode_budget.py (4 layers, batch 1)
 CUBLAS_SLACK = 8  # split-K reduces cuBLAS may add to the 14 GEMMs of the step
 

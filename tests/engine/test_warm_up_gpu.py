@@ -8,14 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from freetoken.cli.build import load_with_experts
 from freetoken.engine.core import EngineCore
 from freetoken.engine.generate import generate
-from freetoken.models.loader import load_with_experts
 from freetoken.types.api import GenerateRequest, SamplingParams
 from freetoken.types.config import MoEConfig
 
+pytestmark = pytest.mark.gpu
 
-@pytest.mark.gpu
+
 @pytest.mark.parametrize("backend", ["fused", "hybrid"])
 def test_idle_warm_up_tasks_leave_nothing_for_the_first_request(tiny_hf, backend) -> None:
     d = tiny_hf("qwen3_5_moe")

@@ -5,19 +5,21 @@ latents on the device inside the graph; the kernels alone at DeepSeek-V3's laten
 (C 512 + R 64, 128 heads, bf16) and Kimi-Linear's KDA shape (32 heads × 128) against the torch
 paths.
 
-    TRITON_CACHE_DIR=... python -m pytest -q tests/gpu/test_mla_kda_gpu.py
+    TRITON_CACHE_DIR=... python -m pytest -q tests/kernels/triton/attn/test_mla_kda_gpu.py
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
+from freetoken.cli.build import load_with_experts
 from freetoken.engine.core import EngineCore
-from freetoken.models.loader import load_with_experts
 from freetoken.types.api import GenerateRequest, SamplingParams
 from freetoken.types.config import MoEConfig
 from tests.models.family_helpers import hf_greedy, prompt
 from tests.models.fixtures import hf_reference
+
+pytestmark = pytest.mark.gpu
 
 
 def _engine_tokens(model, rt, prompts, n) -> tuple[list[list[int]], EngineCore]:

@@ -5,13 +5,12 @@ decode wrapper plans with (the wrapper's first `plan` then builds and loads noth
 cache sees no new miss), and that plan's output equals a float64 reference of paged decode
 attention. Bug caught: a build of a module other than the one `plan` loads (a different
 dtype, index type or template flag in the key), which would leave the JIT on the request path
-after the switch."""
+after the switch. (flashinfer is imported in the test: without it, or without CUDA, the test
+is collected and skips.)"""
 from __future__ import annotations
 
 import pytest
 import torch
-
-flashinfer = pytest.importorskip("flashinfer")
 
 from freetoken.engine.attention_build import (
     flashinfer_build,
@@ -20,9 +19,12 @@ from freetoken.engine.attention_build import (
 )
 from freetoken.engine.attention_plans import FlashInferDecode
 
+pytestmark = pytest.mark.gpu
+
 
 @pytest.mark.parametrize("head_dim", [256])  # Qwen3.5/3.6 full attention (a build: minutes)
 def test_built_module_is_the_one_the_wrapper_plans(head_dim: int) -> None:
+    pytest.importorskip("flashinfer")
     from flashinfer.prefill import get_batch_prefill_module
 
     dt, B, Hq, Hk, S = torch.bfloat16, 2, 8, 2, 64
