@@ -92,6 +92,22 @@ def _triton_attention(runner) -> None:
     runner.attention = "triton"
 
 
+def install_uniform_routing(model, steps: int = 512, seed: int = 0) -> None:
+    """`ft bench decode`'s `random` case (today's): every decode step routed by a trace drawn
+    uniformly per token (K distinct experts of E), replayed by the trace router."""
+    import numpy as np
+
+    try:
+        from freetoken.models.routing_hooks import TraceRouter, install_trace
+    except ImportError:  # (e194b5d)
+        from freetoken.bench.moe import TraceRouter, install_trace
+    cfg = model.cfg
+    L, E, K = len(model.moe_blocks()), cfg.num_experts, cfg.top_k
+    g = np.random.default_rng(seed)
+    t = np.argsort(g.random((steps, L, 1, E)), axis=-1)[..., :K]  # [steps, L, 1, K]
+    install_trace(model, TraceRouter(t, E, K, model.model.embed_tokens.weight.device))
+
+
 def _moe_kw(fn, rt) -> dict:
     return {"moe": rt} if "moe" in inspect.signature(fn).parameters else {}
 
@@ -203,6 +219,8 @@ class CoreSteps:
                                    decode_runner=True, cuda_graph=self.graphs, **kw)
         if self.triton:
             _triton_attention(self.core.runner)
+        elif hasattr(self.core.runner, "finish_build"):  # a server past its warm-up: on the
+            self.core.runner.finish_build()  # final attention plan
         self.got: list[int] = []
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         self.core.add(GenerateRequest(prompt, sp, request_id="p0"),

@@ -298,3 +298,28 @@ def diff_layers(a: StepLog, b: StepLog) -> list[str]:
             out.append(f"layer {layer}: {sum(ca.values())} vs {sum(cb.values())} ops; "
                        f"only first: {dict(ca - cb)}; only second: {dict(cb - ca)}")
     return out
+
+
+_RUNTIME = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync",
+            "cudaMemsetAsync", "cudaEventSynchronize", "cudaStreamSynchronize",
+            "cudaDeviceSynchronize", "cudaEventRecord", "cudaStreamWaitEvent")
+
+
+def cuda_counts(step, steps: int) -> dict:
+    """On CUDA: `steps` calls of `step()` under torch.profiler, per step: kernels run on the
+    device (graph replays' kernels included), memcpys, device time (ms), and the host's CUDA
+    runtime calls by name (each launch or sync outside a graph is one of them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    dev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    mem = [e for e in dev if "memcpy" in e.name.lower() or "memset" in e.name.lower()]
+    api = Counter(e.name for e in prof.events() if e.name in _RUNTIME)
+    return {"kernels_per_step": round((len(dev) - len(mem)) / steps, 1),
+            "memcpy_per_step": round(len(mem) / steps, 1),
+            "device_ms_per_step": round(sum(e.device_time_total for e in dev) / 1e3 / steps, 3),
+            "runtime_calls_per_step": {k: round(v / steps, 2) for k, v in sorted(api.items())}}

@@ -89,3 +89,18 @@ def test_served_step_matches_the_bench_step() -> None:
     # site here is a new host sync on the GPU unless it reads a host tensor
     assert syncs == {"engine/graph_runner.py tolist": 1, "engine/step_inputs.py int": 1,
                      "engine/decode_staging.py numpy": 1}, syncs
+
+
+def test_host_path_emulation_streams_every_token() -> None:
+    """`profile_decode.py --host-path`: the stubbed device decodes through the bench loop, the
+    server's EngineCore and the whole HTTP stack; every forced token reaches the client and
+    the engine's decode_phases cover the stream (counts, not times)."""
+    from freetoken.bench.host_path import emulated_device, served_http_ms
+
+    cfg = dd.tiny_config(vocab=151936)
+    with emulated_device(1.0):
+        model, rt = dd.build(cfg, "fused")
+        res = served_http_ms(model, rt, 60)
+    assert res["tokens"] == 60, res
+    assert res["ms"] >= 1.0 * 0.9, res  # no faster than the device it waits for
+    assert res["phases_ms"]["wait_s"] > 0, res
