@@ -158,6 +158,20 @@ def profile_main(a: argparse.Namespace) -> int:
     return 0
 
 
+class _Legacy:
+    """A checkout from before the expert runtime (e194b5d): its benches released the banks
+    by assignment and `auto`'s guard hung off the model."""
+
+    @staticmethod
+    def release_banks(block) -> None:
+        block.experts.gate_up_proj = block.experts.down_proj = None
+
+    @staticmethod
+    def settled(model, rt) -> bool:
+        guard = getattr(getattr(model, "moe_runtime", None), "guard", None)
+        return guard is None or guard.settled
+
+
 def count_here(a: argparse.Namespace) -> dict:
     """The counts of this process's freetoken (today's, or --tree's): {backend/path: {...}}."""
     import torch
@@ -166,6 +180,9 @@ def count_here(a: argparse.Namespace) -> dict:
     dd = _load("_ft_decode_drivers", "freetoken/bench/decode_drivers.py")
     dd.COUNTER = ops
     import freetoken
+
+    if importlib.util.find_spec("freetoken.experts.runtime") is None:  # no expert runtime yet
+        dd.LEGACY = _Legacy()
 
     cuda = torch.cuda.is_available()
     if a.cuda_path and not cuda:

@@ -10,9 +10,9 @@ time so that `freetoken.bench.step_ops` can count each step's ops and host syncs
   (buckets 1, 2, 4), the server's KV pool (`kv_tokens`), 64 state slots, the state host
   tier, kept logits, a chat-sized prompt.
 
-Written against the engine's API as of e194b5d as well as today's (the profile script loads
-this file by path over an older checkout to count its steps too): where the two differ it
-looks the difference up, never assumes it.
+Written against today's engine; the profile script loads this file by path over an older
+checkout too (e194b5d), where imports that moved are looked up and what the old expert
+setup did differently comes from `LEGACY` (set by scripts/profile_decode.py).
 """
 from __future__ import annotations
 
@@ -51,10 +51,10 @@ def build(cfg, backend: str, device: str | torch.device = "cpu",
     store = ExpertStore([b.experts.gate_up_proj.data for b in blocks],
                         [b.experts.down_proj.data for b in blocks], pin=device.type == "cuda")
     for b in blocks:
-        if hasattr(b.experts, "release_banks"):
-            b.experts.release_banks()
-        else:  # (e194b5d)
-            b.experts.gate_up_proj = b.experts.down_proj = None
+        if LEGACY is not None:
+            LEGACY.release_banks(b)
+        else:
+            b.experts.release_banks()  # the store holds the only copy
     try:
         from freetoken.types.config import MoEConfig as Opts
     except ImportError:  # (e194b5d)
@@ -113,10 +113,9 @@ def _moe_kw(fn, rt) -> dict:
 
 
 def _settled(model, rt) -> bool:
-    if rt is not None and hasattr(rt, "settled"):
-        return rt.settled
-    guard = getattr(getattr(model, "moe_runtime", None), "guard", None)  # (e194b5d)
-    return guard is None or guard.settled
+    if LEGACY is not None:
+        return LEGACY.settled(model, rt)
+    return rt is None or rt.settled
 
 
 def _prefill_step(rt, n: int):
@@ -258,6 +257,9 @@ def count_steps(driver, prompt: list[int], steps: int, warm: int = 4, model=None
 
 
 COUNTER = None  # the step_ops module to use (the profile script sets it for old checkouts)
+# what differs in a checkout older than the expert runtime (e194b5d: banks released and `auto`'s
+# guard read the old way); scripts/profile_decode.py sets it when counting one, None here
+LEGACY = None
 
 
 def _counter():
