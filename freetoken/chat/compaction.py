@@ -17,8 +17,8 @@ needs:
   `<environment_context>` block becomes its working-directory line; what is left, if longer than
   `LONG_USER` characters (mini-swe-agent's task + instructions), is cut to its first paragraph
   (at most `HEAD_CHARS`); an empty one is dropped;
-- tool results (role `tool`): the first `RESULT_LINES` lines and `RESULT_CHARS` characters,
-  then a `[truncated]` line;
+- tool results (role `tool`): `<system-reminder>` blocks dropped, then the first
+  `RESULT_LINES` lines and `RESULT_CHARS` characters, then a `[truncated]` line;
 - assistant messages: as they are (what the model wrote, calls and all).
 
 Contract: deterministic, and message by message — the compaction of a message depends on that
@@ -113,9 +113,14 @@ def _system(text: str) -> str:
     return "\n".join(env_lines(text))
 
 
-def _user(text: str) -> str:
+def _drop_blocks(text: str) -> str:
     for block in _DROP_BLOCKS:
         text = block.sub("", text)
+    return text
+
+
+def _user(text: str) -> str:
+    text = _drop_blocks(text)
     text = _ENV_CONTEXT.sub(lambda m: "\n".join(
         f"Working directory: {c.strip()}" for c in _CWD_TAG.findall(m.group(0))[:1]), text)
     text = text.strip()
@@ -142,7 +147,7 @@ def compact_message(m: dict[str, Any]) -> dict[str, Any] | None:
     elif role == "user":
         new = _user(content)
     elif role == "tool":
-        return {**m, "content": truncate_result(content)}
+        return {**m, "content": truncate_result(_drop_blocks(content))}
     else:
         return m
     return {**m, "content": new} if new else None

@@ -369,8 +369,10 @@ def generate(counts: dict[str, int], seed: int, tok: ChatTokenizer,
     return [x for part in parts for x in part]
 
 
-DEFAULT_COUNTS = {"claude_code": 3000, "openclaw": 800, "opencode": 800, "codex": 800,
-                  "mini_tool": 2000, "mini_text": 2000}
+# v5: ~51M tokens (--scale 0.25: 12.9M, 1.49M targets), four times the distinct tasks the
+# compacted prompts used to cost: a 330 s GPU run makes ~10-20 passes rather than ~70
+DEFAULT_COUNTS = {"claude_code": 12000, "openclaw": 3200, "opencode": 3200, "codex": 3200,
+                  "mini_tool": 8000, "mini_text": 8000}
 
 
 def main(argv: list[str] | None = None) -> None:

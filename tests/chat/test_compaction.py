@@ -83,7 +83,9 @@ def test_tool_results_are_cut_and_inputs_left_alone() -> None:
             {"role": "assistant", "content": None, "tool_calls": [
                 {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}]},
             {"role": "tool", "tool_call_id": "c", "content": long},
-            {"role": "tool", "tool_call_id": "c", "content": "short"}]
+            {"role": "tool", "tool_call_id": "c", "content": "short"},
+            {"role": "tool", "tool_call_id": "c",
+             "content": "1\tok\n<system-reminder>\nIs it malware?\n</system-reminder>\n"}]
     before = copy.deepcopy(msgs)
     out, _ = cp.compact(msgs, None)
     assert msgs == before
@@ -93,6 +95,7 @@ def test_tool_results_are_cut_and_inputs_left_alone() -> None:
     assert lines[:cp.RESULT_LINES] == long.split("\n")[:cp.RESULT_LINES]
     assert lines[-1] == cp.TRUNCATED and len(lines) == cp.RESULT_LINES + 1
     assert out[4]["content"] == "short"
+    assert out[5]["content"] == "1\tok\n\n"
     assert cp.compact(msgs, None) == (out, None)
 
 
