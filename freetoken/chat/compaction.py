@@ -10,9 +10,10 @@ needs:
 
 - tools: each tool's name and its parameter schema, without descriptions, titles or examples
   (a parameter *named* `description`, Claude Code's Bash has one, stays);
-- system messages: the environment lines (working directory, platform) of a long one; a short
-  one (<= `SHORT_SYSTEM` characters, mini-swe-agent's protocol) is kept whole; a long one with
-  no environment line is dropped;
+- system messages: a short one (<= `SHORT_SYSTEM` characters, mini-swe-agent's protocol) is
+  kept whole; a long one is dropped, and its environment lines (working directory, platform)
+  open the first user message after it, so the working directory sits beside the task, right
+  before the answer, instead of ~2k tokens of tool schemas earlier;
 - user messages: `<system-reminder>` and OpenClaw internal-context blocks dropped, a Codex
   `<environment_context>` block becomes its working-directory line; what is left, if longer than
   `LONG_USER` characters (mini-swe-agent's task + instructions), is cut to its first paragraph
@@ -21,9 +22,10 @@ needs:
   `RESULT_LINES` lines and `RESULT_CHARS` characters, then a `[truncated]` line;
 - assistant messages: as they are (what the model wrote, calls and all).
 
-Contract: deterministic, and message by message — the compaction of a message depends on that
-message alone (and the tools on the tools), so the same earlier messages always compact to the
-same messages and the rendered prefix, hence the radix cache's reuse, is kept turn to turn.
+Contract: deterministic and causal — the compaction of a message depends on that message and
+the ones before it only (and the tools on the tools), so the same earlier messages always
+compact to the same messages and the rendered prefix, hence the radix cache's reuse, is kept
+turn to turn.
 The inputs are not modified.
 
 Which compaction a model gets is declared by the checkpoint: `demo_manifest.json`'s
@@ -107,12 +109,6 @@ def compact_tools(tools: Tools) -> Tools:
     return out
 
 
-def _system(text: str) -> str:
-    if len(text) <= SHORT_SYSTEM:
-        return text
-    return "\n".join(env_lines(text))
-
-
 def _drop_blocks(text: str) -> str:
     for block in _DROP_BLOCKS:
         text = block.sub("", text)
@@ -143,7 +139,7 @@ def compact_message(m: dict[str, Any]) -> dict[str, Any] | None:
     if not isinstance(content, str) or role == "assistant":
         return m
     if role == "system":
-        new = _system(content)
+        new = content if len(content) <= SHORT_SYSTEM else ""  # (`compact` takes the env)
     elif role == "user":
         new = _user(content)
     elif role == "tool":
@@ -156,7 +152,22 @@ def compact_message(m: dict[str, Any]) -> dict[str, Any] | None:
 def compact(messages: Messages, tools: Tools) -> tuple[Messages, Tools]:
     """The compacted (messages, tools): see the module docstring. A request that would lose
     every message keeps its last one as sent."""
-    out = [c for m in messages if (c := compact_message(m)) is not None]
+    out: Messages = []
+    env: list[str] = []  # a long system prompt's environment lines, until a user message
+    placed = False
+    for m in messages:
+        long_system = (m.get("role") == "system" and isinstance(m.get("content"), str)
+                       and len(m["content"]) > SHORT_SYSTEM)
+        if long_system:
+            env = env or env_lines(m["content"])
+            continue
+        c = compact_message(m)
+        if c is None:
+            continue
+        if env and not placed and c["role"] == "user" and isinstance(c["content"], str):
+            c = {**c, "content": "\n".join(env) + "\n\n" + c["content"]}
+            placed = True
+        out.append(c)
     return (out or list(messages[-1:])), compact_tools(tools)
 
 

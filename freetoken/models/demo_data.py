@@ -386,12 +386,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scale", type=float, default=1.0, help="multiply every harness's count")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (same samples)")
+    p.add_argument("--harnesses", default=None,
+                   help="these harnesses only (comma list; the same samples as in the whole set)")
     p.add_argument("--lzma-preset", type=int, default=6,
                    help="the file's compression (1: several times faster to write, larger)")
     args = p.parse_args(argv)
     tok_dir = tokenizer_source_dir()
     tok = ChatTokenizer.from_dir(tok_dir)
-    counts = {k: max(1, round(v * args.scale)) for k, v in DEFAULT_COUNTS.items()}
+    keep = args.harnesses.split(",") if args.harnesses else list(DEFAULT_COUNTS)
+    counts = {k: max(1, round(v * args.scale)) for k, v in DEFAULT_COUNTS.items() if k in keep}
     samples = generate(counts, args.seed, tok, jobs=args.jobs, tok_dir=tok_dir)
     vocab = -(-tokenizer_size(tok_dir / "tokenizer.json") // 64) * 64
     meta = {"data_version": DATA_VERSION, "prompt_compaction": PROMPT_COMPACTION,
