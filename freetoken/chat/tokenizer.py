@@ -26,6 +26,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from freetoken.chat.anchors import ROLES, AnchorTokens, detect_anchors
+from freetoken.chat.compaction import compaction_for_dir
 from freetoken.chat.errors import ChatInputError
 from freetoken.chat.harmony import HarmonyOptions, render_harmony, tool_def_lines
 from freetoken.chat.harmony_anchors import HarmonyTokens, detect_harmony_anchors
@@ -155,6 +156,9 @@ class ChatTokenizer:
     ) -> None:
         self._tok = tokenizer
         self.chat_template = chat_template
+        # (version, function) the checkpoint declares (`chat.compaction`); the server applies
+        # it before rendering, `apply` itself never does
+        self.compaction: tuple[str, Any] | None = None
         self._keep_template = keep_reasoning_variant(chat_template) if chat_template else None
         self.special_tokens = special_tokens  # template variables: bos_token, eos_token, ...
         self.special_ids: dict[str, int] = {
@@ -190,7 +194,9 @@ class ChatTokenizer:
         template = load_chat_template(path, cfg)
         log.debug(kv("load_tokenizer", path=path, vocab=tok.get_vocab_size(), eos=eos,
                      template=template is not None))
-        return cls(tok, template, specials, eos)
+        out = cls(tok, template, specials, eos)
+        out.compaction = compaction_for_dir(path)
+        return out
 
     @property
     def vocab_size(self) -> int:

@@ -7,8 +7,10 @@ that names a tool of the request's own list with arguments valid against its sch
 result formatted the way that harness formats it, and a final answer that quotes the result
 and ends the turn. Chat tasks ("hi") get a short answer and no call. Requests are mapped by the
 server's own walks (`openai_to_template` / `anthropic_to_template`) and rendered by the
-checkpoint's chat template (`ChatTokenizer.apply`), so the prompts are token for token what the
-engine sees from those harnesses.
+checkpoint's chat template (`ChatTokenizer.apply`) after the demo's prompt compaction
+(`freetoken.chat.compaction`, data v5: the cut the server applies to the model whose manifest
+declares it), so the prompts are token for token what the engine renders the demo from those
+harnesses.
 
 Tasks map onto each harness's real tools: list files, read a file, run a shell command, write a
 file (Claude Code: Bash/Read/Write; OpenCode: bash/read/write; OpenClaw: ls/read/exec/write;
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from freetoken.chat import compaction
 from freetoken.chat.anthropic_map import anthropic_to_template
 from freetoken.chat.openai_map import openai_to_template
 from freetoken.chat.tokenizer import ChatTokenizer
@@ -46,7 +49,12 @@ from freetoken.models.tool_schema import schema_errors, tool_call_errors  # noqa
 #     words, list tasks that name a subdirectory; three to seven tasks a conversation (the long
 #     prompts cost the same for more targets), twice the Claude Code conversations (1,200),
 #     mini conversations with the request cut to its task line (`short`)
-DATA_VERSION = 4
+# v5: every prompt rendered through the demo's prompt compaction (`freetoken.chat.compaction`,
+#     the cut the server applies to the model that declares it): Claude Code's first request
+#     18.8k -> 2.4k tokens; no `short` mini conversations (the compaction cuts mini's request to
+#     its task line anyway); more conversations for the same tokens
+DATA_VERSION = 5
+PROMPT_COMPACTION = compaction.VERSION  # recorded in the data's meta, then in the manifest
 RECORDED_CWD = "/home/dev/project"
 _RECORDED_TASK = re.compile(r"Explore this repo:[^\n\"]*?summarize\.")
 
@@ -194,10 +202,9 @@ def conversation(h: Harness, rng: random.Random, traces: Path | None = None,
                  ) -> tuple[dict[str, Any], list[Task]]:
     """One synthetic conversation body (API shape): one task (mini) or three to seven.
     `short` (mini only): the user message is its first paragraph, "Please solve this issue:
-    <task>", without mini's ~500 tokens of instructions after it. Training mixes these in
-    because a model this small first learns to read the request where it is easy to find:
-    on the full prompts alone a 300-step CPU run does not condition on the task at all, on
-    these it picks the task's kind by 200 (docs/models.md); the served prompts stay whole."""
+    <task>", without mini's ~500 tokens of instructions after it (data v4 mixed these into the
+    full prompts; v5 needs none: every prompt is compacted, and the compaction cuts mini's
+    request to that same line)."""
     cwd = working_dir(rng)
     mini = h.name.startswith("mini")
     tasks = [make_task(rng, mini=mini, corpus=corpus)
@@ -215,6 +222,14 @@ def conversation(h: Harness, rng: random.Random, traces: Path | None = None,
 
 def template_input(h: Harness, body: dict[str, Any]):
     return (anthropic_to_template(body) if h.api == "anthropic" else openai_to_template(body))
+
+
+def compacted_input(h: Harness, body: dict[str, Any]):
+    """The template input the served demo model is rendered: `template_input` through the
+    prompt compaction (`freetoken.chat.compaction`, the one function the server applies)."""
+    ti = template_input(h, body)
+    ti.messages, ti.tools = compaction.COMPACTIONS[PROMPT_COMPACTION](ti.messages, ti.tools)
+    return ti
 
 
 def assistant_mask(ids: list[int], tok: ChatTokenizer) -> list[int]:
@@ -275,9 +290,10 @@ def render_sample(h: Harness, body: dict[str, Any], enc: _Encoder,
     """The conversation as one training sequence: the request before the last assistant turn,
     rendered with the generation prompt (and `enable_thinking=False` when `think_off`, as a
     harness that turns reasoning off sends it), then that turn as the template renders it in
-    the history (no think block: what the next request will hold) and `<|im_end|>`."""
+    the history (no think block: what the next request will hold) and `<|im_end|>`. The
+    conversation is compacted first (`compacted_input`): what the server renders the model."""
     tok = enc.tok
-    ti = template_input(h, body)
+    ti = compacted_input(h, body)
     last = max(i for i, m in enumerate(ti.messages) if m["role"] == "assistant")
     think = False if think_off else ti.enable_thinking
     ids, _ = enc.ids(ti.messages[:last], ti.tools, think)
@@ -353,9 +369,10 @@ def generate(counts: dict[str, int], seed: int, tok: ChatTokenizer,
     return [x for part in parts for x in part]
 
 
-DEFAULT_COUNTS = {"claude_code": 1200, "openclaw": 300, "opencode": 300, "codex": 300,
-                  "mini_tool": 1500, "mini_text": 1500, "mini_tool_short": 1500,
-                  "mini_text_short": 1500}
+# v5: ~51M tokens (--scale 0.25: 12.9M, 1.49M targets), four times the distinct tasks the
+# compacted prompts used to cost: a 330 s GPU run makes ~10-20 passes rather than ~70
+DEFAULT_COUNTS = {"claude_code": 12000, "openclaw": 3200, "opencode": 3200, "codex": 3200,
+                  "mini_tool": 8000, "mini_text": 8000}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -369,15 +386,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scale", type=float, default=1.0, help="multiply every harness's count")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (same samples)")
+    p.add_argument("--harnesses", default=None,
+                   help="these harnesses only (comma list; the same samples as in the whole set)")
     p.add_argument("--lzma-preset", type=int, default=6,
                    help="the file's compression (1: several times faster to write, larger)")
     args = p.parse_args(argv)
     tok_dir = tokenizer_source_dir()
     tok = ChatTokenizer.from_dir(tok_dir)
-    counts = {k: max(1, round(v * args.scale)) for k, v in DEFAULT_COUNTS.items()}
+    keep = args.harnesses.split(",") if args.harnesses else list(DEFAULT_COUNTS)
+    counts = {k: max(1, round(v * args.scale)) for k, v in DEFAULT_COUNTS.items() if k in keep}
     samples = generate(counts, args.seed, tok, jobs=args.jobs, tok_dir=tok_dir)
     vocab = -(-tokenizer_size(tok_dir / "tokenizer.json") // 64) * 64
-    meta = {"data_version": DATA_VERSION, "seed": args.seed, "counts": counts,
+    meta = {"data_version": DATA_VERSION, "prompt_compaction": PROMPT_COMPACTION,
+            "seed": args.seed, "counts": counts,
             "vocab_size": vocab, "tokens": sum(len(s.ids) for s in samples),
             "target_tokens": sum(sum(s.mask) for s in samples)}
     save_data(Path(args.out), [(s.harness, s.ids, s.mask) for s in samples], meta,

@@ -62,9 +62,27 @@ def held_out(name: str, n: int) -> list[tuple[Any, Any, int]]:
     return out
 
 
+def declared_compaction(weights: Path) -> str | None:
+    """The prompt compaction the weights were trained with: a shipped dir's manifest
+    `prompt_compaction`, or a `train_demo` output's data meta (None: rendered as sent)."""
+    man, meta = weights / "manifest.json", weights / "train_meta.json"
+    if man.is_file():
+        return json.loads(man.read_text()).get("prompt_compaction")
+    if meta.is_file():
+        return json.loads(meta.read_text()).get("data", {}).get("prompt_compaction")
+    return None
+
+
 class Greedy:
-    def __init__(self, model, used, tok, device: str, max_tokens: int) -> None:
+    """Greedy decoding of a request as the server renders it: through `compaction` (a
+    `freetoken.chat.compaction` version) when the weights declare one."""
+
+    def __init__(self, model, used, tok, device: str, max_tokens: int,
+                 compaction: str | None = None) -> None:
+        from freetoken.chat.compaction import COMPACTIONS
+
         self.model, self.tok, self.device, self.max_tokens = model, tok, device, max_tokens
+        self.compact = COMPACTIONS[compaction] if compaction else None
         self.used = used
         self.index = {int(t): i for i, t in enumerate(used)}
         self.other = len(used)
@@ -74,6 +92,8 @@ class Greedy:
         """(decoded text, ended by <|im_end|>)."""
         import torch
 
+        if self.compact is not None:
+            messages, tools = self.compact(messages, tools)
         ids = self.tok.apply(messages, tools).input_ids
         x = torch.tensor([[self.index.get(t, self.other) for t in ids]], device=self.device)
         with torch.no_grad():
@@ -175,13 +195,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--harnesses", default=",".join(sorted(dd.HARNESSES)))
     p.add_argument("--per-harness", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=120)
+    p.add_argument("--compaction", default="auto",
+                   help="prompt compaction version, 'none', or 'auto' (what the weights declare)")
     args = p.parse_args(argv)
     from freetoken.models.train_kernels import block_optional_kernels
 
     block_optional_kernels("torch")  # the reference path everywhere: no kernel compiles
     model, used = load_compact(Path(args.weights), args.device)
     tok = ChatTokenizer.from_dir(tokenizer_source_dir())
-    greedy = Greedy(model, used, tok, args.device, args.max_tokens)
+    comp = (declared_compaction(Path(args.weights)) if args.compaction == "auto"
+            else None if args.compaction == "none" else args.compaction)
+    print(f"ft.demo_eval: compaction={comp}", flush=True)
+    greedy = Greedy(model, used, tok, args.device, args.max_tokens, comp)
     report = evaluate(greedy, args.harnesses.split(","), args.per_harness)
     print(json.dumps(report))
 

@@ -8,7 +8,9 @@ gets the shared row: that is the model `train_demo` trained (its softmax counted
 logit once per unused id), so the expansion is exact, and an unused id, all of whose logits
 are equal to the shared one, never wins the argmax against a trained token that beats the
 shared logit. `manifest.json` records the file's sha256, the data generator's version and seed,
-and the training run; the build refuses a file whose checksum differs.
+the training run and, for data trained on compacted prompts, `prompt_compaction` (the version
+the server then applies: `freetoken.chat.compaction`; the build copies the manifest into the
+checkpoint as `demo_manifest.json`); the build refuses a file whose checksum differs.
 """
 from __future__ import annotations
 
@@ -73,12 +75,15 @@ def trained_tensors(vocab: int, weights_dir: Path = WEIGHTS_DIR
 
 
 def build_trained_demo(out_dir: Path, vocab: int,
-                       write_checkpoint: Callable[[Path, dict, dict], None]) -> None:
-    """Write the trained demo into `out_dir` with demo.py's checkpoint writer (passed in:
-    demo.py imports this module, not the other way round)."""
-    config, tensors = trained_tensors(vocab)
+                       write_checkpoint: Callable[[Path, dict, dict], None],
+                       weights_dir: Path = WEIGHTS_DIR) -> None:
+    """Write the trained demo (the weights in `weights_dir`: the shipped ones, or a `ship`
+    output to try) into `out_dir` with demo.py's checkpoint writer (passed in: demo.py imports
+    this module, not the other way round)."""
+    config, tensors = trained_tensors(vocab, weights_dir)
     write_checkpoint(out_dir, config, tensors)
-    (out_dir / "demo_manifest.json").write_text(json.dumps(manifest(), indent=2) + "\n")
+    (out_dir / "demo_manifest.json").write_text(json.dumps(manifest(weights_dir), indent=2)
+                                                + "\n")
 
 
 def ship(train_out: Path, weights_dir: Path = WEIGHTS_DIR) -> dict[str, Any]:
@@ -96,6 +101,8 @@ def ship(train_out: Path, weights_dir: Path = WEIGHTS_DIR) -> dict[str, Any]:
     meta = json.loads((train_out / "train_meta.json").read_text())
     man = {"sha256": sha256_file(weights_dir / COMPACT), "bytes": (weights_dir / COMPACT)
            .stat().st_size, "used_ids": len(used), "train": meta}
+    if meta.get("data", {}).get("prompt_compaction"):  # the server renders the model that cut
+        man["prompt_compaction"] = meta["data"]["prompt_compaction"]
     (weights_dir / "manifest.json").write_text(json.dumps(man, indent=2) + "\n")
     plot_loss(json.loads((train_out / "loss.json").read_text()), weights_dir / "loss.png")
     return man

@@ -2,6 +2,7 @@
 with its failure modes mapped to 400s."""
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -18,9 +19,12 @@ from freetoken.chat import (
     openai_request,
 )
 from freetoken.chat.output import output_parser
+from freetoken.log import get_logger, kv
 from freetoken.server.errors import APIError
 from freetoken.server.validation import req_str
 from freetoken.types.api import EngineClient
+
+log = get_logger("demo")
 
 
 @dataclass
@@ -50,11 +54,15 @@ class ServerState:
         return max(int(model_vocab or 0), tok_vocab)
 
     async def render(self, ti: TemplateInput, tools: list | None) -> Any:
-        """Render + tokenize in a worker thread (a 20k-token prompt takes tens of ms)."""
+        """Render + tokenize in a worker thread (a 20k-token prompt takes tens of ms). A model
+        whose checkpoint declares a prompt compaction (`tokenizer.compaction`: the trained demo,
+        `freetoken.chat.compaction`) is rendered its compacted request, as it was trained; the
+        output parser still checks calls against the request's own `tools`."""
 
         def work() -> Any:
+            messages, shown = compacted(self.tokenizer, ti.messages, tools)
             try:
-                return self.tokenizer.apply(ti.messages, tools=tools,
+                return self.tokenizer.apply(messages, tools=shown,
                                             enable_thinking=ti.enable_thinking,
                                             reasoning_effort=ti.reasoning_effort)
             except ChatInputError as e:
@@ -71,6 +79,24 @@ class ServerState:
         return output_parser(self.tokenizer, family=self.parser_family, thinking=thinking,
                              starts_in_reasoning=bool(getattr(prompt, "opens_reasoning", False)),
                              tools=tools, id_factory=lambda _i: id_prefix + secrets.token_hex(12))
+
+
+def compacted(tokenizer: Any, messages: list, tools: list | None) -> tuple[list, list | None]:
+    """(messages, tools) as the model is rendered them: compacted when its checkpoint declares a
+    compaction (one `ft.demo:` line a request), else as they are."""
+    declared = getattr(tokenizer, "compaction", None)
+    if declared is None:
+        return messages, tools
+    version, fn = declared
+    out, shown = fn(messages, tools)
+    log.info(kv("prompt_compaction", version=version, messages=f"{len(messages)}->{len(out)}",
+                chars=f"{_chars(messages, tools)}->{_chars(out, shown)}"))
+    return out, shown
+
+
+def _chars(messages: list, tools: list | None) -> int:
+    text = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+    return text + (len(json.dumps(tools)) if tools else 0)
 
 
 def chat_request(api: str, body: dict) -> ChatRequest:

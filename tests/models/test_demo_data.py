@@ -122,4 +122,33 @@ def test_read_answers_quote_the_tool_result(corpus) -> None:
                 seen += 1
     assert seen >= 3
     assert json.dumps(dd.DEFAULT_COUNTS)  # every harness has a count
-    assert {dd.harness_of(n)[0].name for n in dd.DEFAULT_COUNTS} == set(dd.HARNESSES)
+    assert set(dd.DEFAULT_COUNTS) == set(dd.HARNESSES)
+
+
+@pytest.mark.parametrize("name", ["claude_code", "openclaw", "mini_text"])
+def test_samples_are_what_the_server_renders_the_compacting_model(name: str, tok, corpus,
+                                                                   tmp_path) -> None:
+    """Data v5's one cut: a sample's prompt is token for token what `ServerState.render` feeds a
+    checkpoint that declares the compaction (`demo_manifest.json`), for the same request; and it
+    is several times shorter than the request rendered whole. Bug this catches: the generator
+    and the server cutting differently (a model trained on prompts it is never served)."""
+    import shutil
+
+    from freetoken.chat import compaction, qwen3_tokenizer_dir
+    from freetoken.server.state import compacted
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(qwen3_tokenizer_dir(), d)
+    (d / "demo_manifest.json").write_text(json.dumps({"prompt_compaction": dd.PROMPT_COMPACTION}))
+    served = ChatTokenizer.from_dir(d)
+    assert served.compaction == (compaction.VERSION, compaction.compact)
+    h = dd.HARNESSES[name]
+    body, _ = dd.conversation(h, random.Random(8), corpus=corpus)
+    s = dd.render_sample(h, body, dd._Encoder(tok), think_off=False)
+    ti = dd.template_input(h, body)
+    last = max(i for i, m in enumerate(ti.messages) if m["role"] == "assistant")
+    msgs, tools = compacted(served, ti.messages[:last], ti.tools)
+    want = served.apply(msgs, tools, ti.enable_thinking).input_ids
+    assert s.ids[:len(want)] == want and s.mask[len(want) - 1] == 0 and s.mask[len(want)] == 1
+    whole = tok.apply(ti.messages[:last], ti.tools, ti.enable_thinking).input_ids
+    assert len(want) < len(whole) / 2

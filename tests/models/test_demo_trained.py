@@ -25,6 +25,7 @@ from freetoken.models import demo_trained as dt
 from freetoken.models.demo import demo_model_dir, demo_vocab_size
 from freetoken.models.loader import load_model
 from freetoken.models.train_demo import TRAIN_VERSION
+from freetoken.server.state import compacted
 from freetoken.types.api import SamplingParams
 
 HELD_OUT_SEED = 12345  # the shipped weights were trained on seed 0's samples
@@ -105,7 +106,10 @@ def test_engine_matches_transformers(model, tok, demo_dir: Path) -> None:
 
 
 def _greedy(model, tok, ti, messages) -> tuple[list[int], str]:
-    ids = tok.apply(messages, ti.tools).input_ids
+    """Greedy tokens of the request as the server renders it (compacted when the checkpoint's
+    manifest declares a compaction: `ServerState.render`)."""
+    messages, tools = compacted(tok, messages, ti.tools)
+    ids = tok.apply(messages, tools).input_ids
     r = generate(model, ids, SamplingParams(max_tokens=MAX_TURN, temperature=0.0),
                  eos_ids=tok.eos_token_ids)
     return r.token_ids, tok.decode(r.token_ids)
