@@ -86,10 +86,12 @@ def main(argv: list[str]) -> int:
             r = run_batch(srv, rows, n)
             b = srv.stats()
             r["experts"], r["step_phases"] = _delta(a, b), phase_delta(a, b)
+            r["decode_phases_raw"] = [a.get("decode_phases"), b.get("decode_phases")]
             res[f"batch{rows}"] = r
             print(f"[decode {label}] batch={rows} tok_s={r['tok_s']} tokens={r['tokens']} "
                   f"first_token_s={r['first_token_s']} experts={r['experts']}", flush=True)
-            print(f"[decode {label}] batch={rows} step_phases={r['step_phases']}", flush=True)
+            print(f"[decode {label}] batch={rows} step_phases={r['step_phases']} "
+                  f"raw={r['decode_phases_raw']}", flush=True)
     (out / f"decode-{label}.json").write_text(json.dumps(res, indent=1, default=str))
     return 0
 
