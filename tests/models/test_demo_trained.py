@@ -47,6 +47,8 @@ def tok(demo_dir: Path) -> ChatTokenizer:
     return ChatTokenizer.from_dir(demo_dir)
 
 
+@pytest.mark.xfail(strict=True, reason="the shipped weights are v4 (data v4); data v5 (prompt "
+                   "compaction demo-v1) awaits its H200 training run (issue 27)")
 def test_shipped_weights_are_small_checksummed_and_current() -> None:
     man = dt.manifest()
     path = dt.WEIGHTS_DIR / dt.COMPACT
