@@ -40,15 +40,8 @@ from freetoken.models.demo_harnesses import HARNESSES, MINI_DONE, Harness
 from freetoken.models.demo_tasks import Task, Turn, make_task, working_dir
 from freetoken.models.tool_schema import schema_errors, tool_call_errors  # noqa: F401
 
-# v2: two to five tasks a conversation (more targets per long prompt)
-# v3: twice the Claude Code conversations (the `ft launch` default; the 181-step v2 model named
-#     another harness's tool on its prompt); generated in shards of one harness, each with its
-#     own seeded rng, so they can run in parallel
-# v4: what a call holds can only be copied from the request: working directories from
-#     thousands (was 19), README.md read in 15% of read tasks (was ~60%), file names from ~120
-#     words, list tasks that name a subdirectory; three to seven tasks a conversation (the long
-#     prompts cost the same for more targets), twice the Claude Code conversations (1,200),
-#     mini conversations with the request cut to its task line (`short`)
+# v2-v4: more tasks a conversation, Claude Code doubled twice, shards with their own rngs,
+#     copyable working directories and file names, mini requests cut to the task line (git log)
 # v5: every prompt rendered through the demo's prompt compaction (`freetoken.chat.compaction`,
 #     the cut the server applies to the model that declares it): Claude Code's first request
 #     18.8k -> 2.4k tokens; no `short` mini conversations (the compaction cuts mini's request to
@@ -330,24 +323,20 @@ def generate_shard(name: str, k: int, n: int, seed: int, tok: ChatTokenizer,
     out = []
     for _ in range(n):
         body, _ = conversation(h, rng, traces, corpus, short)
-        sample = render_sample(h, body, enc, think_off=rng.random() < 0.3)
-        sample.harness = name
-        out.append(sample)
+        out.append(render_sample(h, body, enc, think_off=rng.random() < 0.3))
+        out[-1].harness = name
     return out
 
 
-_WORKER_TOK: ChatTokenizer | None = None
+_WORKER: dict[str, ChatTokenizer] = {}  # a pool worker's tokenizer, loaded by _worker_init
 
 
 def _worker_init(tok_dir: str) -> None:
-    global _WORKER_TOK
-    _WORKER_TOK = ChatTokenizer.from_dir(Path(tok_dir))
+    _WORKER["tok"] = ChatTokenizer.from_dir(Path(tok_dir))
 
 
 def _worker(job: tuple[str, int, int, int, str]) -> list[Sample]:
-    name, k, n, seed, traces = job
-    assert _WORKER_TOK is not None
-    return generate_shard(name, k, n, seed, _WORKER_TOK, Path(traces))
+    return generate_shard(*job[:4], _WORKER["tok"], Path(job[4]))
 
 
 def generate(counts: dict[str, int], seed: int, tok: ChatTokenizer,
