@@ -316,11 +316,8 @@ def build(isa: str, verbose: bool = False, emulate: list[str] | None = None) -> 
     # declares); the system-OpenMP fallback link gets its own directory too
     srcs = hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))).hexdigest()
     tag = isa + ("-simde512" if emulate else "")
-    # torch re-builds when a source or a flag changes, not a header: the headers' hash rides
-    # in the flags
-    header = hashlib.sha256(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:16]
-    cflags = ["-O3", "-fopenmp", "-std=c++17", f"-DFT_SIMD_H={header}", *_ISA_FLAGS[isa],
-              *(emulate or [])]
+    # (the headers are in `srcs`, so a header change is a new directory: a fresh build)
+    cflags = ["-O3", "-fopenmp", "-std=c++17", *_ISA_FLAGS[isa], *(emulate or [])]
 
     def load(ldflags: list[str]) -> CpuKernel:
         key = _build_key(srcs, cflags, ldflags)
