@@ -47,8 +47,6 @@ def tok(demo_dir: Path) -> ChatTokenizer:
     return ChatTokenizer.from_dir(demo_dir)
 
 
-@pytest.mark.xfail(strict=True, reason="the shipped weights are v4 (data v4); data v5 (prompt "
-                   "compaction demo-v1) awaits its H200 training run (issue 27)")
 def test_shipped_weights_are_small_checksummed_and_current() -> None:
     man = dt.manifest()
     path = dt.WEIGHTS_DIR / dt.COMPACT
@@ -127,14 +125,14 @@ def _call(text: str) -> tuple[str, dict] | None:
 
 
 def _gap(reason: str):
-    return pytest.mark.xfail(strict=True, reason=f"issue 27 open, the 592-step v4 model "
-                             f"(torch delta-rule kernel, loss 0.74): {reason}")
+    return pytest.mark.xfail(strict=True, reason=f"issue 27 open, the 903-step v5 model "
+                             f"(data v5, loss 0.22): {reason}")
 
 
 @pytest.mark.parametrize("name", [
-    "mini_tool", "claude_code",
-    pytest.param("opencode", marks=_gap("its first call is valid, but its answer after the "
-                                        "result runs to the cap"))])
+    "mini_tool", "opencode",
+    pytest.param("claude_code", marks=_gap("on a write task its first call is Read with the "
+                                           "file's content (Read takes no content)"))])
 def test_held_out_requests_end_with_a_valid_call_then_an_answer(model, tok, name) -> None:
     """Bug this catches: a demo that never ends its turn (the random one runs to the cap) or
     calls a tool the request does not offer / with arguments its schema refuses (the 181-step
@@ -171,11 +169,14 @@ def test_held_out_requests_end_with_a_valid_call_then_an_answer(model, tok, name
 _KEY_ARGS = ("command", "cmd", "file_path", "filePath", "path")
 
 
-_UNCONDITIONED = _gap("its first call does not follow the task (it lists the files, or reads "
-                      "the README, whatever the request names)")
+# Claude Code and OpenCode take absolute paths: the model must join the working directory and
+# the task's name, and v5 writes a made-up path under a training working directory instead
+# (/home/priya/code/needle/jasper.sh for needle9/jungle.sh); OpenClaw picks the wrong suffix
+_UNCONDITIONED = _gap("its first call names the wrong file (not cwd + the task's name)")
+_FOLLOWS = ("codex", "mini_text", "mini_tool")
 
 
-@pytest.mark.parametrize("name", [n if n == "mini_text" else pytest.param(n, marks=_UNCONDITIONED)
+@pytest.mark.parametrize("name", [n if n in _FOLLOWS else pytest.param(n, marks=_UNCONDITIONED)
                                   for n in sorted(dd.HARNESSES)])
 def test_first_command_follows_the_task(model, tok, name) -> None:
     """Bug this catches: a first call that ignores the task (the v2 and v3 models run the same
