@@ -43,6 +43,13 @@ GB = 1e9
 # the short measurement a first `hybrid`/`auto` start on a GPU runs (what `ft bench bw
 # --pool-gb 3 --seconds 1` does: 11.5 s on the H200 host, 2026-12-01)
 AUTO_BW_SECONDS, AUTO_BW_POOL_GB = 1.0, 3.0
+# the most experts a measurement pool holds: the CPU kernel's set-up is linear in its bank's
+# expert count (`expert_prepare` sizes per-expert counters), so a 3 GB pool of a tiny test
+# model's 6 KB FP8 experts (487k of them) made every call ~10x slower and a first hybrid start
+# take minutes on the H200 host; 65,536 is ~0.3 TB of Qwen3.6 experts, so no real shape meets
+# the cap, and a tiny one's capped pool (65,536 x 6 KB = 400 MB) still exceeds the H200 host's
+# 300 MB L3
+MAX_POOL_EXPERTS = 1 << 16
 
 
 def fresh_routes(pool: int, window: int, tokens: int, top_k: int, steps: int,
@@ -75,19 +82,22 @@ ExpertFn = Callable[[Tensor, Tensor, Tensor, Tensor], object]
 
 
 def time_experts(fn: ExpertFn, gate_up: Tensor, down: Tensor, routes: list[Tensor],
-                 warmup: int = 3) -> tuple[float, float]:
+                 warmup: int = 3, budget_s: float | None = None) -> tuple[float, float]:
     """Run fn(x, ids, gate_up, down) per route; returns (GB/s of unique expert bytes read,
-    median seconds per step). Warm-up steps use the route list's tail and are not timed."""
+    median seconds per step). Warm-up steps use the route list's tail and are not timed;
+    `budget_s` stops the timed routes early once that much time is spent (at least one runs)."""
     s_bytes = gate_up[0].nbytes + down[0].nbytes  # one expert, scales included
     x = torch.randn(routes[0].shape[0], gate_up.shape[2])  # [T, H]
-    for ids in routes[-warmup:]:
+    for ids in routes[len(routes) - warmup:] if warmup > 0 else ():  # (routes[-0:] is all)
         fn(x, ids, gate_up, down)
-    times, total_bytes = [], 0
+    times, total_bytes, t_start = [], 0, time.perf_counter()
     for ids in routes:
         t0 = time.perf_counter()
         fn(x, ids, gate_up, down)
         times.append(time.perf_counter() - t0)
         total_bytes += int(ids.unique().numel()) * s_bytes
+        if budget_s is not None and t0 - t_start > budget_s:
+            break
     times.sort()
     return total_bytes / sum(times) / GB, times[len(times) // 2]
 
@@ -205,9 +215,12 @@ def measure_profile(name: str, shape: ExpertShape, dtype: torch.dtype | ExpertFo
     n_pool = cpu_pool[0].shape[0]
     # one untimed pass over the whole pool first (a fresh pool's first reads ran slower on the
     # H200 host), then the median of three windows: the host's bandwidth drifts with its
-    # other tenants, and B_H steers `auto` and every floor
-    warm = fresh_routes(n_pool, shape.experts, 1, shape.top_k, n_pool // shape.top_k + 1, 7)
-    _, step_s = time_experts(fn, *cpu_pool, warm, warmup=0)
+    # other tenants, and B_H steers `auto` and every floor. The pass stops after `seconds`:
+    # a small expert shape makes a 3 GB pool hundreds of thousands of experts (the tiny FP8
+    # test model's: 487k, minutes of kernel calls on the H200 host)
+    warm = fresh_routes(n_pool, shape.experts, 1, shape.top_k,
+                        min(n_pool // shape.top_k + 1, 20000), 7)
+    _, step_s = time_experts(fn, *cpu_pool, warm, warmup=0, budget_s=seconds)
     steps = _steps_for(seconds, step_s)
     windows = sorted(
         time_experts(fn, *cpu_pool, fresh_routes(n_pool, shape.experts, 1, shape.top_k,
@@ -286,9 +299,10 @@ def random_fill_(t: torch.Tensor, std: float, seed: int = 0) -> torch.Tensor:
 
 def make_pool(shape: ExpertShape, dtype: torch.dtype | ExpertFormat, pool_bytes: float,
               pin: bool = False) -> tuple[Tensor | QuantBank, Tensor | QuantBank]:
-    """Random expert banks holding about `pool_bytes`: gate_up [P, 2I, H], down [P, H, I];
+    """Random expert banks holding about `pool_bytes` (at most MAX_POOL_EXPERTS experts):
+    gate_up [P, 2I, H], down [P, H, I];
     QuantBanks for a quantized format (a few random experts quantized, repeated)."""
-    p = max(1, int(pool_bytes // shape.expert_bytes(dtype)))
+    p = max(1, min(MAX_POOL_EXPERTS, int(pool_bytes // shape.expert_bytes(dtype))))
     h, i = shape.hidden, shape.inter
     if isinstance(dtype, ExpertFormat):
         from kernels.quant import quantize_bank

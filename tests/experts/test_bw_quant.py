@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,30 @@ def test_quantized_runtime_splits_on_its_own_profile_and_samples_real_bytes(
         _, rt2 = load_with_experts(ckpt, moe, dtype=torch.float32, progress=False)
     assert (rt2.q_rule.b_p, rt2.q_rule.b_h) == (7.0, 3.0)
     assert any("bw_profile_dense_for_quantized" in r.getMessage() for r in caplog.records)
+
+
+def test_a_tiny_shapes_measurement_stays_bounded() -> None:
+    """Bug this catches: a first hybrid start of the tiny FP8 test model on the H200 measured
+    its profile over a 3 GB pool of 6 KB experts (487k of them): the untimed warm pass made
+    one CPU-kernel call per two experts, each slowed by the bank's size, and the start ran
+    past 100 s. The pool is capped in experts, and the warm pass stops at its time budget."""
+    from freetoken.experts import calibrate as cal
+
+    shape = bwp.ExpertShape(hidden=64, inter=32, experts=8, top_k=2, layers=4)
+    ef = ExpertFormat("fp8", 128)
+    gu, dn = make_pool(shape, ef, 3e9)
+    assert gu.shape[0] == dn.shape[0] == cal.MAX_POOL_EXPERTS < 3e9 // shape.expert_bytes(ef)
+    big = bwp.SHAPES["qwen3.6-35b-a3b"]  # a real shape is not capped
+    assert int(3e9 // big.expert_bytes(torch.bfloat16)) < cal.MAX_POOL_EXPERTS
+    calls: list[int] = []
+
+    def slow(x, ids, g, d) -> None:
+        calls.append(1)
+        time.sleep(0.002)
+
+    routes = [torch.tensor([[2 * s, 2 * s + 1]]) for s in range(500)]
+    _, step_s = cal.time_experts(slow, gu, dn, routes, warmup=0, budget_s=0.02)
+    assert 1 <= len(calls) < 50 and step_s >= 0.002
+    calls.clear()
+    cal.time_experts(slow, gu, dn, routes[:20], warmup=0)  # no budget: every route runs
+    assert len(calls) == 20
