@@ -63,10 +63,34 @@ def _unavailable(sub: argparse._SubParsersAction, command: str, missing: str) ->
     p.set_defaults(func=fail)
 
 
-def build_parser() -> argparse.ArgumentParser:
+# The light commands, by name: run as `ft NAME ...` they register only their own parser. The
+# full parser imports every subcommand module and through them torch and matplotlib (5.2 s
+# for `eval "$(ft launch claude)"` on the 2-core dev machine; 0.3 s with its module alone).
+_LIGHT = {"launch": "freetoken.cli.launch", "agent-proxy": "freetoken.cli.proxy",
+          "ctl": "freetoken.cli.ctl"}
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand `argv` names (after `--log-level X`); None for an option such as -h."""
+    it = iter(argv)
+    for a in it:
+        if a == "--log-level":
+            next(it, None)
+        elif not a.startswith("--log-level="):
+            return None if a.startswith("-") else a
+    return None
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """ft's parser; given the command line, only the named command's when it is a light one
+    (`_LIGHT`), else every command's (`ft --help` lists them all)."""
     p = argparse.ArgumentParser(prog="ft", description="FreeToken: MoE inference for one machine")
     p.add_argument("--log-level", default=FT_LOG_LEVEL.get())
     sub = p.add_subparsers(dest="command", required=True)
+    light = _LIGHT.get(_command_of(argv or []) or "")
+    if light is not None:
+        _register_all([light], sub)
+        return p
     _register_all(_COMMANDS, sub)
     bench = sub.add_parser("bench", help="benchmarks (decode, bw, routing, workload, ...)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -88,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # before any subcommand module (and through it Triton or flashinfer) is imported
     cache = compile_cache.configure()
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     from freetoken.log import get_logger, kv, setup_logging
 
     setup_logging(args.log_level)

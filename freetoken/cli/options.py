@@ -4,23 +4,30 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a flag is resolved, not where flags are added:
+    import torch  # `ft agent-proxy` adds these flags and must start without it
 
-_DTYPES = {"auto": None, "fp32": torch.float32, "float32": torch.float32,
-           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16}
+# --dtype's names -> torch dtype attribute (None: the checkpoint's)
+_DTYPES = {"auto": None, "fp32": "float32", "float32": "float32", "bf16": "bfloat16",
+           "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
 
 
 def resolve_dtype(name: str | None) -> torch.dtype | None:
+    import torch
+
     if name is None:
         return None
     if name not in _DTYPES:
         raise SystemExit(f"--dtype must be one of {', '.join(_DTYPES)}")
-    return _DTYPES[name]
+    attr = _DTYPES[name]
+    return None if attr is None else getattr(torch, attr)
 
 
 def resolve_device(name: str | None) -> str:
+    import torch
+
     if not name or name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return name
@@ -74,6 +81,8 @@ def default_backend(cfg, dtype: torch.dtype, device: str, kv_reserve_tokens: int
     memory (always on the CPU, where the experts are in host RAM either way); else `auto`."""
     if not device.startswith("cuda"):
         return "fused"
+    import torch
+
     from freetoken.cache.tensors import KVPool
     from freetoken.log import get_logger, kv
 
@@ -125,6 +134,8 @@ def resolve_moe(moe, backend_given: bool, max_context: int | None, model_dir,
     resolves through `default_backend`, and the KV floor and the context's K/V are turned into
     bytes so the slot cache is sized to leave them free."""
     import dataclasses
+
+    import torch
 
     from freetoken.cache.tensors import KVPool
     from freetoken.types.model_config import load_config
