@@ -215,11 +215,9 @@ def measure_profile(name: str, shape: ExpertShape, dtype: torch.dtype | ExpertFo
     n_pool = cpu_pool[0].shape[0]
     # one untimed pass over the whole pool first (a fresh pool's first reads ran slower on the
     # H200 host), then the median of three windows: the host's bandwidth drifts with its
-    # other tenants, and B_H steers `auto` and every floor. The pass stops after `seconds`:
-    # a small expert shape makes a 3 GB pool hundreds of thousands of experts (the tiny FP8
-    # test model's: 487k, minutes of kernel calls on the H200 host)
-    warm = fresh_routes(n_pool, shape.experts, 1, shape.top_k,
-                        min(n_pool // shape.top_k + 1, 20000), 7)
+    # other tenants, and B_H steers `auto` and every floor. The pass stops after `seconds`
+    # (a small expert shape's pool is MAX_POOL_EXPERTS kernel calls of tiny experts)
+    warm = fresh_routes(n_pool, shape.experts, 1, shape.top_k, n_pool // shape.top_k + 1, 7)
     _, step_s = time_experts(fn, *cpu_pool, warm, warmup=0, budget_s=seconds)
     steps = _steps_for(seconds, step_s)
     windows = sorted(
