@@ -1,6 +1,6 @@
 """Decode attention at long context on the CPU: the torch path (gather K/V out of the paged
-pool, then SDPA) vs the in-place kernel (kernels.cpu.attention_ops), each with the bytes it
-must read over the host read ceiling measured in the same process. Default heads: the demo's
+pool, then SDPA) vs the in-place kernel (freetoken.kernels.cpu.attention_ops), each with the bytes
+it must read over the host read ceiling measured in the same process. Default heads: the demo's
 full-attention layers (4 query / 2 KV heads x 64); Qwen3.6's are 16 / 2 x 256.
 
   python scripts/bench_cpu_attention.py --lengths 4096,32768,57344
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from freetoken.bench import bandwidth as bw
-from kernels.cpu.attention_ops import cpu_decode_attention
+from freetoken.kernels.cpu.attention_ops import cpu_decode_attention
 
 
 def _measure(L: int, hq: int, hk: int, d: int, dtype: torch.dtype, seconds: float,

@@ -16,8 +16,8 @@ expert bytes a step must read; us/layer is the median step.
   python scripts/bench_cpu_kernel.py --format fp8 --no-torch   # FP8 / MXFP4 banks (issue 25)
 
 With --format fp8|mxfp4 the pool holds quantized banks and the kernel rows run
-kernels/cpu/expert_quant.cpp; GB/s counts the quantized bytes (scales included), so "% ceil" is
-the kernel's share of the host read bandwidth in quantized bytes (the issue's floor: 85 %).
+freetoken/kernels/cpu/expert_quant.cpp; GB/s counts the quantized bytes (scales included), so "%
+ceil" is the kernel's share of the host read bandwidth in quantized bytes (the issue's floor: 85 %).
 """
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from freetoken.experts import calibrate as bw
 from freetoken.experts import profile as bwp
+from freetoken.kernels.cpu.expert_ops import cpu_experts_torch, run_quant
+from freetoken.kernels.cpu.ext import PREFETCH_HINTS, cpu_model, load_kernel
 from freetoken.types.model_config import ExpertFormat
-from kernels.cpu.expert_ops import cpu_experts_torch, run_quant
-from kernels.cpu.ext import PREFETCH_HINTS, cpu_model, load_kernel
 
 
 def _args() -> argparse.Namespace:

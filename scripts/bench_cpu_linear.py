@@ -1,4 +1,5 @@
-"""Decode-size CPU linear: torch's F.linear vs the streaming kernel (kernels.cpu.linear_ops),
+"""Decode-size CPU linear: torch's F.linear vs the streaming kernel
+(freetoken.kernels.cpu.linear_ops),
 beside the host read ceiling measured in the same process. Default shapes: the demo model's
 LM head (151936 x 256) and a Qwen3.6-sized one (248320 x 2048) and attention projection.
 
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from freetoken.bench import bandwidth as bw
-from kernels.cpu.linear_ops import small_linear
+from freetoken.kernels.cpu.linear_ops import small_linear
 
 
 def main() -> int:

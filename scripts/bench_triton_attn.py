@@ -20,17 +20,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from freetoken.kernels.triton.gdn import causal_conv1d_update_pool, gdn_gates, gdn_recurrent_pool
+from freetoken.kernels.triton.norm import gated_rmsnorm, rmsnorm, rmsnorm_rope
+from freetoken.kernels.triton.paged_attention import (
+    paged_decode_attention,
+    paged_prefill_attention,
+)
 from freetoken.layers.attention import Attention
 from freetoken.layers.gated_delta import recurrent_gated_delta
 from freetoken.layers.linear_attention import _l2norm
 from freetoken.layers.norm import GatedRMSNorm, RMSNorm
 from freetoken.layers.rotary import Rotary, apply_rotary
-from kernels.triton.gdn import causal_conv1d_update_pool, gdn_gates, gdn_recurrent_pool
-from kernels.triton.norm import gated_rmsnorm, rmsnorm, rmsnorm_rope
-from kernels.triton.paged_attention import (
-    paged_decode_attention,
-    paged_prefill_attention,
-)
 
 HQ, HK, D = 16, 2, 256
 LHK, LHV, LD, KC = 16, 32, 128, 4

@@ -1,4 +1,4 @@
-"""Benchmark the Triton fused MoE (kernels/triton/fused_moe.py) against torch, on the GPU.
+"""Benchmark the Triton fused MoE (freetoken/kernels/triton/fused_moe.py) against torch, on the GPU.
 
 Qwen3.6-35B-A3B shape by default: H=2048, I=512, E=256, top-8, bf16. Prints per case the time
 per MoE layer, the weight bytes of the distinct experts the call must read, the achieved GB/s
@@ -10,8 +10,8 @@ the L2 (50 MB, one layer's 8 experts) cannot serve a call from the previous one.
     python scripts/bench_triton_moe.py [--tokens 1,4,16] [--prefill 4096] [--sweep]
 
 --sweep times a grid of decode tiles (gate_up, then down) at T=1 and T=4 and prints the best,
-for DECODE_CONFIG in kernels/triton/fused_moe.py, then a few grouped tiles at the first
---prefill size (for GROUPED_CONFIGS in kernels/triton/moe_grouped.py).
+for DECODE_CONFIG in freetoken/kernels/triton/fused_moe.py, then a few grouped tiles at the first
+--prefill size (for GROUPED_CONFIGS in freetoken/kernels/triton/moe_grouped.py).
 """
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from freetoken.kernels.triton.fused_moe import DECODE_CONFIG, fused_moe, fused_moe_decode
+from freetoken.kernels.triton.moe_grouped import fused_moe_grouped, tile
+from freetoken.kernels.triton.router import fused_router
+from freetoken.kernels.triton.tuned import gpu_file_name
 from freetoken.layers.moe import dispatch_experts, gathered_experts
-from kernels.triton.fused_moe import DECODE_CONFIG, fused_moe, fused_moe_decode
-from kernels.triton.moe_grouped import fused_moe_grouped, tile
-from kernels.triton.router import fused_router
-from kernels.triton.tuned import gpu_file_name
 
 DEV = "cuda"  # a constant so a CPU dry run (interpreter, tiny shapes) can reuse the script
 HBM = 4.0e12  # B/s, the H200's practical HBM3e read rate (4.8 TB/s peak)
@@ -184,10 +184,10 @@ def sweep(banks, args, gen):
         best[part] = results[0][2]
         print(f"best {part}: {best[part]}")
     print(f"DECODE_CONFIG = {best}")
-    # the entry for kernels/triton/configs/<gpu>.json (kernels/triton/tuned.py)
+    # the entry for freetoken/kernels/triton/configs/<gpu>.json (freetoken/kernels/triton/tuned.py)
     gpu = gpu_file_name(torch.cuda.get_device_name()) if torch.cuda.is_available() else "x.json"
     entry = {"fused_moe_decode": {f"H={H},I={banks[0][1].shape[2]}": best}}
-    print(f"kernels/triton/configs/{gpu}: {json.dumps(entry)}", flush=True)
+    print(f"freetoken/kernels/triton/configs/{gpu}: {json.dumps(entry)}", flush=True)
     if args.no_grouped:
         return
     T = int(args.prefill.split(",")[0]) if args.prefill else 4096

@@ -22,12 +22,12 @@ python -c "import mutmut" 2>/dev/null || python -m pip install -q "mutmut>=3.8.1
 
 mkdir -p "$WORK"
 tar -C "$ROOT" --exclude=.git --exclude=.venv --exclude=mutants --exclude=__pycache__ \
-    -cf - freetoken kernels tests workloads harness_adapters pyproject.toml | tar -C "$WORK" -xf -
+    -cf - freetoken tests workloads harness_adapters pyproject.toml | tar -C "$WORK" -xf -
 cd "$WORK"
 # mutmut reads [mutmut] from setup.cfg (pyproject.toml has no [tool.mutmut] to shadow it)
 {
     echo "[mutmut]"
-    printf 'source_paths=\n    freetoken/\n    kernels/\n'
+    printf 'source_paths=\n    freetoken/\n'
     echo "only_mutate="
     for t in $TARGETS; do echo "    $t"; done
     echo "pytest_add_cli_args_test_selection="

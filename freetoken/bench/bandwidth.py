@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from freetoken.experts.calibrate import host_read_gbps
-from kernels.cpu.ext import load_kernel
+from freetoken.kernels.cpu.ext import load_kernel
 
 
 def time_call(fn: Callable[[], object], seconds: float, warmup: int = 2) -> float:
@@ -25,7 +25,7 @@ def time_call(fn: Callable[[], object], seconds: float, warmup: int = 2) -> floa
 def bench_banner(what: str = "") -> tuple[int, float]:
     """Print the CPU, the kernel build and torch's thread count, then measure and print the
     all-thread host read ceiling; returns (threads, ceiling GB/s). For the CPU kernel scripts."""
-    from kernels.cpu.ext import cpu_model
+    from freetoken.kernels.cpu.ext import cpu_model
 
     kern = load_kernel()
     nth = torch.get_num_threads()

@@ -34,12 +34,12 @@ from freetoken.checkpoint.fp8 import is_fp8_linear, scale_name
 from freetoken.checkpoint.ftw import dtype_name
 from freetoken.checkpoint.ftw_write import DEFAULT_SHARD_BYTES, FtwWriter, ftw_order, tensor_bytes
 from freetoken.checkpoint.layout import expected_runtime, expected_tensors
+from freetoken.kernels.quant import fp8_scale_grid, quantize_fp8
 from freetoken.log import get_logger, kv
 from freetoken.models.demo import tokenizer_size, tokenizer_source_dir
 from freetoken.models.random_weights import RANDOM_MARKER, RandomBlock, is_mx_name, random_value
 from freetoken.types.model_config import ExpertFormat, ModelConfig, config_from_dict
 from freetoken.types.presets import SHAPES
-from kernels.quant import fp8_scale_grid, quantize_fp8
 
 log = get_logger("bench")
 

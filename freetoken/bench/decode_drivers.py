@@ -68,10 +68,10 @@ def cuda_path():
     interpreter: set TRITON_INTERPRET=1 before anything imports triton), with the paged
     attention cut to 2 splits: the launches a CUDA graph of the step holds, counted on the
     CPU (as tests/kernels/triton/engine/inventory.py does). Returns an undo callable."""
-    import kernels.triton.paged_attention as pa
+    import freetoken.kernels.triton.paged_attention as pa
 
     try:
-        from kernels import dispatch as sw
+        from freetoken.kernels import dispatch as sw
     except ImportError:  # (e194b5d: the switch lived in fast_ops)
         from freetoken.layers import fast_ops as sw
     orig, splits = sw.triton_for, pa.default_num_splits

@@ -7,9 +7,9 @@ from tqdm import tqdm
 
 from freetoken.experts.calibrate import random_fill_
 from freetoken.experts.fused import FusedExperts
+from freetoken.kernels.quant import QuantBank, quantize_bank
 from freetoken.models.qwen import QwenMoE
 from freetoken.types.model_config import ExpertFormat, ModelConfig
-from kernels.quant import QuantBank, quantize_bank
 
 
 def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,

@@ -108,7 +108,8 @@ def _same_storage(a, b) -> bool:
 
 
 def _site() -> str:
-    """The innermost frame in freetoken/ or kernels/ (not this module): file:line function."""
+    """The innermost frame in freetoken/ or freetoken/kernels/ (not this module): file:line
+    function."""
     f = sys._getframe(2)
     while f is not None:
         fn = f.f_code.co_filename
@@ -156,7 +157,7 @@ class StepOps(TorchDispatchMode):
                 return
             i = fn.rfind("freetoken/")
             if i < 0:
-                i = fn.rfind("kernels/")
+                i = fn.rfind("freetoken/kernels/")
             if i >= 0:  # the project's own Python (torch's and the mode's are not ours)
                 self.log.calls[fn[i:]] += 1
 

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from freetoken.checkpoint.layout import Shape
+from freetoken.kernels.quant import QuantBank, expand_block_scale
 from freetoken.types.model_config import ModelConfig
-from kernels.quant import QuantBank, expand_block_scale
 
 SCALE_SUFFIX = "_scale_inv"
 # the linears Qwen3.6-FP8 stores in FP8: the routed and shared experts and the attention

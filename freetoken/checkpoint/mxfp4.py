@@ -4,7 +4,7 @@ nibble first) with `experts.gate_up_proj_scales` uint8 e8m0 [E, 2I, H / 32], and
 `down_proj_blocks` [E, H, I / 32, 16] / `down_proj_scales` [E, H, I / 32]. gpt-oss interleaves
 gate and up along the 2I rows (gate the even rows, up the odd: transformers' `_apply_gate`);
 the bank layout is rows [gate | up], so the rows are regrouped — exact, since every MXFP4 scale
-belongs to one row. The bytes stay MXFP4 (a `QuantBank`, kernels/quant.py).
+belongs to one row. The bytes stay MXFP4 (a `QuantBank`, freetoken/kernels/quant.py).
 
 Not yet: the gpt_oss family itself (attention sinks, sliding-window layers, expert biases,
 the clamped SwiGLU, harmony), which these banks are for.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.quant import MX_BLOCK, QuantBank
+from freetoken.kernels.quant import MX_BLOCK, QuantBank
 
 
 def mxfp4_bank(blocks: Tensor, scales: Tensor, interleaved_gate_up: bool = False) -> QuantBank:

@@ -13,8 +13,8 @@ Contract of `load_checkpoint`:
   layout (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`). Every tensor has `dtype` and
   lives on `device`. Tied embeddings add no `lm_head.weight`.
 * FP8 block-scaled checkpoints (`quantization_config` fp8, checkpoint/fp8.py): the routed
-  experts come back as `kernels.quant.QuantBank`s under the bank names (FP8 on the host); every
-  other FP8 weight is dequantized with its `weight_scale_inv` into `dtype`.
+  experts come back as `freetoken.kernels.quant.QuantBank`s under the bank names (FP8 on the host);
+  every other FP8 weight is dequantized with its `weight_scale_inv` into `dtype`.
 """
 from __future__ import annotations
 

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     from freetoken.cli import malloc
-    from kernels import compile_cache
+    from freetoken.kernels import compile_cache
 
     try:  # first of all: before any thread has an arena of its own (cli/malloc.py)
         mem = malloc.apply(os.environ)

@@ -62,7 +62,7 @@ class TritonDecode(PagedDecode):
     name = "triton"
 
     def __init__(self, batch: int, indptr: Tensor, indices: Tensor):
-        from kernels.triton.paged_attention import paged_decode_attention
+        from freetoken.kernels.triton.paged_attention import paged_decode_attention
 
         self._kernel = paged_decode_attention
         self.batch = batch
@@ -77,14 +77,14 @@ class TritonDecode(PagedDecode):
 
 
 class TritonMLADecode(PagedDecode):
-    """Absorbed MLA decode over the latent pool (kernels/triton/mla_decode.py) through the
+    """Absorbed MLA decode over the latent pool (freetoken/kernels/triton/mla_decode.py) through the
     runner's CSR: `run_latent(q_lat [B, Hq, C+R], pool [S, 1, C+R], scale, c) -> [B, Hq, C]`.
     `run` (the GQA contract) is not offered: a latent pool is no K/V pair."""
 
     name = "triton_mla"
 
     def __init__(self, batch: int, indptr: Tensor, indices: Tensor):
-        from kernels.triton.mla_decode import mla_decode_attention
+        from freetoken.kernels.triton.mla_decode import mla_decode_attention
 
         self._kernel = mla_decode_attention
         self.indptr = indptr[: batch + 1]
@@ -102,14 +102,14 @@ class TritonMLADecode(PagedDecode):
 
 class TritonSinkDecode(PagedDecode):
     """gpt-oss's decode over the paged pool with a sink logit per head and, on its sliding
-    layers, a window (kernels/triton/sink_attention.py), through the runner's CSR:
+    layers, a window (freetoken/kernels/triton/sink_attention.py), through the runner's CSR:
     `run_sinks(q [B, Hq, D], k_pool, v_pool [S, Hk, D], scale, sinks [Hq], window) -> [B, Hq,
     D]`. `run` (no sink) is not offered: every layer of the family has sinks."""
 
     name = "triton_sink"
 
     def __init__(self, batch: int, indptr: Tensor, indices: Tensor):
-        from kernels.triton.sink_attention import sink_decode_attention
+        from freetoken.kernels.triton.sink_attention import sink_decode_attention
 
         self._kernel = sink_decode_attention
         self.indptr = indptr[: batch + 1]
@@ -127,7 +127,7 @@ def choose_sink_backend() -> str:
     """'triton_sink' for attention with sinks (gpt-oss) when the kernel imports, else
     'torch'."""
     try:
-        import kernels.triton.sink_attention  # noqa: F401
+        import freetoken.kernels.triton.sink_attention  # noqa: F401
     except (ImportError, RuntimeError):
         return "torch"
     return "triton_sink"
@@ -137,7 +137,7 @@ def choose_mla_backend(cfg) -> str:
     """'triton_mla' for MLA (DeepSeek-V3, Kimi-Linear, GLM-5: its indexer then picks each row's
     latents on the device, `layers/dsa.py: pick_csr`) when the kernel imports, else 'torch'."""
     try:
-        import kernels.triton.mla_decode  # noqa: F401
+        import freetoken.kernels.triton.mla_decode  # noqa: F401
     except (ImportError, RuntimeError):
         return "torch"
     return "triton_mla"
@@ -156,7 +156,7 @@ def choose_backend(requested: str = "auto", dtype: torch.dtype = torch.bfloat16,
         log.warning(kv("flashinfer_unusable", dtype=str(dtype), head_dim=head_dim, using="triton",
                        hint="flashinfer needs the gpu extra and a 16-bit pool"))
     try:
-        import kernels.triton.paged_attention  # noqa: F401
+        import freetoken.kernels.triton.paged_attention  # noqa: F401
     except (ImportError, RuntimeError):
         return "torch"
     return "triton"

@@ -8,7 +8,8 @@ the safe point between steps: a request that arrives waits for at most the one t
 (each is one prefill step, or one bucket's capture). A bucket not captured yet when a request
 needs it is captured in that request's first step of the bucket (`DecodeRunner.launch`), so a
 capture never stalls anyone for more than that step. Kernels come from the persistent compile
-cache (`kernels/compile_cache.py`): on a restart the tasks load binaries and compile nothing.
+cache (`freetoken/kernels/compile_cache.py`): on a restart the tasks load binaries and compile
+nothing.
 
 A warm-up request yields to real work: before each of its steps it asks `should_yield`
 (`AsyncEngine`: a request is waiting in the engine's inbox; a control call such as

@@ -34,8 +34,8 @@ class ExpertBackend(nn.Module):
         prefill chunk through the layer streamer).
       - `shared`: the block's shared expert (gate_up [2I, H], down [H, I]) where the backend
         can run it in its own launches.
-      - `act`: the experts' biases and clamped SwiGLU (gpt-oss; kernels/expert_act.py), bound
-        to topk_ids (the biases follow the logical ids, whatever slot computes an entry);
+      - `act`: the experts' biases and clamped SwiGLU (gpt-oss; freetoken/kernels/expert_act.py),
+        bound to topk_ids (the biases follow the logical ids, whatever slot computes an entry);
         None: the plain SwiGLU below. The CPU branch of a captured step reads the host copy
         the runtime took at install (`MoERuntime.acts`).
       - returns `y [T, K, H]` in x's dtype: the UNWEIGHTED output of expert topk_ids[t, k] on
@@ -43,8 +43,8 @@ class ExpertBackend(nn.Module):
         in one fixed order, so partial results computed on different devices merge exactly;
         and the shared expert's output [T, H] when it rode the backend's launches, else None
         (the block runs it).
-    Results equal `kernels.reference.expert_ffn_reference` (float64) to the dtype's rounding; in
-    fp32 on the CPU every backend is bit-identical to `fused`.
+    Results equal `freetoken.kernels.reference.expert_ffn_reference` (float64) to the dtype's
+    rounding; in fp32 on the CPU every backend is bit-identical to `fused`.
 
     A backend knows its MoE layer's index among the model's MoE blocks (`m`, 0..L-1, the order
     of `MoEHost.moe_blocks()`; not the decoder-layer index: dense layers are skipped): it names

@@ -5,7 +5,7 @@ Per hybrid (or cpu) MoE layer m, inside the graph, in stream order:
 
 1. `send(m, x, ids, cpu_mask)`: a kernel stores the layer's input rows, routed ids and CPU mask
    into pinned buffers through their mapped addresses, then a one-thread kernel stores the
-   step's sequence number into `go[m]` (kernels/triton/host_flags.py).
+   step's sequence number into `go[m]` (freetoken/kernels/triton/host_flags.py).
 2. the GPU fills the fetched experts and computes the resident ones meanwhile;
 3. `receive(m, mask, y)`: a one-thread kernel spins until `done[m]` holds the sequence number
    (not at all when the layer's CPU mask is empty: most layers, when the cache hits), then a
@@ -19,8 +19,8 @@ when the layer has no CPU work), writes the results into the pinned output and t
 `done[m] = seq`. x86 stores are seen in program order, so the results are in place before the
 flag the GPU is waiting on. Two ways to walk the layers:
 
-- native (kernels/cpu/bridge_kernel.cpp, whenever the C++ kernel is built and computes this
-  step the way the Python path would: bf16 banks, or fp32 banks with one row): one call per
+- native (freetoken/kernels/cpu/bridge_kernel.cpp, whenever the C++ kernel is built and computes
+  this step the way the Python path would: bf16 banks, or fp32 banks with one row): one call per
   step, the GIL released, one OpenMP team for every layer, whose thread 0 spins on the flags
   with `pause` and whose threads run each layer as soon as its flag arrives — no fork/join,
   futex wake or Python per layer. Each output row is the same dot products as `ft_cpu_experts`
@@ -67,8 +67,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from freetoken.kernels.cpu.bridge_ops import NativeBridge, native_supported
 from freetoken.log import get_logger, kv
-from kernels.cpu.bridge_ops import NativeBridge, native_supported
 
 log = get_logger("experts")
 
@@ -138,7 +138,7 @@ class CpuBridge:
         if m == 0:
             self.seq_dev.add_(1)  # one step = one sequence number for every layer
         if self.cuda:
-            from kernels.triton.host_flags import raise_flag, store_rows
+            from freetoken.kernels.triton.host_flags import raise_flag, store_rows
 
             store_rows(x, ids, mask, self.x[m, :T], self.ids[m, :T], self.mask[m, :T])
             raise_flag(self.go, m, self.seq_dev)
@@ -154,7 +154,7 @@ class CpuBridge:
         wait for the host."""
         T = y.shape[0]
         if self.cuda:
-            from kernels.triton.host_flags import merge_rows, wait_flag
+            from freetoken.kernels.triton.host_flags import merge_rows, wait_flag
 
             wait_flag(self.done, m, self.seq_dev, self.err, need=mask)
             return merge_rows(y, self.out[m, :T], mask)
@@ -306,7 +306,7 @@ def _native(bridge: CpuBridge, banks: tuple[list[Tensor], list[Tensor]] | None,
     does not take: the Python path then)."""
     if banks is None or not native_supported(banks[0][0].dtype, bridge.x.dtype):
         return None
-    from kernels.cpu.ext import load_kernel
+    from freetoken.kernels.cpu.ext import load_kernel
 
     kern = load_kernel()
     if kern is None:

@@ -5,8 +5,8 @@ by `ft bench bw` and by the first hybrid/auto start on a GPU without a saved pro
 Shape legend: P experts in the measured pool, E experts per layer window, T tokens, K top-k,
 H hidden, I intermediate. S = 3 * H * I * element bytes per expert.
 
-B_H: the real CPU kernel (kernels.cpu.expert_ops) on *fresh* experts: each step routes into a new
-window of the pool, and the pool is far larger than the LLC, so weights come from DRAM.
+B_H: the real CPU kernel (freetoken.kernels.cpu.expert_ops) on *fresh* experts: each step routes
+into a new window of the pool, and the pool is far larger than the LLC, so weights come from DRAM.
 B_P: the real fill path: per-expert non_blocking copies from a pinned host pool into GPU slots
 on a copy stream, timed with CUDA events. Both, concurrently: a Python thread runs the CPU kernel
 (the GIL is released inside it) while the copy stream fills.
@@ -33,10 +33,10 @@ from freetoken.experts.profile import (
     save_profile,
     shape_for,
 )
+from freetoken.kernels.cpu.ext import load_kernel
+from freetoken.kernels.quant import QuantBank, empty_bank
 from freetoken.log import get_logger, kv
 from freetoken.types.model_config import ExpertFormat
-from kernels.cpu.ext import load_kernel
-from kernels.quant import QuantBank, empty_bank
 
 log = get_logger("experts")
 GB = 1e9
@@ -120,7 +120,7 @@ def host_read_gbps(nbytes: float, repeats: int = 5, threads: int | None = None) 
 
 
 def cpu_kernel_fn(threads: int | None = None) -> ExpertFn:
-    from kernels.cpu.expert_ops import cpu_experts
+    from freetoken.kernels.cpu.expert_ops import cpu_experts
 
     return lambda x, ids, gu, dn: cpu_experts(x, ids, gu, dn, num_threads=threads)
 
@@ -303,7 +303,7 @@ def make_pool(shape: ExpertShape, dtype: torch.dtype | ExpertFormat, pool_bytes:
     p = max(1, min(MAX_POOL_EXPERTS, int(pool_bytes // shape.expert_bytes(dtype))))
     h, i = shape.hidden, shape.inter
     if isinstance(dtype, ExpertFormat):
-        from kernels.quant import quantize_bank
+        from freetoken.kernels.quant import quantize_bank
 
         g = torch.Generator().manual_seed(1)
         n = min(p, 4)

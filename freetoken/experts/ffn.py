@@ -1,12 +1,12 @@
 """The expert FFN's compute paths over a bank (a layer's resident banks, or a slot cache's
 slots through slot ids): the grouped torch path, the gathered path for decode-sized batches on
 CUDA, the C++ kernel for a CPU decode row, and the Triton fused MoE. Every path returns per
-(token, k) UNWEIGHTED outputs and equals `kernels.reference.expert_ffn_reference`.
+(token, k) UNWEIGHTED outputs and equals `freetoken.kernels.reference.expert_ffn_reference`.
 
 Shapes: T tokens, H hidden, E experts, K top-k, I expert intermediate, U unique experts hit,
-N = T*K entries. A bank may be a `kernels.quant.QuantBank` (FP8, MXFP4): the C++ CPU kernel
-reads it as it is; the torch paths dequantize the rows they use (`as_weight`); on CUDA the
-Triton decode and grouped paths dequantize in the kernel (kernels/triton/moe_quant.py,
+N = T*K entries. A bank may be a `freetoken.kernels.quant.QuantBank` (FP8, MXFP4): the C++ CPU
+kernel reads it as it is; the torch paths dequantize the rows they use (`as_weight`); on CUDA the
+Triton decode and grouped paths dequantize in the kernel (freetoken/kernels/triton/moe_quant.py,
 moe_quant_grouped.py).
 """
 from __future__ import annotations
@@ -15,16 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import dispatch
-from kernels.expert_act import ExpertAct, expert_bias_row, glu
-from kernels.quant import QuantBank, as_weight
+from freetoken.kernels import dispatch
+from freetoken.kernels.expert_act import ExpertAct, expert_bias_row, glu
+from freetoken.kernels.quant import QuantBank, as_weight
 
 
 def expert_group_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                          biases: tuple[Tensor | None, Tensor | None] = (None, None),
                          act: ExpertAct | None = None) -> torch.Tensor:
     """One expert on the tokens routed to it. x [n, H]; gate_up [2I, H]; down [H, I] -> [n, H].
-    `biases` (gate_up [2I], down [H]) and `act` for gpt-oss's experts (kernels/expert_act.py)."""
+    `biases` (gate_up [2I], down [H]) and `act` for gpt-oss's experts
+    (freetoken/kernels/expert_act.py)."""
     gu = F.linear(x, as_weight(gate_up, x.dtype), biases[0])  # [n, 2I]
     return F.linear(glu(gu, act), as_weight(down, x.dtype), biases[1])  # [n, H]
 
@@ -64,7 +65,7 @@ def dispatch_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Ten
     each expert's weights once for all its tokens. `bank_index` maps a logical expert id to its
     row in gate_up/down (slot ids for a slot cache); identity if None. `num_threads`: the C++
     kernel's threads for a decode row on the CPU (None: torch's thread count). `act`: gpt-oss's
-    biased, clamped SwiGLU, bound to the entries' logical ids (kernels/expert_act.py)."""
+    biased, clamped SwiGLU, bound to the entries' logical ids (freetoken/kernels/expert_act.py)."""
     if (x.is_cuda and bank_index is None and topk_ids.numel() <= GATHER_MAX_ENTRIES):
         return gathered_experts(x, topk_ids, gate_up, down, y, mask, act)
     if x.device.type == "cpu" and x.shape[0] == 1 and bank_index is None:
@@ -72,7 +73,7 @@ def dispatch_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Ten
         # per layer. Every backend computes its CPU-side decode rows here (fused, slot hits on
         # a CPU cache, the CPU branch), each expert of a row by the same dot products, so the
         # backends stay bit-identical to each other in fp32.
-        from kernels.cpu.expert_ops import cpu_experts
+        from freetoken.kernels.cpu.expert_ops import cpu_experts
 
         keep = topk_ids >= 0 if mask is None else mask & (topk_ids >= 0)  # [1, K]
         o = cpu_experts(x, topk_ids.clamp(min=0), gate_up, down, compute_mask=keep,

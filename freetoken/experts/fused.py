@@ -6,9 +6,9 @@ from torch import Tensor, nn
 
 from freetoken.experts.base import ExpertBackend, SharedWeights
 from freetoken.experts.ffn import run_experts
+from freetoken.kernels.expert_act import ExpertAct
+from freetoken.kernels.quant import QuantBank
 from freetoken.types.forward_batch import MoEStep
-from kernels.expert_act import ExpertAct
-from kernels.quant import QuantBank
 
 
 class FusedExperts(ExpertBackend):

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from freetoken.experts.cost_model import BandwidthProfile
+from freetoken.kernels.cpu.ext import cache_root, cpu_model
 from freetoken.log import get_logger, kv
 from freetoken.types.model_config import ExpertFormat, expert_nbytes
-from kernels.cpu.ext import cache_root, cpu_model
 
 log = get_logger("experts")
 

@@ -8,8 +8,8 @@ by `g = layer * E + expert`. The table is three tensors and a clock on one devic
 - `slot_last_use [S]` int64: clock value of the last step that used the slot; -1 when empty.
 - `clock [1]` int64: ticks once per `decide` call (so layers of one step are ordered too).
 
-Decision contract (`decide_reference` here, `kernels/triton/slot_decide.py` on device; both give
-exactly the same tensors and leave exactly the same tables):
+Decision contract (`decide_reference` here, `freetoken/kernels/triton/slot_decide.py` on device;
+both give exactly the same tensors and leave exactly the same tables):
 
 1. `U` = distinct routed experts of `topk_ids [T, K]` (entries < 0 are padding and ignored).
 2. hits = U resident, misses = U not resident.
@@ -109,7 +109,7 @@ class ResidencyTable:
                 accumulate.add_(d.counters)
             return d
         if impl == "triton":
-            from kernels.triton.slot_decide import slot_decide
+            from freetoken.kernels.triton.slot_decide import slot_decide
 
             T, K = topk_ids.shape
             cap = fetch_capacity(T, K, self.num_experts, self.num_slots)

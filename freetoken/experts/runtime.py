@@ -58,12 +58,12 @@ from freetoken.experts.split import (
 from freetoken.experts.stats import MoEStats
 from freetoken.experts.store import ExpertStore
 from freetoken.experts.streamer import LayerStreamer
+from freetoken.kernels.expert_act import ExpertAct
+from freetoken.kernels.quant import QuantBank
 from freetoken.log import get_logger, kv
 from freetoken.types.api import AdmissionError
 from freetoken.types.config import MoEConfig
 from freetoken.types.forward_batch import EAGER, MoEStep
-from kernels.expert_act import ExpertAct
-from kernels.quant import QuantBank
 
 log = get_logger("experts")
 

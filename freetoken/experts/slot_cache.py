@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 
 from freetoken.experts.residency import Decision, ResidencyTable
+from freetoken.kernels.quant import QuantBank, empty_bank
 from freetoken.log import get_logger, kv
 from freetoken.types.model_config import ExpertFormat, expert_nbytes
-from kernels.quant import QuantBank, empty_bank
 
 log = get_logger("experts")
 
@@ -119,7 +119,7 @@ class SlotCache:
         if self.device.type != "cuda" or not getattr(store, "pinned", False):
             return False
         try:
-            import kernels.triton.uva_fill  # noqa: F401
+            import freetoken.kernels.triton.uva_fill  # noqa: F401
         except (ImportError, RuntimeError):
             return False
         return True
@@ -129,7 +129,7 @@ class SlotCache:
         """`fill` without leaving the device: a kernel reads the chosen experts from the pinned
         store through its mapped address into their slots (padding entries are skipped on the
         device), so nothing syncs and the call can be captured in a CUDA graph."""
-        from kernels.triton.uva_fill import fill_banks, fill_pair
+        from freetoken.kernels.triton.uva_fill import fill_banks, fill_pair
 
         fill = fill_banks if isinstance(self.gate_up_slots, QuantBank) else fill_pair
         fill(store.gate_up(layer), self.gate_up_slots, store.down(layer), self.down_slots,

@@ -27,9 +27,9 @@ from freetoken.experts.cost_model import q_star, q_star_overlapped
 from freetoken.experts.ffn import dispatch_experts, run_experts
 from freetoken.experts.slot_cache import SlotCache
 from freetoken.experts.store import ExpertStore
+from freetoken.kernels.expert_act import ExpertAct
+from freetoken.kernels.quant import QuantBank
 from freetoken.types.forward_batch import MoEStep
-from kernels.expert_act import ExpertAct
-from kernels.quant import QuantBank
 
 # one long-lived worker for the CPU branch (a thread per layer and step costs ~0.1 ms)
 _CPU_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
@@ -47,7 +47,7 @@ def cpu_branch(x: Tensor, ids: Tensor, mask: Tensor, store: ExpertStore, layer: 
         # or the C++ kernel for a single decode row), so results are bit-identical
         y = torch.zeros(*ic.shape, xc.shape[-1], dtype=xc.dtype)
         return dispatch_experts(xc, ic, gu, dn, y, mask=mc, num_threads=num_threads, act=act)
-    from kernels.cpu.expert_ops import cpu_experts
+    from freetoken.kernels.cpu.expert_ops import cpu_experts
 
     return cpu_experts(xc, ic, gu, dn, compute_mask=mc, num_threads=num_threads,
                        act=act).to(x.dtype)

@@ -1,16 +1,16 @@
 """Host expert pool: every routed expert of every MoE layer in the runtime bank layout — the
 source of truth. Banks are built in their final layout first and pinned afterwards (pinning an
 empty buffer and overwriting it would double peak memory and page-fault twice). Banks are dense
-tensors or `QuantBank`s (FP8 block-scaled, MXFP4: kernels/quant.py), which stay quantized here,
-over the link and in the slots; `fmt` says which, and every byte count uses the real bytes."""
+tensors or `QuantBank`s (FP8 block-scaled, MXFP4: freetoken/kernels/quant.py), which stay quantized
+here, over the link and in the slots; `fmt` says which, and every byte count uses the real bytes."""
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from freetoken.kernels.quant import QuantBank
 from freetoken.log import get_logger, kv
 from freetoken.types.model_config import ExpertFormat, expert_nbytes
-from kernels.quant import QuantBank
 
 log = get_logger("experts")
 

@@ -43,8 +43,8 @@ from torch import Tensor
 from freetoken.experts.ffn import dispatch_experts, fused_moe
 from freetoken.experts.slot_cache import SlotCache
 from freetoken.experts.store import ExpertStore
+from freetoken.kernels.quant import QuantBank
 from freetoken.log import get_logger, kv
-from kernels.quant import QuantBank
 
 log = get_logger("experts")
 
@@ -317,7 +317,7 @@ class LayerStreamer:
         c = self.cache
         src_rows, dst_rows = torch.where(up, buf, -1), torch.where(up, dest, -1)
         if self._cuda:  # slot to slot on the device, codes and scales alike when quantized
-            from kernels.triton.uva_fill import fill_banks, fill_pair
+            from freetoken.kernels.triton.uva_fill import fill_banks, fill_pair
 
             fill = fill_banks if isinstance(c.gate_up_slots, QuantBank) else fill_pair
             fill(c.gate_up_slots, c.gate_up_slots, c.down_slots, c.down_slots, src_rows,

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from freetoken.cache.tensors import KVPool
+from freetoken.kernels import dispatch
+from freetoken.kernels.cpu.attention_ops import cpu_decode_attention
 from freetoken.layers import fast_ops
 from freetoken.layers.linear import Linear, fuse_linears, split_linear
 from freetoken.layers.norm import RMSNorm
@@ -16,8 +18,6 @@ from freetoken.layers.rotary import apply_rotary
 from freetoken.layers.step_context import attend
 from freetoken.types.forward_batch import ForwardBatch
 from freetoken.types.model_config import ModelConfig
-from kernels import dispatch
-from kernels.cpu.attention_ops import cpu_decode_attention
 
 
 class Attention(nn.Module):

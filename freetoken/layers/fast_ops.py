@@ -1,7 +1,7 @@
 """Layer-level decode-step operations with one entry point each: our Triton kernels on CUDA when
-they are importable (the switch: kernels/dispatch.py), plain torch otherwise. The expert FFN's
-own paths are in freetoken/experts/ffn.py. The torch versions are the reference the kernels are
-tested against and are themselves free of host syncs (index_select / index_copy_ by device slot
+they are importable (the switch: freetoken/kernels/dispatch.py), plain torch otherwise. The expert
+FFN's own paths are in freetoken/experts/ffn.py. The torch versions are the reference the kernels
+are tested against and are themselves free of host syncs (index_select / index_copy_ by device slot
 tensors), so a decode step stays capturable either way; the kernels remove the state gathers
 and scatters and the launch count.
 
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from freetoken.kernels import dispatch
 from freetoken.layers.gated_delta import recurrent_gated_delta
-from kernels import dispatch
 
 
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:

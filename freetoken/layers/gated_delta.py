@@ -63,7 +63,8 @@ def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     q_dec = q * gc.exp()[..., None]  # [H, N, C, K]
     k_dec = k * (gc[..., -1:] - gc).exp()[..., None]  # [H, N, C, K]
     chunk_decay = gc[..., -1].exp()  # [H, N]
-    # the scan over chunks as a torch loop: the one-kernel scan (kernels/triton/gdn_chunk.py,
+    # the scan over chunks as a torch loop: the one-kernel scan
+    # (freetoken/kernels/triton/gdn_chunk.py,
     # exact) took 0.774 s for an 8k chunk of the 20-layer shape against the loop's 0.274 s on
     # the H200 (2026-11-30), so it is not wired in (docs/architecture.md, "Not built yet")
     s = state.float()  # [H, K, V]

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from freetoken.cache.tensors import KVPool
+from freetoken.kernels.cpu.attention_ops import cpu_decode_attention
 from freetoken.layers.linear import Linear, fuse_linears, split_linear
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rope_scaling import apply_rotary_interleaved, yarn_mscale
@@ -27,7 +28,6 @@ from freetoken.layers.rotary import apply_rotary
 from freetoken.layers.step_context import attend
 from freetoken.types.forward_batch import ForwardBatch
 from freetoken.types.model_config import ModelConfig
-from kernels.cpu.attention_ops import cpu_decode_attention
 
 # transformers builds q_a_layernorm / kv_a_layernorm with the RMSNorm default, not rms_norm_eps
 _LORA_NORM_EPS = 1e-6

@@ -8,7 +8,7 @@ from torch import nn
 
 def _triton_norm(x: torch.Tensor):
     """The Triton norm kernels (one launch instead of ~8) for CUDA tensors, else None."""
-    from kernels import dispatch
+    from freetoken.kernels import dispatch
 
     return dispatch.triton_for(x, "norm")
 

@@ -10,8 +10,8 @@ the last W of them, so its decode cost does not grow with the context.
 
 Prefill runs in torch on every device, and so does decode on the CPU (the C++ decode kernel
 takes neither sinks nor windows yet). The CUDA decode runner plans `triton_sink`
-(kernels/triton/sink_attention.py: sinks and the window over the step's CSR, capturable in a CUDA
-graph; engine/attention_plans.TritonSinkDecode); flashinfer's plan takes no sinks.
+(freetoken/kernels/triton/sink_attention.py: sinks and the window over the step's CSR, capturable
+in a CUDA graph; engine/attention_plans.TritonSinkDecode); flashinfer's plan takes no sinks.
 
 Shapes: T packed new tokens, Hq query heads, Hk KV heads, D head_dim, n new tokens of one
 sequence, L its keys read, S pool slots.

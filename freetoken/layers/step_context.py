@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.cpu.attention_ops import cpu_decode_attention
+from freetoken.kernels.cpu.attention_ops import cpu_decode_attention
 
 
 class PagedDecode:

@@ -1,7 +1,7 @@
 """gpt-oss (`gpt_oss`): sink attention on every layer, alternating sliding-window and full
 (freetoken/layers/sink_attention.py), then a MoE block on every layer: a router with a bias
 (top-k of its logits, softmax over the k) and routed experts with biases and the clamped SwiGLU
-(kernels/expert_act.py). The experts' banks are QwenMoE's ([E, 2I, H] rows [gate | up],
+(freetoken/kernels/expert_act.py). The experts' banks are QwenMoE's ([E, 2I, H] rows [gate | up],
 [E, H, I]; MXFP4 `QuantBank`s for the released checkpoints) behind the same `ExpertBackend`s;
 their biases stay on the block and travel to the backend as a bound `ExpertAct`. The decoder,
 its forward and the expert-backend plumbing are QwenMoE's.
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from freetoken.experts.fused import FusedExperts
+from freetoken.kernels.expert_act import ExpertAct
 from freetoken.layers import fast_ops
 from freetoken.layers.moe import MoEBlock
 from freetoken.layers.norm import RMSNorm
@@ -27,7 +28,6 @@ from freetoken.layers.sink_attention import SinkAttention
 from freetoken.models.qwen import DecoderLayer, QwenMoE
 from freetoken.types.forward_batch import EAGER, MoEStep
 from freetoken.types.model_config import ModelConfig
-from kernels.expert_act import ExpertAct
 
 
 class GptOssRouter(nn.Module):

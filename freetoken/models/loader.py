@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
+from freetoken.kernels.quant import QuantBank
 from freetoken.log import get_logger, kv
 from freetoken.models.qwen import QwenMoE
 from freetoken.types.model_config import ModelConfig, load_config
-from kernels.quant import QuantBank
 
 log = get_logger("model")
 
@@ -100,7 +100,7 @@ def place_model(model: QwenMoE, device: torch.device | str, *, cpu_kernels: bool
     reads it as the load phase)."""
     model = model.to(device).fuse_projections()
     if torch.device(device).type == "cpu" or cpu_kernels:
-        from kernels.cpu.ext import load_kernel
+        from freetoken.kernels.cpu.ext import load_kernel
 
         load_kernel()
     n = sum(p.numel() for p in model.parameters())

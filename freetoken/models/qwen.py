@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from freetoken.cache.tensors import Caches
+from freetoken.kernels.cpu.linear_ops import small_linear
 from freetoken.layers.attention import Attention
 from freetoken.layers.linear_attention import GatedDeltaNet
 from freetoken.layers.moe import MLP, MoEBlock
@@ -17,7 +18,6 @@ from freetoken.layers.norm import RMSNorm, add_rmsnorm
 from freetoken.layers.rotary import Rotary
 from freetoken.types.forward_batch import ForwardBatch
 from freetoken.types.model_config import ModelConfig
-from kernels.cpu.linear_ops import small_linear
 
 
 class DecoderLayer(nn.Module):

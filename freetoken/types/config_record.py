@@ -206,7 +206,7 @@ class ExpertFormat:
     "bf16" / "float32" (dense, the model dtype), "fp8" (e4m3 with one float32 scale per
     `block` x `block` tile, Qwen3.6-FP8 / DeepSeek's `weight_scale_inv`) or "mxfp4" (e2m1 codes
     two a byte, one e8m0 scale per 32 values, gpt-oss's `_blocks` / `_scales`). The banks
-    themselves are `kernels.quant.QuantBank`s for the quantized formats."""
+    themselves are `freetoken.kernels.quant.QuantBank`s for the quantized formats."""
 
     name: str = "bfloat16"
     block: int = 128

@@ -69,7 +69,7 @@ def test_fp8_checkpoint_as_released_loads_with_fp8_experts(tmp_path: Path) -> No
     # issue 25: `ft bench checkpoint` for an FP8 shape writes e4m3 linears beside their
     # weight_scale_inv (quantization_config at the top level, as Qwen3.6-FP8), which the real
     # loader takes with its routed experts kept FP8
-    from kernels.quant import QuantBank
+    from freetoken.kernels.quant import QuantBank
 
     out = tmp_path / "fp8"
     assert main(["bench", "checkpoint", "--shape", "tiny-qwen3.5-moe-fp8", "--layers", "2",

@@ -38,9 +38,9 @@ def test_bench_checkpoint_writes_the_released_layout(tmp_path, capsys) -> None:
         assert tuple(f.get_tensor(p + "down_proj_scales").shape) == (8, 64, 2)
         assert f.get_tensor(p + "gate_up_proj_bias").dtype == torch.bfloat16
     from freetoken.engine.generate import generate
+    from freetoken.kernels.quant import QuantBank
     from freetoken.models.loader import load_model
     from freetoken.types.api import SamplingParams
-    from kernels.quant import QuantBank
 
     m = load_model(out, dtype=torch.float32, progress=False)
     gu = m.moe_blocks()[1].experts.gate_up_proj

@@ -12,21 +12,9 @@ from freetoken.engine.generate import generate, private_runner
 from freetoken.models.loader import load_model
 from freetoken.types.api import GenerateRequest, SamplingParams
 from freetoken.types.config import MoEConfig
+from tests.engine.drive import greedy_tokens
 
 pytestmark = pytest.mark.gpu
-
-
-def _engine_tokens(model, prompts, n, **kw) -> tuple[list[list[int]], EngineCore]:
-    core = EngineCore(model, [], kv_tokens=4096, state_slots=16, max_running=4,
-                      chunk_tokens=64, **kw)
-    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        core.add(GenerateRequest(p, sp, [], request_id=f"r{i}"),
-                 lambda ev, i=i: out[i].extend(ev.token_ids))
-    while core.has_work():
-        core.step()
-    return [out[i] for i in range(len(prompts))], core
 
 
 @pytest.mark.parametrize("backend", ["fused", "offload", "hybrid", "cpu", "auto"])
@@ -39,14 +27,14 @@ def test_graph_replay_equals_eager(tiny_hf, backend: str) -> None:
     V = model.cfg.vocab_size
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, V, (30 + 7 * i,), generator=g).tolist() for i in range(3)]
-    eager, _ = _engine_tokens(model, prompts[:1], 256, decode_runner=False, moe=rt)
-    graphs, core = _engine_tokens(model, prompts[:1], 256, decode_runner=True, cuda_graph=True,
+    eager, _ = greedy_tokens(model, prompts[:1], 256, decode_runner=False, moe=rt)
+    graphs, core = greedy_tokens(model, prompts[:1], 256, decode_runner=True, cuda_graph=True,
                                   moe=rt)
     assert graphs == eager
     assert core.runner.replays >= 250  # hybrid too: its CPU share goes through the bridge
     # three requests decoding together (bucket 4: one padding row)
-    eager3, _ = _engine_tokens(model, prompts, 64, decode_runner=False, moe=rt)
-    graphs3, core3 = _engine_tokens(model, prompts, 64, decode_runner=True, cuda_graph=True,
+    eager3, _ = greedy_tokens(model, prompts, 64, decode_runner=False, moe=rt)
+    graphs3, core3 = greedy_tokens(model, prompts, 64, decode_runner=True, cuda_graph=True,
                                     moe=rt)
     assert graphs3 == eager3
     assert core3.runner.replays > 0
@@ -120,7 +108,7 @@ def test_graphs_are_captured_again_after_a_slot_cache_resize(tiny_hf) -> None:
     g = torch.Generator().manual_seed(11)
     phases = [[torch.randint(0, V, (20 + 5 * i,), generator=g).tolist() for i in range(2)]
               for _ in range(3)]  # new prompts each phase: no prefix reuse across them
-    wants = [_engine_tokens(model, ps, 48, decode_runner=False, moe=rt)[0] for ps in phases]
+    wants = [greedy_tokens(model, ps, 48, decode_runner=False, moe=rt)[0] for ps in phases]
     core = EngineCore(model, [], kv_tokens=4096, state_slots=16, max_running=4,
                       chunk_tokens=64, decode_runner=True, cuda_graph=True, moe=rt)
     sp = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)

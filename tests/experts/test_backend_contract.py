@@ -1,6 +1,6 @@
 """The ExpertBackend contract (freetoken/experts/base.py), checked against the one
-reference expert FFN (kernels/reference.py, float64): every backend the registry builds, and
-every implementation of the expert FFN (grouped and gathered torch paths, the C++ CPU kernel),
+reference expert FFN (freetoken/kernels/reference.py, float64): every backend the registry builds,
+and every implementation of the expert FFN (grouped and gathered torch paths, the C++ CPU kernel),
 on random routing with padding ids. Bug it catches: a backend that computes or fetches a padding
 entry (-1 read as the last expert), weights applied twice, or a wrong bank row."""
 from __future__ import annotations
@@ -15,10 +15,10 @@ from freetoken.experts.slot_cache import SlotCache
 from freetoken.experts.split import FetchRule
 from freetoken.experts.stats import MoEStats
 from freetoken.experts.store import ExpertStore
+from freetoken.kernels.cpu.expert_ops import cpu_experts
+from freetoken.kernels.reference import expert_ffn_reference
 from freetoken.types.forward_batch import EAGER
 from freetoken.types.model_config import expert_nbytes
-from kernels.cpu.expert_ops import cpu_experts
-from kernels.reference import expert_ffn_reference
 
 L, E, H, I, K = 3, 6, 32, 16, 2
 

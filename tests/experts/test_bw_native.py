@@ -1,4 +1,4 @@
-"""B_H from the bridge's native step loop (kernels/cpu/bridge_kernel.cpp -> CpuBridge ->
+"""B_H from the bridge's native step loop (freetoken/kernels/cpu/bridge_kernel.cpp -> CpuBridge ->
 bw_track.native_sampler -> Reprofiler): the C++ loop reports the experts it computed and its
 busy time per step, and the split follows a simulated drop in host bandwidth on that path
 (`NativeBridge.set_throttle`: a known extra busy time per expert). Oracles: the distinct
@@ -23,8 +23,8 @@ from freetoken.experts.bw_track import Reprofiler, native_sampler
 from freetoken.experts.cost_model import q_star
 from freetoken.experts.split import QStarRule, cpu_branch
 from freetoken.experts.store import ExpertStore
+from freetoken.kernels.cpu.ext import load_kernel
 from freetoken.types.config import MoEConfig
-from kernels.cpu.ext import load_kernel
 from tests.engine.test_engine_core import _prompt, _req, _run
 
 needs_kernel = pytest.mark.skipif(load_kernel() is None, reason="C++ CPU kernel unavailable")

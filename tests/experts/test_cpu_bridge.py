@@ -1,7 +1,7 @@
 """The CPU bridge's protocol on the CPU device (flags in host tensors): the native step loop
-(kernels/cpu/bridge_kernel.cpp) against the Python worker it replaces (cpu_branch per layer)
-bit for bit, both against the float64 reference, and the failure paths (a layer whose flag never
-comes, a bad expert id) surfacing as errors instead of hangs.
+(freetoken/kernels/cpu/bridge_kernel.cpp) against the Python worker it replaces (cpu_branch per
+layer) bit for bit, both against the float64 reference, and the failure paths (a layer whose flag
+never comes, a bad expert id) surfacing as errors instead of hangs.
 
 Shapes: L layers, T rows, K top-k, H hidden, E experts, I intermediate."""
 from __future__ import annotations
@@ -15,8 +15,8 @@ from freetoken.experts import bridge as cpu_bridge
 from freetoken.experts.bridge import BridgeError, CpuBridge
 from freetoken.experts.split import cpu_branch
 from freetoken.experts.store import ExpertStore
-from kernels.cpu.ext import load_kernel
-from kernels.reference import expert_ffn_reference
+from freetoken.kernels.cpu.ext import load_kernel
+from freetoken.kernels.reference import expert_ffn_reference
 
 L, B, K, H, E, I = 3, 6, 4, 72, 7, 40  # odd H, I: vector tails
 
@@ -271,7 +271,7 @@ def test_echo_answers_the_simulated_gpu_and_host_bump_counts() -> None:
     import threading
     import time
 
-    from kernels.cpu.bridge_ops import echo_step, host_bump_address, sim_gpu
+    from freetoken.kernels.cpu.bridge_ops import echo_step, host_bump_address, sim_gpu
 
     kern = load_kernel()
     go = torch.full((L,), -1, dtype=torch.int64)

@@ -149,7 +149,7 @@ def test_gathered_decode_path_matches_grouped() -> None:
 def test_cpu_branch_thread_count(tiny_hf, monkeypatch, dtype: torch.dtype) -> None:
     """--moe-cpu-threads reaches the CPU kernel of every layer; the default is torch's thread
     count, capped at the cores less one when a GPU is driven from the main thread."""
-    import kernels.cpu.expert_ops as ops
+    import freetoken.kernels.cpu.expert_ops as ops
     from freetoken.experts import runtime_setup as setup
 
     seen: list[int | None] = []

@@ -1,5 +1,5 @@
-"""Quantized expert banks (kernels/quant.py) through the host store, the slot cache and the
-torch FFN paths: real byte counts, dequantization against a per-element decode written from
+"""Quantized expert banks (freetoken/kernels/quant.py) through the host store, the slot cache and
+the torch FFN paths: real byte counts, dequantization against a per-element decode written from
 the format specs, and the slot contract (a slot holds its expert's exact bytes and scales)."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 from freetoken.experts.ffn import dispatch_experts, gathered_experts
 from freetoken.experts.slot_cache import SlotCache
 from freetoken.experts.store import ExpertStore
+from freetoken.kernels.quant import QuantBank, quantize_bank
+from freetoken.kernels.reference import expert_ffn_reference
 from freetoken.types.model_config import ExpertFormat, expert_nbytes
-from kernels.quant import QuantBank, quantize_bank
-from kernels.reference import expert_ffn_reference
 
 
 def _banks(fmt: str, E=3, H=64, I=32, block=16, seed=0):

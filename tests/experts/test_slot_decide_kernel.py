@@ -27,7 +27,7 @@ def small_q(request, monkeypatch) -> int:
     """Both ways the kernel picks the q smallest keys: block reductions (q <= SMALL_Q, every
     q at these shapes) and the sort (SMALL_Q = 1: every q >= 2). Bug caught: a pick loop that
     repeats a key, skips one or breaks ties differently from the sort and the reference."""
-    import kernels.triton.slot_decide as sd
+    import freetoken.kernels.triton.slot_decide as sd
 
     monkeypatch.setattr(sd, "SMALL_Q", request.param)
     return request.param

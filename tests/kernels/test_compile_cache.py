@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kernels import compile_cache as cc
+from freetoken.kernels import compile_cache as cc
 
 ROOT = Path(__file__).resolve().parents[2]
 _CHILD = """
@@ -21,7 +21,7 @@ try:
     cli.main(["--log-level", "ERROR", "serve", "--help"])
 except SystemExit:
     pass
-from kernels import compile_cache as cc
+from freetoken.kernels import compile_cache as cc
 import triton
 print(json.dumps({"cfg": cc.CONFIGURED, "triton_dir": triton.knobs.cache.dir}))
 """

@@ -7,7 +7,7 @@ sinks that take a real share of the softmax, expert and router biases), and save
 
 - dense: transformers' `save_pretrained` (fp32, input-major fused experts);
 - MXFP4: the same weights as released checkpoints store them: each expert matrix rounded to
-  BF16, quantized to MXFP4 (`kernels.quant.quantize_mxfp4`, rows in the checkpoint's
+  BF16, quantized to MXFP4 (`freetoken.kernels.quant.quantize_mxfp4`, rows in the checkpoint's
   interleaved order) as `*_blocks` [E, R, C/32, 16] / `*_scales` [E, R, C/32], and
   `quantization_config: {quant_method: mxfp4}`.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels.quant import quantize_mxfp4
+from freetoken.kernels.quant import quantize_mxfp4
 
 CONFIG = {
     "vocab_size": 256, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 4,

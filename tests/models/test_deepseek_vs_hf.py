@@ -65,7 +65,7 @@ def test_pool_holds_one_latent_per_token(tiny_hf) -> None:
 def test_long_context_decode_reads_latents_in_place(tiny_hf, monkeypatch) -> None:
     """Decode rows past MIN_KEYS go through the C++ decode kernel over the latent pool
     (k_pool = v_pool = latents, one KV head) from scattered slots; logits still match."""
-    import kernels.cpu.attention_ops as ao
+    import freetoken.kernels.cpu.attention_ops as ao
 
     calls: list[bool] = []
     real = ao.cpu_decode_attention

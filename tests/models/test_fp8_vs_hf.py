@@ -17,10 +17,10 @@ from freetoken.checkpoint.fp8 import is_fp8_linear
 from freetoken.checkpoint.safetensors_reader import CheckpointError
 from freetoken.cli.build import load_with_experts
 from freetoken.engine.generate import generate
+from freetoken.kernels.quant import QuantBank, quantize_fp8
 from freetoken.models.loader import load_model
 from freetoken.types.api import SamplingParams
 from freetoken.types.config import MoEConfig
-from kernels.quant import QuantBank, quantize_fp8
 from tests.experts.test_moe_backends import _logits
 from tests.models.fixtures import hf_reference
 

@@ -21,12 +21,12 @@ import torch
 from freetoken.cache.tensors import Caches, KVPool
 from freetoken.cli.build import load_with_experts
 from freetoken.engine.generate import generate
+from freetoken.kernels.quant import QuantBank
 from freetoken.models.loader import load_model
 from freetoken.types.api import SamplingParams
 from freetoken.types.config import MoEConfig
 from freetoken.types.forward_batch import ForwardBatch
 from freetoken.types.model_config import ConfigError, config_from_dict
-from kernels.quant import QuantBank
 from tests.experts.test_moe_backends import _logits
 from tests.models.fixtures_gpt_oss import CONFIG, build_gpt_oss, gpt_oss_reference
 

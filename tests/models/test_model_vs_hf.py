@@ -74,9 +74,10 @@ def test_stops_on_eos(tiny_hf) -> None:
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_5_moe"])
 def test_long_context_decode_matches_transformers(tiny_hf, kind: str, monkeypatch) -> None:
-    """Decode rows past kernels.cpu.attention_ops.MIN_KEYS read K/V in place from scattered
-    pool slots (the C++ decode-attention kernel); their logits still match transformers."""
-    import kernels.cpu.attention_ops as ao
+    """Decode rows past freetoken.kernels.cpu.attention_ops.MIN_KEYS read K/V in place from
+    scattered pool slots (the C++ decode-attention kernel); their logits still match
+    transformers."""
+    import freetoken.kernels.cpu.attention_ops as ao
 
     calls: list[int] = []
     real = ao.cpu_decode_attention

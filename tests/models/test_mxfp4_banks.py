@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from freetoken.checkpoint.mxfp4 import mxfp4_bank
-from kernels.cpu.expert_ops import cpu_experts
-from kernels.reference import expert_ffn_reference
+from freetoken.kernels.cpu.expert_ops import cpu_experts
+from freetoken.kernels.reference import expert_ffn_reference
 
 mx = pytest.importorskip("transformers.integrations.mxfp4")
 

@@ -20,8 +20,8 @@ from freetoken.bench.routing_trace import load_trace
 from freetoken.models.routing_hooks import trace_path
 from tests.structure.test_import_layers import ROOT
 
-SOURCES = ("freetoken", "kernels", "workloads", "harness_adapters", "scripts", "tests")
-# C preprocessor names of kernels/cpu (passed with -D), not environment variables
+SOURCES = ("freetoken", "workloads", "harness_adapters", "scripts", "tests")
+# C preprocessor names of freetoken/kernels/cpu (passed with -D), not environment variables
 NOT_ENV = {"FT_HAVE_DPBF16", "FT_ISA", "FT_SIMDE_AVX512"}
 NAME = re.compile(r"\bFT_[A-Z][A-Z0-9_]*\b")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.cpu.attention_ops as ao
-from kernels.cpu.ext import build, detect_isa
+import freetoken.kernels.cpu.attention_ops as ao
+from freetoken.kernels.cpu.ext import build, detect_isa
 
 
 def _ref(q, k_pool, v_pool, slots, scale):

@@ -9,10 +9,10 @@ import threading
 import pytest
 import torch
 
-from kernels.cpu import ext
-from kernels.cpu.bridge_ops import NativeBridge, sim_gpu
-from kernels.cpu.omp import openmp_runtimes
-from kernels.reference import expert_ffn_reference
+from freetoken.kernels.cpu import ext
+from freetoken.kernels.cpu.bridge_ops import NativeBridge, sim_gpu
+from freetoken.kernels.cpu.omp import openmp_runtimes
+from freetoken.kernels.reference import expert_ffn_reference
 
 L, B, K, H, E, I = 4, 3, 4, 40, 5, 24
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from freetoken.envs import FT_CPU_ISA
-from kernels.cpu.expert_ops import cpu_experts, cpu_experts_torch
-from kernels.cpu.ext import ISAS, CpuKernel, build, detect_isa, runnable_isas
-from kernels.reference import expert_ffn_reference
+from freetoken.kernels.cpu.expert_ops import cpu_experts, cpu_experts_torch
+from freetoken.kernels.cpu.ext import ISAS, CpuKernel, build, detect_isa, runnable_isas
+from freetoken.kernels.reference import expert_ffn_reference
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -149,7 +149,7 @@ def test_detected_isa_is_one_this_cpu_can_run(monkeypatch: pytest.MonkeyPatch) -
     """On x86, a CPU with exactly the features an ISA's build is compiled for gets that build,
     and a CPU missing any one of them gets a lower one (never a build that would SIGILL).
     Bug it catches: the avx512 builds use -mf16c but detection did not require f16c."""
-    from kernels.cpu import ext
+    from freetoken.kernels.cpu import ext
 
     monkeypatch.setattr(ext.platform, "machine", lambda: "x86_64")
     for isa in ISAS[:-1]:

@@ -1,14 +1,15 @@
-"""The CPU expert kernel over FP8 block-scaled and MXFP4 banks (kernels/cpu/expert_quant.cpp),
+"""The CPU expert kernel over FP8 block-scaled and MXFP4 banks
+(freetoken/kernels/cpu/expert_quant.cpp),
 under every build this CPU runs, against the float64 reference of the dequantized weights."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.cpu.expert_ops import cpu_experts, cpu_experts_torch, run_quant
-from kernels.cpu.ext import CpuKernel, build_emulated, simde_include
-from kernels.quant import quantize_bank
-from kernels.reference import expert_ffn_reference
+from freetoken.kernels.cpu.expert_ops import cpu_experts, cpu_experts_torch, run_quant
+from freetoken.kernels.cpu.ext import CpuKernel, build_emulated, simde_include
+from freetoken.kernels.quant import quantize_bank
+from freetoken.kernels.reference import expert_ffn_reference
 from tests.kernels.cpu.test_expert_ops import _build_runnable, _test_isas
 
 EMULATED = "avx512-simde"  # the AVX-512 paths under SIMDe, where the CPU has no AVX-512
@@ -86,7 +87,7 @@ def test_dispatcher_and_fallback_read_quantized_banks(fmt):
     # both the dequantized function; a shape the kernel refuses (H not a multiple of 32)
     # falls back rather than failing
     x, ids, gu, dn, mask = _case(fmt, seed=4, T=3)
-    from kernels.cpu.expert_ops import _quant_usable
+    from freetoken.kernels.cpu.expert_ops import _quant_usable
 
     assert _quant_usable(gu, dn)  # the kernel's case (the fallback is checked just below)
     ref = expert_ffn_reference(x, ids, gu, dn, mask)

@@ -1,18 +1,19 @@
-"""gpt-oss's experts in the quantized CPU kernel (kernels/cpu/expert_quant.cpp with biases and
-the clamped SwiGLU, kernels/expert_act.py), under every build this CPU runs, against the
-float64 reference. The bank is read through slot rows while the biases follow the logical ids
-(as a slot-cache backend calls it): a kernel that took the bias row from the bank row would
-differ. The case drives gate and up past the SwiGLU limit on both sides, so the clamps count."""
+"""gpt-oss's experts in the quantized CPU kernel (freetoken/kernels/cpu/expert_quant.cpp with
+biases and the clamped SwiGLU, freetoken/kernels/expert_act.py), under every build this CPU runs,
+against the float64 reference. The bank is read through slot rows while the biases follow the
+logical ids (as a slot-cache backend calls it): a kernel that took the bias row from the bank row
+would differ. The case drives gate and up past the SwiGLU limit on both sides, so the clamps
+count."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.cpu.expert_ops import cpu_experts_torch, run_quant
-from kernels.cpu.ext import CpuKernel
-from kernels.expert_act import ExpertAct
-from kernels.quant import quantize_bank
-from kernels.reference import expert_ffn_reference
+from freetoken.kernels.cpu.expert_ops import cpu_experts_torch, run_quant
+from freetoken.kernels.cpu.ext import CpuKernel
+from freetoken.kernels.expert_act import ExpertAct
+from freetoken.kernels.quant import quantize_bank
+from freetoken.kernels.reference import expert_ffn_reference
 from tests.kernels.cpu.test_expert_quant import quant_isas, quant_kernel
 
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels.cpu.linear_ops as lo
-from kernels.cpu.ext import build, detect_isa
+import freetoken.kernels.cpu.linear_ops as lo
+from freetoken.kernels.cpu.ext import build, detect_isa
 
 
 @pytest.fixture(autouse=True)

@@ -53,7 +53,7 @@ LAYERS = (0, 1, 2, 3, 16, 17, 32, L - 1)
 
 
 def _slot_decide(T: int, layers=range(L)) -> None:
-    from kernels.triton.slot_decide import slot_decide
+    from freetoken.kernels.triton.slot_decide import slot_decide
 
     S = 1894  # the 37 % cache of the 20-layer shape
     owner, last = torch.full((S,), -1, dtype=torch.int64), torch.zeros(S, dtype=torch.int64)
@@ -68,13 +68,13 @@ def _slot_decide(T: int, layers=range(L)) -> None:
 
 
 def _router(T: int) -> None:
-    from kernels.triton.router import router_topk
+    from freetoken.kernels.triton.router import router_topk
 
     router_topk(torch.randn(T, E), K, True, torch.bfloat16)
 
 
 def _norms(T: int) -> None:
-    from kernels.triton import norm
+    from freetoken.kernels.triton import norm
 
     H, D = 64, 32
     x = torch.randn(T, H, dtype=torch.bfloat16)
@@ -89,14 +89,14 @@ def _norms(T: int) -> None:
 
 
 def _gates(T: int) -> None:
-    from kernels.triton.gdn import gdn_gates
+    from freetoken.kernels.triton.gdn import gdn_gates
 
     a = torch.randn(T, HV, dtype=torch.bfloat16)
     gdn_gates(a, torch.randn_like(a), torch.randn(HV), torch.randn(HV))
 
 
 def _moe(T: int) -> None:
-    from kernels.triton.fused_moe import fused_moe
+    from freetoken.kernels.triton.fused_moe import fused_moe
 
     H, I = 32, 16
     x = torch.randn(T, H)
@@ -127,7 +127,7 @@ def test_every_prompt_length_compiles_in_warm_up(name):
 
 def test_bridge_flags_compile_once_per_bucket():
     """The hybrid backend's host flags: one launch per layer per step, `i` = the layer."""
-    from kernels.triton import host_flags as hf
+    from freetoken.kernels.triton import host_flags as hf
 
     flags, seq = torch.zeros(L, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
     err = torch.zeros(1, dtype=torch.int32)
@@ -145,11 +145,11 @@ def test_bridge_flags_compile_once_per_bucket():
 
 
 def test_sink_decode_compiles_once_per_bucket():
-    """gpt-oss's decode attention (kernels/triton/sink_attention.py), the runner's
+    """gpt-oss's decode attention (freetoken/kernels/triton/sink_attention.py), the runner's
     `triton_sink` plan: the warm-up's decode step of each bucket (every row one key, both layer
     kinds: window 0 and 128) compiles every key that rows of any context length, on any slots
     of the pool, meet in serving."""
-    from kernels.triton.sink_attention import sink_decode_attention
+    from freetoken.kernels.triton.sink_attention import sink_decode_attention
 
     hq, hk, d, S = 8, 2, 64, 1024
     k_pool = torch.randn(S, hk, d, dtype=torch.bfloat16)

@@ -1,4 +1,5 @@
-"""Shared bits of the Triton kernel tests: the device and a relative-error measure."""
+"""Shared bits of the Triton kernel tests: the device, a relative-error measure, a random paged
+KV pool and a linear-attention config."""
 from __future__ import annotations
 
 import torch
@@ -29,3 +30,19 @@ def linear_attention_config(hk: int = 2, hv: int = 4, d: int = 16, kc: int = 4,
         "num_experts_per_tok": 2, "moe_intermediate_size": 16,
         "shared_expert_intermediate_size": 16, "dtype": "float32",
     })
+
+
+def paged_kv(lengths: list[int], heads_kv: int, head_dim: int, spare: int = 64, seed: int = 0,
+             dtype: torch.dtype = torch.bfloat16, device: str = "cuda"):
+    """A random paged KV pool for rows of `lengths` keys: (k_pool, v_pool [S, heads_kv,
+    head_dim], indptr [B + 1] int32, slot indices [sum(lengths) + spare] int32). The slots are a
+    random permutation of the pool (rows scattered, not contiguous), with `spare` more slots past
+    the last row for a test that appends keys."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    total = sum(lengths)
+    S = total + spare + 1000
+    k_pool = torch.randn(S, heads_kv, head_dim, device=device, dtype=dtype, generator=gen)
+    v_pool = torch.randn(S, heads_kv, head_dim, device=device, dtype=dtype, generator=gen)
+    perm = torch.randperm(S, device=device, generator=gen)
+    indptr = torch.tensor([0] + list(lengths), device=device).cumsum(0).int()
+    return k_pool, v_pool, indptr, perm[:total + spare].int()

@@ -13,26 +13,12 @@ import pytest
 import torch
 
 from freetoken.cli.build import load_with_experts
-from freetoken.engine.core import EngineCore
-from freetoken.types.api import GenerateRequest, SamplingParams
 from freetoken.types.config import MoEConfig
+from tests.engine.drive import greedy_tokens
 from tests.models.family_helpers import hf_greedy, prompt
 from tests.models.fixtures import hf_reference
 
 pytestmark = pytest.mark.gpu
-
-
-def _engine_tokens(model, rt, prompts, n) -> tuple[list[list[int]], EngineCore]:
-    core = EngineCore(model, [], kv_tokens=4096, state_slots=16, max_running=4,
-                      chunk_tokens=64, decode_runner=True, cuda_graph=True, moe=rt)
-    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        core.add(GenerateRequest(p, sp, [], request_id=f"r{i}"),
-                 lambda ev, i=i: out[i].extend(ev.token_ids))
-    while core.has_work():
-        core.step()
-    return [out[i] for i in range(len(prompts))], core
 
 
 @pytest.mark.parametrize("backend", ["fused", "offload", "hybrid"])
@@ -44,7 +30,7 @@ def test_graphs_equal_transformers(tiny_hf, kind: str, backend: str) -> None:
     model, rt = load_with_experts(d, moe, dtype=torch.float32, device="cuda", progress=False)
     ref = hf_reference(d)
     prompts = [prompt(model.cfg.vocab_size, 40 + 9 * i, seed=i) for i in range(3)]
-    got, core = _engine_tokens(model, rt, prompts, 24)
+    got, core = greedy_tokens(model, prompts, 24, decode_runner=True, cuda_graph=True, moe=rt)
     assert got == [hf_greedy(ref, p, 24) for p in prompts]
     # GLM-5 (index_topk 24 < these contexts): its indexer picks on the device in the graph
     assert core.runner.attention == "triton_mla" and core.runner.use_graphs
@@ -52,7 +38,7 @@ def test_graphs_equal_transformers(tiny_hf, kind: str, backend: str) -> None:
 
 
 def test_mla_kernel_at_deepseek_shape() -> None:
-    from kernels.triton.mla_decode import mla_decode_attention
+    from freetoken.kernels.triton.mla_decode import mla_decode_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
     B, hq, c, r, S = 4, 128, 512, 64, 40_000
@@ -73,8 +59,8 @@ def test_mla_kernel_at_deepseek_shape() -> None:
 
 
 def test_kda_kernel_at_kimi_shape() -> None:
+    from freetoken.kernels.triton.kda import kda_recurrent_pool
     from freetoken.layers.kda_rule import recurrent_kda
-    from kernels.triton.kda import kda_recurrent_pool
 
     g = torch.Generator(device="cuda").manual_seed(1)
     B, H, K, V, S = 8, 32, 128, 128, 20

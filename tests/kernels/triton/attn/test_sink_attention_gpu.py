@@ -1,4 +1,5 @@
-"""On the GPU: gpt-oss's sink + sliding-window paged decode (kernels/triton/sink_attention.py) at
+"""On the GPU: gpt-oss's sink + sliding-window paged decode
+(freetoken/kernels/triton/sink_attention.py) at
 the gpt-oss-120b attention shape (64 query heads, 8 KV heads, head dim 64, window 128) in bf16
 against an fp32 reference, captured in a CUDA graph and replayed on changed CSR contents, and
 the tiny gpt-oss model's greedy tokens through the CUDA decode runner (plan `triton_sink`, CUDA
@@ -13,23 +14,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.triton.sink_attention import sink_decode_attention
+from freetoken.kernels.triton.sink_attention import sink_decode_attention
+from tests.kernels.triton.attn.helpers import paged_kv
 
 pytestmark = pytest.mark.gpu
 
 HQ, HK, D, W = 64, 8, 64, 128
 BF = torch.bfloat16
-
-
-def _kv(lengths, spare=64, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    total = sum(lengths)
-    S = total + spare + 1000
-    k_pool = torch.randn(S, HK, D, device="cuda", dtype=BF, generator=gen)
-    v_pool = torch.randn(S, HK, D, device="cuda", dtype=BF, generator=gen)
-    perm = torch.randperm(S, device="cuda", generator=gen)
-    indptr = torch.tensor([0] + lengths, device="cuda").cumsum(0).int()
-    return k_pool, v_pool, indptr, perm[:total + spare].int()
 
 
 def _ref(q, k_pool, v_pool, slots, sinks, window):
@@ -53,7 +44,7 @@ def _rel(got, ref) -> float:
 @pytest.mark.parametrize("num_splits", [None, 1, 32])
 def test_sink_decode_bf16_real_shapes(window, num_splits) -> None:
     lengths = [1, 100, 4097, 33000]
-    k_pool, v_pool, indptr, idx = _kv(lengths)
+    k_pool, v_pool, indptr, idx = paged_kv(lengths, HK, D)
     q = torch.randn(len(lengths), HQ, D, device="cuda", dtype=BF)
     sinks = torch.randn(HQ, device="cuda", dtype=BF) * 2
     out = sink_decode_attention(q, k_pool, v_pool, indptr, idx, D ** -0.5, sinks, window,
@@ -66,7 +57,7 @@ def test_sink_decode_bf16_real_shapes(window, num_splits) -> None:
 
 def test_sink_decode_captures_and_replays() -> None:
     lengths = [300, 7]
-    k_pool, v_pool, indptr, idx = _kv(lengths, spare=400)
+    k_pool, v_pool, indptr, idx = paged_kv(lengths, HK, D, spare=400)
     q = torch.randn(2, HQ, D, device="cuda", dtype=BF)
     sinks = torch.randn(HQ, device="cuda", dtype=BF)
     out = torch.empty(2, HQ, D, device="cuda", dtype=BF)

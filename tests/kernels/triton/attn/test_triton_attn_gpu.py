@@ -9,12 +9,13 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from kernels.triton.gdn import causal_conv1d_update_pool, gdn_gates, gdn_recurrent_pool
-from kernels.triton.norm import gated_rmsnorm, rmsnorm, rmsnorm_rope
-from kernels.triton.paged_attention import (
+from freetoken.kernels.triton.gdn import causal_conv1d_update_pool, gdn_gates, gdn_recurrent_pool
+from freetoken.kernels.triton.norm import gated_rmsnorm, rmsnorm, rmsnorm_rope
+from freetoken.kernels.triton.paged_attention import (
     paged_decode_attention,
     paged_prefill_attention,
 )
+from tests.kernels.triton.attn.helpers import paged_kv
 
 pytestmark = pytest.mark.gpu
 
@@ -41,21 +42,10 @@ def _attn_ref(q, k_pool, v_pool, slots, first_limit, scale):
     return torch.einsum("hnl,lhd->nhd", s.masked_fill(~allowed, float("-inf")).softmax(-1), v)
 
 
-def _kv(lengths, spare=64, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    total = sum(lengths)
-    S = total + spare + 1000
-    k_pool = torch.randn(S, HK, D, device="cuda", dtype=BF, generator=gen)
-    v_pool = torch.randn(S, HK, D, device="cuda", dtype=BF, generator=gen)
-    perm = torch.randperm(S, device="cuda", generator=gen)
-    indptr = torch.tensor([0] + lengths, device="cuda").cumsum(0).int()
-    return k_pool, v_pool, indptr, perm[:total + spare].int()
-
-
 @pytest.mark.parametrize("num_splits", [None, 1, 32])
 def test_decode_attention_bf16_real_shapes(num_splits) -> None:
     lengths = [1, 100, 4097, 33000]
-    k_pool, v_pool, indptr, idx = _kv(lengths)
+    k_pool, v_pool, indptr, idx = paged_kv(lengths, HK, D)
     q = torch.randn(len(lengths), HQ, D, device="cuda", dtype=BF) * 2
     out = paged_decode_attention(q, k_pool, v_pool, indptr, idx, D ** -0.5,
                                  num_splits=num_splits)
@@ -67,7 +57,7 @@ def test_decode_attention_bf16_real_shapes(num_splits) -> None:
 
 def test_prefill_attention_bf16_real_shapes() -> None:
     news, lengths = [300, 77, 1], [300, 1100, 50]
-    k_pool, v_pool, kv_indptr, idx = _kv(lengths, seed=1)
+    k_pool, v_pool, kv_indptr, idx = paged_kv(lengths, HK, D, seed=1)
     qo = torch.tensor([0] + news, device="cuda").cumsum(0).int()
     q = torch.randn(sum(news), HQ, D, device="cuda", dtype=BF) * 2
     out = paged_prefill_attention(q, k_pool, v_pool, qo, kv_indptr, idx, D ** -0.5)

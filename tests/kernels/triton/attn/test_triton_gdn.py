@@ -12,11 +12,11 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from freetoken.cache.tensors import StateTensors
+from freetoken.kernels.triton.gdn import causal_conv1d_update_pool, gdn_gates, gdn_recurrent_pool
+from freetoken.kernels.triton.norm import gated_rmsnorm
 from freetoken.layers.gated_delta import recurrent_gated_delta
 from freetoken.layers.linear_attention import GatedDeltaNet, _l2norm
 from freetoken.types.forward_batch import ForwardBatch
-from kernels.triton.gdn import causal_conv1d_update_pool, gdn_gates, gdn_recurrent_pool
-from kernels.triton.norm import gated_rmsnorm
 from tests.kernels.triton.attn.helpers import DEVICE, linear_attention_config, rel_err
 
 HK, HV, D = 2, 4, 16

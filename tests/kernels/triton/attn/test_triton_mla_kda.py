@@ -1,8 +1,8 @@
-"""The absorbed-MLA decode kernel (kernels/triton/mla_decode.py) against a float64 softmax over
-the gathered latents, and the KDA decode kernel (kernels/triton/kda.py) against the torch
-recurrence (`recurrent_kda`), on tiny fp32 shapes under the Triton interpreter: latent and head
-dims that are not powers of two (masked tiles), a partial head block, scattered slots, rows of
-one key, several splits; the state pool updated in place at its slots only."""
+"""The absorbed-MLA decode kernel (freetoken/kernels/triton/mla_decode.py) against a float64
+softmax over the gathered latents, and the KDA decode kernel (freetoken/kernels/triton/kda.py)
+against the torch recurrence (`recurrent_kda`), on tiny fp32 shapes under the Triton interpreter:
+latent and head dims that are not powers of two (masked tiles), a partial head block, scattered
+slots, rows of one key, several splits; the state pool updated in place at its slots only."""
 from __future__ import annotations
 
 import pytest
@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.triton.kda import kda_recurrent_pool
-from kernels.triton.mla_decode import mla_decode_attention
+from freetoken.kernels.triton.kda import kda_recurrent_pool
+from freetoken.kernels.triton.mla_decode import mla_decode_attention
 
 
 def _mla_reference(q_lat, pool, rows, scale, c):

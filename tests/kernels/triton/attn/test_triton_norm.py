@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from freetoken.kernels.triton.norm import gated_rmsnorm, rmsnorm
 from freetoken.layers.norm import GatedRMSNorm, RMSNorm
-from kernels.triton.norm import gated_rmsnorm, rmsnorm
 from tests.kernels.triton.attn.helpers import DEVICE, rel_err
 
 EPS = 1e-6
@@ -92,8 +92,8 @@ def test_rmsnorm_rope_matches_norm_then_rotary(zero_centered: bool, dtype) -> No
     """q prologue: the q half of a gated [T, Hq, 2D] projection (a strided view), per-head
     RMSNorm, partial rotary over the first 8 of 16 dims at scattered positions. Oracle: the
     modules (RMSNorm, Rotary.cos_sin, apply_rotary) in the same dtype, and float64."""
+    from freetoken.kernels.triton.norm import rmsnorm_rope
     from freetoken.layers.rotary import Rotary, apply_rotary
-    from kernels.triton.norm import rmsnorm_rope
 
     gen = torch.Generator().manual_seed(21 + zero_centered)
     qg = (torch.randn(5, 4, 32, generator=gen) * 2).to(dtype)
@@ -139,8 +139,8 @@ def test_rmsnorm_rope_store_writes_the_pool_slots(dtype) -> None:
     """The decode K/V write in one launch: k normed + rotated into k_pool[slots], v copied into
     v_pool[slots], exactly what rmsnorm_rope + index_copy_ of both give; every other slot
     untouched (pools poisoned with NaN). k, v are strided views of one qkv projection."""
+    from freetoken.kernels.triton.norm import rmsnorm_rope, rmsnorm_rope_store
     from freetoken.layers.rotary import Rotary
-    from kernels.triton.norm import rmsnorm_rope, rmsnorm_rope_store
 
     gen = torch.Generator().manual_seed(31)
     T, Hk, D, S = 3, 2, 16, 9

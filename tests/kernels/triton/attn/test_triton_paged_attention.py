@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.triton.paged_attention import paged_decode_attention, paged_prefill_attention
+from freetoken.kernels.triton.paged_attention import paged_decode_attention, paged_prefill_attention
 from tests.kernels.triton.attn.helpers import DEVICE, rel_err
 
 

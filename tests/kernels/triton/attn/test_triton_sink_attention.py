@@ -1,4 +1,4 @@
-"""Sink + sliding-window paged decode (kernels/triton/sink_attention.py) against a float64
+"""Sink + sliding-window paged decode (freetoken/kernels/triton/sink_attention.py) against a float64
 reference over the same pool, and against the engine's torch path (layers/sink_attention.
 attend_sinks, what gpt-oss runs without the kernel).
 
@@ -14,8 +14,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from freetoken.kernels.triton.sink_attention import sink_decode_attention
 from freetoken.layers.sink_attention import attend_sinks
-from kernels.triton.sink_attention import sink_decode_attention
 from tests.kernels.triton.attn.helpers import DEVICE, rel_err
 from tests.kernels.triton.attn.test_triton_paged_attention import _pool_and_csr
 

@@ -103,12 +103,12 @@ def layer_scopes(model, mode: Ops):
 
 
 def cuda_path():
-    """Point the kernels' one switch (kernels/dispatch.py) at the Triton kernels for CPU
+    """Point the kernels' one switch (freetoken/kernels/dispatch.py) at the Triton kernels for CPU
     tensors too (interpreted), and cut the paged attention to 2 splits (the H200 default of
     ~64 costs seconds per interpreted step; the launches are the same two). Returns an undo
     callable."""
-    import kernels.triton.paged_attention as pa
-    from kernels import dispatch
+    import freetoken.kernels.triton.paged_attention as pa
+    from freetoken.kernels import dispatch
 
     orig, splits = dispatch.triton_for, pa.default_num_splits
     dispatch.triton_for = lambda x, name: dispatch.triton_module(name)

@@ -33,7 +33,7 @@ if torch.cuda.is_available():
                 "cover the GPU",
                 allow_module_level=True)
 
-import kernels.triton.paged_attention as pa
+import freetoken.kernels.triton.paged_attention as pa
 from freetoken.engine.attention_build import PlanBuild
 from freetoken.engine.core import EngineCore
 from freetoken.engine.generate import generate

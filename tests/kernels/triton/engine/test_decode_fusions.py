@@ -12,8 +12,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kernels.triton.decode_fusions import moe_combine, sigmoid_gate_mul
-from kernels.triton.uva_fill import fill_pair, fill_rows
+from freetoken.kernels.triton.decode_fusions import moe_combine, sigmoid_gate_mul
+from freetoken.kernels.triton.uva_fill import fill_pair, fill_rows
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -17,12 +17,12 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from kernels.reference import expert_ffn_reference
-from kernels.triton.decode_fusions import moe_combine, sigmoid_gate_mul
-from kernels.triton.fused_moe import fused_moe, fused_moe_decode, shared_expert_decode
-from kernels.triton.gdn import gdn_gates, gdn_recurrent_pool
-from kernels.triton.norm import gated_rmsnorm, rmsnorm, rmsnorm_rope, rmsnorm_rope_store
-from kernels.triton.router import fused_router
+from freetoken.kernels.reference import expert_ffn_reference
+from freetoken.kernels.triton.decode_fusions import moe_combine, sigmoid_gate_mul
+from freetoken.kernels.triton.fused_moe import fused_moe, fused_moe_decode, shared_expert_decode
+from freetoken.kernels.triton.gdn import gdn_gates, gdn_recurrent_pool
+from freetoken.kernels.triton.norm import gated_rmsnorm, rmsnorm, rmsnorm_rope, rmsnorm_rope_store
+from freetoken.kernels.triton.router import fused_router
 
 pytestmark = pytest.mark.gpu
 
@@ -49,8 +49,8 @@ def moe():
 
 
 def _shared(x, gu, dn):
-    """The shared expert on every token: the one expert oracle (kernels/reference.py, float64
-    from the bf16 weights) over a bank of one. x [T, H], gu [2I, H], dn [H, I] -> [T, H] on
+    """The shared expert on every token: the one expert oracle (freetoken/kernels/reference.py,
+    float64 from the bf16 weights) over a bank of one. x [T, H], gu [2I, H], dn [H, I] -> [T, H] on
     x's device."""
     ids = torch.zeros(x.shape[0], 1, dtype=torch.long)  # [T, 1]
     return expert_ffn_reference(x, ids, gu[None], dn[None])[:, 0].to(x.device)

@@ -1,10 +1,10 @@
 """gpt-oss's decode step through the graph runner's static buffers on the CUDA runner's attention
 plan, `triton_sink` (sinks + the sliding layers' window over the step's CSR in
-kernels/triton/sink_attention.py), interpreted on CPU tensors, against transformers (eager, fp32)
-and the runner's torch plan. Rows are longer than the window (6) on the sliding layers, and one
-is shorter. Bugs it catches: the sink dropped or taken twice, a window cut at the wrong end or
-on the full layers, the plan reading another row's slots, the kernel not launched once per
-layer."""
+freetoken/kernels/triton/sink_attention.py), interpreted on CPU tensors, against transformers
+(eager, fp32) and the runner's torch plan. Rows are longer than the window (6) on the sliding
+layers, and one is shorter. Bugs it catches: the sink dropped or taken twice, a window cut at the
+wrong end or on the full layers, the plan reading another row's slots, the kernel not launched once
+per layer."""
 from __future__ import annotations
 
 import os

@@ -1,5 +1,5 @@
-"""The device-driven fill (kernels/triton/uva_fill.py `fill_banks`) over quantized banks: codes
-and scales of FP8 / MXFP4 experts copied into their slots in one launch, against a plain copy
+"""The device-driven fill (freetoken/kernels/triton/uva_fill.py `fill_banks`) over quantized banks:
+codes and scales of FP8 / MXFP4 experts copied into their slots in one launch, against a plain copy
 (the host-driven `SlotCache.fill`). Interpreted on the CPU; test_uva_fill_quant_gpu.py (next to this
 file) runs it from a pinned store and inside a CUDA graph."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ pytest.importorskip("triton")
 
 from freetoken.experts.slot_cache import SlotCache
 from freetoken.experts.store import ExpertStore
+from freetoken.kernels.quant import QuantBank, empty_bank, quantize_bank
+from freetoken.kernels.triton.uva_fill import fill_banks
 from freetoken.types.model_config import ExpertFormat
-from kernels.quant import QuantBank, empty_bank, quantize_bank
-from kernels.triton.uva_fill import fill_banks
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,6 +1,6 @@
 """On the GPU (issue 25): quantized slots filled by the device from the pinned store through its
-mapped address (kernels/triton/uva_fill.py `fill_banks`), eagerly and replayed in a CUDA graph,
-byte for byte what the host-driven copy gives; the offload backend over a quantized store
+mapped address (freetoken/kernels/triton/uva_fill.py `fill_banks`), eagerly and replayed in a CUDA
+graph, byte for byte what the host-driven copy gives; the offload backend over a quantized store
 takes that path (capturable) and its greedy tokens are fused's."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 
 from freetoken.experts.slot_cache import SlotCache
 from freetoken.experts.store import ExpertStore
+from freetoken.kernels.quant import quantize_bank
 from freetoken.types.model_config import ExpertFormat
-from kernels.quant import quantize_bank
 
 pytestmark = pytest.mark.gpu
 

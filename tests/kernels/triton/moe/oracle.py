@@ -1,7 +1,7 @@
-"""The one expert oracle (kernels/reference.py `expert_ffn_reference`, float64) on a sample of
-a kernel's tokens. At the real shape (1100 banks of 2048 x 1024, up to 300 tokens of top-8) the
-oracle over every entry takes minutes; on a few tokens it reads only the bank rows they route
-to, so the H200 test (test_triton_moe_gpu.py) stays seconds long. Every entry is still checked
+"""The one expert oracle (freetoken/kernels/reference.py `expert_ffn_reference`, float64) on a
+sample of a kernel's tokens. At the real shape (1100 banks of 2048 x 1024, up to 300 tokens of
+top-8) the oracle over every entry takes minutes; on a few tokens it reads only the bank rows they
+route to, so the H200 test (test_triton_moe_gpu.py) stays seconds long. Every entry is still checked
 for being written (ids >= 0) or left alone (ids < 0); test_fused_moe.py runs the same check
 under the interpreter, and shows it fails on a wrong sampled entry or an unwritten one."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.reference import expert_ffn_reference
+from freetoken.kernels.reference import expert_ffn_reference
 
 SAMPLE = 8  # tokens compared with the oracle: 64 entries at top-8
 

@@ -1,8 +1,9 @@
-"""kernels/triton/fused_moe.py against the float64 expert oracle, under TRITON_INTERPRET=1 on
+"""freetoken/kernels/triton/fused_moe.py against the float64 expert oracle, under
+TRITON_INTERPRET=1 on
 the CPU.
 
-The oracle is `kernels.reference.expert_ffn_reference` (plain torch, not the kernel's code): for
-every (t, k) with ids >= 0, y = down[id] @ (silu(gate[id] @ x[t]) * (up[id] @ x[t])) in
+The oracle is `freetoken.kernels.reference.expert_ffn_reference` (plain torch, not the kernel's
+code): for every (t, k) with ids >= 0, y = down[id] @ (silu(gate[id] @ x[t]) * (up[id] @ x[t])) in
 float64; other entries keep y's previous value, so y is poisoned first with NaN and must keep
 NaN exactly there.
 Shapes are tiny fp32 (the interpreter costs ~10 ms per program instance).
@@ -18,9 +19,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kernels.reference import expert_ffn_reference
-from kernels.triton.fused_moe import fused_moe, fused_moe_decode, moe_sum, shared_expert_decode
-from kernels.triton.moe_grouped import fused_moe_grouped, moe_align, moe_align_small, tile
+from freetoken.kernels.reference import expert_ffn_reference
+from freetoken.kernels.triton.fused_moe import (
+    fused_moe,
+    fused_moe_decode,
+    moe_sum,
+    shared_expert_decode,
+)
+from freetoken.kernels.triton.moe_grouped import fused_moe_grouped, moe_align, moe_align_small, tile
 from tests.kernels.triton.moe.oracle import SAMPLE, check_sampled
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -32,7 +38,7 @@ GROUPED_SMALL = (tile(16, 16, 32, 2, 4, 2),
 
 
 def reference(x, ids, gate_up, down, y0):
-    """The one expert oracle (kernels/reference.py, float64) on the entries with ids >= 0;
+    """The one expert oracle (freetoken/kernels/reference.py, float64) on the entries with ids >= 0;
     y0's values elsewhere (the kernels must leave them untouched)."""
     want = expert_ffn_reference(x.cpu(), ids.cpu(), gate_up.cpu(), down.cpu())  # [T, K, H]
     return torch.where((ids.cpu() >= 0)[..., None], want, y0.double().cpu())
@@ -260,15 +266,15 @@ def test_shared_expert_bad_shapes_raise():
 
 
 def test_decode_tiles_come_from_the_gpu_config_file(tmp_path) -> None:
-    """kernels/triton/configs/<gpu>.json: the exact shape's entry, else the family's default,
-    else the built-in tiles; a part left out keeps the built-in one, values become ints; a
+    """freetoken/kernels/triton/configs/<gpu>.json: the exact shape's entry, else the family's
+    default, else the built-in tiles; a part left out keeps the built-in one, values become ints; a
     typo'd part or key, or a file that is not JSON, fails naming the file. Bugs caught: the
     file ignored, a part it leaves out wiped, a typo'd key accepted silently, one GPU's tiles
     used on another."""
     import json
 
-    from kernels.triton.fused_moe import DECODE_CONFIG
-    from kernels.triton.tuned import gpu_file_name, load_file, lookup
+    from freetoken.kernels.triton.fused_moe import DECODE_CONFIG
+    from freetoken.kernels.triton.tuned import gpu_file_name, load_file, lookup
 
     assert gpu_file_name("NVIDIA H200") == "nvidia_h200.json"
     assert gpu_file_name("NVIDIA GeForce RTX 4090 ") == "nvidia_geforce_rtx_4090.json"
@@ -298,10 +304,10 @@ def test_decode_tiles_come_from_the_gpu_config_file(tmp_path) -> None:
 
 
 def test_the_shipped_config_files_are_valid() -> None:
-    """Every file in kernels/triton/configs parses and each entry merges with the built-in
+    """Every file in freetoken/kernels/triton/configs parses and each entry merges with the built-in
     tiles (a broken shipped file would fail the first decode launch on that GPU)."""
-    from kernels.triton.fused_moe import DECODE_CONFIG
-    from kernels.triton.tuned import CONFIG_DIR, load_file, merge_config
+    from freetoken.kernels.triton.fused_moe import DECODE_CONFIG
+    from freetoken.kernels.triton.tuned import CONFIG_DIR, load_file, merge_config
 
     files = sorted(CONFIG_DIR.glob("*.json"))
     assert files, "no tuned config shipped"

@@ -1,6 +1,6 @@
-"""gpt-oss's experts (biases by logical id, clamped SwiGLU; kernels/expert_act.py) in the Triton
-fused MoE's decode and grouped paths, against the float64 oracle
-`kernels.reference.expert_ffn_reference(..., act=)`, under TRITON_INTERPRET=1 on the CPU.
+"""gpt-oss's experts (biases by logical id, clamped SwiGLU; freetoken/kernels/expert_act.py) in the
+Triton fused MoE's decode and grouped paths, against the float64 oracle
+`freetoken.kernels.reference.expert_ffn_reference(..., act=)`, under TRITON_INTERPRET=1 on the CPU.
 
 The bank rows (`ids`, slots) and the logical ids (`act.ids`) are a random permutation apart, so
 a kernel that reads the bias of the bank row instead of the logical expert fails. Gate/up values
@@ -17,10 +17,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kernels.expert_act import ExpertAct
-from kernels.reference import expert_ffn_reference
-from kernels.triton.fused_moe import fused_moe, fused_moe_decode
-from kernels.triton.moe_grouped import fused_moe_grouped, tile
+from freetoken.kernels.expert_act import ExpertAct
+from freetoken.kernels.reference import expert_ffn_reference
+from freetoken.kernels.triton.fused_moe import fused_moe, fused_moe_decode
+from freetoken.kernels.triton.moe_grouped import fused_moe_grouped, tile
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, I, S, E = 64, 32, 8, 12  # hidden, intermediate, bank rows, logical experts
@@ -118,9 +118,9 @@ def test_bad_act_binding_is_refused():
 def test_quant_act_matches_reference(fmt, block, T, decode):
     """The quantized twins (moe_quant.py, moe_quant_grouped.py) with an act, held to the
     float64 oracle over the dequantized weights (gpt-oss ships MXFP4 experts)."""
-    from kernels.quant import quantize_bank
-    from kernels.triton.moe_quant import fused_moe_quant_decode
-    from kernels.triton.moe_quant_grouped import fused_moe_quant_grouped
+    from freetoken.kernels.quant import quantize_bank
+    from freetoken.kernels.triton.moe_quant import fused_moe_quant_decode
+    from freetoken.kernels.triton.moe_quant_grouped import fused_moe_quant_grouped
 
     x, ids, gu, dn, act = make(T, 4, 10 + T)
     qgu, qdn = quantize_bank(gu, fmt, block, 2), quantize_bank(dn, fmt, block, 1)

@@ -1,11 +1,12 @@
-"""The chunked gated-delta scan kernel (kernels/triton/gdn_chunk.py) against a float64 loop of
-the recurrence it replaces (freetoken/layers/gated_delta.py), under the interpreter on CPU."""
+"""The chunked gated-delta scan kernel (freetoken/kernels/triton/gdn_chunk.py) against a float64
+loop of the recurrence it replaces (freetoken/layers/gated_delta.py), under the interpreter on
+CPU."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.triton.gdn_chunk import chunk_scan, supported
+from freetoken.kernels.triton.gdn_chunk import chunk_scan, supported
 
 
 def _reference(u, w, qd, kd, a, dec, s):

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.expert_act import ExpertAct
-from kernels.reference import expert_ffn_reference
-from kernels.triton.fused_moe import fused_moe
+from freetoken.kernels.expert_act import ExpertAct
+from freetoken.kernels.reference import expert_ffn_reference
+from freetoken.kernels.triton.fused_moe import fused_moe
 
 pytestmark = pytest.mark.gpu
 
@@ -82,9 +82,9 @@ def test_tiny_gpt_oss_triton_equals_torch(tmp_path, monkeypatch, backend):
     and 24 decode steps (the GEMV path), Triton experts against the torch experts."""
     from freetoken.cli.build import load_with_experts
     from freetoken.engine.generate import generate
+    from freetoken.kernels import dispatch
     from freetoken.types.api import SamplingParams
     from freetoken.types.config import MoEConfig
-    from kernels import dispatch
     from tests.models.fixtures_gpt_oss import build_gpt_oss
 
     d = build_gpt_oss(tmp_path)

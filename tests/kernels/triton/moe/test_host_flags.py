@@ -1,6 +1,6 @@
-"""The bridge's hand-off kernels (kernels/triton/host_flags.py) against plain torch: store_rows
-copies a layer's inputs into the host buffers, merge_rows takes exactly the masked rows of the
-host results into y, and wait_flag returns at once for an empty mask and gives up (err = 1)
+"""The bridge's hand-off kernels (freetoken/kernels/triton/host_flags.py) against plain torch:
+store_rows copies a layer's inputs into the host buffers, merge_rows takes exactly the masked rows
+of the host results into y, and wait_flag returns at once for an empty mask and gives up (err = 1)
 when a needed flag never comes. Under TRITON_INTERPRET=1 on a CPU-only machine (every tensor on
 the CPU: the "host" buffers are plain tensors there); on CUDA with pinned host buffers."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kernels.triton.host_flags import merge_rows, store_rows, wait_flag
+from freetoken.kernels.triton.host_flags import merge_rows, store_rows, wait_flag
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

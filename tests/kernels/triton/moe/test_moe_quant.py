@@ -1,5 +1,5 @@
-"""kernels/triton/moe_quant.py (the fused MoE decode path dequantizing FP8 / MXFP4 banks in the
-kernel) against the float64 reference of the dequantized weights, under TRITON_INTERPRET=1 on
+"""freetoken/kernels/triton/moe_quant.py (the fused MoE decode path dequantizing FP8 / MXFP4 banks
+in the kernel) against the float64 reference of the dequantized weights, under TRITON_INTERPRET=1 on
 the CPU with tiny fp32 shapes; the same tests run on the GPU (`gpu` marked)."""
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kernels.quant import quantize_bank
-from kernels.reference import expert_ffn_reference
-from kernels.triton.moe_grouped import tile
-from kernels.triton.moe_quant import fused_moe_quant_decode
-from kernels.triton.moe_quant_grouped import fused_moe_quant_grouped
+from freetoken.kernels.quant import quantize_bank
+from freetoken.kernels.reference import expert_ffn_reference
+from freetoken.kernels.triton.moe_grouped import tile
+from freetoken.kernels.triton.moe_quant import fused_moe_quant_decode
+from freetoken.kernels.triton.moe_quant_grouped import fused_moe_quant_grouped
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, I, S = 64, 64, 6
@@ -82,8 +82,8 @@ def test_run_experts_takes_the_quant_kernel(monkeypatch, fmt):
     # the expert FFN dispatch (experts/ffn.py) sends a decode-size quantized bank to this
     # kernel on the CUDA path (pointed at the interpreter here), and zeros entries with ids < 0
     from freetoken.experts import ffn
-    from kernels import dispatch
-    from kernels.triton import moe_quant
+    from freetoken.kernels import dispatch
+    from freetoken.kernels.triton import moe_quant
 
     monkeypatch.setattr(dispatch, "triton_for", lambda x, name: dispatch.triton_module(name))
     calls = []

@@ -1,4 +1,5 @@
-"""kernels/triton/router.py against freetoken.layers.moe.Router.forward (torch's softmax + topk).
+"""freetoken/kernels/triton/router.py against freetoken.layers.moe.Router.forward (torch's softmax
++ topk).
 
 Under TRITON_INTERPRET=1 on the CPU. Two oracles: the Router itself (same weights to rounding,
 same set of ids), and a stable sort of the Router's logits by (-logit, id), which fixes the
@@ -16,8 +17,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from freetoken.kernels.triton.router import fused_router, router_topk
 from freetoken.layers.moe import Router
-from kernels.triton.router import fused_router, router_topk
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

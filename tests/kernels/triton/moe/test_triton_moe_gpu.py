@@ -1,5 +1,5 @@
 """On the GPU: our Triton fused MoE and router at the Qwen3.6-35B-A3B shape (bf16, H=2048,
-I=512, top-8) against the one expert oracle (kernels/reference.py, float64) on a sample of
+I=512, top-8) against the one expert oracle (freetoken/kernels/reference.py, float64) on a sample of
 tokens (oracle.py: the rows they route to, every entry still checked written or left alone),
 CUDA-graph capture of the decode path, and no host syncs on either path. The CPU runs the same
 kernels, and the same sampled check, under the interpreter in tests/kernels/triton/moe.
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.triton.fused_moe import fused_moe, moe_sum
-from kernels.triton.moe_grouped import moe_align, moe_align_small
-from kernels.triton.router import fused_router
+from freetoken.kernels.triton.fused_moe import fused_moe, moe_sum
+from freetoken.kernels.triton.moe_grouped import moe_align, moe_align_small
+from freetoken.kernels.triton.router import fused_router
 from tests.kernels.triton.moe.oracle import check_sampled
 
 pytestmark = pytest.mark.gpu

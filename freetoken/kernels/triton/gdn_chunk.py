@@ -25,7 +25,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
-from kernels.logs import get_logger, kv
+from freetoken.kernels.logs import get_logger, kv
 
 log = get_logger("kernels")
 _TOO_BIG: set[tuple[int, int, int]] = set()  # tiles this GPU refused

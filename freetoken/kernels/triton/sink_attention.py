@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton.paged_attention import (
+from freetoken.kernels.triton.paged_attention import (
     _LOG2E,
     _check,
     _dot_mode,

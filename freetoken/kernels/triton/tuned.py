@@ -1,5 +1,5 @@
-"""Tuned launch configs as data: `kernels/triton/configs/<gpu>.json`, one file per GPU model,
-read at a kernel's first launch on that GPU and kept.
+"""Tuned launch configs as data: `freetoken/kernels/triton/configs/<gpu>.json`, one file per GPU
+model, read at a kernel's first launch on that GPU and kept.
 
 `<gpu>` is `torch.cuda.get_device_name()` lower-cased with every run of other characters than
 letters and digits turned into `_` ("NVIDIA H200" -> `nvidia_h200.json`). A file maps a kernel

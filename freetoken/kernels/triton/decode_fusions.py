@@ -79,8 +79,8 @@ def moe_combine(y: Tensor, w: Tensor, residual: Tensor, shared: Tensor | None = 
     optional shared [T, H] with its pre-sigmoid gate: shared_gate [T, 1], or gate_x [T, H] and
     gate_weight [1, H] (the Linear's weight) to compute it here -> out [T, H] in residual's
     dtype. `norm` = (weight [H], eps, zero_centered): also return the RMSNorm of out (the next
-    decoder layer's input norm, `kernels.triton.norm.rmsnorm` semantics) from the same launch.
-    Row strides are free; last dims must be contiguous (else copied)."""
+    decoder layer's input norm, `freetoken.kernels.triton.norm.rmsnorm` semantics) from the same
+    launch. Row strides are free; last dims must be contiguous (else copied)."""
     T, K, H = y.shape
     y, w, residual = _rows(y), _rows(w), _rows(residual)
     out = torch.empty((T, H), dtype=residual.dtype, device=residual.device)  # [T, H]

@@ -1,6 +1,6 @@
 // Decode-size CPU kernels beside the experts: a plain linear layer streaming its weight once
 // (ft_cpu_linear) and attention of one query row over the paged K/V pool read in place
-// (ft_decode_attention). Plain C ABI, called through ctypes (kernels/cpu/ext.py).
+// (ft_decode_attention). Plain C ABI, called through ctypes (freetoken/kernels/cpu/ext.py).
 #include "simd.h"
 
 namespace {

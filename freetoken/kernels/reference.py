@@ -1,7 +1,7 @@
 """The reference expert FFN every implementation is tested against (plain float64 torch, no
 kernel, no batching trick): the grouped and gathered torch paths, the C++ CPU kernel, the Triton
-fused MoE, and every expert backend. Quantized banks (kernels/quant.py) enter it dequantized in
-float64, so a kernel reading FP8 / MXFP4 is held to the exact dequantized weights.
+fused MoE, and every expert backend. Quantized banks (freetoken/kernels/quant.py) enter it
+dequantized in float64, so a kernel reading FP8 / MXFP4 is held to the exact dequantized weights.
 
 It reads only the bank rows `topk_ids` names, one at a time, and the banks may stay on their
 device (each row is copied to the host as stored, then widened): at a real shape (1100 banks
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.expert_act import ExpertAct
-from kernels.quant import QuantBank
+from freetoken.kernels.expert_act import ExpertAct
+from freetoken.kernels.quant import QuantBank
 
 
 def _f64(w: Tensor | QuantBank) -> Tensor:
@@ -29,7 +29,7 @@ def expert_ffn_reference(x: Tensor, topk_ids: Tensor, gate_up: Tensor, down: Ten
     """y [T, K, H] float64: y[t, k] = down[e] · (silu(gate[e] · x[t]) ⊙ (up[e] · x[t])) with
     e = topk_ids[t, k], for entries with e >= 0 (and mask[t, k] when a mask is given); 0
     elsewhere. x [T, H]; gate_up [E, 2I, H] rows [gate | up]; down [E, H, I]. With `act`
-    (kernels/expert_act.py, bound to the logical ids) gpt-oss's biased, clamped SwiGLU."""
+    (freetoken/kernels/expert_act.py, bound to the logical ids) gpt-oss's biased, clamped SwiGLU."""
     T, K = topk_ids.shape
     topk_ids = topk_ids.cpu()  # (read entry by entry: one copy, not one sync per entry)
     mask = mask.cpu() if mask is not None else None

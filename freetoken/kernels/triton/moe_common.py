@@ -47,7 +47,8 @@ def _block(want: int, dim: int, least: int = 1) -> int:
     return max(least, min(want, triton.next_power_of_2(dim)))
 
 
-# -- gpt-oss's experts (kernels/expert_act.py): biases by logical id, clamped SwiGLU ----------
+# -- gpt-oss's experts (freetoken/kernels/expert_act.py): biases by logical id, clamped SwiGLU
+# ----------
 
 @triton.jit
 def _glu(gate, up, alpha, limit, HAS_ACT: tl.constexpr):

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.expert_act import ExpertAct
-from kernels.triton.moe_common import (
+from freetoken.kernels.expert_act import ExpertAct
+from freetoken.kernels.triton.moe_common import (
     _bias_down_2d,
     _bias_gu_2d,
     _block,

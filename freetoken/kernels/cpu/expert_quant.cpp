@@ -1,4 +1,4 @@
-// CPU SwiGLU expert kernel over quantized banks (kernels/quant.py): FP8 e4m3 with one fp32
+// CPU SwiGLU expert kernel over quantized banks (freetoken/kernels/quant.py): FP8 e4m3 with one fp32
 // scale per B x B block (B a multiple of 32), and MXFP4 (e2m1 codes two a byte, low nibble the
 // even column, one e8m0 scale per 32 columns). The weights are read as they are stored and
 // converted in registers, 32 columns (one chunk) at a time, into fp32 products and sums:
@@ -25,7 +25,7 @@
 // behind a prefetch cursor (simd.h Stream), and steals from the back of the others' runs when
 // done; larger groups: OpenMP dynamic loops. Every output element is one dot product, so
 // results do not depend on the thread count, the prefetch or the stealing.
-// gpt-oss's experts (kernels/expert_act.py): with `gu_bias` the entry's gate_up bias row
+// gpt-oss's experts (freetoken/kernels/expert_act.py): with `gu_bias` the entry's gate_up bias row
 // (bias_ids[t * K + k], its logical expert: a slot bank's row is not its bias row) is added
 // before the clamped SwiGLU (u + 1) * g * sigmoid(alpha * g), g = min(gate, limit),
 // u = clamp(up, -limit, limit), and its down bias row after the down product.

@@ -16,11 +16,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.expert_act import ExpertAct
-from kernels.quant import QuantBank
-from kernels.triton.moe_common import _bias_down_2d, _bias_gu_2d, _block, _glu, act_args
-from kernels.triton.moe_grouped import _tile_ids, grouped_setup
-from kernels.triton.moe_quant import _check, _operands, _wtile
+from freetoken.kernels.expert_act import ExpertAct
+from freetoken.kernels.quant import QuantBank
+from freetoken.kernels.triton.moe_common import _bias_down_2d, _bias_gu_2d, _block, _glu, act_args
+from freetoken.kernels.triton.moe_grouped import _tile_ids, grouped_setup
+from freetoken.kernels.triton.moe_quant import _check, _operands, _wtile
 
 
 @triton.jit(do_not_specialize=["N", "P"])  # sizes/indices: 1 compile

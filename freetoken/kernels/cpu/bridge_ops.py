@@ -1,5 +1,5 @@
-"""ctypes face of the bridge's step loop (kernels/cpu/bridge_kernel.cpp): the CPU expert branch
-of a whole decode step in one native call, driven by flags the GPU stores into mapped pinned
+"""ctypes face of the bridge's step loop (freetoken/kernels/cpu/bridge_kernel.cpp): the CPU expert
+branch of a whole decode step in one native call, driven by flags the GPU stores into mapped pinned
 memory (the protocol is freetoken/experts/bridge.py's).
 
 Shapes: L MoE layers, B rows of the bucket, K top-k, H hidden, E experts, I intermediate.
@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from kernels.cpu.ext import CpuKernel
+from freetoken.kernels.cpu.ext import CpuKernel
 
 _WDTYPE = {torch.float32: 0, torch.bfloat16: 1}
 _p, _i64, _int, _dbl = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double

@@ -15,7 +15,7 @@ and many programs per row keep the link busy. Measured inside the offload decode
 H200: 53 GB/s of fills per token, the link's pinned-copy rate (docs/benchmarks.md, session 3);
 not yet compared with the copy engine in isolation.
 
-Quantized banks (`kernels.quant.QuantBank`: codes + scales, each with its own row size and
+Quantized banks (`freetoken.kernels.quant.QuantBank`: codes + scales, each with its own row size and
 dtype) take the same path through `fill_banks`: an expert's four parts (gate_up codes, gate_up
 scales, down codes, down scales) viewed as 32-bit words (bytes where a part's row is not a
 whole number of words) and copied by one launch of `_fill_quad_kernel`.
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.quant import QuantBank
+from freetoken.kernels.quant import QuantBank
 
 
 @triton.jit

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.cpu.ext import load_kernel
+from freetoken.kernels.cpu.ext import load_kernel
 
 # Below this the ctypes call and thread team cost more than torch's GEMV loses.
 MIN_WEIGHT_BYTES = 1 << 20

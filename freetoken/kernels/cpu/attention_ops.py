@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.cpu.ext import load_kernel
+from freetoken.kernels.cpu.ext import load_kernel
 
 # Shorter sequences stay on torch: its SDPA on a small gather costs about what the call does.
 MIN_KEYS = 512

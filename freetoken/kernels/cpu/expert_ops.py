@@ -12,14 +12,14 @@ sums computed on the GPU and on the CPU combine exactly. Entries whose `compute_
 are not written (their `out` rows keep whatever they held; a fresh `out` starts at zero).
 
 Two implementations compute the same function, tested against the one expert oracle
-(kernels/reference.py, float64):
+(freetoken/kernels/reference.py, float64):
   cpu_experts_torch  grouped F.linear in the weights' dtype (torch's own bf16 path).
-  cpu_experts        the C++ kernel (kernels/cpu/expert_kernel.cpp) when it builds and the
+  cpu_experts        the C++ kernel (freetoken/kernels/cpu/expert_kernel.cpp) when it builds and the
                      dtypes are supported, else cpu_experts_torch.
 
-Quantized banks (`kernels.quant.QuantBank`: FP8 block-scaled, MXFP4) go to the C++ kernel
-kernels/cpu/expert_quant.cpp, which reads them as stored and converts in registers (H and I
-multiples of 32, fp8 blocks too); cpu_experts_torch dequantizes each routed expert instead.
+Quantized banks (`freetoken.kernels.quant.QuantBank`: FP8 block-scaled, MXFP4) go to the C++ kernel
+freetoken/kernels/cpu/expert_quant.cpp, which reads them as stored and converts in registers (H and
+I multiples of 32, fp8 blocks too); cpu_experts_torch dequantizes each routed expert instead.
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.expert_act import ExpertAct, expert_bias_row, glu
-from kernels.logs import get_logger
-from kernels.quant import QuantBank, as_weight
+from freetoken.kernels.expert_act import ExpertAct, expert_bias_row, glu
+from freetoken.kernels.logs import get_logger
+from freetoken.kernels.quant import QuantBank, as_weight
 
 log = get_logger("experts")
 
@@ -91,7 +91,8 @@ def cpu_experts_torch(
     """Grouped F.linear in the weights' dtype: each routed expert's weights are used once for
     all tokens routed to it. Activations are cast to the weights' dtype (torch's bf16 path),
     so bf16 weights give bf16-operand accuracy. Returns `out` (float32 [T, K, H]). `act`:
-    gpt-oss's biases and clamped SwiGLU (kernels/expert_act.py), bound to the logical ids."""
+    gpt-oss's biases and clamped SwiGLU (freetoken/kernels/expert_act.py), bound to the logical
+    ids."""
     t, k, e_count, h, _ = _check_shapes(x, topk_ids, gate_up, down, compute_mask)
     out = _prepare_out(out, t, k, h)
     out_flat = out.view(t * k, h)  # [T*K, H]
@@ -127,7 +128,7 @@ def cpu_experts(
     bound to the logical ids): the quantized kernel applies it; dense banks then take the
     torch path (the dense C++ kernel has no biases yet).
     """
-    from kernels.cpu.ext import load_kernel
+    from freetoken.kernels.cpu.ext import load_kernel
 
     t, k, _, h, _ = _check_shapes(x, topk_ids, gate_up, down, compute_mask)
     kern = load_kernel()

@@ -1,6 +1,6 @@
 """Kimi Delta Attention decode step on the state pool in place: the gated delta rule with a
 per-channel decay, one launch, indexed by state slot (no gather, no scatter). The short conv
-before it is gated DeltaNet's (`kernels.triton.gdn.causal_conv1d_update_pool`).
+before it is gated DeltaNet's (`freetoken.kernels.triton.gdn.causal_conv1d_update_pool`).
 
 Pool (`freetoken.cache.tensors.StateTensors`): ssm_pool [S, H, K, V] fp32; `slots` [B] (int32
 or int64) names each row's slot, distinct within a launch. Semantics are `recurrent_kda`'s

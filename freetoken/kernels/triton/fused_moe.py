@@ -6,8 +6,8 @@ experts under `fused`), N = T*K (token, k) entries, entry n = t*K + k.
     fused_moe(x [T, H], ids [T, K], gate_up [S, 2I, H], down [S, H, I], y [T, K, H]) -> y
     y[t, k] = down[id] @ (silu(gate[id] @ x[t]) * (up[id] @ x[t])),  id = ids[t, k]
 
-With `act=` (gpt-oss, kernels/expert_act.py) both paths add the biases of each entry's logical
-expert (act.ids, not the bank row) and use the clamped SwiGLU, in constexpr-gated (HAS_ACT)
+With `act=` (gpt-oss, freetoken/kernels/expert_act.py) both paths add the biases of each entry's
+logical expert (act.ids, not the bank row) and use the clamped SwiGLU, in constexpr-gated (HAS_ACT)
 epilogues: the plain SwiGLU's compiled kernels are unchanged.
 
 The same contract as `freetoken.layers.moe.dispatch_experts` (unweighted outputs; entries with
@@ -28,7 +28,7 @@ Two paths, picked by N (`decode=None`):
 The decode path also takes the block's shared expert as T more entries (`shared=`, when its
 intermediate size equals the routed one), and `shared_expert_decode` runs a shared expert alone
 in the same two launches; `zero_missing` writes zeros for ids < 0, so y need not be cleared.
-`moe_sum(y, w)` (kernels/triton/decode_fusions.py, re-exported) is the weighted merge.
+`moe_sum(y, w)` (freetoken/kernels/triton/decode_fusions.py, re-exported) is the weighted merge.
 Under TRITON_INTERPRET=1 (CPU tests) everything runs in fp32 math; the grouped path upcasts
 bf16 operands before tl.dot there, since the interpreter's bf16 dot is wrong.
 """
@@ -41,17 +41,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.expert_act import ExpertAct
-from kernels.triton.decode_fusions import moe_sum  # noqa: F401  (re-exported)
-from kernels.triton.moe_common import _block, _glu, act_args, check_args, interpreting
-from kernels.triton.tuned import lookup
+from freetoken.kernels.expert_act import ExpertAct
+from freetoken.kernels.triton.decode_fusions import moe_sum  # noqa: F401  (re-exported)
+from freetoken.kernels.triton.moe_common import _block, _glu, act_args, check_args, interpreting
+from freetoken.kernels.triton.tuned import lookup
 
 # Above this many (token, k) entries the grouped path reads fewer weight bytes (repeated
 # experts share a read) and its sort is affordable. To be re-measured on the H200:
 # scripts/bench_triton_moe.py prints both paths at T=1, 4, 16.
 DECODE_MAX_ENTRIES = 128
 
-# The built-in decode tiles, for a GPU or shape without an entry in kernels/triton/configs/
+# The built-in decode tiles, for a GPU or shape without an entry in
+# freetoken/kernels/triton/configs/
 # (`decode_config`). Chosen on the H200 for H=2048, I=512 (bf16) and swept there with
 # scripts/bench_triton_moe.py (docs/kernels.md: no config beat them beyond noise):
 # T=1 gives 8 entries x 32 row blocks = 256 gate_up programs and 8 x 64 = 512 down programs
@@ -64,8 +65,9 @@ DECODE_CONFIG = {
 
 def decode_config(x: Tensor, gate_up: Tensor) -> dict:
     """The decode tiles for x's GPU and the (H, I) of `gate_up` [S, 2I, H]: the entry of
-    kernels/triton/configs/<gpu>.json (kernels/triton/tuned.py), else DECODE_CONFIG. Read at
-    the first launch of each GPU and shape and kept; the built-in tiles under the interpreter."""
+    freetoken/kernels/triton/configs/<gpu>.json (freetoken/kernels/triton/tuned.py), else
+    DECODE_CONFIG. Read at the first launch of each GPU and shape and kept; the built-in tiles
+    under the interpreter."""
     index = x.device.index if x.is_cuda and not interpreting() else None
     return _decode_config(index, int(gate_up.shape[2]), int(gate_up.shape[1]) // 2)
 
@@ -192,7 +194,8 @@ def fused_moe_decode(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: T
     keys). `zero_missing`: entries with id < 0 get zeros (the caller need not clear y first).
     `shared` = (gate_up [2I, H], down [H, I], out [T, H]): a shared expert with the routed
     experts' I, run on every token in the same two launches (T more entries), its unweighted
-    output written to out. `act`: gpt-oss's biases and clamped SwiGLU (kernels/expert_act.py),
+    output written to out. `act`: gpt-oss's biases and clamped SwiGLU
+    (freetoken/kernels/expert_act.py),
     bound to the entries' logical ids [T, K] (ids are bank rows: slots under a slot cache);
     not with `shared` (gpt-oss has no shared expert)."""
     T, K, _, _ = check_args(x, ids, gate_up, down, y)
@@ -290,7 +293,7 @@ def fused_moe(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor, 
         decode = ids.numel() <= DECODE_MAX_ENTRIES
     if decode:
         return fused_moe_decode(x, ids, gate_up, down, y, zero_missing=zero_missing, act=act)
-    from kernels.triton.moe_grouped import fused_moe_grouped  # (lazy: only large batches)
+    from freetoken.kernels.triton.moe_grouped import fused_moe_grouped  # (lazy: only large batches)
 
     if zero_missing:
         y.zero_()  # the grouped kernels write only entries with ids >= 0

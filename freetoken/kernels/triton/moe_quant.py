@@ -1,5 +1,5 @@
-"""The fused MoE decode path over quantized banks (kernels/quant.py): FP8 e4m3 with B x B block
-scales and MXFP4 (e2m1 codes two a byte, e8m0 scale per 32), dequantized in the kernel.
+"""The fused MoE decode path over quantized banks (freetoken/kernels/quant.py): FP8 e4m3 with B x B
+block scales and MXFP4 (e2m1 codes two a byte, e8m0 scale per 32), dequantized in the kernel.
 
 Shape legend as in fused_moe.py: T tokens, K top-k, H hidden, I expert intermediate, S bank
 rows, N = T*K entries.
@@ -14,8 +14,8 @@ loads its [BLOCK_N, BLOCK_K] tile of codes (FP8 bytes as uint8: the bits are dec
 registers, which the interpreter runs too) and its scales, and accumulates in fp32 — MXFP4 is
 weight-only dequant (H200 has no FP4 tensor cores); FP8 is dequantized the same way here (FP8
 dots are a later step). Larger batches take `fused_moe_quant_grouped`
-(kernels/triton/moe_quant_grouped.py): the grouped tl.dot path over the same tiles. Both take
-gpt-oss's `act=` (biases by logical id, clamped SwiGLU) in HAS_ACT epilogues, as fused_moe.py.
+(freetoken/kernels/triton/moe_quant_grouped.py): the grouped tl.dot path over the same tiles. Both
+take gpt-oss's `act=` (biases by logical id, clamped SwiGLU) in HAS_ACT epilogues, as fused_moe.py.
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.expert_act import ExpertAct
-from kernels.quant import MX_BLOCK, QuantBank
-from kernels.triton.fused_moe import DECODE_CONFIG, DECODE_MAX_ENTRIES  # noqa: F401
-from kernels.triton.moe_common import _block, _glu, act_args
+from freetoken.kernels.expert_act import ExpertAct
+from freetoken.kernels.quant import MX_BLOCK, QuantBank
+from freetoken.kernels.triton.fused_moe import DECODE_CONFIG, DECODE_MAX_ENTRIES  # noqa: F401
+from freetoken.kernels.triton.moe_common import _block, _glu, act_args
 
 FMT_CODES = {"fp8": 0, "mxfp4": 1}
 

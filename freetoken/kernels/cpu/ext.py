@@ -1,4 +1,5 @@
-"""Builds and loads the C++ CPU kernels (kernels/cpu/expert_kernel.cpp and expert_tiles.cpp:
+"""Builds and loads the C++ CPU kernels (freetoken/kernels/cpu/expert_kernel.cpp and
+expert_tiles.cpp:
 routed experts; expert_quant.cpp: routed experts over FP8 / MXFP4 banks; decode_ops.cpp:
 decode-size linear layers and in-place decode attention;
 bridge_kernel.cpp: the CPU branch of a captured decode step, bound in bridge_ops.py; simd.h,
@@ -31,8 +32,8 @@ import torch
 from torch import Tensor
 
 from freetoken.envs import FT_CPU_ISA
-from kernels.cpu.omp import openmp_runtimes, torch_openmp_ldflags
-from kernels.logs import get_logger, kv
+from freetoken.kernels.cpu.omp import openmp_runtimes, torch_openmp_ldflags
+from freetoken.kernels.logs import get_logger, kv
 
 log = get_logger("experts")
 
@@ -175,7 +176,7 @@ class CpuKernel:
     def linear(self, x: Tensor, weight: Tensor, out: Tensor, num_threads: int | None = None
                ) -> None:
         """out [T, N] fp32 = x [T, K] fp32 @ weight [N, K].T, weight contiguous fp32 or bf16.
-        Shapes and dtypes are checked by the caller (kernels.cpu.linear_ops)."""
+        Shapes and dtypes are checked by the caller (freetoken.kernels.cpu.linear_ops)."""
         nth = num_threads if num_threads is not None else torch.get_num_threads()
         rc = self._lin(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(),
                        1 if weight.dtype == torch.bfloat16 else 0, weight.shape[0],
