@@ -3,8 +3,10 @@
 A request is authorized when it offers the key as `Authorization: Bearer KEY` or
 `x-api-key: KEY` (compared in constant time). A failed authentication is logged (client, path,
 whether a key was offered; never the key) at most once per 10 s per client; past
-AUTH_FAILURES_PER_MIN failures a minute, that client's unauthenticated requests get 429 until
-the minute is over (a correct key still passes).
+AUTH_FAILURES_PER_MIN failures within a minute of its first one, that client's unauthenticated
+requests get 429 until that minute is over (a correct key still passes). The minute is the
+client's own, from its first failure: a window on the clock's minutes would let a burst across
+a boundary make twice the failures, and reset a count in the middle of a burst.
 """
 from __future__ import annotations
 
@@ -20,24 +22,32 @@ AUTH_FAILURES_PER_MIN = 30
 
 
 class AuthFailures:
-    """Failed authentications per client address over the current minute."""
+    """Failed authentications per client address, each over the minute from its first one.
+    `clock` is injectable for tests; at most MAX_CLIENTS addresses are tracked (the oldest
+    windows are dropped first)."""
 
-    def __init__(self) -> None:
-        self.window = 0
-        self.counts: dict[str, int] = {}
-        self.log_limit = RateLimiter(10.0)
+    WINDOW_S = 60.0
+    MAX_CLIENTS = 10000
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self.clock = clock
+        self.windows: dict[str, tuple[float, int]] = {}  # client -> (first failure, failures)
+        self.log_limit = RateLimiter(10.0, clock=clock)
 
     def record(self, client: str, path: str, offered: bool) -> bool:
         """Count one failure; True when the client is past the limit."""
-        w = int(time.monotonic() // 60)
-        if w != self.window or len(self.counts) > 10000:
-            self.window, self.counts = w, {}
-        n = self.counts[client] = self.counts.get(client, 0) + 1
+        now = self.clock()
+        start, n = self.windows.pop(client, (now, 0))
+        if now - start >= self.WINDOW_S:
+            start, n = now, 0
+        self.windows[client] = (start, n + 1)  # re-inserted: the dict stays oldest-first
+        if len(self.windows) > self.MAX_CLIENTS:
+            del self.windows[next(iter(self.windows))]
         dropped = self.log_limit.hit(client)
         if dropped is not None:
             log.warning(kv("auth_failed", client=client, path=path, key_offered=offered,
-                           failures_this_minute=n, suppressed=dropped))
-        return n > AUTH_FAILURES_PER_MIN
+                           failures_this_minute=n + 1, suppressed=dropped))
+        return n + 1 > AUTH_FAILURES_PER_MIN
 
 
 def offered_keys(headers: dict[str, str]) -> list[str]:

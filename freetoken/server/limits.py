@@ -40,6 +40,7 @@ import struct
 import termios
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -106,14 +107,16 @@ class RateLimiter:
     """At most one event per key per `every_s`; `hit` returns how many were dropped since the
     last one let through, or None to drop this one."""
 
-    def __init__(self, every_s: float = 10.0, max_keys: int = 4096) -> None:
+    def __init__(self, every_s: float = 10.0, max_keys: int = 4096,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.every_s = every_s
         self.max_keys = max_keys
+        self.clock = clock
         self._last: dict[Any, float] = {}
         self._dropped: dict[Any, int] = {}
 
     def hit(self, key: Any) -> int | None:
-        now = time.monotonic()
+        now = self.clock()
         if now - self._last.get(key, -1e18) < self.every_s:
             self._dropped[key] = self._dropped.get(key, 0) + 1
             return None

@@ -197,24 +197,20 @@ def test_allowed_hosts_flag(engine: FakeEngine, tok: ChatTokenizer) -> None:
 def test_failed_auth_logged_without_key_and_throttled(server: Server,
                                                       caplog: pytest.LogCaptureFixture,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """The failure window is a clock minute and the log limit 10 s: under load the 32 requests
-    could straddle a minute or outlast 10 s (flaky). The auth module's clock is frozen and the
-    log limit made an hour, so the same assertions hold however slow the machine is."""
-    import types
-
-    from freetoken.server import auth
+    """The failure window is the client's minute from its first failure and the log limit
+    10 s: under load the 32 requests could outlast 10 s (flaky). The failures' clock is frozen,
+    so the same assertions hold however slow the machine is."""
+    from freetoken.server.limits import RateLimiter
 
     caplog.set_level(logging.INFO, logger="ft.server")
     body = {"model": "m", "messages": USER}
-    failures = server.server.config.app.app.state.auth_failures
-    failures.counts.clear()
-    monkeypatch.setattr(auth, "time", types.SimpleNamespace(monotonic=lambda: 120.0))
-    failures.log_limit = type(failures.log_limit)(3600.0)
-    try:
-        codes = [post(server, "chat", body, authorization="Bearer sekrit-guess").status_code
-                 for _ in range(32)]
-    finally:
-        failures.counts.clear()  # the server is shared: later tests expect plain 401s
+    failures = server.server.config.app.app.state.auth_failures  # the guard's own
+    # the server is shared: empty windows on a frozen clock, the real ones put back after
+    monkeypatch.setattr(failures, "clock", lambda: 120.0)
+    monkeypatch.setattr(failures, "windows", {})
+    monkeypatch.setattr(failures, "log_limit", RateLimiter(10.0, clock=lambda: 120.0))
+    codes = [post(server, "chat", body, authorization="Bearer sekrit-guess").status_code
+             for _ in range(32)]
     assert codes[0] == 401 and codes[-1] == 429  # past 30 a minute
     lines = [r.getMessage() for r in caplog.records if "auth_failed" in r.getMessage()]
     assert len(lines) == 1 and "key_offered=True" in lines[0]  # once per 10 s per client
@@ -268,3 +264,45 @@ def test_admission_refusal_before_stream_starts(server: Server, engine: FakeEngi
     assert not r.headers["content-type"].startswith("text/event-stream")
     if route == "chat":
         assert r.json()["error"]["code"] == "kv_exhausted"
+
+
+def test_auth_failure_window_is_the_clients_own_minute() -> None:
+    """AuthFailures against a plain model of its rule: each client's window opens at its first
+    failure and lasts 60 s; past 30 failures in it, the answer is 429 until it closes. Bug it
+    catches (CI, 2026-12-04): a window on the clock's minutes (`monotonic() // 60`) reset a
+    burst in its middle (35 failures across a boundary answered 35 x 401) and let 60 through
+    in two seconds."""
+    import random
+
+    from freetoken.server.auth import AUTH_FAILURES_PER_MIN, AuthFailures
+
+    now = [59.5]
+    f = AuthFailures(clock=lambda: now[0])
+    burst = []
+    for _ in range(35):  # straddles t = 60 s
+        burst.append(f.record("a", "/p", True))
+        now[0] += 0.05
+    assert burst == [False] * AUTH_FAILURES_PER_MIN + [True] * 5
+    now[0] = 59.5 + 60.0  # a minute after the first failure: a fresh window
+    assert f.record("a", "/p", True) is False
+    rng = random.Random(0)
+    model: dict[str, list[float]] = {}
+    for _ in range(3000):
+        now[0] += rng.expovariate(20.0)
+        c = rng.choice("bcd")
+        start, n = model.get(c, [now[0], 0])
+        if now[0] - start >= 60.0:
+            start, n = now[0], 0
+        model[c] = [start, n + 1]
+        assert f.record(c, "/p", False) is (n + 1 > AUTH_FAILURES_PER_MIN), (c, now[0])
+    assert len(f.windows) == 4
+
+
+def test_auth_failures_track_a_bounded_number_of_clients() -> None:
+    from freetoken.server.auth import AuthFailures
+
+    f = AuthFailures(clock=lambda: 0.0)
+    f.MAX_CLIENTS = 100
+    for i in range(250):
+        f.record(f"10.0.{i // 256}.{i % 256}", "/p", False)
+    assert len(f.windows) == 100 and "10.0.0.249" in f.windows and "10.0.0.0" not in f.windows
