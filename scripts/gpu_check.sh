@@ -43,11 +43,23 @@ if has tests; then
   # SIGINT, not TERM, at the limit: pytest then prints its summary (what passed, where it
   # stopped); a test stuck over 100 s dumps every thread's stack (session 15: the FP8 hybrid
   # start's bandwidth measurement); a cold JIT cache needs ~400 s for the whole set
+  # A set cut short resumes: the tests that passed are listed in $OUT/gpu_passed.txt (carried
+  # back as .jitcache/gpu_passed.txt with the JIT cache) and the next call deselects them
+  DONE=()
+  if [ -f .jitcache/gpu_passed.txt ]; then
+    while IFS= read -r t; do [ -n "$t" ] && DONE+=(--deselect "$t"); done \
+      < .jitcache/gpu_passed.txt
+    cp .jitcache/gpu_passed.txt "$OUT/gpu_passed.txt"
+    echo "resuming: $(( ${#DONE[@]} / 2 )) gpu tests passed in an earlier call are left out"
+  fi
   { timeout -s INT 440 python3 -m pytest -v -p no:cacheprovider --tb=short --durations=15 \
-      -o faulthandler_timeout=100 -m gpu "${GPU_FILES[@]}"
+      -o faulthandler_timeout=100 -m gpu "${DONE[@]}" "${GPU_FILES[@]}"
     timeout 90 python3 -m pytest -q -p no:cacheprovider --tb=short -m "not gpu" \
       tests/experts/test_cpu_bridge.py tests/experts/test_slot_decide_kernel.py
   } > "$OUT/gpu_tests.log" 2>&1
+  grep -oE "^tests/[^ ]+ PASSED" "$OUT/gpu_tests.log" | sed 's/ PASSED$//' \
+    >> "$OUT/gpu_passed.txt"
+  sort -u -o "$OUT/gpu_passed.txt" "$OUT/gpu_passed.txt"
   grep -E " (passed|failed|error)" "$OUT/gpu_tests.log" | tail -4
   grep -E "FAILED|ERROR|Timeout" "$OUT/gpu_tests.log" | head -20
 fi
