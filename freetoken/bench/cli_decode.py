@@ -218,11 +218,30 @@ def bench_rounds(args, model, store, opts, device, prompt, backends, batch) -> d
     return best
 
 
+def byte_checks(be: str, r, link: float, link_gbps: float | None) -> list[str]:
+    """What is physically off in a row: a counted link rate above the link's measured one, and
+    counted fetches above what the driver saw the GPU receive (the counters over-count; NVML
+    counts every byte received, so the counters can only be below it, give or take its ~10%
+    sampling error)."""
+    out = []
+    if link_gbps and link > 1.05 * link_gbps:
+        out.append(f"{be}: {link:.1f} GB/s over the link exceeds its measured {link_gbps:.1f} "
+                   "GB/s: the fetch counters or the time are wrong")
+    rx = r.nvml_bytes_tok
+    if rx is not None and r.fetch_bytes_tok > 1.15 * rx + 1e6:
+        out.append(f"{be}: the counters say {r.fetch_bytes_tok / 1e6:.1f} MB a step fetched, the "
+                   f"driver saw {rx / 1e6:.1f} MB received: the fetch counters over-count")
+    elif rx is not None and link_gbps and link > 1.05 * link_gbps:
+        out.append(f"{be}: the driver agrees with the counters' bytes ({rx / 1e6:.1f} MB a "
+                   "step): the step time is what is wrong")
+    return out
+
+
 def print_table(best: dict, backends: list[str], repeats: int, batch: int,
                 link_gbps: float | None = None) -> None:
     print(f"best of {max(1, repeats)} rounds per backend; batch {batch}")
     print(f"{'backend':14} {'tok/s':>8} {'hit':>6} {'fetch MB/step':>13} {'cpu MB/step':>11} "
-          f"{'link GB/s':>10} {'GB/s moved':>11} {'floor tok/s':>12}")
+          f"{'link GB/s':>10} {'GB/s moved':>11} {'floor tok/s':>12} {'NVML rx MB/step':>15}")
     for be in backends:
         r = best.get(be)
         if r is None:
@@ -232,8 +251,10 @@ def print_table(best: dict, backends: list[str], repeats: int, batch: int,
         link = r.fetch_bytes_tok * steps_s / 1e9
         moved = (r.fetch_bytes_tok + r.cpu_bytes_tok) * steps_s / 1e9
         floor = f"{r.floor_tok_s:12.1f}" if r.floor_tok_s else f"{'n/a':>12}"
+        rx = r.nvml_bytes_tok
+        nvml = f"{rx / 1e6:15.1f}" if rx is not None else f"{'n/a':>15}"
         print(f"{be:14} {r.tok_s:8.1f} {r.hit_rate:6.3f} {r.fetch_bytes_tok / 1e6:13.1f} "
-              f"{r.cpu_bytes_tok / 1e6:11.1f} {link:10.2f} {moved:11.2f} {floor}", flush=True)
-        if link_gbps and link > 1.05 * link_gbps:
-            print(f"  !! {be}: {link:.1f} GB/s over the link exceeds its measured "
-                  f"{link_gbps:.1f} GB/s: the fetch counters or the time are wrong", flush=True)
+              f"{r.cpu_bytes_tok / 1e6:11.1f} {link:10.2f} {moved:11.2f} {floor} {nvml}",
+              flush=True)
+        for line in byte_checks(be, r, link, link_gbps):
+            print("  !! " + line, flush=True)

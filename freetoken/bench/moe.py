@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from freetoken.bench.link_meter import LinkMeter, nvml_rx_reader
 from freetoken.bench.route_trace import TraceRouter, install_trace, uniform_trace  # noqa: F401
 from freetoken.engine.generate import generate, private_runner
 from freetoken.experts.runtime import MoERuntime, find_profile
@@ -32,6 +33,9 @@ class RunResult:
     cpu_bytes_tok: float
     floor_tok_s: float | None
     note: str = ""  # where a decode step's time went (graph runner timers)
+    # bytes a step the GPU received over PCIe by the driver's counter (bench/link_meter.py),
+    # the independent check of fetch_bytes_tok; None without NVML
+    nvml_bytes_tok: float | None = None
 
 
 def install_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEConfig,
@@ -127,11 +131,15 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEConfi
     # the counters cover the decode steps alone: taken when the first token is out (a
     # prefill's misses, and the hits of re-prefilling the warm-up's prompt, are not decode's)
     s0: dict = {}
+    meter = LinkMeter(nvml_rx_reader(device.index or 0) if device.type == "cuda" else None)
 
     def start() -> None:
         if rt is not None and not s0:
             rt.counters.sync()
             s0.update({k: v for k, v in rt.counters.__dict__.items() if isinstance(v, int)})
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # the meter's window starts with the device idle
+            meter.start()
 
     if batch > 1 or engine:
         # B prompts of the same length, each a rotation of the first (no shared prefix)
@@ -157,6 +165,7 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEConfi
                          f" {1e3 * br.wait_go_s / br.steps_done:.3f} ms/step waiting for layers")
     if rt:
         rt.counters.sync()
+    received = meter.stop()  # (after the sync above: the device has finished the window)
     hit = fb = cb = 0.0
     floor = None
     if rt is not None:
@@ -178,4 +187,5 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEConfi
                  + (f" (timed {timed})" if timed else ""))
     if backend == "fused":
         drop_fused(full, model, device)
-    return RunResult(backend, tok_s, hit, fb, cb, floor, note)
+    return RunResult(backend, tok_s, hit, fb, cb, floor, note,
+                     None if received is None else received / steps)
