@@ -23,6 +23,10 @@ RUNTIME=(starlette uvicorn h11 click anyio sniffio idna httpx httpcore certifi o
          attrs)
 # (not carried: the SDK clients openai / anthropic and respx, which only CPU tests use, and
 # hf-xet: the machine downloads nothing. A carry is 64 MiB with .jitcache/ beside it.)
-python3 -m pip download -q --no-deps --only-binary=:all: "${PLAT[@]}" -d "$DIR" \
-  "${GPU[@]}" "${RUNTIME[@]}" 2>&1 | grep -v "^WARNING: Location" || true
+log=$(mktemp)
+if ! python3 -m pip download -q --no-deps --only-binary=:all: "${PLAT[@]}" -d "$DIR" \
+    "${GPU[@]}" "${RUNTIME[@]}" > "$log" 2>&1; then
+  grep -v "^WARNING: Location" "$log" >&2; rm -f "$log"; exit 1
+fi
+rm -f "$log"
 du -sh "$DIR"; ls "$DIR" | wc -l
