@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (issue 27): generate the demo model's training data, train it for
 # a wall-clock budget, export the shippable weights and evaluate them, all under $OUT.
-# Usage: OUT=/tmp/out [BUDGET_S=330] [JOBS=16] [SEED=0] scripts/gpu_train_demo.sh
+# Usage: OUT=/tmp/out [BUDGET_S=330] [JOBS=16] [SEED=0] [DATA_VERSION=6] scripts/gpu_train_demo.sh
+#   (DATA_VERSION: the generator's version, default its newest: v6, rendered through demo-v2;
+#    5 remakes the shipped weights' data, demo-v1; the manifest records which)
 #   (a CPU dry run of the flow: DEVICE=cpu SCALE=0.05 BUDGET_S=60 TRAIN_ARGS="--harnesses
 #    mini_tool --tokens-per-step 4000" EVAL_ARGS="--harnesses mini_tool --per-harness 1")
 #   $OUT/demo_weights/  compact.safetensors, manifest.json (sha256, training record), loss.png:
@@ -14,7 +16,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ft-out}; mkdir -p "$OUT"
 BUDGET_S=${BUDGET_S:-330}; JOBS=${JOBS:-16}; SEED=${SEED:-0}; DEVICE=${DEVICE:-cuda}
-SCALE=${SCALE:-1}; TRAIN_ARGS=${TRAIN_ARGS:-}; EVAL_ARGS=${EVAL_ARGS:-}
+SCALE=${SCALE:-1}; DATA_VERSION=${DATA_VERSION:-6}
+TRAIN_ARGS=${TRAIN_ARGS:-}; EVAL_ARGS=${EVAL_ARGS:-}
 T0=$(date +%s)
 stamp() { echo "gpu_train_demo: $1 t=$(( $(date +%s) - T0 ))s"; }
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -31,7 +34,7 @@ tail -3 "$OUT/machine.txt"
 stamp installed
 DATA=/tmp/ft-demo-data.xz RUN=/tmp/ft-demo-run
 python3 -m freetoken.models.demo_data --out "$DATA" --jobs "$JOBS" --seed "$SEED" --scale "$SCALE" \
-  --lzma-preset 1 \
+  --data-version "$DATA_VERSION" --lzma-preset 1 \
   > "$OUT/data.log" 2>&1 || { tail -20 "$OUT/data.log"; exit 1; }
 tail -1 "$OUT/data.log" | cut -c1-400
 stamp data

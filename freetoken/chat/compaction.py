@@ -22,10 +22,20 @@ needs:
   `RESULT_LINES` lines and `RESULT_CHARS` characters, then a `[truncated]` line;
 - assistant messages: as they are (what the model wrote, calls and all).
 
-Contract: deterministic and causal — the compaction of a message depends on that message and
-the ones before it only (and the tools on the tools), so the same earlier messages always
-compact to the same messages and the rendered prefix, hence the radix cache's reuse, is kept
-turn to turn.
+`demo-v2` (data v6) is `demo-v1` with the tool list cut to the core tools (`CORE_TOOLS`): the
+ones the demo's tasks call in some harness (Claude Code Bash/Read/Write, OpenCode bash/read/write,
+OpenClaw ls/read/exec/write, Codex exec_command, mini-swe-agent bash), each slimmed as in
+demo-v1, in the request's order; a request whose tools hold none of them keeps them all (slimmed).
+Claude Code's first request in Qwen3 tokens (chat template; as sent -> demo-v1 -> demo-v2):
+recorded (tests/data/harness_traces/claude_code/cc_try1.jsonl, seq 1) 18,868 -> 2,382 -> 432;
+as data v6 starts it (`demo_data.base_request`, "list the files" in /tmp/tmpa8x_k2q1) 18,838 ->
+2,352 (24 tool schemas) -> 402 (Bash, Read, Write). OpenClaw 11,675 -> 1,365 -> 617, OpenCode
+6,883 -> 835 -> 399, Codex 6,245 -> 743 -> 275; mini-swe-agent's (one tool or none) unchanged.
+
+Contract (every version): deterministic and causal — the compaction of a message depends on
+that message and the ones before it only (and the tools on the tools), so the same earlier
+messages always compact to the same messages and the rendered prefix, hence the radix cache's
+reuse, is kept turn to turn.
 The inputs are not modified.
 
 Which compaction a model gets is declared by the checkpoint: `demo_manifest.json`'s
@@ -45,6 +55,10 @@ Tools = list[dict[str, Any]] | None
 Compaction = Callable[[Messages, Tools], tuple[Messages, Tools]]
 
 VERSION = "demo-v1"
+VERSION_V2 = "demo-v2"
+# the tools the demo's training tasks call (freetoken/models/demo_harnesses.py), every harness
+CORE_TOOLS = frozenset({"Bash", "Read", "Write", "bash", "read", "write", "ls", "exec",
+                        "exec_command"})
 SHORT_SYSTEM = 600
 LONG_USER = 1200
 HEAD_CHARS = 600
@@ -171,7 +185,26 @@ def compact(messages: Messages, tools: Tools) -> tuple[Messages, Tools]:
     return (out or list(messages[-1:])), compact_tools(tools)
 
 
-COMPACTIONS: dict[str, Compaction] = {VERSION: compact}
+def tool_name(t: Any) -> str | None:
+    fn = t.get("function", t) if isinstance(t, dict) else None
+    return fn.get("name") if isinstance(fn, dict) else None
+
+
+def core_tools(tools: Tools) -> Tools:
+    """The tools named in `CORE_TOOLS`, in order; all of them when none is."""
+    if not tools:
+        return tools
+    core = [t for t in tools if tool_name(t) in CORE_TOOLS]
+    return core or tools
+
+
+def compact_v2(messages: Messages, tools: Tools) -> tuple[Messages, Tools]:
+    """`demo-v2`: `compact`'s messages, the core tools slimmed (the module docstring)."""
+    out, _ = compact(messages, None)
+    return out, compact_tools(core_tools(tools))
+
+
+COMPACTIONS: dict[str, Compaction] = {VERSION: compact, VERSION_V2: compact_v2}
 
 
 def compaction_for_dir(model_dir: str | Path) -> tuple[str, Compaction] | None:

@@ -8,9 +8,9 @@ result formatted the way that harness formats it, and a final answer that quotes
 and ends the turn. Chat tasks ("hi") get a short answer and no call. Requests are mapped by the
 server's own walks (`openai_to_template` / `anthropic_to_template`) and rendered by the
 checkpoint's chat template (`ChatTokenizer.apply`) after the demo's prompt compaction
-(`freetoken.chat.compaction`, data v5: the cut the server applies to the model whose manifest
-declares it), so the prompts are token for token what the engine renders the demo from those
-harnesses.
+(`freetoken.chat.compaction`, the version `COMPACTION_OF` names for the data version: the cut
+the server applies to the model whose manifest declares it), so the prompts are token for token
+what the engine renders the demo from those harnesses.
 
 Tasks map onto each harness's real tools: list files, read a file, run a shell command, write a
 file (Claude Code: Bash/Read/Write; OpenCode: bash/read/write; OpenClaw: ls/read/exec/write;
@@ -18,15 +18,17 @@ Codex: exec_command; mini-swe-agent: its `bash` tool, or its text protocol with
 ```mswea_bash_command blocks and `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT` to finish).
 
 Everything comes from `random.Random` seeded by (seed, harness, shard): the same (version, seed,
-counts) gives the same samples, however many worker processes make them. Bump `DATA_VERSION`
-whenever the output for a seed changes.
+counts) gives the same samples, however many worker processes make them. Every function that
+draws takes the data `version` (`DATA_VERSIONS`; default `DATA_VERSION`, what a training run
+makes): an older version's samples stay what they were, so tests of weights trained on it build
+their held-out requests with the version their manifest names. A change to the output for a
+seed is a new version.
 """
 from __future__ import annotations
 
-import copy
 import json
 import random
-import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,13 @@ from freetoken.chat.openai_map import openai_to_template
 from freetoken.chat.tokenizer import ChatTokenizer
 from freetoken.envs import harness_traces_dir
 from freetoken.models.demo_harnesses import HARNESSES, MINI_DONE, Harness
+from freetoken.models.demo_requests import (  # noqa: F401 (the generator's API)
+    RECORDED_CWD,
+    base_request,
+    corpus_lines,
+    recorded_body,
+    responses_to_openai,
+)
 from freetoken.models.demo_tasks import Task, Turn, make_task, working_dir
 from freetoken.models.tool_schema import schema_errors, tool_call_errors  # noqa: F401
 
@@ -46,63 +55,20 @@ from freetoken.models.tool_schema import schema_errors, tool_call_errors  # noqa
 #     the cut the server applies to the model that declares it): Claude Code's first request
 #     18.8k -> 2.4k tokens; no `short` mini conversations (the compaction cuts mini's request to
 #     its task line anyway); more conversations for the same tokens
-DATA_VERSION = 5
-PROMPT_COMPACTION = compaction.VERSION  # recorded in the data's meta, then in the manifest
-RECORDED_CWD = "/home/dev/project"
-_RECORDED_TASK = re.compile(r"Explore this repo:[^\n\"]*?summarize\.")
+# v6: random path parts (mkdtemp-like working directories, random project, user and file
+#     names: `demo_tasks.working_dir`), so a path in a call can only be copied from the prompt
+#     and its BPE pieces are trained; the `demo-v2` compaction (core tools only: Claude Code's
+#     first request 2.4k -> 0.4k tokens); twice the Claude Code conversations
+DATA_VERSION = 6
+DATA_VERSIONS = (5, 6)  # what the generator still makes (5: the shipped weights' data)
+COMPACTION_OF = {5: compaction.VERSION, 6: compaction.VERSION_V2}  # each version's cut
+PROMPT_COMPACTION = COMPACTION_OF[DATA_VERSION]  # recorded in the data's meta, then the manifest
 
 
-def recorded_body(h: Harness, traces: Path | None = None) -> dict[str, Any]:
-    """The request `h` names in the recorded traces (`traces`: default
-    `envs.harness_traces_dir()`)."""
-    with open((traces or harness_traces_dir()) / h.trace, encoding="utf-8") as f:
-        for line in f:
-            rec = json.loads(line)
-            if rec["seq"] == h.seq:
-                return dict(rec["body"])
-    raise KeyError(f"{h.trace} has no request seq={h.seq}")
-
-
-def responses_to_openai(body: dict[str, Any]) -> dict[str, Any]:
-    """A Codex Responses body as the chat body it amounts to: developer items become system
-    messages, `input_text` parts joined, function tools kept (hosted tools and namespaces
-    dropped: the template cannot render them)."""
-    msgs: list[dict[str, Any]] = []
-    if body.get("instructions"):
-        msgs.append({"role": "system", "content": body["instructions"]})
-    for it in body.get("input") or []:
-        if it.get("type") != "message":
-            continue
-        text = "\n".join(p.get("text", "") for p in it.get("content") or [])
-        role = "system" if it["role"] == "developer" else it["role"]
-        if role == "system" and msgs and msgs[-1]["role"] == "system":
-            msgs[-1]["content"] += "\n\n" + text
-        else:
-            msgs.append({"role": role, "content": text})
-    tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description",
-                                                                "parameters") if k in t}}
-             for t in body.get("tools") or [] if t.get("type") == "function"]
-    return {"messages": msgs, "tools": tools}
-
-
-def _replace_task(obj: Any, task_text: str, cwd: str) -> Any:
-    """The recorded body with its task sentence (the last one wins for Codex, whose task is a
-    whole user message) and working directory replaced."""
-    s = json.dumps(obj, ensure_ascii=False)
-    s = s.replace(RECORDED_CWD, cwd).replace("<project>", cwd)
-    s = _RECORDED_TASK.sub(lambda _m: json.dumps(task_text, ensure_ascii=False)[1:-1], s)
-    return json.loads(s)
-
-
-def base_request(h: Harness, task_text: str, cwd: str,
-                 traces: Path | None = None) -> dict[str, Any]:
-    body = recorded_body(h, traces)
-    if h.api == "responses":
-        body = responses_to_openai(body)
-        body["messages"][-1]["content"] = task_text
-    keep = {k: body[k] for k in ("system", "tools", "thinking", "messages") if k in body}
-    return _replace_task(copy.deepcopy(keep), task_text, cwd)
-
+def _check(version: int) -> int:
+    if version not in DATA_VERSIONS:
+        raise ValueError(f"data version {version} is not one of {DATA_VERSIONS}")
+    return version
 
 def _mini_text_reply(thought: str, command: str) -> str:
     return f"THOUGHT: {thought}\n\n```mswea_bash_command\n{command}\n```"
@@ -159,24 +125,6 @@ class Sample:
     mask: list[int]  # 1 where the token is an assistant output the loss trains on
 
 
-def corpus_lines(traces: Path | None = None) -> list[str]:
-    """Plain lines of the recorded system prompts (20-90 characters, no markup): file contents
-    for the read tasks."""
-    seen: set[str] = set()
-    for h in HARNESSES.values():
-        body = recorded_body(h, traces)
-        system = body.get("system", "")
-        texts = [system] if isinstance(system, str) else [b.get("text", "") for b in system]
-        texts += [m["content"] for m in body.get("messages", [])
-                  if isinstance(m.get("content"), str)]
-        for t in texts:
-            for line in t.split("\n"):
-                line = line.strip()
-                if 20 <= len(line) <= 90 and not re.search(r"[<>{}`|\\]", line):
-                    seen.add(line)
-    return sorted(seen)
-
-
 SHORT = "_short"  # a mini harness's conversations with the request cut to its task line
 
 
@@ -191,16 +139,16 @@ def harness_of(name: str) -> tuple[Harness, bool]:
 
 
 def conversation(h: Harness, rng: random.Random, traces: Path | None = None,
-                 corpus: list[str] | None = None, short: bool = False
-                 ) -> tuple[dict[str, Any], list[Task]]:
+                 corpus: list[str] | None = None, short: bool = False,
+                 version: int = DATA_VERSION) -> tuple[dict[str, Any], list[Task]]:
     """One synthetic conversation body (API shape): one task (mini) or three to seven.
     `short` (mini only): the user message is its first paragraph, "Please solve this issue:
     <task>", without mini's ~500 tokens of instructions after it (data v4 mixed these into the
     full prompts; v5 needs none: every prompt is compacted, and the compaction cuts mini's
     request to that same line)."""
-    cwd = working_dir(rng)
+    cwd = working_dir(rng, _check(version))
     mini = h.name.startswith("mini")
-    tasks = [make_task(rng, mini=mini, corpus=corpus)
+    tasks = [make_task(rng, mini=mini, corpus=corpus, version=version)
              for _ in range(1 if mini else rng.randint(3, 7))]
     body = base_request(h, tasks[0].request, cwd, traces)
     if short:
@@ -217,11 +165,12 @@ def template_input(h: Harness, body: dict[str, Any]):
     return (anthropic_to_template(body) if h.api == "anthropic" else openai_to_template(body))
 
 
-def compacted_input(h: Harness, body: dict[str, Any]):
+def compacted_input(h: Harness, body: dict[str, Any], version: int = DATA_VERSION):
     """The template input the served demo model is rendered: `template_input` through the
-    prompt compaction (`freetoken.chat.compaction`, the one function the server applies)."""
+    prompt compaction of data `version` (`COMPACTION_OF`; `freetoken.chat.compaction`, the one
+    function the server applies)."""
     ti = template_input(h, body)
-    ti.messages, ti.tools = compaction.COMPACTIONS[PROMPT_COMPACTION](ti.messages, ti.tools)
+    ti.messages, ti.tools = compaction.COMPACTIONS[COMPACTION_OF[version]](ti.messages, ti.tools)
     return ti
 
 
@@ -279,14 +228,14 @@ class _Encoder:
 
 
 def render_sample(h: Harness, body: dict[str, Any], enc: _Encoder,
-                  think_off: bool) -> Sample:
+                  think_off: bool, version: int = DATA_VERSION) -> Sample:
     """The conversation as one training sequence: the request before the last assistant turn,
     rendered with the generation prompt (and `enable_thinking=False` when `think_off`, as a
     harness that turns reasoning off sends it), then that turn as the template renders it in
     the history (no think block: what the next request will hold) and `<|im_end|>`. The
     conversation is compacted first (`compacted_input`): what the server renders the model."""
     tok = enc.tok
-    ti = compacted_input(h, body)
+    ti = compacted_input(h, body, version)
     last = max(i for i, m in enumerate(ti.messages) if m["role"] == "assistant")
     think = False if think_off else ti.enable_thinking
     ids, _ = enc.ids(ti.messages[:last], ti.tools, think)
@@ -312,18 +261,28 @@ def _shards(counts: dict[str, int]) -> list[tuple[str, int, int]]:
             for name, n in sorted(counts.items()) for k in range(-(-n // SHARD))]
 
 
-def generate_shard(name: str, k: int, n: int, seed: int, tok: ChatTokenizer,
-                   traces: Path | None = None) -> list[Sample]:
-    """Shard `k` of harness `name`: `n` samples from `random.Random(f"{seed}:{name}:{k}")`
-    (a string seed is hashed the same way on every run and machine)."""
+def shard_conversations(name: str, k: int, n: int, seed: int, traces: Path | None = None,
+                        version: int = DATA_VERSION
+                        ) -> Iterator[tuple[dict[str, Any], list[Task], bool]]:
+    """(body, tasks, think_off) of shard `k` of harness `name`: `n` conversations of data
+    `version` from `random.Random(f"{seed}:{name}:{k}")` (a string seed is hashed the same way
+    on every run and machine): what `generate_shard` renders."""
     rng = random.Random(f"{seed}:{name}:{k}")
-    enc = _Encoder(tok)
     corpus = corpus_lines(traces)
     h, short = harness_of(name)
-    out = []
     for _ in range(n):
-        body, _ = conversation(h, rng, traces, corpus, short)
-        out.append(render_sample(h, body, enc, think_off=rng.random() < 0.3))
+        body, tasks = conversation(h, rng, traces, corpus, short, version)
+        yield body, tasks, rng.random() < 0.3
+
+
+def generate_shard(name: str, k: int, n: int, seed: int, tok: ChatTokenizer,
+                   traces: Path | None = None, version: int = DATA_VERSION) -> list[Sample]:
+    """Shard `k` of harness `name` (`shard_conversations`) as samples."""
+    enc = _Encoder(tok)
+    h, _ = harness_of(name)
+    out = []
+    for body, _, think_off in shard_conversations(name, k, n, seed, traces, version):
+        out.append(render_sample(h, body, enc, think_off=think_off, version=version))
         out[-1].harness = name
     return out
 
@@ -335,33 +294,41 @@ def _worker_init(tok_dir: str) -> None:
     _WORKER["tok"] = ChatTokenizer.from_dir(Path(tok_dir))
 
 
-def _worker(job: tuple[str, int, int, int, str]) -> list[Sample]:
-    return generate_shard(*job[:4], _WORKER["tok"], Path(job[4]))
+def _worker(job: tuple[str, int, int, int, str, int]) -> list[Sample]:
+    return generate_shard(*job[:4], _WORKER["tok"], Path(job[4]), job[5])
 
 
 def generate(counts: dict[str, int], seed: int, tok: ChatTokenizer,
-             traces: Path | None = None, jobs: int = 1, tok_dir: Path | None = None
-             ) -> list[Sample]:
-    """`counts[harness]` samples of each harness from one seed, shard by shard (`_shards`):
-    the same samples whatever `jobs` (worker processes, which load the tokenizer from
-    `tok_dir`). `traces`: default `envs.harness_traces_dir()`."""
+             traces: Path | None = None, jobs: int = 1, tok_dir: Path | None = None,
+             version: int = DATA_VERSION) -> list[Sample]:
+    """`counts[harness]` samples of data `version` of each harness from one seed, shard by
+    shard (`_shards`): the same samples whatever `jobs` (worker processes, which load the
+    tokenizer from `tok_dir`). `traces`: default `envs.harness_traces_dir()`."""
     traces = traces or harness_traces_dir()
     shards = _shards(counts)
+    _check(version)
     if jobs <= 1 or tok_dir is None:
-        parts = [generate_shard(name, k, n, seed, tok, traces) for name, k, n in shards]
+        parts = [generate_shard(name, k, n, seed, tok, traces, version)
+                 for name, k, n in shards]
     else:
         import multiprocessing as mp
 
         with mp.get_context("fork").Pool(jobs, _worker_init, (str(tok_dir),)) as pool:
-            parts = pool.map(_worker, [(name, k, n, seed, str(traces))
+            parts = pool.map(_worker, [(name, k, n, seed, str(traces), version)
                                        for name, k, n in shards], chunksize=1)
     return [x for part in parts for x in part]
 
 
 # v5: ~51M tokens (--scale 0.25: 12.9M, 1.49M targets), four times the distinct tasks the
 # compacted prompts used to cost: a 330 s GPU run makes ~10-20 passes rather than ~70
-DEFAULT_COUNTS = {"claude_code": 12000, "openclaw": 3200, "opencode": 3200, "codex": 3200,
-                  "mini_tool": 8000, "mini_text": 8000}
+# v6: ~48M tokens, ~13M targets (--scale 0.1 measured: see docs/models.md), twice v5's Claude
+# Code conversations and 2.5 times the others: demo-v2 cuts Claude Code's, OpenCode's,
+# OpenClaw's and Codex's prompts to ~0.4-0.6k tokens, so each costs a third of a v5 one
+COUNTS = {5: {"claude_code": 12000, "openclaw": 3200, "opencode": 3200, "codex": 3200,
+              "mini_tool": 8000, "mini_text": 8000},
+          6: {"claude_code": 24000, "openclaw": 8000, "opencode": 8000, "codex": 8000,
+              "mini_tool": 10000, "mini_text": 10000}}
+DEFAULT_COUNTS = COUNTS[DATA_VERSION]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -373,6 +340,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="write the demo model's pre-tokenized training data")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-version", type=int, default=DATA_VERSION, choices=DATA_VERSIONS,
+                   help="the generator's version (its counts and prompt compaction too)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every harness's count")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (same samples)")
     p.add_argument("--harnesses", default=None,
@@ -382,11 +351,12 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     tok_dir = tokenizer_source_dir()
     tok = ChatTokenizer.from_dir(tok_dir)
-    keep = args.harnesses.split(",") if args.harnesses else list(DEFAULT_COUNTS)
-    counts = {k: max(1, round(v * args.scale)) for k, v in DEFAULT_COUNTS.items() if k in keep}
-    samples = generate(counts, args.seed, tok, jobs=args.jobs, tok_dir=tok_dir)
+    version = args.data_version
+    keep = args.harnesses.split(",") if args.harnesses else list(COUNTS[version])
+    counts = {k: max(1, round(v * args.scale)) for k, v in COUNTS[version].items() if k in keep}
+    samples = generate(counts, args.seed, tok, jobs=args.jobs, tok_dir=tok_dir, version=version)
     vocab = -(-tokenizer_size(tok_dir / "tokenizer.json") // 64) * 64
-    meta = {"data_version": DATA_VERSION, "prompt_compaction": PROMPT_COMPACTION,
+    meta = {"data_version": version, "prompt_compaction": COMPACTION_OF[version],
             "seed": args.seed, "counts": counts,
             "vocab_size": vocab, "tokens": sum(len(s.ids) for s in samples),
             "target_tokens": sum(sum(s.mask) for s in samples)}

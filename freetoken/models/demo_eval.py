@@ -44,15 +44,17 @@ def load_compact(weights: Path, device: str):
     return model.to(device).eval(), used
 
 
-def held_out(name: str, n: int) -> list[tuple[Any, Any, int]]:
+def held_out(name: str, n: int, version: int | None = None) -> list[tuple[Any, Any, int]]:
     """(template input, first task, index of the first assistant message) of `n` held-out
-    conversations of harness `name` whose first task calls a tool."""
+    conversations of harness `name` whose first task calls a tool, of data `version` (the
+    weights' own: `trained_data`; None: the generator's default)."""
     from freetoken.models import demo_data as dd
 
     h, corpus, out = dd.HARNESSES[name], dd.corpus_lines(), []
+    version = dd.DATA_VERSION if version is None else version
     seed = HELD_OUT_SEED
     while len(out) < n:
-        body, tasks = dd.conversation(h, random.Random(seed), corpus=corpus)
+        body, tasks = dd.conversation(h, random.Random(seed), corpus=corpus, version=version)
         seed += 1
         if tasks[0].kind == "chat":
             continue
@@ -62,15 +64,25 @@ def held_out(name: str, n: int) -> list[tuple[Any, Any, int]]:
     return out
 
 
+def trained_data(weights: Path) -> dict[str, Any]:
+    """The data meta the weights were trained on (`data_version`, `prompt_compaction`, seed,
+    counts): a shipped dir's manifest `train.data`, or a `train_demo` output's train_meta.json
+    (empty when neither is there)."""
+    man, meta = weights / "manifest.json", weights / "train_meta.json"
+    if man.is_file():
+        return json.loads(man.read_text()).get("train", {}).get("data", {})
+    if meta.is_file():
+        return json.loads(meta.read_text()).get("data", {})
+    return {}
+
+
 def declared_compaction(weights: Path) -> str | None:
     """The prompt compaction the weights were trained with: a shipped dir's manifest
     `prompt_compaction`, or a `train_demo` output's data meta (None: rendered as sent)."""
-    man, meta = weights / "manifest.json", weights / "train_meta.json"
+    man = weights / "manifest.json"
     if man.is_file():
         return json.loads(man.read_text()).get("prompt_compaction")
-    if meta.is_file():
-        return json.loads(meta.read_text()).get("data", {}).get("prompt_compaction")
-    return None
+    return trained_data(weights).get("prompt_compaction")
 
 
 class Greedy:
@@ -158,11 +170,12 @@ def quoted(output: str, gold: str, text: str) -> float | None:
     return sum(ln in text for ln in items) / len(items) if items else None
 
 
-def evaluate(greedy: Greedy, names: list[str], n: int, say=print) -> dict[str, dict[str, float]]:
+def evaluate(greedy: Greedy, names: list[str], n: int, say=print,
+             version: int | None = None) -> dict[str, dict[str, float]]:
     report = {}
     for name in names:
         rows = []
-        for ti, task, first in held_out(name, n):
+        for ti, task, first in held_out(name, n, version):
             text, ended = greedy(ti.messages[:first], ti.tools)
             valid, copied = score_first(name, ti, first, text)
             nxt = next(i for i in range(first + 1, len(ti.messages))
@@ -205,9 +218,10 @@ def main(argv: list[str] | None = None) -> None:
     tok = ChatTokenizer.from_dir(tokenizer_source_dir())
     comp = (declared_compaction(Path(args.weights)) if args.compaction == "auto"
             else None if args.compaction == "none" else args.compaction)
-    print(f"ft.demo_eval: compaction={comp}", flush=True)
+    version = trained_data(Path(args.weights)).get("data_version", dd.DATA_VERSION)
+    print(f"ft.demo_eval: compaction={comp} data_version={version}", flush=True)
     greedy = Greedy(model, used, tok, args.device, args.max_tokens, comp)
-    report = evaluate(greedy, args.harnesses.split(","), args.per_harness)
+    report = evaluate(greedy, args.harnesses.split(","), args.per_harness, version=version)
     print(json.dumps(report))
 
 

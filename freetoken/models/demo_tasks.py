@@ -3,7 +3,15 @@
 A task is one user request and what answers it: list the files, read a file, run a shell
 command, write a file, or a chat message with no tool. Tool outputs are made up here (file
 names, contents, command output) and the final answer quotes them, so the model learns to copy
-what a tool returned rather than to recall it. Every choice comes from the caller's `rng`.
+what a tool returned rather than to recall it. Every choice comes from the caller's `rng`;
+`version` is the data version (`demo_data.DATA_VERSIONS`): v5's draws are kept as they were.
+
+Data v6's paths have random parts (`working_dir`, `_name`): mkdtemp-like working directories
+(`/tmp/tmp` + 8 of tempfile's characters, what `tempfile.mkdtemp()` makes), random alphanumeric
+project and user names beside the word lists, random file stems. A path in a call can then
+only be copied from the prompt (v5's held-out working directories occurred verbatim in its
+training data 27% of the time), and the 1-3 character BPE pieces such names split into are all
+trained (48% of the tokens of real mkdtemp paths were ids v5 never saw).
 """
 from __future__ import annotations
 
@@ -101,7 +109,34 @@ class Task:
         return [first, last]
 
 
-def _name(rng: random.Random) -> str:
+TMP_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789_"  # tempfile's names draw from these
+_ALNUM = "abcdefghijklmnopqrstuvwxyz0123456789"
+_ROOTS6 = _ROOTS + ["/var/tmp/{p}", "/home/{u}/work/{p}", "/home/{u}/git/{p}", "/mnt/data/{p}",
+                    "/Users/{u}/code/{p}", "/Users/{u}/Desktop/{p}", "/data/{u}/{p}"]
+
+
+def random_part(rng: random.Random, lo: int, hi: int, chars: str = TMP_CHARS) -> str:
+    return "".join(rng.choice(chars) for _ in range(rng.randint(lo, hi)))
+
+
+def mkdtemp_like(rng: random.Random) -> str:
+    """What `tempfile.mkdtemp()` returns on Linux: /tmp/tmp + 8 random characters."""
+    return "/tmp/tmp" + "".join(rng.choice(TMP_CHARS) for _ in range(8))
+
+
+def _stem6(rng: random.Random) -> str:
+    """A v6 name: random (45%), a word and a random part (25%), or words as in v5."""
+    k = rng.random()
+    if k < 0.45:
+        return random_part(rng, 2, 10)
+    if k < 0.7:
+        return rng.choice(_WORDS) + rng.choice("_-") + random_part(rng, 1, 6, _ALNUM)
+    return rng.choice(_WORDS) + rng.choice(["", "_" + rng.choice(_WORDS), str(rng.randint(1, 99))])
+
+
+def _name(rng: random.Random, version: int = 5) -> str:
+    if version >= 6:
+        return rng.choice(_COMMON) if rng.random() < 0.2 else _stem6(rng) + rng.choice(_EXTS)
     if rng.random() < 0.25:
         return rng.choice(_COMMON)
     stem = rng.choice(_WORDS) + rng.choice(["", "_" + rng.choice(_WORDS), "-" + rng.choice(
@@ -109,8 +144,19 @@ def _name(rng: random.Random) -> str:
     return stem + rng.choice(_EXTS)
 
 
-def working_dir(rng: random.Random) -> str:
-    """A working directory from thousands (the recorded harness prompt states it)."""
+def working_dir(rng: random.Random, version: int = 5) -> str:
+    """A working directory (the recorded harness prompt states it): v5 from thousands of
+    word-list names; v6 mkdtemp-like (40%) or a root with a random or word-and-random project
+    and a random or listed user, from billions."""
+    if version >= 6:
+        if rng.random() < 0.4:
+            return mkdtemp_like(rng)
+        user = rng.choice(_USERS) if rng.random() < 0.4 else random_part(rng, 2, 8, _ALNUM)
+        k = rng.random()
+        project = (random_part(rng, 3, 12, _ALNUM + "_-") if k < 0.5 else _stem6(rng))
+        if rng.random() < 0.15:
+            project = project.capitalize()
+        return rng.choice(_ROOTS6).format(u=user, p=project)
     project = rng.choice(_WORDS) + rng.choice(["", "", "-" + rng.choice(_WORDS),
                                                str(rng.randint(2, 9))])
     return rng.choice(_ROOTS).format(u=rng.choice(_USERS), p=project)
@@ -137,27 +183,27 @@ def _quote(text: str, n: int = 3) -> str:
     return "\n".join([ln for ln in text.split("\n") if ln.strip()][:n])
 
 
-def _listing(rng: random.Random) -> list[str]:
-    names = {_name(rng) for _ in range(rng.randint(1, 7))}
+def _listing(rng: random.Random, v: int) -> list[str]:
+    names = {_name(rng, v) for _ in range(rng.randint(1, 7))}
     names |= set(rng.sample(_DIRS, rng.randint(0, 3)))
     if rng.random() < 0.6:
         names.add("README.md")
     return sorted(names)
 
 
-def _shell(rng: random.Random) -> tuple[str, str, str]:
+def _shell(rng: random.Random, v: int) -> tuple[str, str, str]:
     """(command, description, output)"""
     k = rng.randrange(6)
     if k == 0:
         w = " ".join(rng.sample(_WORDS, rng.randint(1, 3)))
         return f"echo {w}", "Print text", w + "\n"
     if k == 1:
-        f = _name(rng)
+        f = _name(rng, v)
         n = rng.randint(1, 400)
         return f"wc -l {f}", "Count lines", f"{n} {f}\n"
     if k == 2:
         branch = rng.choice(["main", "master", "dev", "feature/" + rng.choice(_WORDS)])
-        files = [_name(rng) for _ in range(rng.randint(0, 2))]
+        files = [_name(rng, v) for _ in range(rng.randint(0, 2))]
         body = "".join(f"\tmodified:   {f}\n" for f in files)
         out = f"On branch {branch}\n" + (f"Changes not staged for commit:\n{body}" if files
                                          else "nothing to commit, working tree clean\n")
@@ -174,18 +220,22 @@ def _shell(rng: random.Random) -> tuple[str, str, str]:
     return "git log --oneline -n 1", "Show the last commit", f"{h} {msg}\n"
 
 
-def make_task(rng: random.Random, mini: bool, corpus: list[str] | None = None) -> Task:
-    """One task; `mini` tasks always use a tool (mini-swe-agent needs a command every turn)."""
+def make_task(rng: random.Random, mini: bool, corpus: list[str] | None = None,
+              version: int = 5) -> Task:
+    """One task of data `version`; `mini` tasks always use a tool (mini-swe-agent needs a
+    command every turn)."""
+    v = version
     kinds = ["list", "read", "read", "shell", "write"] + ([] if mini else ["chat"])
     kind = rng.choice(kinds)
     if kind == "chat":
         ask, answer = rng.choice(CHATS)
         return Task("chat", ask, answer=answer)
     if kind == "list":
-        names = _listing(rng)
+        names = _listing(rng, v)
         out = "".join(n + "\n" for n in names)
         if rng.random() < 0.35:  # a subdirectory, named in the request: copied into the call
-            d = rng.choice(_DIRS + _WORDS)
+            d = (random_part(rng, 2, 8) if v >= 6 and rng.random() < 0.3
+                 else rng.choice(_DIRS + _WORDS))
             return Task("list", rng.choice(LIST_DIR_ASKS).format(d=d), path=d, command=f"ls {d}",
                         description=f"List files in {d}", output=out,
                         answer=f"The files in {d} are: " + ", ".join(names) + ".",
@@ -196,9 +246,9 @@ def make_task(rng: random.Random, mini: bool, corpus: list[str] | None = None) -
                     thought="I will list the files in the current directory.")
     if kind == "read":
         # README.md now and then only: a model that always reads it must not score
-        path = "README.md" if rng.random() < 0.15 else _name(rng)
+        path = "README.md" if rng.random() < 0.15 else _name(rng, v)
         if rng.random() < 0.25:
-            path = f"{rng.choice(_DIRS)}/{_name(rng)}"
+            path = f"{rng.choice(_DIRS)}/{_name(rng, v)}"
         ask = rng.choice(READ_ASKS)
         if path == "README.md" and rng.random() < 0.3:
             ask = ask.replace("{f}", "README")
@@ -208,12 +258,12 @@ def make_task(rng: random.Random, mini: bool, corpus: list[str] | None = None) -
                     answer=f"{path} says:\n\n{_quote(text)}",
                     thought=f"I will read {path}.")
     if kind == "shell":
-        cmd, desc, out = _shell(rng)
+        cmd, desc, out = _shell(rng, v)
         return Task("shell", rng.choice(SHELL_ASKS).format(c=cmd), command=cmd,
                     description=desc, output=out,
                     answer=f"`{cmd}` printed:\n\n{_quote(out)}",
                     thought=f"I will run `{cmd}`.")
-    path = _name(rng)
+    path = _name(rng, v)
     text = " ".join(rng.sample(_WORDS, rng.randint(1, 4)))
     return Task("write", rng.choice(WRITE_ASKS).format(f=path, t=text), path=path,
                 content=text + "\n", command=f"printf '%s\\n' '{text}' > {path}",

@@ -35,6 +35,14 @@ def manifest(weights_dir: Path = WEIGHTS_DIR) -> dict[str, Any]:
     return json.loads((weights_dir / "manifest.json").read_text())
 
 
+def trained_data(weights_dir: Path = WEIGHTS_DIR) -> tuple[int, str | None]:
+    """(data version, prompt compaction) the weights were trained on (the manifest's
+    `train.data`): what a test of these weights builds its held-out requests with, so the
+    tests follow the shipped weights rather than the generator's newest version."""
+    data = manifest(weights_dir)["train"]["data"]
+    return int(data["data_version"]), data.get("prompt_compaction")
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -1,8 +1,12 @@
 """Train the demo model: a tiny `qwen3_5_moe` on the synthetic agent transcripts of `demo_data`.
 
-    python -m freetoken.models.demo_data --out data.xz --jobs 16   # pre-tokenized transcripts
+    python -m freetoken.models.demo_data --out data.xz --jobs 16   # data v6 (--data-version)
     python -m freetoken.models.train_demo --data data.xz --out OUT --budget-s 360   # GPU
     python -m freetoken.models.demo_trained OUT                    # -> demo_weights/
+
+The data file's meta (`data_version`, `prompt_compaction`: v6 and demo-v2 unless
+`demo_data --data-version` says otherwise) is recorded in train_meta.json as `data`; `ship`
+copies its compaction into the manifest, which the server then applies.
 
 The model is transformers' own `Qwen3_5MoeForCausalLM`, so what is trained is the reference the
 engine is checked against. On CUDA its chunked gated delta rule is fla-core's Triton kernel

@@ -1,7 +1,8 @@
-"""The demo model's prompt compaction (`freetoken.chat.compaction`): what it keeps (the task,
-the working directory, every tool's name and a schema that accepts and refuses the same calls),
-what it drops, its prefix stability on recorded multi-turn harness traces (the radix cache's
-reuse per turn), and the manifest gate (a checkpoint that declares none is untouched)."""
+"""The demo model's prompt compactions (`freetoken.chat.compaction`: demo-v1, the shipped v5
+weights'; demo-v2, data v6's): what they keep (the task, the working directory, every tool's name
+or every core tool's, a schema that accepts and refuses the same calls), what they drop, their
+prefix stability on recorded multi-turn harness traces (the radix cache's reuse per turn), and
+the manifest gate (a checkpoint that declares none is untouched)."""
 from __future__ import annotations
 
 import copy
@@ -27,10 +28,15 @@ def _first(name: str) -> tuple[dd.Harness, object]:
     return h, dd.template_input(h, dd.base_request(h, TASK, CWD))
 
 
+VERSIONS = pytest.mark.parametrize("version", sorted(cp.COMPACTIONS))
+
+
+@VERSIONS
 @pytest.mark.parametrize("name", sorted(dd.HARNESSES))
-def test_keeps_the_task_cwd_and_tool_names_drops_the_instructions(name: str, tok) -> None:
+def test_keeps_the_task_cwd_and_tool_names_drops_the_instructions(name: str, version: str,
+                                                                   tok) -> None:
     _h, ti = _first(name)
-    msgs, tools = cp.compact(ti.messages, ti.tools)
+    msgs, tools = cp.COMPACTIONS[version](ti.messages, ti.tools)
     full = tok.apply(ti.messages, ti.tools).input_ids
     p = tok.apply(msgs, tools)
     assert TASK in p.text
@@ -38,7 +44,8 @@ def test_keeps_the_task_cwd_and_tool_names_drops_the_instructions(name: str, tok
         user = p.text.rsplit("<|im_start|>user\n", 2)
         assert f"Working directory: {CWD}" in "".join(user[-2:] if name == "codex" else user[-1:])
     for t in ti.tools or []:
-        assert f'"name": "{t["function"]["name"]}"' in p.text
+        kept = version == cp.VERSION or t["function"]["name"] in cp.CORE_TOOLS
+        assert (f'"name": "{t["function"]["name"]}"' in p.text) == kept
     # Claude Code's reminders and instructions, OpenCode's and Codex's long system prompts
     for gone in ("<system-reminder>", "Available agent types", "IMPORTANT: Assist with",
                  "You are a coding agent running in the Codex CLI", "## Recommended Workflow"):
@@ -48,18 +55,21 @@ def test_keeps_the_task_cwd_and_tool_names_drops_the_instructions(name: str, tok
         assert len(p.input_ids) < 3000 and len(full) > 18000
 
 
-def test_schemas_accept_and_refuse_the_same_calls() -> None:
-    """The slimmed schemas judge calls as the harnesses' own do (`tool_call_errors` on both):
-    the generator's valid calls of every harness, and broken variants of them."""
+@pytest.mark.parametrize("version", dd.DATA_VERSIONS)
+def test_schemas_accept_and_refuse_the_same_calls(version: int) -> None:
+    """The slimmed schemas (of the data version's compaction) judge calls as the harnesses'
+    own do (`tool_call_errors` on both): the generator's valid calls of every harness, and
+    broken variants of them."""
     rng = random.Random(4)
     corpus = dd.corpus_lines()
+    compact = cp.COMPACTIONS[dd.COMPACTION_OF[version]]
     for name, h in dd.HARNESSES.items():
         if name == "mini_text":
             continue
         for _ in range(10):
-            body, _tasks = dd.conversation(h, rng, corpus=corpus)
+            body, _tasks = dd.conversation(h, rng, corpus=corpus, version=version)
             ti = dd.template_input(h, body)
-            _, slim = cp.compact(ti.messages, ti.tools)
+            _, slim = compact(ti.messages, ti.tools)
             calls = [(c["function"]["name"], c["function"]["arguments"]) for m in ti.messages
                      if m["role"] == "assistant" for c in m.get("tool_calls") or []]
             for fn, args in calls:
@@ -114,11 +124,13 @@ def _lcp(a: list[int], b: list[int]) -> int:
     return n
 
 
+@VERSIONS
 @pytest.mark.parametrize("path,api", [
     ("claude_code/cc_try1.jsonl", "anthropic"), ("claude_code/cc_compact.jsonl", "anthropic"),
     ("opencode/oc_try1.jsonl", "openai"), ("openclaw/ocl_try1.jsonl", "openai"),
     ("mini_swe_agent/mini_tool.jsonl", "openai"), ("mini_swe_agent/mini_text.jsonl", "openai")])
-def test_prefix_stable_on_recorded_multi_turn_traces(path: str, api: str, tok) -> None:
+def test_prefix_stable_on_recorded_multi_turn_traces(path: str, api: str, version: str,
+                                                     tok) -> None:
     """Each request that continues an earlier one (its messages start with the earlier's, or
     with all but the earlier's last user message, which OpenClaw replaces every turn: the same
     agent thread, the next turn) must render, compacted, to tokens that start with >= 95% of the
@@ -132,7 +144,7 @@ def test_prefix_stable_on_recorded_multi_turn_traces(path: str, api: str, tok) -
         body = rec["body"]
         ti = to_ti(body)
         full = tok.apply(ti.messages, ti.tools, ti.enable_thinking).input_ids
-        m, t = cp.compact(ti.messages, ti.tools)
+        m, t = cp.COMPACTIONS[version](ti.messages, ti.tools)
         ids = tok.apply(m, t, ti.enable_thinking).input_ids
         for prev_msgs, prev_full, prev_ids in seen:
             whole = ti.messages[:len(prev_msgs)] == prev_msgs
@@ -161,6 +173,63 @@ def test_the_manifest_gate(tmp_path: Path, qwen_dir: Path) -> None:
     assert ChatTokenizer.from_dir(d).compaction is None
     (d / "demo_manifest.json").write_text(json.dumps({"prompt_compaction": cp.VERSION}))
     assert ChatTokenizer.from_dir(d).compaction == (cp.VERSION, cp.compact)
+    (d / "demo_manifest.json").write_text(json.dumps({"prompt_compaction": cp.VERSION_V2}))
+    assert ChatTokenizer.from_dir(d).compaction == (cp.VERSION_V2, cp.compact_v2)
     (d / "demo_manifest.json").write_text(json.dumps({"prompt_compaction": "demo-v0"}))
     with pytest.raises(ValueError, match="demo-v0"):
         ChatTokenizer.from_dir(d)
+
+
+def _called(h: dd.Harness, n: int) -> tuple[set[str], list]:
+    """(the tools `n` v6 conversations of `h` call, their last template input)."""
+    rng = random.Random(9)
+    names: set[str] = set()
+    for _ in range(n):
+        body, _ = dd.conversation(h, rng, corpus=dd.corpus_lines(), version=6)
+        ti = dd.template_input(h, body)
+        names |= {c["function"]["name"] for m in ti.messages if m["role"] == "assistant"
+                  for c in m.get("tool_calls") or []}
+    return names, ti
+
+
+@pytest.mark.parametrize("name", sorted(dd.HARNESSES))
+def test_demo_v2_keeps_every_tool_the_data_calls_and_no_other(name: str) -> None:
+    """Bug this catches: a core list that misses a tool some harness's data calls (the model
+    would be trained to call a tool its prompt no longer shows), or keeps tools never called
+    (Claude Code's 21 others are ~1.9k tokens a prompt)."""
+    h = dd.HARNESSES[name]
+    called, ti = _called(h, 40)
+    _, tools = cp.compact_v2(ti.messages, ti.tools)
+    kept = {t["function"]["name"] for t in tools or []}
+    assert kept == called, (sorted(kept), sorted(called))
+    assert called <= cp.CORE_TOOLS
+    assert [t for t in cp.compact_tools(ti.tools) or []
+            if t["function"]["name"] in kept] == (tools or [])  # slimmed as demo-v1, in order
+    if name != "mini_text":
+        assert len(tools) < len(ti.tools) or name == "mini_tool"
+
+
+def test_demo_v2_is_demo_v1_on_messages_and_on_tools_without_core_ones() -> None:
+    _h, ti = _first("openclaw")
+    before = copy.deepcopy((ti.messages, ti.tools))
+    v1, v2 = cp.compact(ti.messages, ti.tools), cp.compact_v2(ti.messages, ti.tools)
+    assert (ti.messages, ti.tools) == before  # inputs untouched
+    assert v2[0] == v1[0] and v2 == cp.compact_v2(ti.messages, ti.tools)  # deterministic
+    other = [t for t in ti.tools if t["function"]["name"] not in cp.CORE_TOOLS]
+    assert other and cp.compact_v2(ti.messages, other)[1] == cp.compact_tools(other)
+    assert cp.compact_v2(ti.messages, None)[1] is None
+
+
+# Claude Code's first request, recorded (cc_try1 seq 1) and as data v6 starts it: Qwen3 tokens
+# measured 18,868 / 18,838 as sent, 2,382 / 2,352 through demo-v1, 432 / 402 through demo-v2
+CC_V1_MIN, CC_V2_MAX = 2000, 480
+
+
+def test_claude_codes_first_request_through_demo_v2(tok) -> None:
+    h = dd.HARNESSES["claude_code"]
+    bodies = [dd.recorded_body(h), dd.base_request(h, "list the files", "/tmp/tmpa8x_k2q1")]
+    for body in bodies:
+        ti = anthropic_to_template(body)
+        n = {v: len(tok.apply(*cp.COMPACTIONS[v](ti.messages, ti.tools),
+                              ti.enable_thinking).input_ids) for v in cp.COMPACTIONS}
+        assert n[cp.VERSION] > CC_V1_MIN and n[cp.VERSION_V2] < CC_V2_MAX, n

@@ -17,11 +17,13 @@ from freetoken.chat import ChatTokenizer
 from freetoken.engine.async_engine import AsyncEngine
 from freetoken.engine.core import EngineCore
 from freetoken.models import demo_data as dd
+from freetoken.models import demo_trained as dt
 from freetoken.models.demo import demo_model_dir
 from freetoken.models.loader import load_model
 from freetoken.server import create_app
 
 HELD_OUT_SEED = 23456  # the shipped weights were trained on seed 0's samples
+DATA_VERSION, _ = dt.trained_data()  # held-out requests of the shipped weights' data version
 MAX_TURN = 160
 
 
@@ -45,7 +47,8 @@ def _held_out(name: str) -> tuple[dd.Harness, dict, dd.Task]:
     first assistant message."""
     h = dd.HARNESSES[name]
     for seed in range(HELD_OUT_SEED, HELD_OUT_SEED + 50):
-        body, tasks = dd.conversation(h, random.Random(seed), corpus=dd.corpus_lines())
+        body, tasks = dd.conversation(h, random.Random(seed), corpus=dd.corpus_lines(),
+                                      version=DATA_VERSION)
         if tasks[0].kind != "chat":
             first = next(i for i, m in enumerate(body["messages"]) if m["role"] == "assistant")
             body["messages"] = body["messages"][:first]

@@ -1,7 +1,9 @@
 """The demo model's training-data generator: seeded, its tool calls valid for the request's own
-tools, its prompts token for token what the engine renders for those harnesses."""
+tools, its prompts token for token what the engine renders for those harnesses, for every data
+version it makes (v5: the shipped weights' data, unchanged; v6: the training default)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -30,13 +32,18 @@ def _calls(h: dd.Harness, body: dict) -> tuple[list, list[tuple[str, dict]]]:
     return ti.tools, calls
 
 
+VERSIONS = pytest.mark.parametrize("version", dd.DATA_VERSIONS)
+
+
+@VERSIONS
 @pytest.mark.parametrize("name", sorted(dd.HARNESSES))
-def test_every_call_names_a_request_tool_with_valid_arguments(name: str, corpus) -> None:
+def test_every_call_names_a_request_tool_with_valid_arguments(name: str, version: int,
+                                                              corpus) -> None:
     h = dd.HARNESSES[name]
     rng = random.Random(11)
     kinds = set()
     for _ in range(40):
-        body, tasks = dd.conversation(h, rng, corpus=corpus)
+        body, tasks = dd.conversation(h, rng, corpus=corpus, version=version)
         kinds |= {t.kind for t in tasks}
         tools, calls = _calls(h, body)
         if name == "mini_text":  # text protocol: one bash block in every assistant message
@@ -68,28 +75,30 @@ def test_schema_errors_catch_what_a_harness_would_refuse() -> None:
     assert dd.tool_call_errors(tools, "Bash", {"command": "ls"})  # not in this tool list
 
 
+@VERSIONS
 @pytest.mark.parametrize("name", sorted(dd.HARNESSES))
-def test_fast_encoder_is_tok_apply(name: str, tok, corpus) -> None:
+def test_fast_encoder_is_tok_apply(name: str, version: int, tok, corpus) -> None:
     """The generator's piecewise encoding gives exactly `ChatTokenizer.apply`'s ids (what the
     engine feeds the model), with and without the thinking switch."""
     h = dd.HARNESSES[name]
-    body, _ = dd.conversation(h, random.Random(3), corpus=corpus)
-    ti = dd.template_input(h, body)
+    body, _ = dd.conversation(h, random.Random(3), corpus=corpus, version=version)
     enc = dd._Encoder(tok)
-    for think in (None, False):
-        want = tok.apply(ti.messages, ti.tools, think, add_generation_prompt=True).input_ids
-        assert enc.ids(ti.messages, ti.tools, think)[0] == want
+    for ti in (dd.template_input(h, body), dd.compacted_input(h, body, version)):
+        for think in (None, False):
+            want = tok.apply(ti.messages, ti.tools, think, add_generation_prompt=True).input_ids
+            assert enc.ids(ti.messages, ti.tools, think)[0] == want
 
 
-def test_samples_are_seeded_and_train_only_assistant_turns(tok) -> None:
+@VERSIONS
+def test_samples_are_seeded_and_train_only_assistant_turns(tok, version: int) -> None:
     counts = {"mini_tool": 3, "mini_text": 3, "opencode": 2}
-    a = dd.generate(counts, 5, tok)
-    b = dd.generate(counts, 5, tok)
+    a = dd.generate(counts, 5, tok, version=version)
+    b = dd.generate(counts, 5, tok, version=version)
     assert [(s.ids, s.mask) for s in a] == [(s.ids, s.mask) for s in b]
-    assert [s.ids for s in dd.generate(counts, 6, tok)] != [s.ids for s in a]
+    assert [s.ids for s in dd.generate(counts, 6, tok, version=version)] != [s.ids for s in a]
     # worker processes make the same samples (each shard has its own seeded rng); bug this
     # catches: a shared rng whose draws depend on which process ran which shard
-    par = dd.generate(counts, 5, tok, jobs=2, tok_dir=tokenizer_source_dir())
+    par = dd.generate(counts, 5, tok, jobs=2, tok_dir=tokenizer_source_dir(), version=version)
     assert [(s.ids, s.mask) for s in par] == [(s.ids, s.mask) for s in a]
     im_start, im_end = tok.special_ids["<|im_start|>"], tok.special_ids["<|im_end|>"]
     for s in a:
@@ -121,17 +130,21 @@ def test_read_answers_quote_the_tool_result(corpus) -> None:
                 assert first in m["content"]
                 seen += 1
     assert seen >= 3
-    assert json.dumps(dd.DEFAULT_COUNTS)  # every harness has a count
-    assert set(dd.DEFAULT_COUNTS) == set(dd.HARNESSES)
+    for counts in dd.COUNTS.values():  # every harness has a count
+        assert set(counts) == set(dd.HARNESSES) and min(counts.values()) > 0
+    assert dd.DEFAULT_COUNTS == dd.COUNTS[dd.DATA_VERSION]
+    assert dd.PROMPT_COMPACTION == dd.COMPACTION_OF[dd.DATA_VERSION] == "demo-v2"
 
 
+@VERSIONS
 @pytest.mark.parametrize("name", ["claude_code", "openclaw", "mini_text"])
-def test_samples_are_what_the_server_renders_the_compacting_model(name: str, tok, corpus,
-                                                                   tmp_path) -> None:
-    """Data v5's one cut: a sample's prompt is token for token what `ServerState.render` feeds a
-    checkpoint that declares the compaction (`demo_manifest.json`), for the same request; and it
-    is several times shorter than the request rendered whole. Bug this catches: the generator
-    and the server cutting differently (a model trained on prompts it is never served)."""
+def test_samples_are_what_the_server_renders_the_compacting_model(name: str, version: int, tok,
+                                                                   corpus, tmp_path) -> None:
+    """Each version's one cut (v5: demo-v1, v6: demo-v2): a sample's prompt is token for token
+    what `ServerState.render` feeds a checkpoint that declares that version's compaction
+    (`demo_manifest.json`), for the same request; and it is several times shorter than the
+    request rendered whole. Bug this catches: the generator and the server cutting differently
+    (a model trained on prompts it is never served)."""
     import shutil
 
     from freetoken.chat import compaction, qwen3_tokenizer_dir
@@ -139,12 +152,13 @@ def test_samples_are_what_the_server_renders_the_compacting_model(name: str, tok
 
     d = tmp_path / "ckpt"
     shutil.copytree(qwen3_tokenizer_dir(), d)
-    (d / "demo_manifest.json").write_text(json.dumps({"prompt_compaction": dd.PROMPT_COMPACTION}))
+    cut = dd.COMPACTION_OF[version]
+    (d / "demo_manifest.json").write_text(json.dumps({"prompt_compaction": cut}))
     served = ChatTokenizer.from_dir(d)
-    assert served.compaction == (compaction.VERSION, compaction.compact)
+    assert served.compaction == (cut, compaction.COMPACTIONS[cut])
     h = dd.HARNESSES[name]
-    body, _ = dd.conversation(h, random.Random(8), corpus=corpus)
-    s = dd.render_sample(h, body, dd._Encoder(tok), think_off=False)
+    body, _ = dd.conversation(h, random.Random(8), corpus=corpus, version=version)
+    s = dd.render_sample(h, body, dd._Encoder(tok), think_off=False, version=version)
     ti = dd.template_input(h, body)
     last = max(i for i, m in enumerate(ti.messages) if m["role"] == "assistant")
     msgs, tools = compacted(served, ti.messages[:last], ti.tools)
@@ -152,3 +166,27 @@ def test_samples_are_what_the_server_renders_the_compacting_model(name: str, tok
     assert s.ids[:len(want)] == want and s.mask[len(want) - 1] == 0 and s.mask[len(want)] == 1
     whole = tok.apply(ti.messages[:last], ti.tools, ti.enable_thinking).input_ids
     assert len(want) < len(whole) / 2
+
+
+# sha256 of json.dumps([(harness, ids, mask)]) of `generate({every harness: 2}, 0, tok,
+# version=5)`, and of json.dumps(bodies, sort_keys=True) of each harness's (sorted)
+# `conversation(h, Random(12345), version=5)`: computed with the v5 generator before v6 existed
+V5_SAMPLES = "62f47b093ab92a32307e7a4aa0cfbc0cdce3e7507d881279c9746fd651045a6f"
+V5_BODIES = "1ad3836d39a5bb8bfbf15d384f598f68e385620faa0950d4acad123364455f3a"
+
+
+def test_v5_is_still_what_it_was(tok, corpus) -> None:
+    """The shipped weights' data version is made exactly as before v6 (their held-out requests
+    are built with it); v6 differs."""
+    def digest(version: int) -> tuple[str, str, int]:
+        s = dd.generate({n: 2 for n in dd.HARNESSES}, 0, tok, version=version)
+        bodies = [dd.conversation(dd.HARNESSES[n], random.Random(12345), corpus=corpus,
+                                  version=version)[0] for n in sorted(dd.HARNESSES)]
+        return (hashlib.sha256(json.dumps([(x.harness, x.ids, x.mask) for x in s]).encode())
+                .hexdigest(), hashlib.sha256(json.dumps(bodies, sort_keys=True).encode())
+                .hexdigest(), sum(len(x.ids) for x in s))
+    assert digest(5) == (V5_SAMPLES, V5_BODIES, 15053)
+    v6 = digest(6)
+    assert v6[0] != V5_SAMPLES and v6[1] != V5_BODIES
+    with pytest.raises(ValueError, match="data version 4"):
+        dd.conversation(dd.HARNESSES["codex"], random.Random(0), version=4)

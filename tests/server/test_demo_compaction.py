@@ -27,16 +27,18 @@ from freetoken.server import create_app
 CWD = "/srv/ember-atlas"
 
 
-@pytest.fixture(scope="module")
-def compacting(tmp_path_factory: pytest.TempPathFactory):
+@pytest.fixture(scope="module", params=sorted(cp.COMPACTIONS))
+def compacting(request, tmp_path_factory: pytest.TempPathFactory):
+    """(engine, tokenizer, server, version) of a checkpoint that declares each compaction
+    (demo-v1: the shipped v5 weights; demo-v2: data v6's)."""
     d = tmp_path_factory.mktemp("ckpt") / "demo"
     shutil.copytree(qwen3_tokenizer_dir(), d)
-    (d / "demo_manifest.json").write_text(json.dumps({"prompt_compaction": cp.VERSION}))
+    (d / "demo_manifest.json").write_text(json.dumps({"prompt_compaction": request.param}))
     tok = ChatTokenizer.from_dir(d)
     assert tok.compaction is not None
     engine = FakeEngine(tok)
     server = Server(create_app(engine, tok, api_key=API_KEY, served_model_names=["demo"]))
-    yield engine, tok, server
+    yield engine, tok, server, request.param
     server.stop()
 
 
@@ -59,7 +61,7 @@ def _bodies() -> dict[str, tuple[str, dict, object]]:
 
 @pytest.mark.parametrize("api", ["openai", "anthropic"])
 def test_the_declared_compaction_is_what_the_engine_gets(api: str, compacting, caplog) -> None:
-    engine, tok, server = compacting
+    engine, tok, server, version = compacting
     path, body, ti = _bodies()[api]
     engine.reset()
     demo_log = logging.getLogger("ft.demo")  # its own handler: `ft` may not propagate
@@ -70,14 +72,14 @@ def test_the_declared_compaction_is_what_the_engine_gets(api: str, compacting, c
     finally:
         demo_log.removeHandler(caplog.handler)
     got = engine.requests[-1].input_ids
-    msgs, tools = cp.compact(ti.messages, ti.tools)
+    msgs, tools = cp.COMPACTIONS[version](ti.messages, ti.tools)
     want = tok.apply(msgs, tools, ti.enable_thinking, reasoning_effort=ti.reasoning_effort)
     whole = tok.apply(ti.messages, ti.tools, ti.enable_thinking)
     assert got == want.input_ids
     assert len(got) < len(whole.input_ids) / 3
     records = {id(r): r for r in caplog.records if r.name == "ft.demo"}  # (seen twice when
     lines = [r.getMessage() for r in records.values()]  # `ft` propagates to the root too)
-    assert len(lines) == 1 and lines[0].startswith(f"prompt_compaction version={cp.VERSION} ")
+    assert len(lines) == 1 and lines[0].startswith(f"prompt_compaction version={version} ")
 
 
 @pytest.mark.parametrize("api", ["openai", "anthropic"])
@@ -108,6 +110,7 @@ def test_the_shipped_manifest_declares_what_its_data_was_cut_with(tmp_path: Path
     np.save(run / "used.npy", np.array([1, 5], dtype=np.int64))
     (run / "loss.json").write_text(json.dumps([{"step": 1, "loss": 2.0, "harness": "mini_tool"}]))
     for data, want in (({"data_version": 5, "prompt_compaction": cp.VERSION}, cp.VERSION),
+                       ({"data_version": 6, "prompt_compaction": cp.VERSION_V2}, cp.VERSION_V2),
                        ({"data_version": 4}, None)):
         (run / "train_meta.json").write_text(json.dumps({"data": data}))
         man = ship(run, tmp_path / f"w{data['data_version']}")
