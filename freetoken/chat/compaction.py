@@ -23,14 +23,15 @@ needs:
 - assistant messages: as they are (what the model wrote, calls and all).
 
 `demo-v2` (data v6) is `demo-v1` with the tool list cut to the core tools (`CORE_TOOLS`): the
-ones the demo's tasks call in some harness (Claude Code Bash/Read/Write, OpenCode bash/read/write,
+ones the demo's tasks call in some harness (Claude Code Bash/Write, OpenCode bash/read/write,
 OpenClaw ls/read/exec/write, Codex exec_command, mini-swe-agent bash), each slimmed as in
 demo-v1, in the request's order; a request whose tools hold none of them keeps them all (slimmed).
 Claude Code's first request in Qwen3 tokens (chat template; as sent -> demo-v1 -> demo-v2):
-recorded (tests/data/harness_traces/claude_code/cc_try1.jsonl, seq 1) 18,868 -> 2,382 -> 432;
+recorded (tests/data/harness_traces/claude_code/cc_try1.jsonl, seq 1) 18,868 -> 2,382 -> 298;
 as data v6 starts it (`demo_data.base_request`, "list the files" in /tmp/tmpa8x_k2q1) 18,838 ->
-2,352 (24 tool schemas) -> 402 (Bash, Read, Write). OpenClaw 11,675 -> 1,365 -> 617, OpenCode
-6,883 -> 835 -> 399, Codex 6,245 -> 743 -> 275; mini-swe-agent's (one tool or none) unchanged.
+2,352 (24 tool schemas) -> 268 (Bash, Write; 402 with Read, which v6's reads no longer call).
+OpenClaw 11,675 -> 1,365 -> 617, OpenCode 6,883 -> 835 -> 399, Codex 6,245 -> 743 -> 275;
+mini-swe-agent's (one tool or none) unchanged.
 
 Contract (every version): deterministic and causal — the compaction of a message depends on
 that message and the ones before it only (and the tools on the tools), so the same earlier
@@ -57,7 +58,7 @@ Compaction = Callable[[Messages, Tools], tuple[Messages, Tools]]
 VERSION = "demo-v1"
 VERSION_V2 = "demo-v2"
 # the tools the demo's training tasks call (freetoken/models/demo_harnesses.py), every harness
-CORE_TOOLS = frozenset({"Bash", "Read", "Write", "bash", "read", "write", "ls", "exec",
+CORE_TOOLS = frozenset({"Bash", "Write", "bash", "read", "write", "ls", "exec",
                         "exec_command"})
 SHORT_SYSTEM = 600
 LONG_USER = 1200

@@ -1,6 +1,7 @@
 """The harnesses the demo model's training data imitates (freetoken/models/demo_data.py):
 for each, the recorded trace its first request comes from, its API shape, and how it calls its
-tools and formats their results (Claude Code: Bash/Read/Write; OpenCode: bash/read/write;
+tools and formats their results (Claude Code: Bash/Read/Write, from data v6 Bash/Write: its
+reads `cat` in the shell, `Task.read_by_shell`; OpenCode: bash/read/write;
 OpenClaw: ls/read/exec/write; Codex: exec_command; mini-swe-agent: its `bash` tool, or its text
 protocol finished by `MINI_DONE`)."""
 from __future__ import annotations
@@ -24,7 +25,7 @@ class Harness:
 
 
 def _cc_call(t: Task, cwd: str) -> tuple[str, dict[str, Any]]:
-    if t.kind == "read":
+    if t.kind == "read" and not t.read_by_shell:
         return "Read", {"file_path": f"{cwd}/{t.path}"}
     if t.kind == "write":
         return "Write", {"file_path": f"{cwd}/{t.path}", "content": t.content}
@@ -32,7 +33,7 @@ def _cc_call(t: Task, cwd: str) -> tuple[str, dict[str, Any]]:
 
 
 def _cc_result(t: Task, cwd: str) -> str:
-    if t.kind == "read":
+    if t.kind == "read" and not t.read_by_shell:
         return "".join(f"{i}\t{line}\n" for i, line in enumerate(t.output.split("\n"), 1))
     if t.kind == "write":
         return f"File created successfully at: {cwd}/{t.path}"

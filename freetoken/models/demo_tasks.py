@@ -100,6 +100,11 @@ class Task:
     output: str = ""
     answer: str = ""
     thought: str = field(default="")
+    # v6: a harness whose read tool takes an absolute path (Claude Code's Read) reads with
+    # `cat` in its shell instead: relative to the shell's working directory, so a tiny model
+    # never has to copy the directory for a read (v5's Claude Code failures were all reads of
+    # a made-up directory); writes keep the absolute path, which v6's random dirs teach
+    read_by_shell: bool = False
 
     def turns(self, mini: bool, done: str) -> list[Turn]:
         if self.kind == "chat":
@@ -256,7 +261,7 @@ def make_task(rng: random.Random, mini: bool, corpus: list[str] | None = None,
         return Task("read", ask.format(f=path), path=path, command=f"cat {path}",
                     description=f"Show {path}", output=text + "\n",
                     answer=f"{path} says:\n\n{_quote(text)}",
-                    thought=f"I will read {path}.")
+                    thought=f"I will read {path}.", read_by_shell=v >= 6)
     if kind == "shell":
         cmd, desc, out = _shell(rng, v)
         return Task("shell", rng.choice(SHELL_ASKS).format(c=cmd), command=cmd,

@@ -11,6 +11,7 @@ import tempfile
 
 import pytest
 
+from freetoken.chat.compaction import env_lines
 from freetoken.chat.tokenizer import ChatTokenizer
 from freetoken.models import demo_data as dd
 from freetoken.models.demo import tokenizer_source_dir
@@ -119,3 +120,37 @@ def test_held_out_working_directories_are_not_in_training(tok) -> None:
     assert rates[5] >= 0.05, rates  # the check can fail
     mk = sum(c.startswith("/tmp/tmp") and len(c) == 16 for c in _cwds(7, 300, 6))
     assert 0.3 * 300 < mk < 0.5 * 300  # the mkdtemp-like share (40%)
+
+
+def _strings(obj) -> list[str]:
+    if isinstance(obj, str):
+        return [obj]
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list) else []
+    return [s for v in items for s in _strings(v)]
+
+
+@pytest.mark.parametrize("version", [5, 6])
+def test_claude_code_reads_through_its_shell_from_v6(version: int) -> None:
+    """v6's Claude Code conversations read with `cat <relative path>` in Bash (no working
+    directory to copy) and write with Write at `cwd/path`; v5's read with Read at `cwd/path`.
+    Every read and write task of 60 conversations is checked against the request's own
+    working directory. Bug it catches: a read left on Read (the model would still have to copy
+    the directory), or a shell read given the absolute path."""
+    seen = {"read": 0, "write": 0}
+    for body, tasks, _ in dd.shard_conversations("claude_code", 0, 60, 0, version=version):
+        calls = [b for m in body["messages"] if m["role"] == "assistant"
+                 and isinstance(m["content"], list) for b in m["content"]
+                 if b.get("type") == "tool_use"]
+        cwd = env_lines("\n".join(_strings(body)))[0].removeprefix("Working directory: ")
+        tool_tasks = [t for t in tasks if t.kind != "chat"]
+        assert len(calls) == len(tool_tasks)
+        for t, c in zip(tool_tasks, calls):
+            if t.kind == "read":
+                seen["read"] += 1
+                want = (("Bash", {"command": f"cat {t.path}", "description": f"Show {t.path}"})
+                        if version >= 6 else ("Read", {"file_path": f"{cwd}/{t.path}"}))
+                assert (c["name"], c["input"]) == want
+            elif t.kind == "write":
+                seen["write"] += 1
+                assert c["name"] == "Write" and c["input"]["file_path"] == f"{cwd}/{t.path}"
+    assert seen["read"] > 10 and seen["write"] > 5, seen
