@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -59,6 +60,21 @@ def start_proxy(model: str, metrics: Path) -> tuple[subprocess.Popen, str]:
     raise SystemExit("ft agent-proxy did not come up")
 
 
+def on_task(task: str, calls: list[dict], executed: list[bool]) -> bool:
+    """Whether an executed call does what the task asks: a backticked command is run as
+    written; a named file (README, notes.txt) is what a call reads; otherwise (a listing) a
+    call lists (`ls`, Glob, LS). Stricter than `ok`, which takes any executed call."""
+    done = [c for c, e in zip(calls, executed) if e]
+    cmd = re.search(r"`([^`]+)`", task)
+    if cmd:
+        return any(c["input"].get("command", "").strip() == cmd.group(1) for c in done)
+    name = re.search(r"\b(README(?:\.md)?|[\w-]+\.\w+)\b", task)
+    if name:
+        return any(name.group(1) in json.dumps(c["input"]) for c in done)
+    return any(c["name"] in ("Glob", "LS") or c["input"].get("command", "").startswith("ls")
+               for c in done)
+
+
 def run_task(claude: str, task: str, url: str, home: Path, work: Path) -> dict:
     """One `claude -p` session; what its stream-json shows."""
     plan = plan_for("claude", url, Limits(context=32768, output=1024))
@@ -82,7 +98,8 @@ def run_task(claude: str, task: str, url: str, home: Path, work: Path) -> dict:
         if e.get("type") == "result":
             final = e.get("result") or ""
     ok = bool(calls) and any(results) and bool(final.strip())
-    return {"task": task, "ok": ok, "calls": calls, "executed": results, "final": final[:200],
+    return {"task": task, "ok": ok, "on_task": ok and on_task(task, calls, results),
+            "calls": calls, "executed": results, "final": final[:200],
             "seconds": round(time.time() - t0, 1), "t0": t0, "t1": time.time(),
             "rc": p.returncode, "stderr": p.stderr[-500:]}
 
@@ -116,8 +133,8 @@ def main() -> int:
                 (work / name).write_text(text)
             r = run_task(claude, task, url, home, work)
             out.append(r)
-            print(json.dumps({k: r[k] for k in ("task", "ok", "calls", "executed", "final",
-                                                "seconds")}), flush=True)
+            print(json.dumps({k: r[k] for k in ("task", "ok", "on_task", "calls", "executed",
+                                                "final", "seconds")}), flush=True)
     finally:
         proc.terminate()
         proc.wait(30)
@@ -137,7 +154,8 @@ def main() -> int:
     turns.sort()
     load = os.getloadavg()
     print(f"tasks passed (tool call executed + final answer): {passed}/{len(out)} "
-          f"(floor {FLOORS['passed']}/10)")
+          f"(floor {FLOORS['passed']}/10); of them on task (the call does what was asked): "
+          f"{sum(r['on_task'] for r in out)}/{len(out)}")
     if turns:
         print(f"turn time s: median {turns[len(turns) // 2]:.1f} max {turns[-1]:.1f} over "
               f"{len(turns)} turns (floor < {FLOORS['turn_s']}); load average "
