@@ -131,14 +131,11 @@ def _call(text: str) -> tuple[str, dict] | None:
 
 
 def _gap(reason: str):
-    return pytest.mark.xfail(strict=True, reason=f"issue 27 open, the 903-step v5 model "
-                             f"(data v5, loss 0.22): {reason}")
+    return pytest.mark.xfail(strict=True, reason=f"issue 27 open, the 3,385-step CPU-trained "
+                             f"model (data v6, loss 0.14): {reason}")
 
 
-@pytest.mark.parametrize("name", [
-    "mini_tool", "opencode",
-    pytest.param("claude_code", marks=_gap("on a write task its first call is Read with the "
-                                           "file's content (Read takes no content)"))])
+@pytest.mark.parametrize("name", ["mini_tool", "opencode", "claude_code"])
 def test_held_out_requests_end_with_a_valid_call_then_an_answer(model, tok, name) -> None:
     """Bug this catches: a demo that never ends its turn (the random one runs to the cap) or
     calls a tool the request does not offer / with arguments its schema refuses (the 181-step
@@ -175,11 +172,12 @@ def test_held_out_requests_end_with_a_valid_call_then_an_answer(model, tok, name
 _KEY_ARGS = ("command", "cmd", "file_path", "filePath", "path")
 
 
-# Claude Code and OpenCode take absolute paths: the model must join the working directory and
-# the task's name, and v5 writes a made-up path under a training working directory instead
-# (/home/priya/code/needle/jasper.sh for needle9/jungle.sh); OpenClaw picks the wrong suffix
-_UNCONDITIONED = _gap("its first call names the wrong file (not cwd + the task's name)")
-_FOLLOWS = ("codex", "mini_text", "mini_tool")
+# OpenCode takes absolute paths: the model must join the working directory and the task's name,
+# and the v6 CPU model still writes another directory or file (/tmp/tmpl4q1_gec/README.md for
+# utils.py); OpenClaw answers a read with `ls`. Claude Code reads with `cat` in Bash from v6
+# (relative to its shell), which the model follows (v5 read made-up absolute paths)
+_UNCONDITIONED = _gap("its first call names the wrong file or tool (not the task's)")
+_FOLLOWS = ("claude_code", "codex", "mini_text", "mini_tool")
 
 
 @pytest.mark.parametrize("name", [n if n in _FOLLOWS else pytest.param(n, marks=_UNCONDITIONED)
