@@ -108,12 +108,12 @@ def _same_storage(a, b) -> bool:
 
 
 def _site() -> str:
-    """The innermost frame in freetoken/ or freetoken/kernels/ (not this module): file:line
+    """The innermost frame in freetoken/ (the kernels included; not this module): file:line
     function."""
     f = sys._getframe(2)
     while f is not None:
         fn = f.f_code.co_filename
-        if ("freetoken" in fn or "/kernels/" in fn or "profile_decode" in fn) \
+        if ("freetoken" in fn or "profile_decode" in fn) \
                 and not fn.endswith("step_ops.py"):
             parts = fn.replace("\\", "/").split("/")
             short = "/".join(parts[-2:])
@@ -155,9 +155,7 @@ class StepOps(TorchDispatchMode):
             fn = frame.f_code.co_filename
             if fn.endswith("step_ops.py"):  # the counter's own hooks
                 return
-            i = fn.rfind("freetoken/")
-            if i < 0:
-                i = fn.rfind("freetoken/kernels/")
+            i = fn.rfind("freetoken/")  # (the kernels are freetoken/kernels/)
             if i >= 0:  # the project's own Python (torch's and the mode's are not ours)
                 self.log.calls[fn[i:]] += 1
 
