@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:-.whl}
-mkdir -p "$DIR"
+rm -rf "$DIR"; mkdir -p "$DIR"  # afresh: a stale second version of a wheel would only fill the carry
 PLAT=(--python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64 --platform any)
