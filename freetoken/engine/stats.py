@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 class EngineStats:
@@ -25,8 +27,23 @@ class EngineStats:
         # thread's loop: its inbox, other threads holding the GIL)
         self.phases = {"steps": 0, "step_s": 0.0, "wait_s": 0.0, "between_s": 0.0}
         self._lock = threading.Lock()
+        self._muted = 0  # inside `muted()`: the steps are not the workload's
+
+    @contextmanager
+    def muted(self) -> Iterator[None]:
+        """Steps run inside are not counted (warm-up tasks). The object stays the one readers
+        hold: `/v1/stats`, read from the server's thread while a warm-up task runs on the
+        engine's, sees the workload's figures (a stand-in object swapped in for the task
+        read as all zeros: the H200's served `decode_phases` of session 16)."""
+        self._muted += 1
+        try:
+            yield
+        finally:
+            self._muted -= 1
 
     def on_step(self, dt: float, prefill_tokens: int, decode_tokens: int) -> None:
+        if self._muted:
+            return
         now = time.time()
         with self._lock:
             self._steps.append((now, dt, prefill_tokens, decode_tokens))
@@ -37,6 +54,8 @@ class EngineStats:
 
     def on_decode_phases(self, step_s: float, wait_s: float, between_s: float) -> None:
         """One decode-only step's split (see `phases`)."""
+        if self._muted:
+            return
         with self._lock:
             ph = self.phases
             ph["steps"] += 1
@@ -45,6 +64,8 @@ class EngineStats:
             ph["between_s"] += between_s
 
     def on_first_token(self, ttft: float, prompt: int, cached: int) -> None:
+        if self._muted:
+            return
         with self._lock:
             self._ttft.append(ttft)
             self.prompt_tokens += prompt

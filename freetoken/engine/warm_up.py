@@ -33,7 +33,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from freetoken.engine.stats import EngineStats
 from freetoken.experts.bridge import BridgeError
 from freetoken.log import get_logger, kv
 from freetoken.types.api import GenerateRequest, SamplingParams
@@ -163,26 +162,25 @@ class Warmup:
 
     def _run(self, task: Task) -> None:
         core = self.core
-        saved, core.stats = core.stats, EngineStats()  # warm-up steps are not the workload's
         t0 = time.perf_counter()
         result = "ok"
         try:
-            if task.kind == "capture":
-                if core.runner is None or not core.runner.capture_bucket(task.size, task.greedy):
-                    result = "skipped"
-                self._check_bridge()
-            elif task.kind == "decode":
-                self._request(DECODE_PROMPT, task.size + 1, len(self.done) + self.yields)
-            else:
-                self._request(task.size, 1, len(self.done) + self.yields)
+            with core.stats.muted():  # warm-up steps are not the workload's
+                if task.kind == "capture":
+                    if core.runner is None or not core.runner.capture_bucket(task.size,
+                                                                             task.greedy):
+                        result = "skipped"
+                    self._check_bridge()
+                elif task.kind == "decode":
+                    self._request(DECODE_PROMPT, task.size + 1, len(self.done) + self.yields)
+                else:
+                    self._request(task.size, 1, len(self.done) + self.yields)
         except BridgeError as e:
             result = f"bridge_dropped:{type(e).__name__}"
         except _Yielded:
             result = "yielded"
             self.yields += 1
             self.tasks.appendleft(task)
-        finally:
-            core.stats = saved
         dt = time.perf_counter() - t0
         self.seconds += dt
         if result != "yielded":

@@ -132,3 +132,19 @@ def test_runner_runs_auto_through_the_bridge(tiny_hf, monkeypatch) -> None:
     assert seen[0][1] == [-1] * (E + 1)  # timing offload: fetch every miss
     assert seen[1][1] == [guard.num_fetch(m) for m in range(E + 1)]  # the kept rule
     assert core.steps_ahead > 0 and runner.bridge.seq == runner.steps > 6
+
+
+def test_runner_steps_count_in_the_decode_phases(tiny_hf) -> None:
+    """/v1/stats' `decode_phases` split every decode-only step, on the runner's path too (the
+    H200's served runs reported 0 steps after 256-token streams)."""
+    model = load_model(tiny_hf("qwen3_5_moe"), dtype=torch.float32, progress=False)
+    V = model.cfg.vocab_size
+    core = EngineCore(model, [], kv_tokens=256, state_slots=6, max_running=2, chunk_tokens=32,
+                      decode_runner=True)
+    reqs = [GenerateRequest(_prompt(V, 12, i), SamplingParams(max_tokens=9, temperature=0.0,
+                                                              ignore_eos=True),
+                            request_id=f"p{i}") for i in range(2)]
+    _run(core, reqs)
+    ph = core.stats.summary()["decode_phases"]
+    assert ph["steps"] >= 7, ph  # 8 decode steps a request after its prefill, 2 rows a step
+    assert ph["step_s"] > 0 and 0 <= ph["wait_s"] <= ph["step_s"]

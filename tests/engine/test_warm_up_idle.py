@@ -251,3 +251,32 @@ def test_control_calls_do_not_make_the_warm_up_give_way(model, monkeypatch) -> N
         stop.set()
         th.join()
         engine.shutdown()
+
+
+def test_stats_read_during_a_warm_up_task_are_the_workloads(model, monkeypatch) -> None:
+    """/v1/stats is read on the server's thread while the engine's runs a warm-up task: it
+    must see the workload's counts, and the task's steps must not add to them (a stand-in
+    stats object swapped in for each task read as zeros on the H200: `decode_phases` 0 steps
+    after 256-token streams)."""
+    core = EngineCore(model, [], kv_tokens=1024, state_slots=8, max_running=2, chunk_tokens=64)
+    ids = _prompt(model.cfg.vocab_size, 20, 3)
+    core.add(GenerateRequest(ids, SP, request_id="real"), lambda ev: None)
+    while core.has_work():
+        core.step()
+    before = core.snapshot_stats()
+    assert before["decode_tokens_computed"] > 0 and before["requests"] == 1
+    seen: list[dict] = []
+    real_step = EngineCore.step
+
+    def step_and_read(self):  # a reader between the task's steps, as the server's thread is
+        real_step(self)
+        seen.append(self.snapshot_stats())
+
+    monkeypatch.setattr(EngineCore, "step", step_and_read)
+    core.warmup.plan()
+    core.warmup.run_one()  # the decode task: a prompt and 3 decode steps
+    assert seen, "the warm-up task ran no step"
+    keys = ("requests", "prompt_tokens", "prefill_tokens_computed", "decode_tokens_computed",
+            "decode_phases")
+    for st in seen + [core.snapshot_stats()]:
+        assert {k: st[k] for k in keys} == {k: before[k] for k in keys}
