@@ -174,6 +174,7 @@ def bench(args: argparse.Namespace) -> list[dict]:
     phase("regrown")
     while core.has_work():
         core.step()
+    core.close()  # the CPU bridge's workers, the state host tier's fill
     before, after = rows[0]["tok_s"], rows[4]["tok_s"]
     ok = all(d == "length" for d in done) and all(n == total for n in got)
     rows.append({"phase": "summary", "recovery": after / before if before else 0.0,

@@ -149,7 +149,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def ttft(model, rt, tokens: int, vocab: int) -> float:
-    """Seconds to the first token of a `tokens`-long prompt through the serving engine."""
+    """Seconds to the first token of a `tokens`-long prompt through the serving engine, twice:
+    on an engine that has run one short request (a first long prompt of the process: what it
+    compiles or allocates on the way is in the figure) and again with a new prompt of the same
+    length (steady state). Each chunk's seconds are printed beside; returns the second TTFT."""
     import torch
 
     from freetoken.engine.core import EngineCore
@@ -157,28 +160,44 @@ def ttft(model, rt, tokens: int, vocab: int) -> float:
     from freetoken.types.api import GenerateRequest, SamplingParams
 
     chunk = default_chunk_tokens(rt)
-    core = EngineCore(model, [], kv_tokens=tokens + 64, state_slots=4, max_running=1,
+    core = EngineCore(model, [], kv_tokens=2 * tokens + 64, state_slots=4, max_running=1,
                       chunk_tokens=chunk, moe=rt)
-    prompt = torch.randint(0, vocab, (tokens,),
-                           generator=torch.Generator().manual_seed(1)).tolist()
-    # warm-up: the first decode step of a process captures its graph and compiles kernels
-    # (tens of seconds once per process, not per request)
-    core.add(GenerateRequest(list(range(10, 300)), SamplingParams(max_tokens=2, temperature=0.0,
-                                                                   ignore_eos=True),
+    cuda = model.model.embed_tokens.weight.is_cuda
+    # the first decode step of a process captures its graph and compiles kernels (tens of
+    # seconds once per process, not per request)
+    warm = list(range(10, 10 + min(290, tokens // 2)))
+    core.add(GenerateRequest(warm, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
                              request_id="warm"), lambda ev: None)
     while core.has_work():
         core.step()
-    got: list[float] = []
-    t0 = time.perf_counter()
-    core.add(GenerateRequest(prompt, SamplingParams(max_tokens=1, temperature=0.0,
-                                                    ignore_eos=True), request_id="ttft"),
-             lambda ev: got.append(time.perf_counter() - t0))
-    while core.has_work() and not got:
-        core.step()
-    s = got[0]
-    print(f"TTFT {tokens} tokens through the engine: {s:.3f} s ({tokens / s:.0f} tok/s, "
-          f"chunks of {chunk})", flush=True)
-    return s
+    out = []
+    try:
+        for k, label in enumerate(("first", "again")):
+            prompt = torch.randint(0, vocab, (tokens,),
+                                   generator=torch.Generator().manual_seed(1 + k)).tolist()
+            got: list[float] = []
+            marks: list[float] = []
+            t0 = time.perf_counter()
+            core.add(GenerateRequest(prompt, SamplingParams(max_tokens=1, temperature=0.0,
+                                                            ignore_eos=True),
+                                     request_id=f"ttft-{label}"),
+                     lambda ev, got=got, t0=t0: got.append(time.perf_counter() - t0))
+            while core.has_work() and not got:
+                core.step()
+                if cuda:
+                    torch.cuda.synchronize()  # (per chunk: the steps' own seconds)
+                marks.append(time.perf_counter() - t0)
+            while core.has_work():  # (the request's end: nothing left for the next one)
+                core.step()
+            steps = [b - a for a, b in zip([0.0] + marks, marks)]
+            s = got[0]
+            out.append(s)
+            print(f"TTFT {tokens} tokens through the engine ({label}): {s:.3f} s "
+                  f"({tokens / s:.0f} tok/s, chunks of {chunk}); steps "
+                  + " ".join(f"{x:.2f}" for x in steps) + " s", flush=True)
+    finally:
+        core.close()
+    return out[-1]
 
 
 def _table(results, sizes, rows, b_p: float, pool: int) -> None:

@@ -20,8 +20,10 @@ layer (the layout before) wasted up to half of the pinned bytes.
 """
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +38,17 @@ CHUNK_TARGET = 64 << 20  # bytes per chunk, at least (one slot per chunk when a 
 
 
 FILL_TRIES, FILL_RETRY_S = 4, 0.5  # a failed background allocation: retries, first pause
+_FILLING: weakref.WeakSet[HostStates] = weakref.WeakSet()  # tiers whose fill may still run
+
+
+@atexit.register
+def _stop_fills() -> None:
+    """At interpreter exit, stop every fill still running: a daemon thread caught inside
+    `cudaHostAlloc` while the process tears its C++ runtime down aborts it ("terminate called
+    without an active exception", exit 134, after `ft bench prefill --ttft` and
+    `ft bench elastic` on the H200, whose engines were never closed)."""
+    for tier in list(_FILLING):
+        tier.close()
 
 
 @dataclass(frozen=True)
@@ -105,6 +118,7 @@ class HostStates:
         self._thread: threading.Thread | None = None
         if fill and n_chunks:
             self._thread = threading.Thread(target=self._fill, name="ft-host-states", daemon=True)
+            _FILLING.add(self)
             self._thread.start()
 
     @property
@@ -199,6 +213,9 @@ class HostStates:
         return self.chunks_ready == len(self._chunks)
 
     def close(self) -> None:
+        """Stop the fill and wait for it (idempotent)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+            self._thread = None
+        _FILLING.discard(self)

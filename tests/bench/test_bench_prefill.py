@@ -3,9 +3,11 @@ streamer options it names, and the table divides by the right floor."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from freetoken.bench.cli_prefill import _row_opts, _table
 from freetoken.types.config import MoEConfig
+from tests.models.conftest import tiny_hf  # noqa: F401  (shared session fixture)
 
 
 def test_rows_map_to_streamer_options() -> None:
@@ -30,3 +32,29 @@ def test_table_floors_and_overlap_gain(capsys) -> None:
     line = next(x for x in out.splitlines() if " stream " in x)
     assert "0.480" in line and "1.04" in line and "0.78" in line  # floor, x floor, x pool/B_P
     assert "serial is 30% slower" in out
+
+
+def test_ttft_runs_two_long_prompts_and_closes_its_engine(tiny_hf, capsys,  # noqa: F811
+                                                          monkeypatch) -> None:
+    """`--ttft` through EngineCore on the CPU: two prompts of the length (the process's first,
+    then steady state), each with its chunks' seconds, and the engine closed at the end (an
+    unclosed one left its state-tier fill running at exit: an abort on the H200)."""
+    import freetoken.bench.cli_prefill as cp
+    from freetoken.cli.build import load_with_experts
+    from freetoken.engine.core import EngineCore
+    from freetoken.types.config import MoEConfig
+
+    model, rt = load_with_experts(tiny_hf("qwen3_5_moe"), MoEConfig(backend="offload",
+                                                                    cache_size=16),
+                                  dtype=torch.float32, progress=False)
+    monkeypatch.setattr("freetoken.engine.sizing.default_chunk_tokens", lambda rt: 32)
+    closed = []
+    real_close = EngineCore.close
+    monkeypatch.setattr(EngineCore, "close", lambda self: (closed.append(1), real_close(self)))
+    s = cp.ttft(model, rt, 80, model.cfg.vocab_size)
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if ln.startswith("TTFT 80 tokens")]
+    assert [("(first)" in lines[0]), ("(again)" in lines[1])] == [True, True], out
+    for ln in lines:  # 80 tokens in chunks of 32: three steps at least to the first token
+        assert "chunks of 32" in ln and len(ln.split("steps ")[1].split()) >= 3 + 1, ln
+    assert s > 0 and closed == [1]

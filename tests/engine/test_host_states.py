@@ -181,3 +181,23 @@ def test_the_engine_marks_the_tier_busy_from_admission_to_its_last_step(tiny_hf)
     core.abort("b")
     assert host._idle.is_set() == (not core.has_work())
     core.close()
+
+
+def test_fills_still_running_are_stopped_at_exit() -> None:
+    """The atexit hook stops every tier's fill: a fill thread inside `cudaHostAlloc` while the
+    process tore its C++ runtime down aborted `ft bench prefill --ttft` and `ft bench elastic`
+    at exit on the H200 (their engines were never closed)."""
+    from freetoken.engine import host_states
+
+    h = HostStates(_FakeState(2), 40, fill=False, chunk_target=1)
+    h.busy(True)  # the fill waits for the engine to go idle: it is still running
+    t = threading.Thread(target=h._fill, daemon=True)
+    h._thread = t
+    host_states._FILLING.add(h)
+    t.start()
+    t.join(0.2)
+    assert t.is_alive()
+    live = HostStates(_FakeState(2), 3, fill=True, chunk_target=1)  # registered by itself
+    assert live in host_states._FILLING
+    host_states._stop_fills()
+    assert not t.is_alive() and h._thread is None and live._thread is None
