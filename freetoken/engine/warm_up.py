@@ -2,7 +2,8 @@
 
 The server answers as soon as the weights are in place. What a first request would otherwise
 pay for — Triton kernels compiled for each new prefill shape (their block sizes follow the
-token count's power of two: `gdn.py`, `moe_grouped.py`), flashinfer plans, CUDA graph captures
+token count's power of two: `gdn.py`, `moe_grouped.py`), the path of a chunk that follows a
+cached prefix (an agent's next turn), flashinfer plans, CUDA graph captures
 — happens in small tasks that `AsyncEngine` runs one at a time while the engine is idle, at
 the safe point between steps: a request that arrives waits for at most the one task running
 (each is one prefill step, or one bucket's capture). A bucket not captured yet when a request
@@ -43,6 +44,8 @@ log = get_logger("warmup")
 # power of two), so the first task loads the kernels the first short request needs
 DECODE_PROMPT = 13
 SMALL = 512  # prefill shapes up to this many tokens go before the wider buckets' captures
+# a "prefix" task's first chunk: the tokens its measured chunk finds cached before it
+PREFIX = 16
 
 
 class _Yielded(Exception):
@@ -51,8 +54,10 @@ class _Yielded(Exception):
 
 @dataclass(frozen=True)
 class Task:
-    kind: str  # "prefill" (one prompt of `size` tokens), "decode" (a short prompt, then
-    # `size` decode steps: the first launch of the decode path), "capture" (one decode bucket)
+    kind: str  # "prefill" (one prompt of `size` tokens), "prefix" (`size` new tokens after
+    # PREFIX cached ones: an agent's next turn on its cached context), "decode" (a short
+    # prompt, then `size` decode steps: the first launch of the decode path), "capture" (one
+    # decode bucket)
     size: int
     greedy: bool = True
 
@@ -79,16 +84,34 @@ def prefill_shapes(chunk: int, max_prompt: int, threshold: int | None) -> list[i
     return sorted(n for n in out if 2 <= n <= min(chunk, max_prompt))
 
 
+def prefix_shapes(shapes: list[int], chunk: int) -> list[int]:
+    """The new-token counts warmed after a cached prefix: each short class once and a whole
+    chunk. A prompt's last token runs as its own step (its logits are kept), so n new tokens
+    feed n - 1 then 1: a power of two 2^j feeds 2^j - 1 (the common case, not a multiple of
+    16), and chunk + 1 feeds one whole chunk (a long prompt's later chunks). A chunk after a
+    prefix attends through another kernel than a first chunk (layers/step_context.py
+    `attend`), so a first start's cold path waited there: 8.0 s in the second 8k chunk of the
+    H200's 32k TTFT (2026-12-04), and an agent turn of 41 new tokens on 41k cached ones had an
+    18.8 s TTFT (issue #20 item 6)."""
+    small = [n for n in shapes if n > 2 and n & (n - 1) == 0 and n <= SMALL]
+    return sorted(set(small) | {chunk + 1})
+
+
 def plan_tasks(core) -> list[Task]:
     """Every warm-up task for `core`, most urgent first: a short request's decode steps (on
-    CUDA its first step captures the batch-1 greedy graph), the short prefill shapes, the
-    other graphs, the long prefill shapes."""
+    CUDA its first step captures the batch-1 greedy graph), the short prefill shapes and the
+    same after a cached prefix, the other graphs, the long prefill shapes (and the longest
+    after a prefix)."""
     st = core.moe.streamer if core.moe is not None else None
     threshold = st.threshold if st is not None and st.wants(1 << 30)[0] else None
-    shapes = prefill_shapes(core.sched.chunk_tokens, core.max_context - 2, threshold)
+    chunk = core.sched.chunk_tokens
+    shapes = prefill_shapes(chunk, core.max_context - 2, threshold)
     decode = [Task("decode", 2)] if core.max_context >= DECODE_PROMPT + 3 else []
-    return (decode + [Task("prefill", n) for n in shapes if n <= SMALL] + capture_tasks(core)
-            + [Task("prefill", n) for n in shapes if n > SMALL])
+    prefixed = [n for n in prefix_shapes(shapes, chunk) if PREFIX + n + 2 <= core.max_context]
+    return (decode + [Task("prefill", n) for n in shapes if n <= SMALL]
+            + [Task("prefix", n) for n in prefixed if n <= SMALL] + capture_tasks(core)
+            + [Task("prefill", n) for n in shapes if n > SMALL]
+            + [Task("prefix", n) for n in prefixed if n > SMALL])
 
 
 def capture_tasks(core) -> list[Task]:
@@ -120,6 +143,7 @@ class Warmup:
         self._t_plan = time.perf_counter()
         log.info(kv("plan", tasks=len(self.tasks),
                      prefill=",".join(str(t.size) for t in self.tasks if t.kind == "prefill"),
+                     prefix=",".join(str(t.size) for t in self.tasks if t.kind == "prefix"),
                      captures=sum(t.kind == "capture" for t in self.tasks)))
         return len(self.tasks)
 
@@ -173,6 +197,9 @@ class Warmup:
                     self._check_bridge()
                 elif task.kind == "decode":
                     self._request(DECODE_PROMPT, task.size + 1, len(self.done) + self.yields)
+                elif task.kind == "prefix":
+                    self._request(PREFIX + task.size, 1, len(self.done) + self.yields,
+                                  first_chunk=PREFIX)
                 else:
                     self._request(task.size, 1, len(self.done) + self.yields)
         except BridgeError as e:
@@ -204,10 +231,12 @@ class Warmup:
             pass
         return self.seconds - t0
 
-    def _request(self, n: int, max_tokens: int, seed: int) -> None:
+    def _request(self, n: int, max_tokens: int, seed: int, first_chunk: int = 0) -> None:
         """One request of `n` prompt tokens and `max_tokens` outputs, run to its end, or until
         `should_yield` before one of its steps: then it is aborted, the step in flight read
-        (`EngineCore.settle`), and `_Yielded` raised."""
+        (`EngineCore.settle`), and `_Yielded` raised. `first_chunk`: its first step feeds only
+        that many tokens (the engine is idle: the scheduler's chunk budget is this request's),
+        so the next chunk runs after a cached prefix."""
         core = self.core
         V = core.cfg.vocab_size
         start = 1 + (seed * 97) % (V - 1)  # a prompt of its own: no prefix match shortens it
@@ -216,11 +245,19 @@ class Warmup:
         core.add(GenerateRequest(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                      ignore_eos=True), request_id=rid),
                  lambda ev: None)
+        budget = core.sched.chunk_tokens
         try:
             while core.has_work():
                 if self.should_yield():
                     raise _Yielded
-                core.step()
+                if first_chunk:
+                    core.sched.chunk_tokens, first_chunk = first_chunk, 0
+                    try:
+                        core.step()
+                    finally:
+                        core.sched.chunk_tokens = budget
+                else:
+                    core.step()
         except _Yielded:
             core.sched.abort(rid)
             core.settle()

@@ -280,3 +280,38 @@ def test_stats_read_during_a_warm_up_task_are_the_workloads(model, monkeypatch) 
             "decode_phases")
     for st in seen + [core.snapshot_stats()]:
         assert {k: st[k] for k in keys} == {k: before[k] for k in keys}
+
+
+def test_prefix_tasks_run_each_chunk_after_a_cached_prefix(model, monkeypatch) -> None:
+    """The plan warms chunks that follow a prefix (a later chunk attends through another
+    kernel than a first one; a first start paid 8 s there on the H200): each short class's
+    class and a whole chunk, every one run as a chunk at position PREFIX; and the
+    scheduler's chunk budget is the server's again afterwards."""
+    from freetoken.engine.warm_up import PREFIX, prefix_shapes
+
+    assert prefix_shapes(prefill_shapes(256, 10_000, None), 256) == [4, 8, 16, 32, 64, 128,
+                                                                     256, 257]
+    core = EngineCore(model, [], kv_tokens=1024, state_slots=8, max_running=2,
+                      chunk_tokens=64)
+    tasks = plan_tasks(core)
+    pre = [t.size for t in tasks if t.kind == "prefix"]
+    assert pre == [4, 8, 16, 32, 64, 65]
+    first_capture_or_end = next((i for i, t in enumerate(tasks) if t.kind == "capture"),
+                                len(tasks))
+    assert all(i < first_capture_or_end for i, t in enumerate(tasks)
+               if t.kind == "prefix" and t.size <= 64)
+    fed: list[tuple[int, int]] = []
+    real = core.eager.run
+
+    def spy(items, moe):
+        fed.extend((it.start, it.n) for it in items if it.n > 1)
+        return real(items, moe)
+
+    monkeypatch.setattr(core.eager, "run", spy)
+    core.warmup.plan()
+    while core.warmup.run_one():
+        pass
+    for n in pre:  # n new tokens: n - 1 in the chunk after the prefix, then the last one
+        assert (PREFIX, n - 1) in fed, (n, str(fed))
+    assert core.sched.chunk_tokens == 64
+    assert all(d["result"] == "ok" for d in core.warmup.done if d["task"].startswith("prefix"))
