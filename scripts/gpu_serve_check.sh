@@ -33,6 +33,11 @@ LAYERS=${LAYERS:-20}; BUDGET_S=${BUDGET_S:-530}; RATE=${RATE:-0.37}
 SHAPE=${SHAPE:-qwen3.6-35b-a3b}; SCALE=${SCALE:-full}; read -ra EXTRA <<< "${SERVE_EXTRA:-}"
 stages=" ${*:-ckpt start hybrid offload auto trace} "
 T0=$(date +%s)
+# a device call brings back at most 8 files: at exit everything but the summary and the
+# machine description goes into one archive, logs.tgz (session 17 lost the summary itself)
+pack() { ( cd "$OUT" && mapfile -t f < <(ls -A | grep -vxE "summary.txt|machine.txt|logs.tgz")
+  [ "${#f[@]}" -gt 0 ] && tar -czf logs.tgz "${f[@]}" && rm -rf "${f[@]}" ) 2>/dev/null; }
+trap pack EXIT
 left() { local l=$((BUDGET_S - ($(date +%s) - T0))); [ "$l" -gt 5 ] && echo "$l" || echo 5; }
 stage() {  # stage NAME MIN_SECONDS: whether to run it (selected, and time left)
   [[ "$stages" == *" $1 "* ]] || return 1
