@@ -237,10 +237,28 @@ def byte_checks(be: str, r, link: float, link_gbps: float | None) -> list[str]:
     return out
 
 
+def count_checks(be: str, r) -> list[str]:
+    """What a row's expert counts cannot be: more fetched than missed (a decision fetches
+    misses only) or more routed than its steps route (rows x MoE layers x top-k). Either
+    means the counters took in work outside the timed steps (issue 20 item 3: the graph
+    replays timed after the run, 1.4x the fetches at 128 tokens) or count wrong."""
+    if not r.routed_tok:  # fused: no counters
+        return []
+    out = []
+    if r.fetched_tok > r.misses_tok + 1e-6:
+        out.append(f"{be}: {r.fetched_tok:.1f} experts a step fetched for {r.misses_tok:.1f} "
+                   "missed: a decision fetches misses only, the fetch counter is wrong")
+    if r.routed_tok > r.route_bound + 1e-6:
+        out.append(f"{be}: {r.routed_tok:.1f} experts a step routed, above the {r.route_bound} "
+                   "its rows can route: the counters took in steps outside the timed window")
+    return out
+
+
 def print_table(best: dict, backends: list[str], repeats: int, batch: int,
                 link_gbps: float | None = None) -> None:
     print(f"best of {max(1, repeats)} rounds per backend; batch {batch}")
-    print(f"{'backend':14} {'tok/s':>8} {'hit':>6} {'fetch MB/step':>13} {'cpu MB/step':>11} "
+    print(f"{'backend':14} {'tok/s':>8} {'hit':>6} {'miss/step':>9} {'fetch/step':>10} "
+          f"{'fetch MB/step':>13} {'cpu MB/step':>11} "
           f"{'link GB/s':>10} {'GB/s moved':>11} {'floor tok/s':>12} {'NVML rx MB/step':>15}")
     for be in backends:
         r = best.get(be)
@@ -253,8 +271,9 @@ def print_table(best: dict, backends: list[str], repeats: int, batch: int,
         floor = f"{r.floor_tok_s:12.1f}" if r.floor_tok_s else f"{'n/a':>12}"
         rx = r.nvml_bytes_tok
         nvml = f"{rx / 1e6:15.1f}" if rx is not None else f"{'n/a':>15}"
-        print(f"{be:14} {r.tok_s:8.1f} {r.hit_rate:6.3f} {r.fetch_bytes_tok / 1e6:13.1f} "
+        print(f"{be:14} {r.tok_s:8.1f} {r.hit_rate:6.3f} {r.misses_tok:9.1f} {r.fetched_tok:10.1f} "
+              f"{r.fetch_bytes_tok / 1e6:13.1f} "
               f"{r.cpu_bytes_tok / 1e6:11.1f} {link:10.2f} {moved:11.2f} {floor} {nvml}",
               flush=True)
-        for line in byte_checks(be, r, link, link_gbps):
+        for line in count_checks(be, r) + byte_checks(be, r, link, link_gbps):
             print("  !! " + line, flush=True)

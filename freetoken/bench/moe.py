@@ -36,6 +36,14 @@ class RunResult:
     # bytes a step the GPU received over PCIe by the driver's counter (bench/link_meter.py),
     # the independent check of fetch_bytes_tok; None without NVML
     nvml_bytes_tok: float | None = None
+    # experts a step of the timed window: routed (hits + misses, distinct per layer), missed and
+    # fetched, and the most a step can route (rows x MoE layers x top-k). Every step keeps
+    # fetched <= misses <= routed <= route_bound (offload: fetched == misses); a row that breaks
+    # it counted something that is not the window's decode steps (`count_checks`)
+    routed_tok: float = 0.0
+    misses_tok: float = 0.0
+    fetched_tok: float = 0.0
+    route_bound: int = 0
 
 
 def install_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEConfig,
@@ -49,11 +57,16 @@ def install_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEC
 def replay_ms(runner, n: int, iters: int = 50) -> float | None:
     """Device time of one replay of bucket n's greedy graph (inputs as last staged), or None
     when it has not been captured: the step's floor with no host work at all. The replays
-    write the last staged rows' K/V and state again: for benchmarks, after their run."""
+    write the last staged rows' K/V and state again: for benchmarks, after their run. They
+    also route, fetch and count like decode steps (the graph holds the device counters): the
+    counts pending before them are folded into the host counters first, theirs are dropped."""
     bk = runner.bucket(n)
     g = bk.graphs.get(True) if bk else None
     if g is None or runner.bridge is not None:  # a bridged step needs its host worker's turn
         return None
+    counters = runner.moe.counters if runner.moe is not None else None
+    if counters is not None:
+        counters.sync()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     g.replay()
     a.record()
@@ -61,7 +74,27 @@ def replay_ms(runner, n: int, iters: int = 50) -> float | None:
         g.replay()
     b.record()
     b.synchronize()
+    if counters is not None:  # (issue 20 item 3: 51 replays counted into 127 decode steps)
+        counters.discard_device()
     return a.elapsed_time(b) / iters
+
+
+def step_note(runner, h0: tuple[float, float, int] | None, cuda_graph: bool) -> str:
+    """Where `generate`'s decode steps went, from its runner's timers (`h0`: host_s, wait_s,
+    steps before the run), and one graph replay alone timed; "" without a runner (the CPU).
+    Runs after the counters' window: the replays route and fetch like decode steps."""
+    if runner is None or h0 is None or runner.steps <= h0[2]:
+        return ""
+    k = runner.steps - h0[2]
+    rep = replay_ms(runner, 1) if cuda_graph else None
+    note = (f"host {1e3 * (runner.host_s - h0[0]) / k:.3f} ms/step, launch+wait "
+            f"{1e3 * (runner.wait_s - h0[1]) / k:.3f} ms/step"
+            + (f", graph replay alone {rep:.3f} ms" if rep else ""))
+    br = runner.bridge
+    if br is not None and br.steps_done:
+        note += (f"; CPU branch {1e3 * br.busy_s / br.steps_done:.3f} ms/step computing,"
+                 f" {1e3 * br.wait_go_s / br.steps_done:.3f} ms/step waiting for layers")
+    return note
 
 
 def drop_fused(rt: MoERuntime, model: QwenMoE, device: torch.device) -> None:
@@ -76,7 +109,11 @@ def decode_batch(model: QwenMoE, prompts: list[list[int]], n_tokens: int,
                  on_start: Callable[[], None] | None = None) -> tuple[float, int]:
     """B requests decoding together through the engine: (decode tok/s summed over the rows,
     decode steps timed). Timing starts once every request has its first token, when
-    `on_start` is called (the caller's counters then cover the decode steps alone)."""
+    `on_start` is called (the caller's counters then cover the decode steps alone). The
+    engine step that emits the first tokens has launched the next decode step already, so
+    the window holds one decode step fewer than engine steps: the steps it times are the
+    runner's launches after `on_start`, a token of each of the B rows (in lockstep) apiece.
+    (Counting engine steps put N-1 steps over the bytes of N-2.)"""
     from freetoken.engine.core import EngineCore
     from freetoken.types.api import GenerateRequest
 
@@ -100,14 +137,22 @@ def decode_batch(model: QwenMoE, prompts: list[list[int]], n_tokens: int,
         core.step()
     if on_start is not None:
         on_start()
+    cuda = model.model.embed_tokens.weight.is_cuda
+    if cuda:  # the step launched ahead is before the window: let it finish outside it
+        torch.cuda.synchronize()
+    runner = core.runner
     t0, start, steps = time.perf_counter(), sum(got), 0
+    n0 = runner.steps if runner is not None else 0
     while core.has_work():
         core.step()
         steps += 1
-    if model.model.embed_tokens.weight.is_cuda:
+    if cuda:
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    return (sum(got) - start) / dt if dt > 0 else 0.0, steps
+    if runner is None:  # eager engine steps: each computes the tokens it emits
+        return (sum(got) - start) / dt if dt > 0 else 0.0, steps
+    steps = runner.steps - n0
+    return B * steps / dt if dt > 0 else 0.0, steps
 
 
 def bench_profile(model: QwenMoE, store: ExpertStore):
@@ -124,7 +169,6 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEConfi
     larger batch, through EngineCore as `ft serve` runs it)."""
     full = install_backend(model, store, backend, opts, device)
     rt = full if full.cache is not None else None  # (`fused`: no counters to read)
-    note = ""
     sp = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
     generate(model, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), [],
              cuda_graph=cuda_graph, moe=full)
@@ -146,34 +190,30 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEConfi
         prompts = [prompt[i % len(prompt):] + prompt[:i % len(prompt)] for i in range(batch)]
         tok_s, steps = decode_batch(model, prompts, n_tokens, cuda_graph, moe=full,
                                     on_start=start)
-        res = None
+        steps = max(1, steps)
+        runner = h0 = None
     else:
         runner = private_runner(model)
         h0 = (runner.host_s, runner.wait_s, runner.steps) if runner else None
         res = generate(model, prompt, sp, [], on_token=lambda _t: start(),
                        cuda_graph=cuda_graph, moe=full)
         tok_s, steps = res.decode_tps, max(1, len(res.token_ids) - 1)
-        if runner is not None and h0 is not None and runner.steps > h0[2]:
-            k = runner.steps - h0[2]
-            rep = replay_ms(runner, 1) if cuda_graph else None
-            note = (f"host {1e3 * (runner.host_s - h0[0]) / k:.3f} ms/step, launch+wait "
-                    f"{1e3 * (runner.wait_s - h0[1]) / k:.3f} ms/step"
-                    + (f", graph replay alone {rep:.3f} ms" if rep else ""))
-            br = runner.bridge
-            if br is not None and br.steps_done:
-                note += (f"; CPU branch {1e3 * br.busy_s / br.steps_done:.3f} ms/step computing,"
-                         f" {1e3 * br.wait_go_s / br.steps_done:.3f} ms/step waiting for layers")
+    # the window ends with the last timed step: what runs after it (the graph replays timed in
+    # `step_note`) routes and fetches too, and counted in, it was 1.4x the fetches at 128 tokens
     if rt:
         rt.counters.sync()
     received = meter.stop()  # (after the sync above: the device has finished the window)
+    d = {k: rt.counters.__dict__[k] - s0[k] for k in s0} if rt is not None else {}
+    note = step_note(runner, h0, cuda_graph)
     hit = fb = cb = 0.0
     floor = None
+    counts = (0.0, 0.0, 0.0)
     if rt is not None:
-        d = {k: rt.counters.__dict__[k] - s0[k] for k in s0}
         routed = d["hits"] + d["misses"]
         hit = d["hits"] / routed if routed else 0.0
         # per decode step of the timed window (each step after the first token)
         fb, cb = d["fetch_bytes"] / steps, d["cpu_bytes"] / steps
+        counts = (routed / steps, d["misses"] / steps, d["fetched"] / steps)
         prof = bench_profile(model, store)
         if prof is not None and (prof.b_p or not fb):
             bp = (prof.b_p or 1.0) * 1e9
@@ -188,4 +228,5 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEConfi
     if backend == "fused":
         drop_fused(full, model, device)
     return RunResult(backend, tok_s, hit, fb, cb, floor, note,
-                     None if received is None else received / steps)
+                     None if received is None else received / steps, *counts,
+                     route_bound=batch * len(model.moe_blocks()) * model.cfg.top_k)

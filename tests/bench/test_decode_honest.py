@@ -6,6 +6,7 @@ prefill's fetches, so offload "moved" more over the link than the link carries."
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from freetoken.bench import moe as bench_moe
@@ -68,3 +69,47 @@ def test_bytes_per_step_count_decode_steps_only(tiny_hf) -> None:  # noqa: F811
                               torch.device("cpu"), prompt, 4, cuda_graph=False)
     bound = len(blocks) * cfg.top_k * store.expert_bytes
     assert 0 < r.fetch_bytes_tok <= bound, (r.fetch_bytes_tok, bound)
+
+
+@pytest.mark.parametrize("path", ["generate", "engine"])
+@pytest.mark.parametrize("routing", ["random", "model"])
+def test_counters_cover_the_timed_steps_alone(tiny_hf, monkeypatch, routing: str,  # noqa: F811
+                                              path: str) -> None:
+    """Issue 20 item 3: on the H200 `ft bench decode` counted 143 experts fetched a step where
+    offload missed 102 (160 routed x 0.639), because the 51 graph replays that `step_note`
+    times after the run (`replay_ms`) route and fetch like decode steps, and the counters'
+    window was read after them: (127 + 51) / 127 = 1.40x at 128 tokens. The CPU has no graphs,
+    so the stand-in for `step_note` runs what the replays do, real decode steps through the
+    same backend (routing, decisions, fills, counters). The timed window must not see them:
+    at batch 1 a step routes exactly K distinct experts in each MoE layer (the uniform trace
+    draws K distinct, the model's router takes its top K), and offload fetches every miss.
+    Through EngineCore the window counted one step too many (the engine step that emits the
+    first token launches the next one before the window opens): 8 x 22 / 23 routed here."""
+    from freetoken.engine.generate import generate
+    from freetoken.types.api import SamplingParams
+
+    model, blocks, store = _setup(tiny_hf)
+    cfg = model.cfg
+    L, K = len(blocks), cfg.top_k
+    if routing == "random":
+        install_trace(model, TraceRouter(uniform_trace(400, L, 1, cfg.num_experts, K),
+                                         cfg.num_experts, K))
+    after: list[int] = []
+
+    def replays(runner, h0, cuda_graph) -> str:  # what the replay timing does on the GPU
+        sp = SamplingParams(max_tokens=21, temperature=0.0, ignore_eos=True)
+        after.append(len(generate(model, list(range(40, 44)), sp, []).token_ids))
+        return ""
+
+    monkeypatch.setattr(bench_moe, "step_note", replays)
+    slots = L * cfg.num_experts // 2
+    r = bench_moe.run_backend(model, store, "offload", MoEConfig(cache_size=slots),
+                              torch.device("cpu"), list(range(3, 35)), 24, cuda_graph=False,
+                              engine=path == "engine")
+    assert after == [21]  # the stand-in ran, after the timed decode
+    assert r.route_bound == L * K
+    assert r.routed_tok == L * K, (r.routed_tok, L * K)
+    assert 0 < r.misses_tok < r.routed_tok
+    assert r.fetched_tok == r.misses_tok  # offload fetches every miss, nothing else
+    assert r.fetch_bytes_tok == r.fetched_tok * store.expert_bytes and r.cpu_bytes_tok == 0
+    assert abs(r.hit_rate - (1 - r.misses_tok / r.routed_tok)) < 1e-12

@@ -1,15 +1,17 @@
-"""The PCIe receive meter of `ft bench decode` (bench/link_meter.py) and the byte checks it
-feeds (cli_decode.byte_checks). Oracles: the exact integral of a rate that is linear between
-known points, and rows built so that each check must (or must not) fire. Bug it would catch:
-a meter that drops the window's ends, counts an interval twice, or keeps samples of an earlier
-window; a check that blames the counters when the driver agrees with them."""
+"""The PCIe receive meter of `ft bench decode` (bench/link_meter.py) and the checks it and the
+expert counts feed (cli_decode.byte_checks, count_checks). Oracles: the exact integral of a rate
+that is linear between known points, and rows built so that each check must (or must not) fire.
+Bug it would catch: a meter that drops the window's ends, counts an interval twice, or keeps
+samples of an earlier window; a check that blames the counters when the driver agrees with them;
+a row whose steps "route" more experts than they can (issue 20 item 3) passing unflagged."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 
-from freetoken.bench.cli_decode import byte_checks
+from freetoken.bench.cli_decode import byte_checks, count_checks
 from freetoken.bench.link_meter import LinkMeter, integrate, nvml_rx_reader
 from freetoken.bench.moe import RunResult
 
@@ -80,3 +82,20 @@ def test_byte_checks_name_the_wrong_side() -> None:
     # counters above the driver's figure are wrong even when the rate is plausible
     low = byte_checks("offload", _row(400.0, 200.0), 400e6 * 90 / 1e9, 55.0)
     assert len(low) == 1 and "over-count" in low[0]
+
+
+def test_count_checks_flag_counts_no_step_can_have() -> None:
+    """The H200's offload row of issue 20 item 3 (hit 0.361, 143.3 experts fetched a step at
+    160 routed a step): the counters had taken in the 51 graph replays timed after 127 steps,
+    so a step "routed" 224.3 experts, more than its 20 layers x top-8 can."""
+    def row(routed: float, misses: float, fetched: float) -> RunResult:
+        return replace(_row(fetched * 6.29, None), routed_tok=routed, misses_tok=misses,
+                       fetched_tok=fetched, route_bound=160)
+
+    h200 = count_checks("offload", row(224.3, 143.3, 143.3))
+    assert len(h200) == 1 and "224.3" in h200[0] and "outside the timed window" in h200[0]
+    assert count_checks("offload", row(160.0, 102.2, 102.2)) == []  # the same run, fixed
+    assert count_checks("hybrid", row(160.0, 102.2, 40.0)) == []  # the CPU took the rest
+    twice = count_checks("offload", row(160.0, 102.2, 110.0))
+    assert len(twice) == 1 and "fetch counter is wrong" in twice[0]
+    assert count_checks("fused", RunResult("fused", 500.0, 0.0, 0.0, 0.0, None)) == []
