@@ -170,7 +170,9 @@ def run_shape(args: argparse.Namespace) -> int:
             b.gate.__dict__.pop("forward", None)
         rows = max(parse_batches(args.batch))
         if trace == "random":
-            steps = args.decode_tokens + 64  # the warm-up's and the timed run's decode steps
+            # the warm-up's and the timed run's decode steps (auto's longer warm-up wraps
+            # around: uniform routing has no order to lose)
+            steps = args.decode_tokens + 64
             install_trace(model, TraceRouter(
                 uniform_trace(steps, len(blocks), rows, cfg.num_experts, cfg.top_k),
                 cfg.num_experts, cfg.top_k, device, rows))

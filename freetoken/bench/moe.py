@@ -23,6 +23,9 @@ from freetoken.models.qwen import QwenMoE
 from freetoken.types.api import SamplingParams
 from freetoken.types.config import MoEConfig
 
+AUTO_WARM_ROUNDS = 3  # warm-up rounds `auto`'s guard gets to settle before a timed window
+AUTO_WARM_MAX_STEPS = 512  # decode steps a round at most (a guard given a huge window)
+
 
 @dataclass
 class RunResult:
@@ -162,6 +165,49 @@ def bench_profile(model: QwenMoE, store: ExpertStore):
     return find_profile(model, store.format) or find_profile(model, store.dtype)
 
 
+def warm_up(model: QwenMoE, rt: MoERuntime, prompt: list[int],
+            prompts: list[list[int]] | None, cuda_graph: bool) -> int:
+    """The untimed decode before a backend's timed window: 8 tokens of `prompt` through
+    `generate`, and under `auto` as many decode steps as its guard needs to time every
+    candidate and settle (its steady state is what the window measures), at the timed run's
+    width: through the engine with `prompts` when given (a batch), else `generate`. At most
+    AUTO_WARM_ROUNDS rounds of at most AUTO_WARM_MAX_STEPS (steps that capture graphs go
+    untimed and need more). Returns the
+    decode steps `auto`'s guard saw by the end of it (0 without a guard)."""
+    guard = rt.guard
+    if guard is None:
+        generate(model, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                 [], cuda_graph=cuda_graph, moe=rt)
+        return 0
+    need = min(AUTO_WARM_MAX_STEPS, len(guard.order) * (guard.discard + guard.window) + 8)
+    for _ in range(AUTO_WARM_ROUNDS):
+        if guard.settled:
+            break
+        if prompts is not None:
+            decode_batch(model, prompts, need, cuda_graph, moe=rt)
+        else:
+            generate(model, prompt, SamplingParams(max_tokens=need, temperature=0.0,
+                                                   ignore_eos=True), [],
+                     cuda_graph=cuda_graph, moe=rt)
+    return guard.decode_steps
+
+
+def auto_note(guard, warm_steps: int) -> str:
+    """The bench note of an `auto` row: the backend it settled on after how many warm-up
+    decode steps (`warm_steps`: those it saw in the warm-up) and each candidate's ms/step as
+    compared; or that it had not settled within the warm-up (the row then mixes its timing
+    phases with its steady state)."""
+    ms = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in (guard.compared or guard.times).items())
+    if guard.settled_after is not None and guard.settled_after <= warm_steps:
+        widths = ",".join(map(str, guard.widths)) or "none in common"
+        return (f"auto: settled on {guard.choice} after {guard.settled_after} warm-up decode "
+                f"steps (ms/step: {ms}; widths {widths}; profile's choice {guard.order[0]})")
+    then = (f"settled on {guard.choice} inside the timed window" if guard.settled
+            else f"still timing {guard.phase}")
+    return (f"auto: NOT settled in the warm-up ({warm_steps} decode steps), {then}: the row "
+            f"mixes its candidates (ms/step: {ms or 'none timed'})")
+
+
 def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEConfig,
                 device: torch.device, prompt: list[int], n_tokens: int, cuda_graph: bool = True,
                 batch: int = 1, engine: bool = False) -> RunResult:
@@ -170,8 +216,10 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEConfi
     full = install_backend(model, store, backend, opts, device)
     rt = full if full.cache is not None else None  # (`fused`: no counters to read)
     sp = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
-    generate(model, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), [],
-             cuda_graph=cuda_graph, moe=full)
+    # B prompts of the same length, each a rotation of the first (no shared prefix)
+    prompts = [prompt[i % len(prompt):] + prompt[:i % len(prompt)] for i in range(batch)]
+    warm_steps = warm_up(model, full, prompt, prompts if batch > 1 or engine else None,
+                         cuda_graph)
     # the counters cover the decode steps alone: taken when the first token is out (a
     # prefill's misses, and the hits of re-prefilling the warm-up's prompt, are not decode's)
     s0: dict = {}
@@ -186,8 +234,6 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEConfi
             meter.start()
 
     if batch > 1 or engine:
-        # B prompts of the same length, each a rotation of the first (no shared prefix)
-        prompts = [prompt[i % len(prompt):] + prompt[:i % len(prompt)] for i in range(batch)]
         tok_s, steps = decode_batch(model, prompts, n_tokens, cuda_graph, moe=full,
                                     on_start=start)
         steps = max(1, steps)
@@ -218,13 +264,11 @@ def run_backend(model: QwenMoE, store: ExpertStore, backend: str, opts: MoEConfi
         if prof is not None and (prof.b_p or not fb):
             bp = (prof.b_p or 1.0) * 1e9
             bh = prof.b_h * 1e9
-            t = max(fb / bp, cb / bh) if backend == "hybrid" else fb / bp + cb / bh
+            ran = full.guard.running if full.guard is not None else backend  # (auto's pick)
+            t = max(fb / bp, cb / bh) if ran == "hybrid" else fb / bp + cb / bh
             floor = batch / t if t > 0 else None  # a step moves the bytes of all its rows
-    guard = rt.guard if rt is not None else None
-    if guard is not None:  # what `auto` ran: its choice, the timings, what it kept
-        timed = ", ".join(f"{k} {v * 1e3:.2f} ms/step" for k, v in guard.times.items())
-        note += (("; " if note else "") + f"auto: {guard.phase}, running {guard.choice}"
-                 + (f" (timed {timed})" if timed else ""))
+    if full.guard is not None:  # what `auto` ran: what it timed, when, what it kept
+        note += ("; " if note else "") + auto_note(full.guard, warm_steps)
     if backend == "fused":
         drop_fused(full, model, device)
     return RunResult(backend, tok_s, hit, fb, cb, floor, note,

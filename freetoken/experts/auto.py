@@ -1,11 +1,12 @@
-"""`auto`: the profile's choice of backend, guarded on the live workload.
+"""`auto`: the fastest of its candidates on the live workload, the profile's choice timed first.
 
-`AutoGuard` runs the choice, then, after a warm-up, times plain offload over the same number
-of decode steps and falls back to it if the choice was slower; steps that still compile or
-capture kernels are left untimed. `AutoExperts` is the layer: a
-`CpuSplitExperts` whose fetch rule is the guard's (its choice's rule, or every miss while
-offload is timed), so one captured graph serves both phases: the device table the decision
-reads is rewritten in place when the phase changes.
+`AutoGuard` times every backend the layer can run with one captured graph — `offload` (fetch
+every miss), `hybrid` (the runtime's q* rule, when a bandwidth profile measured it) and `cpu`
+(fetch none) — one after the other over the same number of decode steps, the profile's choice
+first, and settles on the fastest; steps that still compile or capture kernels are left
+untimed. `AutoExperts` is the layer: a `CpuSplitExperts` whose fetch rule is the guard's (the
+candidate it times now, then the one it settled on), so one captured graph serves every phase:
+the device table the decision reads is rewritten in place when the phase changes.
 """
 from __future__ import annotations
 
@@ -16,17 +17,34 @@ import torch
 from torch import Tensor
 
 from freetoken.experts.slot_cache import SlotCache
-from freetoken.experts.split import CpuSplitExperts, FetchRule
+from freetoken.experts.split import CpuSplitExperts, FetchRule, FixedRule
 from freetoken.experts.store import ExpertStore
 from freetoken.log import get_logger, kv
 
 log = get_logger("experts")
 
+# the backends `auto` may settle on, in the order it times those after the profile's choice
+CANDIDATES = ("offload", "hybrid", "cpu")
+
+
+def candidate_rules(choice: str, q_rule: FetchRule | None) -> dict[str, FetchRule]:
+    """The fetch rule of every candidate the layer can run, the profile's `choice` first, then
+    the others in `CANDIDATES` order. `q_rule`: hybrid's q* rule from a measured profile, or
+    None when there is none (fallback bandwidths are not this machine's split: hybrid is left
+    out). offload and cpu need nothing more than the slot cache and the CPU branch, which
+    every `auto` layer has (the bridge in captured steps, the eager worker otherwise)."""
+    rules: dict[str, FetchRule] = {"offload": FixedRule(-1), "cpu": FixedRule(0)}
+    if q_rule is not None:
+        rules["hybrid"] = q_rule
+    if choice not in rules:
+        raise ValueError(f"auto's choice {choice!r} cannot run here (candidates: "
+                         f"{', '.join(rules)})")
+    return {n: rules[n] for n in (choice, *(c for c in CANDIDATES if c != choice)) if n in rules}
+
 
 class AutoGuard:
-    """`auto`: runs the profile's choice, then guards it on the live workload — after a warm-up
-    it times plain offload over the same number of decode steps and falls back to it if the
-    choice was slower.
+    """`auto`'s timing of its candidates (`candidates`: name -> fetch rule, in timing order, the
+    profile's choice first), then the fastest one's rule for good.
 
     `on_step` is called once at the start of every forward step by what runs the step
     (`MoERuntime.step`, entered by `EngineCore.step` and `generate`), with `decode=True` when
@@ -37,41 +55,60 @@ class AutoGuard:
     (an idle server, the warm-up before the first request, the host's handling of the tokens)
     is not the backend's.
 
-    Kernels still warming up are not the backend's either (issue #20 item 4: the choice,
+    Each candidate (`phase`) runs until `window` of its decode steps are timed; then the next
+    one runs. Kernels still warming up are not the backend's (issue #20 item 4: the choice,
     timed first, paid every JIT compile and graph capture and lost to offload): in each phase
     the first `discard` decode steps of every width go untimed, and so does any step that
-    captured a graph (`discard_step`, called by the decode runner). The phases are compared
-    width by width over the widths both saw, weighted by the choice phase's step counts (a
-    phase of 4-row steps is not compared with one of 1-row steps); with no width in common,
-    by their overall means."""
+    captured a graph (`discard_step`, called by the decode runner). The candidates are compared
+    width by width over the widths every one of them timed, weighted by the first phase's step
+    counts (a phase of 4-row steps is not compared with one of 1-row steps); with no width in
+    common, by their overall means. A tie keeps the earlier candidate (the profile's choice
+    first). `choice` is the profile's choice until the guard settles, then the fastest."""
 
-    def __init__(self, choice: str, q_choice: Callable[[int], int], window: int = 32,
+    def __init__(self, candidates: dict[str, Callable[[int], int]], window: int = 32,
                  discard: int = 2):
-        self.choice, self.q_choice, self.window, self.discard = choice, q_choice, window, discard
-        self.phase, self.steps, self.elapsed = "choice", 0, 0.0
+        if not candidates:
+            raise ValueError("auto needs at least one candidate backend")
+        self.rules = dict(candidates)
+        self.order = list(self.rules)
+        self.choice = self.phase = self.order[0]
+        self.window, self.discard = window, discard
+        self.steps, self.elapsed = 0, 0.0  # timed steps of the current phase and their seconds
         self._start: float | None = None  # start of the current decode step, if timed
         self._width = 1
         self._seen: dict[int, int] = {}  # decode steps per width in this phase, untimed included
-        # per phase and width: [seconds, steps] of the timed steps
-        self.by_width: dict[str, dict[int, list]] = {"choice": {}, "offload": {}}
-        self.times: dict[str, float] = {}
+        # per candidate and width: [seconds, steps] of the timed steps
+        self.by_width: dict[str, dict[int, list]] = {n: {} for n in self.order}
+        self.times: dict[str, float] = {}  # per candidate timed: mean seconds per step
+        self.compared: dict[str, float] = {}  # once settled: seconds per step as compared
+        self.widths: list[int] = []  # once settled: the widths compared ([]: overall means)
         self.discarded = 0
-        # called after each change of phase (the rule `num_fetch` follows may change with it):
+        self.decode_steps = 0  # decode steps marked while timing, untimed ones included
+        self.settled_after: int | None = None  # decode_steps when the guard settled
+        # called after each change of phase (the rule `num_fetch` follows changes with it):
         # captured layers rewrite their device fetch tables
         self.listeners: list[Callable[[], None]] = []
+        if len(self.order) == 1:  # nothing to compare
+            self.phase, self.settled_after = "settled", 0
 
     @property
     def settled(self) -> bool:
         """Done timing: steps need no marking any more (the engine may overlap them)."""
         return self.phase == "settled"
 
+    @property
+    def running(self) -> str:
+        """The candidate whose rule the layers follow now."""
+        return self.choice if self.settled else self.phase
+
     def num_fetch(self, misses: int) -> int:
-        return self.q_choice(misses) if self.phase in ("choice", "settled") else -1
+        return self.rules[self.running](misses)
 
     def on_step(self, decode: bool, width: int = 1) -> None:
         self._start = None
-        if not decode or self.phase == "settled":
+        if not decode or self.settled:
             return
+        self.decode_steps += 1
         n = self._seen.get(width, 0)
         self._seen[width] = n + 1
         if n < self.discard:  # this width's first steps in the phase: kernels may still warm
@@ -97,34 +134,49 @@ class AutoGuard:
         self.steps += 1
         if self.steps < self.window:
             return
-        self.times[self.phase] = self.elapsed / self.window
+        self.times[self.phase] = self.elapsed / self.steps
         self.steps, self.elapsed, self._seen = 0, 0.0, {}
-        if self.phase == "choice":
-            self.phase = "offload"
-            self._changed()
-            return
-        chosen_s, offload_s, widths = self._compare()
-        fields = {"chosen_ms": f"{chosen_s * 1e3:.2f}", "offload_ms": f"{offload_s * 1e3:.2f}",
-                  "widths": ",".join(map(str, widths)) or "none", "discarded": self.discarded}
-        if offload_s < chosen_s:
-            log.warning(kv("auto_fallback", chosen=self.choice, to="offload", **fields))
-            self.choice, self.q_choice = "offload", (lambda m: -1)
+        i = self.order.index(self.phase)
+        if i + 1 < len(self.order):
+            self.phase = self.order[i + 1]
         else:
-            log.info(kv("auto_keep", chosen=self.choice, **fields))
-        self.phase = "settled"
+            self._settle()
         self._changed()
 
-    def _compare(self) -> tuple[float, float, list[int]]:
-        """Seconds per step of the choice and of offload over the widths both phases timed
-        (weighted by the choice's counts), or their overall means when none is common."""
-        c, o = self.by_width["choice"], self.by_width["offload"]
-        common = sorted(set(c) & set(o))
+    def _settle(self) -> None:
+        per, self.widths = self._compare()
+        best = self.order[0]
+        for n in self.order[1:]:
+            if per[n] < per[best] * (1 - 1e-9):  # (as recommend_backend: ties go to the first)
+                best = n
+        first = self.order[0]
+        self.compared, self.choice, self.phase = per, best, "settled"
+        self.settled_after = self.decode_steps
+        ms = {f"{n}_ms": f"{per[n] * 1e3:.2f}" for n in self.order}
+        # warning when the live workload overrules the profile (its figures may be stale)
+        say = log.info if best == first else log.warning
+        say(kv("auto_settled", chosen=best, profile_choice=first, **ms,
+               widths=",".join(map(str, self.widths)) or "none", steps=self.decode_steps,
+               discarded=self.discarded))
+
+    def _compare(self) -> tuple[dict[str, float], list[int]]:
+        """Seconds per step of every candidate over the widths all of them timed (weighted by
+        the first phase's counts), or their overall means when no width is common to all."""
+        bw = self.by_width
+        common = sorted(set.intersection(*(set(bw[n]) for n in self.order)))
         if not common:
-            return self.times["choice"], self.times["offload"], []
-        n = sum(c[w][1] for w in common)
-        chosen = sum(c[w][0] for w in common) / n
-        offload = sum(c[w][1] * o[w][0] / o[w][1] for w in common) / n
-        return chosen, offload, common
+            return {n: self.times[n] for n in self.order}, []
+        first = bw[self.order[0]]
+        total = sum(first[w][1] for w in common)
+        return {n: sum(first[w][1] * bw[n][w][0] / bw[n][w][1] for w in common) / total
+                for n in self.order}, common
+
+    def summary(self) -> dict:
+        """What /v1/stats shows of `auto`: the phase, the backend running, ms per step."""
+        ms = self.compared if self.settled else self.times
+        return {"phase": self.phase, "running": self.running, "candidates": list(self.order),
+                "ms_per_step": {n: round(s * 1e3, 3) for n, s in ms.items()},
+                "settled_after_steps": self.settled_after}
 
     def _changed(self) -> None:
         for fn in self.listeners:
@@ -132,8 +184,7 @@ class AutoGuard:
 
 
 class GuardRule(FetchRule):
-    """The fetch rule the guard runs now: its choice's, or -1 (every miss) while it times
-    offload."""
+    """The fetch rule the guard runs now: the candidate it times, then the one it chose."""
 
     def __init__(self, guard: AutoGuard):
         self.guard = guard

@@ -7,7 +7,8 @@ entry here.
 - `fused`: the layer's banks resident on the compute device (`runtime.fused_banks(layer)`).
 - `offload`: every miss fetched (experts/offload.py).
 - `cpu`, `hybrid`: misses split with the CPU branch by a fetch rule (experts/split.py).
-- `auto`: the profile's choice under a guard that times it against offload (experts/auto.py).
+- `auto`: the fastest of offload, hybrid and cpu, timed on the live decode steps by its guard
+  (experts/auto.py).
 """
 from __future__ import annotations
 

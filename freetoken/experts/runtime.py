@@ -2,7 +2,8 @@
 
 `MoERuntime.build(host, config, device)` moves every routed expert bank into the host
 `ExpertStore`, sizes and builds the shared `SlotCache` on the compute device, picks the backend
-(`auto`: from the bandwidth profile), builds the prefill streamer and `auto`'s guard, and
+(`auto`: from the bandwidth profile), builds the prefill streamer and `auto`'s guard (which
+times every candidate backend on the live decode steps and settles on the fastest), and
 installs one complete backend (experts/registry.py) on every MoE block — once. The caller then
 moves the rest of the model to the device. After that the engine talks to the runtime only:
 
@@ -24,7 +25,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from freetoken.experts.auto import AutoGuard
+from freetoken.experts.auto import AutoGuard, candidate_rules
 from freetoken.experts.base import MoEHost
 from freetoken.experts.bridge import CpuBridge
 from freetoken.experts.bw_track import (
@@ -51,7 +52,6 @@ from freetoken.experts.slot_cache import SlotCache
 from freetoken.experts.split import (
     CpuSplitExperts,
     FetchRule,
-    FixedRule,
     QStarRule,
     cpu_branch,
 )
@@ -150,8 +150,11 @@ class MoERuntime:
             choice = recommend_backend(profile, slots / pool, cfg.top_k) if profile else "offload"
             log.info(kv("auto_choice", backend=choice, cache_rate=f"{slots / pool:.3f}",
                         profile="measured" if profile else "none"))
-            rule = {"offload": FixedRule(-1), "cpu": FixedRule(0)}.get(choice, q_rule)
-            guard = AutoGuard(choice, rule)
+            # hybrid is a candidate only with a q* this machine's profile measured (B_P)
+            measured = profile is not None and profile.b_p is not None
+            guard = AutoGuard(candidate_rules(choice, q_rule if measured else None))
+            log.info(kv("auto_candidates", order=",".join(guard.order), window=guard.window,
+                        discard=guard.discard))
         if backend == "hybrid" and profile is None:
             log.warning(kv("no_bw_profile", using=f"B_P={FALLBACK_BP} B_H={FALLBACK_BH}",
                            hint="run `ft bench bw`"))
@@ -351,6 +354,8 @@ class MoERuntime:
                **self.counters.as_dict()}
         if self.reprofiler is not None:
             out["bandwidth"] = self.reprofiler.stats()
+        if self.guard is not None:
+            out["auto"] = self.guard.summary()
         return out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from freetoken.bench import moe as bench_moe
+from freetoken.experts.cost_model import BandwidthProfile
 from freetoken.experts.store import ExpertStore
 from freetoken.models.loader import load_model
 from freetoken.types.config import MoEConfig
@@ -34,20 +35,67 @@ def test_engine_path_takes_batch_one_through_the_engine(tiny_hf, monkeypatch) ->
     assert calls == [1] and r.tok_s > 0  # the default batch-1 path is generate
 
 
-def test_auto_reports_what_its_guard_ran(tiny_hf, monkeypatch) -> None:
-    """`ft bench decode --backends auto` says which backend `auto` ran and what its guard
-    timed, so its figure can be read (a choice kept, or the fallback to offload)."""
+PROFILE = BandwidthProfile(key={}, b_h=60.0, b_p=50.0, b_p_overlap=45.0, b_h_overlap=50.0,
+                           expert_bytes=2**20)  # picks hybrid: auto has all three candidates
+
+
+def _auto_bench(tiny_hf, monkeypatch, **kw):
+    """`run_backend(..., "auto", ...)` on the tiny model with a profile that picks hybrid:
+    (its result, the guard, [(max_tokens, settled) of every generate call, in order])."""
     model = load_model(tiny_hf("qwen3_5_moe"), dtype=torch.float32, progress=False)
     blocks = model.moe_blocks()
     store = ExpertStore([b.experts.gate_up_proj.data for b in blocks],
                         [b.experts.down_proj.data for b in blocks], pin=False)
-    built = []
-    real = bench_moe.install_backend
-    monkeypatch.setattr(bench_moe, "install_backend", lambda *a: built.append(real(*a))
-                        or built[-1])
+    monkeypatch.setattr("freetoken.experts.runtime.find_profile", lambda model, dtype: PROFILE)
+    built, calls = [], []
+    real_install, real_generate = bench_moe.install_backend, bench_moe.generate
+
+    def install(*a):
+        built.append(real_install(*a))
+        return built[-1]
+
+    def gen(model, prompt, sp, *a, **k):
+        calls.append((sp.max_tokens, built[0].guard.settled))
+        return real_generate(model, prompt, sp, *a, **k)
+
+    monkeypatch.setattr(bench_moe, "install_backend", install)
+    monkeypatch.setattr(bench_moe, "generate", gen)
     r = bench_moe.run_backend(model, store, "auto", MoEConfig(cache_size=4),
-                              torch.device("cpu"), list(range(3, 19)), 80, cuda_graph=False)
-    guard = built[0].guard
-    assert guard.settled and r.tok_s > 0
-    assert f"auto: settled, running {guard.choice} (timed choice " in r.note
-    assert "offload" in r.note.split("timed", 1)[1]
+                              torch.device("cpu"), list(range(3, 19)), 40, cuda_graph=False,
+                              **kw)
+    return r, built[0].guard, calls
+
+
+def test_auto_settles_in_the_warm_up_and_says_what_it_chose(tiny_hf, monkeypatch) -> None:
+    """`ft bench decode --backends auto` times auto's steady state: its guard times every
+    candidate in the untimed warm-up and has settled when the timed window starts, and the
+    note says after how many steps and on what. Bug caught (H200, issue #20 item 4): the
+    warm-up ran 8 tokens, so the timed window held the guard's whole timing (auto 83.6 tok/s
+    against hybrid's 107.2 although it settled on hybrid)."""
+    r, guard, calls = _auto_bench(tiny_hf, monkeypatch)
+    assert guard.order == ["hybrid", "offload", "cpu"] and guard.settled
+    assert calls[-1] == (40, True)  # the timed run started settled
+    assert all(n != 40 for n, _ in calls[:-1])  # ... after warm-up runs only
+    assert guard.settled_after >= 3 * (guard.discard + guard.window)
+    assert (f"auto: settled on {guard.choice} after {guard.settled_after} warm-up decode "
+            "steps (ms/step: hybrid ") in r.note
+    assert ", offload " in r.note and ", cpu " in r.note and r.tok_s > 0
+
+
+def test_auto_that_does_not_settle_in_the_warm_up_says_so(tiny_hf, monkeypatch) -> None:
+    """Too short a warm-up (one round of 20 steps for a guard that needs 3 x 34): the row
+    mixes the guard's phases, and its note must say so rather than pass for auto's rate."""
+    monkeypatch.setattr(bench_moe, "AUTO_WARM_ROUNDS", 1)
+    monkeypatch.setattr(bench_moe, "AUTO_WARM_MAX_STEPS", 20)
+    r, guard, calls = _auto_bench(tiny_hf, monkeypatch)
+    assert not guard.settled and calls[-1] == (40, False)
+    assert "auto: NOT settled in the warm-up (19 decode steps), still timing " in r.note
+    assert f"still timing {guard.phase}: the row mixes its candidates" in r.note
+
+
+def test_auto_batch_warms_up_at_the_timed_width(tiny_hf, monkeypatch) -> None:
+    """A batch of 2: the warm-up decodes 2 rows together through the engine, as the timed
+    run does, so the guard compares its candidates at that width."""
+    r, guard, calls = _auto_bench(tiny_hf, monkeypatch, batch=2)
+    assert calls == [] and guard.settled and guard.widths == [2]
+    assert f"auto: settled on {guard.choice} after " in r.note

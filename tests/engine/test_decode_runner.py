@@ -91,8 +91,8 @@ def test_runner_slot_backends_equal_eager(tiny_hf, backend: str) -> None:
 
 def test_runner_runs_auto_through_the_bridge(tiny_hf, monkeypatch) -> None:
     """`auto` decodes through the runner (the path CUDA graphs capture) like hybrid: its layers
-    get the bridge, the guard times its choice (hybrid, from a profile that favours it) and
-    then offload over runner steps, each change of phase rewrites the device fetch tables in
+    get the bridge, the guard times its choice (hybrid, from a profile that favours it), then
+    offload, then cpu over runner steps, each change of phase rewrites the device fetch tables in
     place (a graph holds their address), and once settled the engine launches steps ahead
     again. Tokens equal fused's. Bugs caught: `auto` left eager (not capturable), a table left
     on the previous phase's rule, the overlap never resumed."""
@@ -105,7 +105,7 @@ def test_runner_runs_auto_through_the_bridge(tiny_hf, monkeypatch) -> None:
     fused = load_model(d, dtype=torch.float32, progress=False)
     V, E = fused.cfg.vocab_size, fused.cfg.num_experts
     prompts = [_prompt(V, 20 + 6 * i, 60 + i) for i in range(2)]
-    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True)
     want = {f"a{i}": generate(fused, p, sp, []).token_ids for i, p in enumerate(prompts)}
     prof = BandwidthProfile(key={}, b_h=60.0, b_p=50.0, b_p_overlap=45.0, b_h_overlap=50.0,
                             expert_bytes=2**20)
@@ -128,9 +128,11 @@ def test_runner_runs_auto_through_the_bridge(tiny_hf, monkeypatch) -> None:
     guard.listeners.append(lambda: seen.append((guard.phase, layer._fetch_table.tolist())))
     reqs = [GenerateRequest(p, sp, request_id=f"a{i}") for i, p in enumerate(prompts)]
     assert _run(core, reqs) == want
-    assert [ph for ph, _ in seen] == ["offload", "settled"]
+    assert [ph for ph, _ in seen] == ["offload", "cpu", "settled"]
     assert seen[0][1] == [-1] * (E + 1)  # timing offload: fetch every miss
-    assert seen[1][1] == [guard.num_fetch(m) for m in range(E + 1)]  # the kept rule
+    assert seen[1][1] == [0] * (E + 1)  # timing cpu: fetch none
+    assert seen[2][1] == [guard.num_fetch(m) for m in range(E + 1)]  # the kept rule
+    assert seen[2][1] == layer.rule.table(E) and guard.choice in guard.order
     assert core.steps_ahead > 0 and runner.bridge.seq == runner.steps > 6
 
 

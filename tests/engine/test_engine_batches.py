@@ -9,6 +9,7 @@ import torch
 from freetoken.cli.build import load_with_experts
 from freetoken.engine.core import EngineCore
 from freetoken.engine.generate import generate
+from freetoken.experts.cost_model import BandwidthProfile
 from freetoken.models.loader import load_model
 from freetoken.types.api import GenerateRequest, SamplingParams
 from freetoken.types.config import MoEConfig
@@ -59,42 +60,61 @@ def test_decode_batch_of_more_than_8_sequences(tiny_hf, kind: str) -> None:
     assert got == want
 
 
+# a measured profile under which the cost model picks hybrid: auto then has all three candidates
+PROFILE = BandwidthProfile(key={}, b_h=60.0, b_p=50.0, b_p_overlap=45.0, b_h_overlap=50.0,
+                           expert_bytes=2**20)
+
+
 @pytest.fixture(scope="module")
 def auto_run(tiny_hf):
-    """Three sequences decoding together under `auto` (guard window 4), and `fused`'s tokens."""
+    """Three sequences decoding together under `auto` (every candidate: a profile that picks
+    hybrid; guard window 4), and `fused`'s tokens. 21 decode steps: each candidate takes 2
+    untimed and 4 timed ones, 18 in all."""
     d = tiny_hf("qwen3_5_moe")
     fused = load_model(d, dtype=torch.float32, progress=False)
     prompts = _prompts(fused.cfg.vocab_size, 3)
-    sp = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=22, temperature=0.0, ignore_eos=True)
     want = [generate(fused, p, sp, []).token_ids for p in prompts]
-    model, rt = load_with_experts(d, MoEConfig(backend="auto", cache_size=6),
-                                  dtype=torch.float32, progress=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("freetoken.experts.runtime.find_profile", lambda model, dtype: PROFILE)
+        model, rt = load_with_experts(d, MoEConfig(backend="auto", cache_size=6),
+                                      dtype=torch.float32, progress=False)
     guard = rt.guard
-    assert guard is not None and guard.phase == "choice"
+    assert guard is not None and guard.order == ["hybrid", "offload", "cpu"]
+    assert guard.phase == guard.choice == "hybrid"
     guard.window = 4
     core = EngineCore(model, [], kv_tokens=1024, state_slots=16, max_running=3,
                       chunk_tokens=1024, moe=rt)
-    got, widest = _run_all(core, prompts, 14)
-    return guard, got, want, widest
+    got, widest = _run_all(core, prompts, 22)
+    return guard, got, want, widest, rt
 
 
 def test_auto_with_several_decodes_keeps_fused_tokens(auto_run) -> None:
-    _, got, want, widest = auto_run
+    """`auto` timing offload, hybrid and cpu in turn (each phase a different split of the
+    same experts) and then running the one it kept gives fused's greedy tokens."""
+    guard, got, want, widest, _ = auto_run
     assert widest == 3 and got == want
+    assert guard.settled and guard.choice in guard.order
 
 
 def test_auto_guard_times_batched_decode_steps(auto_run) -> None:
-    """13 decode steps of 3 sequences each with a window of 4: the guard must have timed its
-    choice and offload and settled. Catches the guard counting only one-token steps as decode
-    (it took the step kind from the layer's token count, T == 1), which left `auto` untimed
-    whenever several sequences decoded together."""
-    guard = auto_run[0]
-    assert guard.phase == "settled" and set(guard.times) == {"choice", "offload"}
+    """21 decode steps of 3 sequences each with a window of 4: the guard must have timed
+    every candidate at width 3 and settled. Catches the guard counting only one-token steps as
+    decode (it took the step kind from the layer's token count, T == 1), which left `auto`
+    untimed whenever several sequences decoded together."""
+    guard, rt = auto_run[0], auto_run[4]
+    assert guard.phase == "settled" and set(guard.times) == {"hybrid", "offload", "cpu"}
+    assert guard.widths == [3] and guard.settled_after == 18
+    st = rt.stats()
+    assert st["auto"]["phase"] == "settled" and st["auto"]["running"] == guard.choice
+    assert st["cpu_experts"] > 0 and st["fetched"] > 0  # the CPU and the link both worked
 
 
-def test_auto_guard_times_plain_generate(tiny_hf) -> None:
+def test_auto_guard_times_plain_generate(tiny_hf, monkeypatch) -> None:
     """`generate` (`ft generate`) marks its steps too: one prefill, then 13 one-token decode
-    steps settle a guard of window 4. Catches a step runner that never marks its steps."""
+    steps settle a guard of window 4 (no profile: offload and cpu, 12 steps). Catches a step
+    runner that never marks its steps."""
+    monkeypatch.setattr("freetoken.experts.runtime.find_profile", lambda model, dtype: None)
     d = tiny_hf("qwen3_5_moe")
     model, rt = load_with_experts(d, MoEConfig(backend="auto", cache_size=6),
                                   dtype=torch.float32, progress=False)
@@ -103,4 +123,5 @@ def test_auto_guard_times_plain_generate(tiny_hf) -> None:
     prompt = _prompts(model.cfg.vocab_size, 1)[0]
     generate(model, prompt, SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True), [],
              moe=rt)
-    assert guard.phase == "settled" and set(guard.times) == {"choice", "offload"}
+    assert guard.order == ["offload", "cpu"]
+    assert guard.phase == "settled" and set(guard.times) == {"offload", "cpu"}

@@ -69,64 +69,6 @@ def test_cpu_layers_and_greedy_generation(tiny_hf) -> None:
     assert all(g < 0 or g // E < n_moe - 2 for g in owner.tolist())  # CPU layers never cached
 
 
-def test_auto_guard_falls_back_when_its_choice_is_slower(caplog) -> None:
-    import time
-
-    from freetoken.experts.auto import AutoGuard
-
-    g = AutoGuard("hybrid", lambda m: max(1, m // 2), window=4, discard=0)
-    assert g.num_fetch(6) == 3
-    for _ in range(4):  # the chosen split: slow steps
-        g.on_step(decode=True)
-        time.sleep(0.004)
-        g.end_step()
-    assert g.phase == "offload" and g.num_fetch(6) == -1  # now timing plain offload
-    with caplog.at_level("INFO", logger="ft.experts"):
-        for _ in range(5):
-            g.on_step(decode=True)
-            g.end_step()
-    assert g.phase == "settled" and g.choice == "offload" and g.num_fetch(6) == -1
-    assert any("auto_fallback" in r.message for r in caplog.records)
-
-
-def test_auto_guard_keeps_a_faster_choice() -> None:
-    import time
-
-    from freetoken.experts.auto import AutoGuard
-
-    g = AutoGuard("hybrid", lambda m: 2, window=3, discard=0)
-    for _ in range(3):
-        g.on_step(decode=True)
-        g.end_step()
-    for _ in range(3):  # offload is the slow one here
-        g.on_step(decode=True)
-        time.sleep(0.004)
-        g.end_step()
-    assert g.phase == "settled" and g.choice == "hybrid" and g.num_fetch(9) == 2
-    g.on_step(decode=False)  # prefill steps never count
-    g.end_step()
-
-
-def test_auto_guard_does_not_count_idle_time_between_steps() -> None:
-    """Bug caught (session 4): the guard timed the wall clock from one step's start to the
-    next, so an idle server between requests (or the CUDA warm-up before the first one) was
-    charged to whichever phase was being timed and could force a wrong fallback to offload."""
-    import time
-
-    from freetoken.experts.auto import AutoGuard
-
-    g = AutoGuard("hybrid", lambda m: 2, window=3, discard=0)
-    for _ in range(3):  # the choice: fast steps, long idle gaps between them
-        g.on_step(decode=True)
-        g.end_step()
-        time.sleep(0.01)
-    for _ in range(3):  # offload: slower steps, back to back
-        g.on_step(decode=True)
-        time.sleep(0.002)
-        g.end_step()
-    assert g.phase == "settled" and g.choice == "hybrid"
-
-
 def test_gathered_decode_path_matches_grouped() -> None:
     """The CUDA decode path (gathered bmm, no host sync) against the grouped path, on CPU."""
     from freetoken.experts.ffn import dispatch_experts, gathered_experts
