@@ -88,8 +88,24 @@ class AutoGuard:
         # called after each change of phase (the rule `num_fetch` follows changes with it):
         # captured layers rewrite their device fetch tables
         self.listeners: list[Callable[[], None]] = []
+        self.retimed = 0  # times the timing started over (`retime`)
         if len(self.order) == 1:  # nothing to compare
             self.phase, self.settled_after = "settled", 0
+
+    def retime(self, why: str) -> None:
+        """Time every candidate again from the first: the paths they run changed (the CPU
+        bridge was dropped, so the CPU share now runs eagerly), and timings taken before
+        are not comparable with those after."""
+        if len(self.order) == 1:
+            return
+        self.retimed += 1
+        self.phase, self.choice = self.order[0], self.order[0]
+        self.steps, self.elapsed, self._start, self._seen = 0, 0.0, None, {}
+        self.by_width = {n: {} for n in self.order}
+        self.times, self.compared, self.widths, self.settled_after = {}, {}, [], None
+        log.info(kv("auto_retime", why=why, candidates=",".join(self.order),
+                    times=self.retimed))
+        self._changed()
 
     @property
     def settled(self) -> bool:

@@ -270,6 +270,8 @@ class MoERuntime:
         bridge.close()
         if bridge in self._bridges:
             self._bridges.remove(bridge)
+        if self.guard is not None:  # auto's timings were taken on the bridge's path
+            self.guard.retime("bridge_dropped")
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop every CPU bridge's worker (process shutdown): each finishes the step it is in

@@ -183,3 +183,47 @@ def test_runtime_builds_the_candidates_the_layer_can_run(tiny_hf, monkeypatch, b
     if "hybrid" in want:
         assert rt.guard.rules["hybrid"] is rt.q_rule
     assert rt.stats()["auto"]["phase"] == want[0] and rt.stats()["auto"]["running"] == want[0]
+
+
+def test_a_dropped_bridge_times_every_candidate_again(clock: Clock) -> None:
+    """The CPU bridge dropped mid-timing (its worker failed): cpu and hybrid now run their CPU
+    share eagerly, so what was timed before is not comparable. The guard starts over from the
+    profile's choice, fires its listeners (the device fetch tables follow), and settles on
+    the timings taken after the drop only."""
+    g = _guard(("hybrid", "offload", "cpu"), window=4)
+    changes: list[str] = []
+    g.listeners.append(lambda: changes.append(g.running))
+    for _ in range(4):  # hybrid timed fast on the bridge
+        step(g, clock, 0.005)
+    for _ in range(2):
+        step(g, clock, 0.012)  # offload half timed
+    assert g.running == "offload"
+    g.retime("bridge_dropped")
+    assert (g.running, g.times, g.retimed, changes[-1]) == ("hybrid", {}, 1, "hybrid")
+    after = {"hybrid": 0.020, "offload": 0.012, "cpu": 0.030}  # eager CPU share: slow
+    drive(g, clock, lambda i, running: after[running])
+    assert g.choice == "offload" and g.compared == pytest.approx(after)
+    g.retime("bridge_dropped")  # also once settled: the paths changed all the same
+    assert not g.settled and g.running == "hybrid" and g.retimed == 2
+
+
+def test_the_runtime_retimes_auto_when_its_bridge_is_dropped() -> None:
+    """MoERuntime.drop_bridge tells the guard (the engine drops a failed bridge there)."""
+    from freetoken.experts.runtime import MoERuntime
+
+    calls: list[str] = []
+
+    class _Guard:
+        def retime(self, why: str) -> None:
+            calls.append(why)
+
+    class _Bridge:
+        def close(self) -> None:
+            calls.append("closed")
+
+    rt = MoERuntime.__new__(MoERuntime)
+    rt._bridges, rt.guard = [], _Guard()
+    br = _Bridge()
+    rt._bridges.append(br)
+    MoERuntime.drop_bridge(rt, br)
+    assert calls == ["closed", "bridge_dropped"] and rt._bridges == []
