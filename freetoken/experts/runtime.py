@@ -43,6 +43,7 @@ from freetoken.experts.runtime_setup import (
     FALLBACK_BH,
     FALLBACK_BP,
     default_cpu_threads,
+    follow_guard,
     make_streamer,
     prefill_static,
     q_rule_for,
@@ -167,6 +168,8 @@ class MoERuntime:
         counters = MoEStats(store.expert_bytes)
         streamer = make_streamer(config, guard.choice if guard else backend, cache, store,
                                  counters, profile, cfg.top_k)
+        if guard is not None:
+            follow_guard(guard, streamer, config, cache, store, profile, cfg.top_k)
         rt = cls(backend, cache, store, counters, top_k=cfg.top_k, cpu_threads=cpu_threads,
                  q_rule=q_rule, guard=guard, streamer=streamer, cpu_layers=config.cpu_layers,
                  device=device)

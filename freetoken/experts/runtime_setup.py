@@ -50,27 +50,53 @@ def slot_count(config: MoEConfig, pool: int, expert_bytes: int, device: torch.de
     return max(1, min(int(s), pool))
 
 
+def stream_plan(config: MoEConfig, backend: str, cache: SlotCache, store: ExpertStore,
+                profile: BandwidthProfile | None, top_k: int) -> tuple[int | None, str]:
+    """The prefill stream's token threshold for `backend` (the option's, or from the profile's
+    bandwidths) and where it came from."""
+    if config.prefill_stream_tokens is not None:
+        return config.prefill_stream_tokens, "option"
+    b_p = (profile.b_p if profile and profile.b_p else FALLBACK_BP) * 1e9
+    b_h = (profile.b_h if profile else FALLBACK_BH) * 1e9
+    costs = StreamCosts(backend, store.num_experts, top_k, store.expert_bytes,
+                        6.0 * store.hidden * store.intermediate,
+                        min(1.0, cache.num_slots / (store.num_layers * store.num_experts)),
+                        b_p, b_h)
+    return stream_threshold(costs), "measured_profile" if profile else "fallback_bandwidths"
+
+
 def make_streamer(config: MoEConfig, backend: str, cache: SlotCache, store: ExpertStore,
                   stats: MoEStats, profile: BandwidthProfile | None, top_k: int
                   ) -> LayerStreamer:
     """The prefill layer streamer, its token threshold from the profile (or the option)."""
-    threshold = config.prefill_stream_tokens
-    how = "option"
-    if threshold is None:
-        b_p = (profile.b_p if profile and profile.b_p else FALLBACK_BP) * 1e9
-        b_h = (profile.b_h if profile else FALLBACK_BH) * 1e9
-        costs = StreamCosts(backend, store.num_experts, top_k, store.expert_bytes,
-                            6.0 * store.hidden * store.intermediate,
-                            min(1.0, cache.num_slots / (store.num_layers * store.num_experts)),
-                            b_p, b_h)
-        threshold = stream_threshold(costs)
-        how = "measured_profile" if profile else "fallback_bandwidths"
+    threshold, how = stream_plan(config, backend, cache, store, profile, top_k)
     log.info(kv("prefill_stream_plan", mode=config.prefill_stream, threshold=threshold, how=how,
                 backend=backend, overlap=config.prefill_overlap,
                 hit_d2d=config.prefill_hit_d2d))
     return LayerStreamer(cache, store, stats, threshold, mode=config.prefill_stream,
                          overlap=config.prefill_overlap, hits_in_place=config.prefill_hit_d2d,
                          seed=backend != "cpu")
+
+
+def follow_guard(guard, streamer: LayerStreamer, config: MoEConfig, cache: SlotCache,
+                 store: ExpertStore, profile: BandwidthProfile | None, top_k: int) -> None:
+    """`auto`'s prefill stream follows what the guard runs: the threshold (and whether a
+    stream seeds the cache) were planned for the profile's choice; once the guard settles
+    elsewhere (a cpu choice overruled by hybrid keeps a cpu stream otherwise: no seeding,
+    cpu's threshold), they are planned again for the backend it kept."""
+    planned = [guard.choice]
+
+    def on_change() -> None:
+        if not guard.settled or guard.choice == planned[0]:
+            return
+        planned[0] = guard.choice
+        streamer.threshold, how = stream_plan(config, guard.choice, cache, store, profile, top_k)
+        streamer.seed = guard.choice != "cpu"
+        log.info(kv("prefill_stream_plan", mode=config.prefill_stream,
+                    threshold=streamer.threshold, how=how, backend=guard.choice,
+                    why="auto_settled"))
+
+    guard.listeners.append(on_change)
 
 
 def default_cpu_threads(device: torch.device | str) -> int:

@@ -227,3 +227,28 @@ def test_the_runtime_retimes_auto_when_its_bridge_is_dropped() -> None:
     rt._bridges.append(br)
     MoERuntime.drop_bridge(rt, br)
     assert calls == ["closed", "bridge_dropped"] and rt._bridges == []
+
+
+def test_the_prefill_stream_follows_what_auto_settles_on(tiny_hf, monkeypatch,
+                                                         clock: Clock) -> None:
+    """The profile says cpu (its stream then seeds nothing and has cpu's threshold); the live
+    timing keeps hybrid: the stream is planned again for hybrid (seeding the cache, hybrid's
+    threshold), as `stream_plan` gives for it."""
+    from freetoken.cli.build import load_with_experts
+    from freetoken.experts.cost_model import BandwidthProfile
+    from freetoken.experts.runtime_setup import stream_plan
+    from freetoken.types.config import MoEConfig
+
+    prof = BandwidthProfile(key={}, b_h=400.0, b_p=20.0, b_p_overlap=20.0, b_h_overlap=5.0,
+                            expert_bytes=2**20)
+    monkeypatch.setattr("freetoken.experts.runtime.find_profile", lambda model, dtype: prof)
+    cfg = MoEConfig(backend="auto", cache_size=5)
+    _, rt = load_with_experts(tiny_hf("qwen3_5_moe"), cfg, dtype=torch.float32, progress=False)
+    g, st = rt.guard, rt.streamer
+    assert g is not None and g.order[0] == "cpu" and st.seed is False
+    want = {b: stream_plan(cfg, b, rt.cache, rt.store, prof, rt.top_k)[0]
+            for b in ("cpu", "hybrid")}
+    assert st.threshold == want["cpu"] != want["hybrid"], want
+    cost = {"cpu": 0.03, "offload": 0.02, "hybrid": 0.01}
+    drive(g, clock, lambda i, running: cost[running])
+    assert g.choice == "hybrid" and st.seed is True and st.threshold == want["hybrid"]
