@@ -89,6 +89,10 @@ def expert_delta(before: dict, after: dict) -> dict[str, Any] | None:
     routed = d["hits"] + d["misses"]
     d["hit_rate"] = d["hits"] / routed if routed else None
     d["backend"], d["slots"] = a.get("backend"), a.get("slots")
+    auto = a.get("auto")  # what `auto` ran at the workload's end, and what it timed
+    if auto:
+        d["auto"] = auto
+        d["backend"] = f"auto: {auto.get('running')} ({auto.get('phase')})"
     return d
 
 

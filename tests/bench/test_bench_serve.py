@@ -66,3 +66,20 @@ def test_phases_parse_the_server_log_lines() -> None:
                         "ft.warmup: done tasks=30 seconds=12.5 wall=14.0")
     assert parse_phases(idle) == {"load": 8.5, "profile": 11.5, "warm_up_idle": 12.5,
                                   "weights_read": 3.5}
+
+
+def test_expert_delta_names_what_auto_ran() -> None:
+    """The report's backend column for `auto` says which candidate it ran at the workload's
+    end (settled or still timing), from /v1/stats' `experts.auto`; counters are differences."""
+    from freetoken.bench.cli_bench_serve import expert_delta
+
+    def stats(hits: int, auto: dict | None) -> dict:
+        e = {"hits": hits, "misses": 10, "fetched": 4, "cpu_experts": 6, "fetch_bytes": 40,
+             "cpu_bytes": 60, "streamed": 0, "stream_bytes": 0, "backend": "auto", "slots": 9}
+        return {"experts": e | ({"auto": auto} if auto else {})}
+
+    d = expert_delta(stats(5, None), stats(35, {"phase": "settled", "running": "hybrid"}))
+    assert d is not None and d["backend"] == "auto: hybrid (settled)"
+    assert (d["hits"], d["misses"], d["hit_rate"]) == (30, 0, 1.0)
+    plain = expert_delta({}, {"experts": stats(3, None)["experts"] | {"backend": "offload"}})
+    assert plain is not None and plain["backend"] == "offload" and "auto" not in plain
