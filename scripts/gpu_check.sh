@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the GPU tests and the reference benchmarks of docs/benchmarks.md.
-# Usage: OUT=/tmp/out scripts/gpu_check.sh [tests] [bw] [decode] [prefill]   (default: all four)
+# Usage: OUT=/tmp/out scripts/gpu_check.sh [tests] [bw] [decode] [prefill] [auto]
+#   (default: the first four)
 #   tests    every `gpu`-marked test (they sit next to their package's CPU tests) and the
 #            CPU-bridge / slot-decision tests on CUDA
 #   bw       ft bench bw --pool-gb 3 --seconds 1 (the bandwidth profile q* and the floors read)
 #   decode   ft bench decode, Qwen3.6-35B-A3B shape cut to 20 layers, cache 37 %, both routings
 #   prefill  ft bench prefill, the same shape, an 8192-token chunk, TTFT of 32k tokens
+#   auto     ft bench decode, auto beside offload and hybrid, both routings, batch 1 and 4
+#            (issue #20 item 4: auto within 5 % of the best fixed backend)
 # Lab conventions (wheels carried in .whl/, the JIT cache in .jitcache/, results under $OUT):
 # docs/testing.md.
 set -uo pipefail
@@ -14,7 +17,7 @@ OUT=${OUT:-/tmp/ft-out}; mkdir -p "$OUT"
 stages=" ${*:-tests bw decode prefill} "
 has() { [[ "$stages" == *" $1 "* ]]; }
 for s in $stages; do
-  case $s in tests|bw|decode|prefill) ;; *) echo "gpu_check.sh: unknown stage $s" >&2; exit 2;; esac
+  case $s in tests|bw|decode|prefill|auto) ;; *) echo "gpu_check.sh: unknown stage $s" >&2; exit 2;; esac
 done
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if [ -d .whl ]; then  # the `gpu` extra's wheels (flashinfer, ...), carried with the checkout
@@ -89,4 +92,9 @@ fi
 if has prefill; then
   timeout 300 $FT bench prefill "${SHAPE[@]}" --tokens 8192 --rows stream,stream/serial,fused \
     --repeats 2 --ttft 32768 2>&1 | grep -v "random weights:" | tee "$OUT/prefill.log"
+fi
+if has auto; then
+  timeout 420 $FT bench decode "${SHAPE[@]}" --prompt-tokens 32 --decode-tokens 128 \
+    --repeats 1 --backends offload,hybrid,auto --graphs on --route-trace random,shared \
+    --batch 1,4 2>&1 | grep -v "random weights:" | tee "$OUT/auto.log"
 fi
