@@ -145,10 +145,14 @@ def report_markdown(meta: dict[str, Any], phases: dict[str, float], rows: list[d
                     ) -> str:
     lines = ["# ft bench serve", "", "```", json.dumps(meta, indent=1), "```", "",
              "## Start to ready", "", "| phase | seconds |", "|---|---|"]
-    for k in ("load", "weights_read", "profile", "warm_up", "other", "ready"):
+    for k in ("load", "weights_read", "profile", "warm_up", "other", "imports", "tokenizer",
+              "engine_build", "ready"):
         if k in phases:
             label = {"weights_read": "  of which weights read", "ready": "**start → ready**",
-                     "other": "other (imports, tokenizer, HTTP)"}.get(k, k)
+                     "other": "other (imports, tokenizer, HTTP)",
+                     "imports": "  of which imports (process start → build)",
+                     "tokenizer": "  of which tokenizer",
+                     "engine_build": "  of which engine build (pools, runner)"}.get(k, k)
             lines.append(f"| {label} | {phases[k]:.1f} |")
     if "first_token" in phases:
         lines.append(f"| ready → first token | {phases['first_token']:.2f} |")

@@ -5,7 +5,10 @@ first 200 from /v1/models) and split that time into phases from the server's own
   profile    `ft.experts: bw_profile_measured seconds=` (a first hybrid/auto start on a GPU)
   warm_up    `ft.engine: warm_up seconds=` (kernel compilation and graph captures, when
              `--warm-up blocking` runs them before serving)
-  other      the rest: interpreter and imports, tokenizer, HTTP server start
+  other      the rest: interpreter and imports, tokenizer, HTTP server start; of it, from
+             `ft.server: startup_phases`, `imports` (process start to the build),
+             `tokenizer`, `engine_build` (KV and state pools, the decode runner),
+             `warm_up_plan` and `elastic`
 
 and, outside start → ready, `warm_up_idle`: the seconds of the warm-up tasks the server ran
 while idle after it was ready (`ft.warmup: done ... seconds=`; the default `--warm-up idle`).
@@ -32,6 +35,11 @@ _LINES = {
     "warm_up": re.compile(r"ft\.engine: warm_up seconds=([0-9.]+)"),
 }
 _IDLE = re.compile(r"ft\.warmup: done .*?seconds=([0-9.]+)")
+# `ft.server: startup_phases before_s= resolve_s= load_s= tokenizer_s= engine_s= ...`: the
+# parts of a start outside the weight load (cli/build.py StartMarks)
+_STARTUP = re.compile(r"ft\.server: startup_phases (.*)")
+_STARTUP_PARTS = {"before": "imports", "tokenizer": "tokenizer", "engine": "engine_build",
+                  "warm_up": "warm_up_plan", "elastic": "elastic"}
 _WEIGHTS = re.compile(r"ft\.checkpoint: (?:ftw_)?loaded .*?(?:read_s|in_place_s)=([0-9.]+)")
 
 
@@ -56,6 +64,14 @@ def parse_phases(log_text: str) -> dict[str, float]:
     m = _WEIGHTS.findall(log_text)
     if m:
         out["weights_read"] = float(m[-1])
+    m = _STARTUP.findall(log_text)
+    if m:
+        fields = dict(f.split("=", 1) for f in m[-1].split() if "=" in f)
+        for key, name in _STARTUP_PARTS.items():
+            try:
+                out[name] = float(fields[f"{key}_s"])
+            except (KeyError, ValueError):
+                pass
     return out
 
 

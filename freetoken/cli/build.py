@@ -45,6 +45,7 @@ def build_engine(cfg: EngineConfig) -> AsyncEngine:
     from freetoken.cli.options import resolve_device, resolve_dtype, resolve_moe
     from freetoken.engine.sizing import default_chunk_tokens, default_kv_tokens
     from freetoken.models.demo import DEMO_ALIASES, resolve_model_path
+    marks = StartMarks()
     model_dir = resolve_model_path(cfg.model)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype)
@@ -52,9 +53,12 @@ def build_engine(cfg: EngineConfig) -> AsyncEngine:
     if cfg.moe is not None:
         moe, reserve = resolve_moe(cfg.moe, cfg.moe_backend_given, cfg.max_context,
                                    model_dir, dtype, device)
+    marks.mark("resolve")
     model, rt = load_with_experts(model_dir, moe, dtype=dtype, device=device,
                                   kv_reserve_bytes=reserve)
+    marks.mark("load")
     tok = ChatTokenizer.from_dir(model_dir)
+    marks.mark("tokenizer")
     install_routing_hooks(model, cfg)
     max_context = cfg.max_context or model.cfg.max_position_embeddings
     cache = cfg.cache
@@ -72,13 +76,55 @@ def build_engine(cfg: EngineConfig) -> AsyncEngine:
         moe=rt,
         kept_logits=cache.kept_logits,
     )
+    marks.mark("engine")
     name = cfg.model if cfg.model in DEMO_ALIASES else model_dir.name
     engine = AsyncEngine(core, model_dir, name)
     engine.max_output_tokens = cfg.max_output_tokens
     engine.tokenizer = tok  # (`ft serve` and the proxy serve with it: loaded once, ~1-2 s)
     _warm_up(engine, cfg.warm_up)
+    marks.mark("warm_up")
     _elastic(engine, cfg, moe, rt)
+    marks.mark("elastic")
+    marks.log()
     return engine
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc), or None where that is unknown."""
+    import os
+
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class StartMarks:
+    """Seconds of each start-up stage of `build_engine`, logged as one `startup_phases` line
+    (`before` = from process start to the build: the interpreter and the imports), so that a
+    start's time outside the weight load is split (issue #24: a restart is ready in load +
+    12 s on the H200 where the goal is load + 5 s; `ft bench serve` reads the line)."""
+
+    def __init__(self) -> None:
+        self.before = process_age_s()
+        self.t = time.perf_counter()
+        self.stages: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.stages[name] = now - self.t
+        self.t = now
+
+    def log(self) -> None:
+        from freetoken.log import get_logger, kv
+
+        fields = {"before_s": f"{self.before:.2f}"} if self.before is not None else {}
+        fields |= {f"{k}_s": f"{v:.3f}" for k, v in self.stages.items()}
+        get_logger("server").info(kv("startup_phases", **fields))
 
 
 def install_routing_hooks(model, cfg: EngineConfig) -> None:

@@ -66,6 +66,35 @@ def test_phases_parse_the_server_log_lines() -> None:
                         "ft.warmup: done tasks=30 seconds=12.5 wall=14.0")
     assert parse_phases(idle) == {"load": 8.5, "profile": 11.5, "warm_up_idle": 12.5,
                                   "weights_read": 3.5}
+    split = text + ("12:00:10 ft.server: startup_phases before_s=4.10 resolve_s=0.02 "
+                    "load_s=20.00 tokenizer_s=1.30 engine_s=2.50 warm_up_s=0.00 "
+                    "elastic_s=0.01\n")
+    got = parse_phases(split)
+    assert {k: got[k] for k in ("imports", "tokenizer", "engine_build", "elastic")} == {
+        "imports": 4.1, "tokenizer": 1.3, "engine_build": 2.5, "elastic": 0.01}
+
+
+def test_the_startup_line_splits_a_real_start(tiny_ckpt: Path, caplog) -> None:
+    """build_engine logs one startup_phases line whose stages parse back and add up to less
+    than the wall time of the build (each stage timed once, none counted twice)."""
+    import logging
+    import time
+
+    from freetoken.cli.build import build_engine
+    from freetoken.types.config import EngineConfig
+
+    t0 = time.perf_counter()
+    with caplog.at_level(logging.INFO):
+        engine = build_engine(EngineConfig(model=str(tiny_ckpt), device="cpu",
+                                           dtype="fp32"))
+    wall = time.perf_counter() - t0
+    engine.shutdown()
+    lines = [r.getMessage() for r in caplog.records if "startup_phases" in r.getMessage()]
+    assert len(lines) == 1
+    got = parse_phases("00:00:00 ft.server: " + lines[0])
+    assert got["imports"] > 0 and got["tokenizer"] > 0 and got["engine_build"] >= 0
+    stages = [float(f.split("=")[1]) for f in lines[0].split()[1:] if not f.startswith("before")]
+    assert 0 < sum(stages) <= wall + 1e-3
 
 
 def test_expert_delta_names_what_auto_ran() -> None:
