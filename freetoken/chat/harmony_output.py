@@ -33,6 +33,7 @@ from typing import Any
 from freetoken.chat.detok import IncrementalDetokenizer
 from freetoken.chat.harmony_anchors import HarmonyTokens
 from freetoken.chat.out_events import OutEvent, ReasoningDelta, TextDelta, ToolCall
+from freetoken.chat.tool_parsers import offered_name, tool_schemas
 from freetoken.log import get_logger, kv
 
 log = get_logger("chat")
@@ -82,6 +83,7 @@ class HarmonyOutputParser:
             raise ValueError("the tokenizer has no harmony vocabulary (<|start|>, <|channel|>, "
                              "<|message|>, <|end|>)")
         self._tokenizer, self._t, self._ids = tokenizer, tok, id_factory
+        self._offered = tool_schemas(tools)
         self._closers = ({tok.end, tok.call, tok.ret} | set(tokenizer.eos_token_ids)) - {None}
         self._header: list[int] = []  # the open header's ids
         self._in_body = False
@@ -161,6 +163,9 @@ class HarmonyOutputParser:
             if body:
                 events.append(TextDelta(body))
             return
+        name, why = offered_name(name, self._offered)
+        if why is not None:
+            log.info(kv("tool_call_name", name=name, wrote=recipient, why=why))
         events.append(ToolCall(self.tool_calls, self._ids(self.tool_calls), name,
                                json.dumps(args, ensure_ascii=False)))
         self.tool_calls += 1

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from freetoken.chat.detok import IncrementalDetokenizer
 from freetoken.chat.out_events import OutEvent, ReasoningDelta, TextDelta, ToolCall
-from freetoken.chat.tool_parsers import CALL_TAGS, parse_tool_call, tool_schemas
+from freetoken.chat.tool_parsers import CALL_TAGS, offered_name, parse_tool_call, tool_schemas
 from freetoken.log import get_logger, kv
 
 log = get_logger("chat")
@@ -211,6 +211,9 @@ class OutputParser:
                 self._content_seen = True
         else:
             name, args = parsed
+            name, why = offered_name(name, self._schemas)
+            if why is not None:
+                log.info(kv("tool_call_name", name=name, wrote=parsed[0], why=why))
             events.append(ToolCall(self.tool_calls, self._ids(self.tool_calls), name, args))
             self.tool_calls += 1
         self._seg_start = True

@@ -38,6 +38,20 @@ def tool_schemas(tools: list[dict[str, Any]] | None) -> Schemas:
     return out
 
 
+def offered_name(name: str, offered: Schemas | dict | None) -> tuple[str, str | None]:
+    """The request's spelling of a called tool: `name` when the request offered it (or offered
+    no tools), else the one offered name equal to it up to case (a model trained on another
+    harness's `bash` calling this one's `Bash`). Returns (name, why): why is None when the
+    name stands, "case" when it was mapped, "not_offered" when no offered tool matches (the
+    call goes out as the model wrote it: the harness answers an unknown tool itself)."""
+    if not offered or name in offered:
+        return name, None
+    same = [n for n in offered if n.lower() == name.lower()]
+    if len(same) == 1:
+        return same[0], "case"
+    return name, "not_offered"
+
+
 def _dump(args: dict[str, Any]) -> str:
     return json.dumps(args, ensure_ascii=False)
 

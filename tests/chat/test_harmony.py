@@ -318,3 +318,13 @@ def test_tool_def_anchors_mark_where_fewer_tools_part() -> None:
         rest = full.text[len(ct.decode(full.input_ids[:pos])):]
         assert rest.lstrip(";\n").startswith("// " + tools[k]["function"]["description"])
         assert len(rest) - len(rest.lstrip(";\n")) <= 3
+
+
+def test_a_harmony_call_takes_the_offered_spelling_of_its_tool() -> None:
+    ct = harmony_tokenizer()
+    text = ("<|channel|>commentary to=functions.GET_CURRENT_WEATHER <|constrain|>json"
+            '<|message|>{"location": "Köln"}<|call|>')
+    p = HarmonyOutputParser(ct, tools=[WEATHER], id_factory=lambda i: f"call_{i}")
+    events = _merge(p.push(byte_ids(ct, text)) + p.finish())
+    calls = [e for e in events if isinstance(e, ToolCall)]
+    assert [c.name for c in calls] == ["get_current_weather"]

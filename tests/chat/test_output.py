@@ -167,3 +167,36 @@ def test_tool_parsers_directly() -> None:
     assert parse_xml_call("<function=f>\n</function>\ntrailing") is None
     assert parse_tool_call("\n<function=g>\n</function>\n") == ("g", "{}")
     assert parse_tool_call("garbage", "xml") is None and parse_tool_call("garbage") is None
+
+
+def test_offered_name_maps_only_an_unambiguous_case_slip() -> None:
+    from freetoken.chat.tool_parsers import offered_name
+
+    offered = tool_schemas([{"name": "Bash", "input_schema": {}},
+                            {"name": "Read", "input_schema": {}}])
+    assert offered_name("Bash", offered) == ("Bash", None)
+    assert offered_name("bash", offered) == ("Bash", "case")
+    assert offered_name("grep", offered) == ("grep", "not_offered")
+    assert offered_name("bash", {}) == ("bash", None)  # no tools offered: nothing to check
+    both = tool_schemas([{"name": "Bash"}, {"name": "bash"}])
+    assert offered_name("BASH", both) == ("BASH", "not_offered")  # two spellings: no guess
+
+
+def test_a_call_takes_the_offered_spelling_of_its_tool(tok: ChatTokenizer, caplog) -> None:
+    """A bare /v1/messages request offering `Bash` got a `bash` tool_use back (a model
+    trained on another harness's tools): the call now names the offered tool, with one log
+    line saying so; a tool the request never offered keeps the model's name."""
+    import logging
+
+    tools = [{"type": "function", "function": {"name": "Bash", "parameters": {
+        "type": "object", "properties": {"command": {"type": "string"}}}}}]
+    text = BASH + '\n<tool_call>\n{"name": "glob", "arguments": {}}\n</tool_call>'
+    with caplog.at_level(logging.INFO, logger="ft.chat"):
+        p = OutputParser(tok, tools=tools)
+        events = merged(p.push(tok.encode(text)) + p.finish())
+    calls = [e for e in events if isinstance(e, ToolCall)]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("Bash", {"command": "ls -la 東京"}), ("glob", {})]
+    msgs = [r.getMessage() for r in caplog.records if "tool_call_name" in r.getMessage()]
+    assert msgs == ["tool_call_name name=Bash wrote=bash why=case",
+                    "tool_call_name name=glob wrote=glob why=not_offered"]
