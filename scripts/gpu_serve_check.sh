@@ -20,6 +20,11 @@
 #            byte counters of each path (fetched <= misses must hold)
 #   elastic  (not in the default) ft bench elastic on the checkpoint: decode at batch 4 before,
 #            during and after a 6 GB shrink of the expert cache (issue 24)
+#   cold3    (not in the default) 3 first starts (each on empty kernel caches) of
+#            COLD_BACKEND (default auto): ready, a first token, the idle warm-up to its end
+#            with no failed task, alive and answering after it (issue #20 item 1)
+#   trace-all (not in the default) ft bench serve W1-W4, TRACE_BACKEND (default hybrid) with
+#            --route-trace shared: the stability table (issue #20: within 5 % of W1)
 # FMT=ftw|random: the checkpoint (random: no weight files, the server makes them in memory;
 # LAYERS=40 does not fit the disk otherwise)
 # Every stage is skipped once the wall budget (BUDGET_S, default 530 s) would not hold it;
@@ -93,6 +98,17 @@ if stage start 150; then
   python3 scripts/compile_inventory.py "$XDG_CACHE_HOME" > "$OUT/compile_inventory.txt" 2>&1
   head -40 "$OUT/compile_inventory.txt" >> "$OUT/summary.txt"
 fi
+if stage cold3 150; then  # issue #20 item 1: 3 first starts (empty kernel caches) of a backend
+  for i in 1 2 3; do
+    [ "$(left)" -lt 140 ] && { echo "[gpu_serve_check] cold3: no time for start $i" \
+      | tee -a "$OUT/summary.txt"; break; }
+    XDG_CACHE_HOME=/tmp/ft-xdg-cold-$i START_QUICK=1 timeout "$(left)" python3 \
+      scripts/serve_start_check.py "$CK" "$OUT" "cold-${COLD_BACKEND:-auto}-$i" \
+      --moe-backend "${COLD_BACKEND:-auto}" --moe-cache-rate "$RATE" "${EXTRA[@]}" 2>&1 \
+      | grep "^\[start\|Error\|error" | tee -a "$OUT/summary.txt"
+    rm -rf "/tmp/ft-xdg-cold-$i"
+  done
+fi
 bench_serve() {  # NAME MIN_SECONDS ft-bench-serve-args...
   local name=$1 min=$2; shift 2
   stage "$name" "$min" || return 0
@@ -143,4 +159,7 @@ bench_serve hybrid 120 --moe-backend hybrid --workloads W1
 bench_serve offload 150 --moe-backend offload --workloads W1
 bench_serve auto 120 --moe-backend auto --workloads W1
 bench_serve trace 150 --moe-backend hybrid --route-trace shared --workloads W1,W3
+# issue #20's stability goal: W2-W4 within 5 % of W1 with replayed routing (not in the default)
+bench_serve trace-all 200 --moe-backend "${TRACE_BACKEND:-hybrid}" --route-trace shared \
+  --workloads W1,W2,W3,W4
 echo "[gpu_serve_check] done at +$(( $(date +%s) - T0 ))s" | tee -a "$OUT/summary.txt"

@@ -7,6 +7,8 @@ background (`ft.engine: attention_plan kind=triton building=flashinfer`), then s
 (`ft.engine: attention_switch ... build_s=`); a restart starts on flashinfer.
 
 Usage: python scripts/serve_start_check.py MODEL OUT_DIR LABEL [ft serve args ...]
+START_QUICK=1: no prompts after the warm-up; instead the server must still be alive with no
+failed warm-up task and answer once more (a cold-start crash check, issue #20 item 1).
 Prints one `[start LABEL] key=value ...` line per figure and writes OUT_DIR/start-LABEL.json and
 the server's log OUT_DIR/serve-LABEL.log. The kernel caches are the environment's
 (`XDG_CACHE_HOME`): an empty one is a first start on the machine, a used one a restart.
@@ -14,6 +16,7 @@ the server's log OUT_DIR/serve-LABEL.log. The kernel caches are the environment'
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -65,9 +68,20 @@ def main(argv: list[str]) -> int:
         res["warmup_wait_s"] = time.perf_counter() - t0
         res["idle_warm_up_s"] = parse_phases(srv.log_text()).get("warm_up_idle")
         res["attention"] = _attention_lines(srv.log_text())
-        res["ttft_after_warm_up"] = {
-            str(n): srv.first_token_s(" ".join(f"w{i % 97}" for i in range(n)))
-            for n in PROMPTS}
+        if os.environ.get("START_QUICK"):
+            log_text = srv.log_text()
+            failed = re.findall(r"warm_up_task_failed|step_failed|Traceback", log_text)
+            again = srv.first_token_s() if srv.alive() else None
+            res["crash_check"] = {"alive": srv.alive(), "failures": len(failed),
+                                  "bridge_dropped": len(re.findall(r"bridge_dropped|"
+                                                                   r"cpu_bridge_failed",
+                                                                   log_text)),
+                                  "answered_again_s": again}
+            res["ttft_after_warm_up"] = {}
+        else:
+            res["ttft_after_warm_up"] = {
+                str(n): srv.first_token_s(" ".join(f"w{i % 97}" for i in range(n)))
+                for n in PROMPTS}
     ph = res["phases"]
     print(f"[start {label}] " + " ".join(f"{k}={v:.1f}" for k, v in ph.items())
           + f" first_token={res['first_token_s']:.2f}", flush=True)
@@ -79,6 +93,12 @@ def main(argv: list[str]) -> int:
     print(f"[start {label}] attention={w.get('attention')} first_plan={a.get('first')} "
           f"building={a.get('building')} switched={a.get('switch')} "
           f"build_s={a.get('build_s')} failed={a.get('failed')}", flush=True)
+    if "crash_check" in res:
+        c = res["crash_check"]
+        ok = c["alive"] and not c["failures"] and c["answered_again_s"] is not None
+        print(f"[start {label}] crash_check {'PASS' if ok else 'FAIL'} alive={c['alive']} "
+              f"failures={c['failures']} bridge_dropped={c['bridge_dropped']} "
+              f"answered_again_s={c['answered_again_s']}", flush=True)
     print(f"[start {label}] ttft_after_warm_up " + " ".join(
         f"{n}w={s:.2f}" for n, s in res["ttft_after_warm_up"].items()), flush=True)
     (out / f"start-{label}.json").write_text(json.dumps(res, indent=1, default=str))
