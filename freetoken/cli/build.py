@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -54,10 +55,14 @@ def build_engine(cfg: EngineConfig) -> AsyncEngine:
         moe, reserve = resolve_moe(cfg.moe, cfg.moe_backend_given, cfg.max_context,
                                    model_dir, dtype, device)
     marks.mark("resolve")
-    model, rt = load_with_experts(model_dir, moe, dtype=dtype, device=device,
-                                  kv_reserve_bytes=reserve)
-    marks.mark("load")
-    tok = ChatTokenizer.from_dir(model_dir)
+    # the tokenizer (1-2 s of parsing) loads beside the weights, whose reads and copies run
+    # outside the interpreter lock; `tokenizer_s` is what the start still waits for after them
+    with ThreadPoolExecutor(1, thread_name_prefix="ft-tokenizer") as pool:
+        tok_future = pool.submit(ChatTokenizer.from_dir, model_dir)
+        model, rt = load_with_experts(model_dir, moe, dtype=dtype, device=device,
+                                      kv_reserve_bytes=reserve)
+        marks.mark("load")
+        tok = tok_future.result()
     marks.mark("tokenizer")
     install_routing_hooks(model, cfg)
     max_context = cfg.max_context or model.cfg.max_position_embeddings

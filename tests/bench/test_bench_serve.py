@@ -92,7 +92,7 @@ def test_the_startup_line_splits_a_real_start(tiny_ckpt: Path, caplog) -> None:
     lines = [r.getMessage() for r in caplog.records if "startup_phases" in r.getMessage()]
     assert len(lines) == 1
     got = parse_phases("00:00:00 ft.server: " + lines[0])
-    assert got["imports"] > 0 and got["tokenizer"] > 0 and got["engine_build"] >= 0
+    assert got["imports"] > 0 and got["tokenizer"] >= 0 and got["engine_build"] >= 0
     stages = [float(f.split("=")[1]) for f in lines[0].split()[1:] if not f.startswith("before")]
     assert 0 < sum(stages) <= wall + 1e-3
 
