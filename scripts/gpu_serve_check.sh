@@ -10,8 +10,9 @@
 #            ft bench serve W1 at full scale, cache rate 0.37, random routing
 #   trace    ft bench serve hybrid, --route-trace shared, W1 and W3 (sub-agents: batch 2)
 #   gputests (not in the default) the family/format GPU tests (gpt-oss, Triton MoE, MLA/KDA, FP8)
-#   dec-hybrid dec-offload dec-auto dec-fused dec-trace (not in the default; trace: hybrid with
-#            the replayed trained router, batch 1, 2 and 4) scripts/serve_decode_check.py: forced
+#   dec-hybrid dec-offload dec-auto dec-fused dec-trace dec-trace-offload dec-uhybrid
+#            dec-uoffload dec-uauto (not in the default; trace: the replayed trained router,
+#            batch 1, 2 and 4; u*: uniform routing, the bench's `random` case) scripts/serve_decode_check.py: forced
 #            256-token streams at batch 1 and 2 through the HTTP API, expert counters, the
 #            re-profiler's bw_reprofile lines
 #   bench    (not in the default) ft bench decode, the same shape and cache rate, offload and
@@ -123,10 +124,13 @@ bench_serve() {  # NAME MIN_SECONDS ft-bench-serve-args...
   grep -E "ft\.warmup: (done|plan)|captured .*where=step" "$OUT/serve-$name/serve.log" \
     2>/dev/null | cut -c1-200 | tail -6 | tee -a "$OUT/summary.txt"
 }
-for b in hybrid offload auto fused trace; do
+for b in hybrid offload auto fused trace trace-offload uhybrid uoffload uauto; do
   stage "dec-$b" 100 || continue
   be=$b; tr=(); rows=1,2
   [ "$b" = trace ] && { be=hybrid; tr=(--route-trace shared); rows=1,2,4; }
+  [ "$b" = trace-offload ] && { be=offload; tr=(--route-trace shared); rows=1,2,4; }
+  # u*: uniform routing, the bench's `random` case served (the same hit rate as the bench)
+  [[ "$b" == u* ]] && { be=${b#u}; tr=(--route-trace uniform); }
   ROWS=$rows timeout "$(left)" python3 scripts/serve_decode_check.py "$CK" "$OUT" "$b" "${DEC_TOKENS:-256}" \
     --moe-backend "$be" --moe-cache-rate "$RATE" "${tr[@]}" "${EXTRA[@]}" 2>&1 | grep "^\[decode\|Error" \
     | cut -c1-600 | tee -a "$OUT/summary.txt"

@@ -7,14 +7,14 @@ freetoken/cli/build.py and `ft generate`; the benches reuse them from freetoken/
   them: record single-stream sessions for clean traces. The file format (`.npz`) and its
   loader are in freetoken/bench/routing_trace.py.
 - `TraceRouter` / `install_trace` / `install_serve_trace` (the hidden `ft serve --route-trace
-  shared|FILE` that `ft bench serve` passes, and `ft bench decode --route-trace`): a random-
-  weight model routed by a replayed trained router, so the expert cache meets realistic
-  locality. The server batches decode rows, so each row r of a decode step replays its own
-  trace sequence (`(layer // Lt + r) % N`), and the step advances once per step at the last
-  MoE layer. A batch is a decode step when it is a CUDA-graph bucket (`row_mask` given) or has
-  at most `max_rows` rows (`--max-running`); prefill chunks keep the model's own random router.
-  The step counter and the trace live on the device, so graphs replay the trace like eager
-  steps.
+  shared|uniform|FILE` that `ft bench serve` passes, and `ft bench decode --route-trace`): a
+  random-weight model routed by a replayed trained router, so the expert cache meets realistic
+  locality, or uniformly (the bench's `random` case, served). The server batches decode
+  rows, so each row r of a decode step replays its own trace sequence (`(layer // Lt + r) %
+  N`), and the step advances once per step at the last MoE layer. A batch is a decode step
+  when it is a CUDA-graph bucket (`row_mask` given) or has at most `max_rows` rows
+  (`--max-running`); prefill chunks keep the model's own random router. The step counter and
+  the trace live on the device, so graphs replay the trace like eager steps.
 """
 from __future__ import annotations
 
@@ -192,13 +192,39 @@ def install_trace(model: QwenMoE, router: TraceRouter, max_rows: int = 1) -> Non
         b.gate.forward = fwd  # type: ignore[method-assign]
 
 
+def uniform_trace(steps: int, layers: int, rows: int, num_experts: int, top_k: int,
+                  seed: int = 0) -> np.ndarray:
+    """[steps, layers, rows, K] routing drawn uniformly per token: each row of each step picks
+    K distinct experts of E at random: no locality, so a cache holding a fraction c of the
+    experts hits c of them. `ft bench decode`'s `random` case, and `ft serve --route-trace
+    uniform` (the same routing served, so the two figures compare at the same hit rate: the
+    random router on the server's own tokens hit 0.50 at a 37 % cache on the H200, the bench's
+    uniform one 0.36)."""
+    g = np.random.default_rng(seed)
+    out = np.empty((steps, layers, rows, top_k), dtype=np.int16)
+    for s in range(steps):  # a step at a time: argsort of [L, N, E] keys stays small
+        out[s] = np.argsort(g.random((layers, rows, num_experts)), axis=-1)[..., :top_k]
+    return out
+
+
+UNIFORM_STEPS = 1024  # `--route-trace uniform`: steps before the trace repeats (no cache can
+# hold a cycle: 1024 steps route every expert of every layer many times over)
+
+
 def install_serve_trace(model: QwenMoE, spec: str, max_rows: int = 4) -> TraceRouter:
-    path = trace_path(spec)
-    if not path.is_file():
-        raise SystemExit(f"--route-trace: no trace at {path} (shared | a .npy [steps, L, N, K])")
     device = model.model.embed_tokens.weight.device
     cfg = model.cfg
-    router = TraceRouter(np.load(path), cfg.num_experts, cfg.top_k, device, max_rows)
+    if spec == "uniform":
+        path: Path | str = "uniform"
+        decode = uniform_trace(UNIFORM_STEPS, len(model.moe_blocks()), max(max_rows, 8),
+                               cfg.num_experts, cfg.top_k)
+    else:
+        path = trace_path(spec)
+        if not path.is_file():
+            raise SystemExit(f"--route-trace: no trace at {path} (shared | uniform | a .npy "
+                             "[steps, L, N, K])")
+        decode = np.load(path)
+    router = TraceRouter(decode, cfg.num_experts, cfg.top_k, device, max_rows)
     install_trace(model, router, max_rows)
     replay_log.info(kv("route_trace", trace=path, steps=router.t.shape[0],
                        trace_layers=router.t.shape[1], sequences=router.t.shape[2],

@@ -113,3 +113,37 @@ def test_counters_cover_the_timed_steps_alone(tiny_hf, monkeypatch, routing: str
     assert r.fetched_tok == r.misses_tok  # offload fetches every miss, nothing else
     assert r.fetch_bytes_tok == r.fetched_tok * store.expert_bytes and r.cpu_bytes_tok == 0
     assert abs(r.hit_rate - (1 - r.misses_tok / r.routed_tok)) < 1e-12
+
+
+def test_the_server_can_route_uniformly_like_the_bench(tiny_hf) -> None:  # noqa: F811
+    """`ft serve --route-trace uniform` routes decode steps by a uniform trace (the bench's
+    `random` case), so served and benchmarked figures compare at the same hit rate: every row
+    K distinct experts, the trace's step advancing once per decode step, and the expert
+    cache's hit rate near its share of the pool (no locality)."""
+    from freetoken.cli.build import load_with_experts
+    from freetoken.engine.core import EngineCore
+    from freetoken.models.routing_hooks import UNIFORM_STEPS, install_serve_trace
+    from freetoken.types.api import GenerateRequest, SamplingParams
+    from freetoken.types.config import MoEConfig
+
+    model, rt = load_with_experts(tiny_hf("qwen3_5_moe"),
+                                  MoEConfig(backend="offload", cache_rate=0.5),
+                                  dtype=torch.float32, progress=False)
+    router = install_serve_trace(model, "uniform", max_rows=1)
+    L, K = len(model.moe_blocks()), model.cfg.top_k
+    assert tuple(router.t.shape) == (UNIFORM_STEPS, L, 8, K)
+    assert all(len(set(row)) == K for row in router.t[:50].reshape(-1, K).tolist())
+    core = EngineCore(model, [], kv_tokens=1024, state_slots=4, max_running=1,
+                      chunk_tokens=64, moe=rt)
+    core.add(GenerateRequest(list(range(3, 19)), SamplingParams(max_tokens=301, temperature=0.0,
+                                                                ignore_eos=True),
+                             request_id="u"), lambda ev: None)
+    core.step()  # the prompt (the model's own router)
+    rt.counters.sync()
+    h0, m0 = rt.counters.hits, rt.counters.misses
+    while core.has_work():
+        core.step()
+    rt.counters.sync()
+    hits, misses = rt.counters.hits - h0, rt.counters.misses - m0
+    assert int(router.step) >= 299 and hits + misses >= 299 * L * K * 0.9
+    assert 0.35 <= hits / (hits + misses) <= 0.65, (hits, misses)
