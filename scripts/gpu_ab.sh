@@ -7,7 +7,8 @@
 # it, so .ab/whl holds the wheels without flashinfer, tvm-ffi, transformers and the tokenizer
 # stacks, which the benches' --shape runs never import; both trees then decode on the same
 # Triton attention):
-#   OUT=$OUT scripts/gpu_ab.sh [decode] [prefill]   (default both)
+#   OUT=$OUT scripts/gpu_ab.sh [decode] [prefill]   (default both; AB_BACKENDS for decode,
+#   default fused,offload,hybrid: the 2026-11-30 table's rows, on its routing)
 # Each tree runs with only its own directory on PYTHONPATH (plus the carried wheels).
 # Session 17: prefill fused 0.299 s / stream 0.543 s a chunk against the 2026-11-30 table's
 # 0.261 / 0.447 (6da0b8d), fused decode 509.9 against 538.9: which side moved?
@@ -49,7 +50,8 @@ for tree in old new; do
   dir=.ab/old route=(); [ $tree = new ] && { dir=.; route=(--route-trace model); }
   if [[ "$stages" == *" decode "* ]]; then
     run "decode $tree" "$dir" bench decode "${SHAPE[@]}" --prompt-tokens 32 \
-      --decode-tokens 128 --repeats 2 --backends fused --graphs on --batch 1 "${route[@]}"
+      --decode-tokens 128 --repeats 2 --backends "${AB_BACKENDS:-fused,offload,hybrid}" \
+      --graphs on --batch 1 "${route[@]}"
   fi
   if [[ "$stages" == *" prefill "* ]]; then
     run "prefill $tree" "$dir" bench prefill "${SHAPE[@]}" --tokens 8192 \
