@@ -49,6 +49,8 @@ for tree in old new; do
   # routing by the model's own random router in both (the old tree's only routing)
   dir=.ab/old route=(); [ $tree = new ] && { dir=.; route=(--route-trace model); }
   if [[ "$stages" == *" decode "* ]]; then
+    # each tree's own bandwidth profile first (hybrid's q* and every floor read it)
+    run "bw $tree" "$dir" bench bw --pool-gb 3 --seconds 1
     run "decode $tree" "$dir" bench decode "${SHAPE[@]}" --prompt-tokens 32 \
       --decode-tokens 128 --repeats 2 --backends "${AB_BACKENDS:-fused,offload,hybrid}" \
       --graphs on --batch 1 "${route[@]}"
