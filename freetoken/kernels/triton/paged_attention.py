@@ -44,23 +44,14 @@ def default_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132) -> int
 
 
 @triton.jit
-def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, po_ptr, plse_ptr, out_ptr,
-    scale_log2,
-    s_qb, s_qh, s_ks, s_kh, s_vs, s_vh, s_ob, s_oh,
-    HQ: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, F32_DOT: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    b = tl.program_id(0)
-    kh = tl.program_id(1)
-    sp = tl.program_id(2)
-    start = tl.load(indptr_ptr + b).to(tl.int64)
-    length = tl.load(indptr_ptr + b + 1).to(tl.int64) - start
-    chunk = tl.cdiv(length, NUM_SPLITS)
-    lo = sp * chunk
-    hi = tl.minimum(lo + chunk, length)
-
+def split_attend(q_ptr, k_ptr, v_ptr, indices_ptr, b, kh, start, lo, hi, scale_log2,
+                 s_qb, s_qh, s_ks, s_kh, s_vs, s_vh,
+                 G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                 BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """One split's pass (the decode kernels' shared body, inlined): the G query heads of KV
+    head `kh` of row `b` over its keys lo..hi (CSR positions after `start`), a running max and
+    sum in fp32 in the log2 domain. Returns (o [BG, D] normalised, m [BG], den [BG], qh [BG]
+    query heads, g_ok [BG]); den == 0 where the split held no key."""
     g = tl.arange(0, BLOCK_G)  # [BG] query heads of this KV head (padded to a dot tile)
     d = tl.arange(0, D)  # [D]
     g_ok = g < G
@@ -91,12 +82,36 @@ def _decode_split_kernel(
         den = den * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
-    has = den > 0
-    o = acc / tl.where(has, den, 1.0)[:, None]  # [BG, D]
+    o = acc / tl.where(den > 0, den, 1.0)[:, None]  # [BG, D]
+    return o, m, den, qh, g_ok
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, po_ptr, plse_ptr, out_ptr,
+    scale_log2,
+    s_qb, s_qh, s_ks, s_kh, s_vs, s_vh, s_ob, s_oh,
+    HQ: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, F32_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kh = tl.program_id(1)
+    sp = tl.program_id(2)
+    start = tl.load(indptr_ptr + b).to(tl.int64)
+    length = tl.load(indptr_ptr + b + 1).to(tl.int64) - start
+    chunk = tl.cdiv(length, NUM_SPLITS)
+    lo = sp * chunk
+    hi = tl.minimum(lo + chunk, length)
+    o, m, den, qh, g_ok = split_attend(q_ptr, k_ptr, v_ptr, indices_ptr, b, kh, start, lo, hi,
+                                       scale_log2, s_qb, s_qh, s_ks, s_kh, s_vs, s_vh, G,
+                                       BLOCK_G, D, BLOCK_N, F32_DOT, PRECISION)
+    d = tl.arange(0, D)  # [D]
     if NUM_SPLITS == 1:
         tl.store(out_ptr + b * s_ob + qh[:, None] * s_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
     else:
+        has = den > 0
         row = (b * HQ + qh) * NUM_SPLITS + sp  # [BG] into [B, Hq, NS]
         tl.store(po_ptr + row[:, None] * D + d[None, :], o, mask=g_ok[:, None])
         tl.store(plse_ptr + row, tl.where(has, m + tl.log2(tl.where(has, den, 1.0)),

@@ -15,8 +15,9 @@ whole context (the radix cache keeps every layer's K/V); the window is cut in th
 sliding layer's decode cost does not grow with the context.
 
 Program (b, kv head, split) walks its share of the readable keys once for all G query heads of
-that KV head with a running max and sum in fp32 (log2 domain) and writes its partial output and
-log-sum-exp; the merge kernel adds the sink to the denominator while merging the NS partials:
+that KV head with a running max and sum in fp32 (log2 domain: `paged_attention.split_attend`,
+the pass both decode kernels share) and writes its partial output and log-sum-exp; the merge
+kernel adds the sink to the denominator while merging the NS partials:
 o = Σ_s exp2(lse_s - M) o_s / (Σ_s exp2(lse_s - M) + exp2(sink·log2e - M)). Empty splits write
 lse = -inf and weigh nothing. Launch grids depend on shapes only and nothing is read back to the
 host, so the function can be captured in a CUDA graph (a fixed `num_splits` keeps the graph
@@ -37,6 +38,7 @@ from freetoken.kernels.triton.paged_attention import (
     _dot_mode,
     _interpreting,
     default_num_splits,
+    split_attend,
 )
 
 
@@ -59,38 +61,11 @@ def _sink_split_kernel(
     lo = first + sp * chunk
     hi = tl.minimum(lo + chunk, length)
 
-    g = tl.arange(0, BLOCK_G)  # [BG] query heads of this KV head (padded to a dot tile)
+    o, m, den, qh, g_ok = split_attend(q_ptr, k_ptr, v_ptr, indices_ptr, b, kh, start, lo, hi,
+                                       scale_log2, s_qb, s_qh, s_ks, s_kh, s_vs, s_vh, G,
+                                       BLOCK_G, D, BLOCK_N, F32_DOT, PRECISION)
     d = tl.arange(0, D)  # [D]
-    g_ok = g < G
-    qh = kh * G + g  # [BG]
-    q = tl.load(q_ptr + b * s_qb + qh[:, None] * s_qh + d[None, :], mask=g_ok[:, None],
-                other=0.0)  # [BG, D]
-    if F32_DOT:
-        q = q.to(tl.float32)
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max (log2 domain)
-    den = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2
-    acc = tl.zeros([BLOCK_G, D], tl.float32)  # [BG, D]
-    for n0 in range(lo, hi, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)  # [BN]
-        n_ok = n < hi
-        slot = tl.load(indices_ptr + start + n, mask=n_ok, other=0).to(tl.int64)  # [BN]
-        k = tl.load(k_ptr + slot[:, None] * s_ks + kh * s_kh + d[None, :], mask=n_ok[:, None],
-                    other=0.0)  # [BN, D]
-        v = tl.load(v_ptr + slot[:, None] * s_vs + kh * s_vh + d[None, :], mask=n_ok[:, None],
-                    other=0.0)  # [BN, D]
-        if F32_DOT:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BG, BN]
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))  # finite: the tile holds at least one key
-        alpha = tl.exp2(m - m_new)  # [BG]
-        p = tl.exp2(s - m_new[:, None])  # [BG, BN]
-        den = den * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
     has = den > 0
-    o = acc / tl.where(has, den, 1.0)[:, None]  # [BG, D]
     row = (b * HQ + qh) * NUM_SPLITS + sp  # [BG] into [B, Hq, NS]
     tl.store(po_ptr + row[:, None] * D + d[None, :], o, mask=g_ok[:, None])
     tl.store(plse_ptr + row, tl.where(has, m + tl.log2(tl.where(has, den, 1.0)),
