@@ -71,24 +71,28 @@ class AutoGuard:
             raise ValueError("auto needs at least one candidate backend")
         self.rules = dict(candidates)
         self.order = list(self.rules)
-        self.choice = self.phase = self.order[0]
         self.window, self.discard = window, discard
+        self._width = 1
+        self.discarded = 0
+        self.decode_steps = 0  # decode steps marked while timing, untimed ones included
+        # called after each change of phase (the rule `num_fetch` follows changes with it):
+        # captured layers rewrite their device fetch tables
+        self.listeners: list[Callable[[], None]] = []
+        self.retimed = 0  # times the timing started over (`retime`)
+        self._start_timing()
+
+    def _start_timing(self) -> None:
+        """Every candidate untimed, the first one running (at start, and on `retime`)."""
+        self.choice = self.phase = self.order[0]
         self.steps, self.elapsed = 0, 0.0  # timed steps of the current phase and their seconds
         self._start: float | None = None  # start of the current decode step, if timed
-        self._width = 1
         self._seen: dict[int, int] = {}  # decode steps per width in this phase, untimed included
         # per candidate and width: [seconds, steps] of the timed steps
         self.by_width: dict[str, dict[int, list]] = {n: {} for n in self.order}
         self.times: dict[str, float] = {}  # per candidate timed: mean seconds per step
         self.compared: dict[str, float] = {}  # once settled: seconds per step as compared
         self.widths: list[int] = []  # once settled: the widths compared ([]: overall means)
-        self.discarded = 0
-        self.decode_steps = 0  # decode steps marked while timing, untimed ones included
         self.settled_after: int | None = None  # decode_steps when the guard settled
-        # called after each change of phase (the rule `num_fetch` follows changes with it):
-        # captured layers rewrite their device fetch tables
-        self.listeners: list[Callable[[], None]] = []
-        self.retimed = 0  # times the timing started over (`retime`)
         if len(self.order) == 1:  # nothing to compare
             self.phase, self.settled_after = "settled", 0
 
@@ -99,10 +103,7 @@ class AutoGuard:
         if len(self.order) == 1:
             return
         self.retimed += 1
-        self.phase, self.choice = self.order[0], self.order[0]
-        self.steps, self.elapsed, self._start, self._seen = 0, 0.0, None, {}
-        self.by_width = {n: {} for n in self.order}
-        self.times, self.compared, self.widths, self.settled_after = {}, {}, [], None
+        self._start_timing()
         log.info(kv("auto_retime", why=why, candidates=",".join(self.order),
                     times=self.retimed))
         self._changed()
