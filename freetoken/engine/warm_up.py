@@ -250,14 +250,8 @@ class Warmup:
             while core.has_work():
                 if self.should_yield():
                     raise _Yielded
-                if first_chunk:
-                    core.sched.chunk_tokens, first_chunk = first_chunk, 0
-                    try:
-                        core.step()
-                    finally:
-                        core.sched.chunk_tokens = budget
-                else:
-                    core.step()
+                core.sched.chunk_tokens, first_chunk = first_chunk or budget, 0
+                core.step()
         except _Yielded:
             core.sched.abort(rid)
             core.settle()
@@ -265,6 +259,8 @@ class Warmup:
         except BaseException:  # (a BridgeError: `step` dropped the bridge already)
             core.sched.abort(rid)
             raise
+        finally:
+            core.sched.chunk_tokens = budget
 
     def _check_bridge(self) -> None:
         runner = self.core.runner
