@@ -84,9 +84,11 @@ class ModelConfig:
     attention_sinks: bool = False
     sliding_window: int = 0
     sliding_layers: tuple[int, ...] = ()
-    expert_act: str = "silu"
+    expert_act: str = "silu"  # "silu", "swiglu_oai" (gpt_oss), "clamp" (deepseek_v4)
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # deepseek_v4 (freetoken/types/deepseek_v4_config.py): compressed attention, hyper-connections
+    dsv4: DSV4Spec | None = None
     # checkpoint facts
     weight_prefix: str = "model."
     dtype: str = "bfloat16"
@@ -112,6 +114,8 @@ class ModelConfig:
         with sparse attention the "V" of the entry is the indexer's key [index_head_dim]."""
         if self.is_mla:
             return 1, self.kv_lora_rank + self.qk_rope_head_dim, self.index_dim
+        if self.dsv4 is not None:
+            return 1, *self.dsv4.entry_dims(self.head_dim, self.index_head_dim)
         return self.num_kv_heads, self.head_dim, self.head_dim
 
     @property
@@ -168,6 +172,49 @@ class ModelConfig:
         set by the config parser from `quantization_config`), else the model dtype."""
         fmt = self.extra.get("expert_format")
         return fmt if isinstance(fmt, ExpertFormat) else self.torch_dtype
+
+
+@dataclass(frozen=True)
+class DSV4Spec:
+    """DeepSeek-V4's attention and residual facts (freetoken/layers/compressed_attention.py,
+    freetoken/layers/hyper_connection.py).
+
+    `kinds` per layer: "sliding" (the window only), "csa" (the window plus compressed sparse
+    attention: one entry per `csa_rate` tokens over overlapping windows of 2 x `csa_rate`, a
+    lightning indexer picking `index_topk` of them per query) or "hca" (the window plus one
+    entry per `hca_rate` tokens, every one read). The compressed branches rotate with their
+    own rope (`compress_theta`, `compress_scaling`: YaRN pairs as `rope_scaling`).
+    The residual is `hc_mult` streams mixed by hyper-connections (Sinkhorn, `hc_iters`).
+    The first layers route by a fixed token -> experts table (`hash_layers`).
+    """
+
+    kinds: tuple[str, ...]
+    csa_rate: int = 4
+    hca_rate: int = 128
+    compress_theta: float = 160000.0
+    compress_scaling: tuple[tuple[str, Any], ...] = ()
+    hc_mult: int = 4
+    hc_iters: int = 20
+    hc_eps: float = 1e-6
+    hash_layers: tuple[int, ...] = ()
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+
+    @property
+    def has_csa(self) -> bool:
+        return "csa" in self.kinds
+
+    def entry_dims(self, d: int, di: int) -> tuple[int, int]:
+        """(K, V) widths of one token's pool entry, the same on every layer (the widest kind):
+        K = [window kv D | compressed entry D | indexer entry Di], V = the compressors' raw
+        per-token inputs [kv 2D | gate 2D | indexer kv 2Di | indexer gate 2Di] (CSA) or
+        [kv D | gate D] (HCA only). A compressed entry sits at the slot of its window's last
+        token; the raw inputs let a later chunk close a window a cached prefix left open."""
+        if self.has_csa:
+            return 2 * d + di, 4 * d + 4 * di
+        if "hca" in self.kinds:
+            return 2 * d, 2 * d
+        return d, 0
 
 
 def _get(d: dict, *names: str, default: Any = None) -> Any:

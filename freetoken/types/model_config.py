@@ -26,7 +26,7 @@ __all__ = ["ConfigError", "ExpertFormat", "ModelConfig", "config_from_dict", "ex
            "load_config"]
 
 FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3", "kimi_linear",
-            "glm_moe_dsa", "gpt_oss")
+            "glm_moe_dsa", "gpt_oss", "deepseek_v4")
 _TEXT_TYPES = {"qwen3_5_moe_text": "qwen3_5_moe"}
 
 
@@ -76,6 +76,10 @@ def config_from_dict(raw: dict) -> ModelConfig:
         from freetoken.types.kimi_config import kimi_config
 
         return kimi_config(raw, prefix)
+    if model_type == "deepseek_v4":
+        from freetoken.types.deepseek_v4_config import deepseek_v4_config
+
+        return deepseek_v4_config(raw, prefix)
     if model_type == "glm_moe_dsa":
         from freetoken.types.glm_config import glm_config
 
