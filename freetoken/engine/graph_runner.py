@@ -89,7 +89,7 @@ class DecodeRunner(DecodeStaging, GraphCapture, ReplayFaults, PlanSwitch):
         # their own Triton plans (no GQA kernel fits)
         self._build: PlanBuild | None = None  # flashinfer building off the request path
         self.attention_switches = 0
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or cfg.dsv4 is not None:  # (deepseek_v4: torch only)
             self.attention = "torch"
         elif cfg.attention_sinks:
             self.attention = choose_sink_backend()

@@ -18,6 +18,10 @@ def model_class(cfg: ModelConfig) -> type[QwenMoE]:
         from freetoken.models.glm import GlmMoeDsa
 
         return GlmMoeDsa
+    if cfg.model_type == "deepseek_v4":
+        from freetoken.models.deepseek_v4 import DeepseekV4
+
+        return DeepseekV4
     if cfg.model_type == "kimi_linear":
         from freetoken.models.kimi import KimiLinear
 
