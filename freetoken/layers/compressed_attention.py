@@ -100,24 +100,25 @@ class Compressor(KeepFp32):
         """x [n, H] -> the raw per-token inputs [n, 2·out]: [kv | gate] (what the pool keeps)."""
         return torch.cat([self.kv_proj(x), self.gate_proj(x)], dim=-1)
 
-    def entries(self, raw: Tensor, first: int, count: int, cos: Tensor, sin: Tensor) -> Tensor:
-        """Entries first .. first+count-1 from `raw` [L, 2·out] (one sequence's raw inputs by
-        position, covering every token of those windows) -> [count, width], rotated by cos, sin
-        [count, P] (the compress rope at positions w·m)."""
+    def entries(self, raw: Tensor, base: int, first: int, count: int, cos: Tensor,
+                sin: Tensor) -> Tensor:
+        """Entries first .. first+count-1 from `raw` [n, 2·out], the raw inputs of positions
+        base .. base+n-1 (every token of those windows, and for CSA of the window before the
+        first when it exists) -> [count, width], rotated by cos, sin [count, P] (the compress
+        rope at positions w·m)."""
         m, d, o = self.rate, self.width, self.raw
-        lo = first * m
+        lo = first * m - base
         kv = raw[lo:lo + count * m, :o].reshape(count, m, o)  # [c, m, out]
         gate = raw[lo:lo + count * m, o:].reshape(count, m, o).float() + self.position_bias
         if self.overlap:  # window w: the previous window's Ca (first half) beside its own Cb
-            prev_kv = torch.zeros(count, m, d, dtype=kv.dtype, device=kv.device)
-            prev_g = torch.full((count, m, d), float("-inf"), device=kv.device)
-            if lo >= m:
+            if first > 0:
                 pk = raw[lo - m:lo - m + count * m, :o].reshape(count, m, o)
                 pg = raw[lo - m:lo - m + count * m, o:].reshape(count, m, o).float()
                 prev_kv, prev_g = pk[..., :d], pg[..., :d] + self.position_bias[:, :d]
-            elif count > 1:
-                prev_kv = torch.cat([prev_kv[:1], kv[:-1, :, :d]])
-                prev_g = torch.cat([prev_g[:1], gate[:-1, :, :d]])
+            else:  # window 0 has none: zero values at -inf (softmax weight 0)
+                prev_kv = torch.cat([torch.zeros_like(kv[:1, :, :d]), kv[:-1, :, :d]])
+                prev_g = torch.cat([torch.full_like(gate[:1, :, :d], float("-inf")),
+                                    gate[:-1, :, :d]])
             kv = torch.cat([prev_kv, kv[..., d:]], dim=1)  # [c, 2m, d]
             gate = torch.cat([prev_g, gate[..., d:]], dim=1)
         pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)  # [c, d]
@@ -270,52 +271,55 @@ class CompressedAttention(KeepFp32):
         if last < first:
             return
         count = last - first + 1
-        lo = max(0, (first - 1) * m) if c.overlap else first * m
+        base = max(0, (first - 1) * m) if c.overlap else first * m
         rc, ic = self._raw_cols()
-        raw_seq = torch.zeros(L, vp.shape[1], dtype=vp.dtype, device=vp.device)
-        raw_seq[lo:(last + 1) * m] = vp[slots[lo:(last + 1) * m]]
+        raw = vp[slots[base:(last + 1) * m]]  # [n', Vw] the windows' raw inputs
         pos = torch.arange(first, last + 1, device=kp.device) * m
         cos, sin = ropes.at("compress", pos)
-        ent = c.entries(raw_seq[:, rc], first, count, cos, sin)  # [count, D]
+        ent = c.entries(raw[:, rc], base, first, count, cos, sin)  # [count, D]
         at = slots[(torch.arange(first, last + 1, device=slots.device) + 1) * m - 1]
         kp[at, self.d:2 * self.d] = ent.to(kp.dtype)
         if self.kind == "csa":
-            ix = c.indexer.entries(raw_seq[:, ic], first, count, cos, sin)  # [count, Di]
+            ix = c.indexer.entries(raw[:, ic], base, first, count, cos, sin)  # [count, Di]
             kp[at, 2 * self.d:2 * self.d + ix.shape[1]] = ix.to(kp.dtype)
 
     def _attend(self, q: Tensor, x: Tensor, q_resid: Tensor, slots: Tensor, p: int, kp: Tensor,
                 pos: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """n queries (positions p .. p+n-1) of one sequence -> [n, Hq, D]."""
+        """n queries (positions p .. p+n-1) of one sequence -> [n, Hq, D], in blocks of queries
+        that each read only their window's keys (so a long chunk costs n·(W + C), not n²)."""
         n, L, W, D = q.shape[0], slots.numel(), self.window, self.d
-        w0 = max(0, p - W + 1)
-        win = kp[slots[w0:], :D].float()  # [Lw, D] positions w0 .. L-1
-        pos_w = torch.arange(w0, L, device=q.device)
-        keys, comp_ok = win, None
+        ent = ikeys = None
+        C = 0
         if self.compressor is not None:
-            m = self.rate
-            C = L // m
-            ent_slots = slots[m - 1:C * m:m]  # entry w at the slot of token (w+1)m-1
+            C = L // self.rate
+            ent_slots = slots[self.rate - 1:C * self.rate:self.rate]  # entry w: token (w+1)m-1
             ent = kp[ent_slots, D:2 * D].float()  # [C, D]
-            visible = torch.div(pos + 1, m, rounding_mode="floor")  # [n]
-            comp_ok = torch.arange(C, device=q.device)[None, :] < visible[:, None]  # [n, C]
-            if self.kind == "csa" and C:
-                ix = self.compressor.indexer
-                ikeys = kp[ent_slots, 2 * D:2 * D + ix.di]  # [C, Di]
-                comp_ok = ix.pick(x, q_resid, ikeys, visible, cos, sin)
-            keys = torch.cat([win, ent])
+            if self.kind == "csa":
+                ikeys = kp[ent_slots, 2 * D:2 * D + self.compressor.indexer.di]  # [C, Di]
+        heads = max(self.hq, self.compressor.indexer.hi if ikeys is not None else 0)
+        rows = 1
+        while rows < n and heads * 2 * rows * (W + 2 * rows + C) <= _SCORE_ELEMS:
+            rows *= 2
         sink = self.sinks.float()[:, None, None]  # [Hq, 1, 1]
         out = torch.empty_like(q)
-        rows = max(1, _SCORE_ELEMS // max(1, self.hq * keys.shape[0]))
         for i0 in range(0, n, rows):
             i1 = min(n, i0 + rows)
-            qh = q[i0:i1].float().transpose(0, 1)  # [Hq, r, D]
-            s = torch.matmul(qh, keys.t()) * self.scale  # [Hq, r, keys]
+            w0 = max(0, p + i0 - W + 1)  # the block's first readable window key
+            keys = kp[slots[w0:p + i1], :D].float()  # [Lw, D] positions w0 .. p+i1-1
+            pos_w = torch.arange(w0, p + i1, device=q.device)
             pq = pos[i0:i1, None]
             ok = (pos_w[None, :] <= pq) & (pq - pos_w[None, :] < W)  # [r, Lw]
-            if comp_ok is not None:
-                ok = torch.cat([ok, comp_ok[i0:i1]], dim=1)
-            s = s.masked_fill(~ok, float("-inf"))
-            logits = torch.cat([s, sink.expand(-1, i1 - i0, 1)], dim=-1)
+            if ent is not None:
+                visible = torch.div(pos[i0:i1] + 1, self.rate, rounding_mode="floor")  # [r]
+                if ikeys is not None and C:
+                    pick = self.compressor.indexer.pick(x[i0:i1], q_resid[i0:i1], ikeys,
+                                                        visible, cos[i0:i1], sin[i0:i1])
+                else:
+                    pick = torch.arange(C, device=q.device)[None, :] < visible[:, None]
+                keys, ok = torch.cat([keys, ent]), torch.cat([ok, pick], dim=1)
+            qh = q[i0:i1].float().transpose(0, 1)  # [Hq, r, D]
+            sc = (torch.matmul(qh, keys.t()) * self.scale).masked_fill(~ok, float("-inf"))
+            logits = torch.cat([sc, sink.expand(-1, i1 - i0, 1)], dim=-1)
             pr = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
             out[i0:i1] = torch.matmul(pr, keys).transpose(0, 1).to(q.dtype)
         return out

@@ -113,3 +113,15 @@ def test_pool_entry_and_config() -> None:
     assert cfg.dsv4 is not None and cfg.dsv4.kinds == ("hca", "csa", "sliding", "csa")
     assert cfg.dsv4.hash_layers == (0,)
     assert cfg.kv_entry == (1, 2 * 32 + 16, 4 * 32 + 4 * 16)
+
+
+@pytest.mark.parametrize("elems", [1, 40_000])
+def test_query_blocks_match_one_block(pair, monkeypatch, elems: int) -> None:
+    """A long chunk runs in blocks of queries, each over its own window keys: blocks of 1 and
+    of a few rows give transformers' logits too."""
+    import freetoken.layers.compressed_attention as ca
+
+    ref, ours = pair
+    ids = _ids(70, seed=6)
+    monkeypatch.setattr(ca, "_SCORE_ELEMS", elems)
+    assert rel(run(ours, pool(ours, 128), ids, 0, torch.arange(70)), _want(ref, ids)) <= REL
