@@ -21,7 +21,7 @@ def pair():
 
 def _ids(n: int, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n,), generator=g).tolist()
+    return torch.randint(1, 256, (n,), generator=g).tolist()  # (0: the pad id hf_greedy uses)
 
 
 def _want(ref, ids: list[int]) -> torch.Tensor:
@@ -125,3 +125,39 @@ def test_query_blocks_match_one_block(pair, monkeypatch, elems: int) -> None:
     ids = _ids(70, seed=6)
     monkeypatch.setattr(ca, "_SCORE_ELEMS", elems)
     assert rel(run(ours, pool(ours, 128), ids, 0, torch.arange(70)), _want(ref, ids)) <= REL
+
+
+def test_greedy_and_engine_with_prefix_reuse(pair) -> None:
+    """transformers' greedy tokens from the plain generation path, and from the batched engine:
+    chunked prefill (chunks of 32, not window multiples) beside other requests' decode rows,
+    then a second turn whose cached prefix ends inside a compression window."""
+    from freetoken.engine.core import EngineCore
+    from freetoken.engine.generate import generate
+    from freetoken.types.api import GenerateRequest, SamplingParams
+    from tests.models.family_helpers import hf_greedy
+
+    ref, ours = pair
+    ids = _ids(37, seed=7)
+    got = generate(ours, ids, SamplingParams(max_tokens=12, temperature=0.0), eos_ids=[])
+    assert got.token_ids == hf_greedy(ref, ids, 12)
+    base = _ids(45, seed=8)
+    prompts = [base + _ids(11 + 5 * i, seed=9 + i) for i in range(3)]
+    core = EngineCore(ours, [], kv_tokens=1024, state_slots=8, max_running=2, chunk_tokens=32)
+
+    def go(reqs: list[GenerateRequest]) -> dict[str, list[int]]:
+        out: dict[str, list] = {r.request_id: [] for r in reqs}
+        for r in reqs:
+            core.add(r, out[r.request_id].append)
+        while core.has_work():
+            core.step()
+        return {k: [t for e in v for t in e.token_ids] for k, v in out.items()}
+
+    def req(rid: str, p: list[int], n: int) -> GenerateRequest:
+        return GenerateRequest(p, SamplingParams(max_tokens=n, temperature=0.0,
+                                                 ignore_eos=True), request_id=rid)
+
+    out = go([req(f"r{i}", p, 6) for i, p in enumerate(prompts)])
+    want = [hf_greedy(ref, p, 6) for p in prompts]
+    assert [out[f"r{i}"] for i in range(3)] == want
+    turn2 = prompts[0] + want[0] + _ids(9, seed=99)
+    assert go([req("t2", turn2, 5)])["t2"] == hf_greedy(ref, turn2, 5)
