@@ -161,3 +161,46 @@ def test_greedy_and_engine_with_prefix_reuse(pair) -> None:
     assert [out[f"r{i}"] for i in range(3)] == want
     turn2 = prompts[0] + want[0] + _ids(9, seed=99)
     assert go([req("t2", turn2, 5)])["t2"] == hf_greedy(ref, turn2, 5)
+
+
+@pytest.fixture(scope="module")
+def v4_dir(pair, tmp_path_factory):
+    """transformers' model saved as a checkpoint (what `from_pretrained` reads)."""
+    d = tmp_path_factory.mktemp("v4")
+    pair[0].save_pretrained(d)
+    return d
+
+
+def _steps(model, ids: list[int]) -> torch.Tensor:
+    c = pool(model, 128)
+    out = [run(model, c, ids[:30], 0, torch.arange(30))]
+    out += [run(model, c, [ids[t]], t, torch.arange(t + 1)) for t in range(30, len(ids))]
+    return torch.cat(out)
+
+
+def test_checkpoint_loads_and_matches(pair, v4_dir) -> None:
+    from freetoken.models.loader import load_model
+
+    ref, _ = pair
+    ours = load_model(v4_dir, dtype=torch.float32, progress=False)
+    ids = _ids(50, seed=10)
+    assert rel(_steps(ours, ids), _want(ref, ids)) <= REL
+
+
+@pytest.mark.parametrize("backend,slots", [("offload", 3), ("offload", 12), ("cpu", 5),
+                                           ("hybrid", 2), ("hybrid", 9), ("auto", 10)])
+def test_backend_bit_identical_to_fused(v4_dir, backend: str, slots: int) -> None:
+    """Every expert backend against `fused` (hash and top-k layers, the clamp act)."""
+    from freetoken.cli.build import load_with_experts
+    from freetoken.models.loader import load_model
+    from freetoken.types.config import MoEConfig
+
+    ids = _ids(44, seed=11)
+    want = _steps(load_model(v4_dir, dtype=torch.float32, progress=False), ids)
+    m, rt = load_with_experts(v4_dir, MoEConfig(backend=backend, cache_size=slots),
+                              dtype=torch.float32, progress=False)
+    assert torch.equal(_steps(m, ids), want)
+    st = rt.counters.as_dict()
+    assert st["misses"] > 0
+    if backend in ("cpu", "hybrid"):
+        assert st["cpu_experts"] > 0
