@@ -180,9 +180,10 @@ def install_trace(model: QwenMoE, router: TraceRouter, max_rows: int = 1) -> Non
     for i, b in enumerate(blocks):
         orig = b.gate.forward
 
-        def fwd(x: torch.Tensor, row_mask: torch.Tensor | None = None, _i: int = i,
+        def fwd(x: torch.Tensor, *extra, row_mask: torch.Tensor | None = None, _i: int = i,
                 _orig=orig) -> tuple[torch.Tensor, torch.Tensor]:
-            w, ids = _orig(x, row_mask=row_mask)
+            # `extra`: a router's other inputs (deepseek_v4's token ids for its hash layers)
+            w, ids = _orig(x, *extra, row_mask=row_mask)
             if row_mask is not None or x.shape[0] <= max_rows:
                 ids = router.ids(_i, x.shape[0], row_mask)  # [T, K]
                 if _i == len(blocks) - 1:
