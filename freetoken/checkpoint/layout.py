@@ -88,6 +88,11 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, Shape]:
         from freetoken.checkpoint.gpt_oss import expected_tensors_gpt_oss
 
         return expected_tensors_gpt_oss(cfg)
+    if cfg.dsv4 is not None:  # transformers' names; the disk namings map to them
+        from freetoken.checkpoint.layout_dsv4 import expected_tensors_dsv4
+
+        return expected_tensors_dsv4(cfg)
+
     def attention(i: int, lp: str) -> dict[str, Shape]:
         if cfg.layer_types[i] == "linear_attention":
             return _linear_attention(cfg, f"{lp}linear_attn.")
@@ -99,12 +104,37 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, Shape]:
 def fp32_tensors(cfg: ModelConfig) -> set[str]:
     """Disk names loaded in float32 whatever the model dtype: DeepSeek-V3's router weight and
     correction bias (transformers' `_keep_in_fp32_modules_strict`; a bias rounded to bf16 picks
-    other experts)."""
+    other experts); DeepSeek-V4's hyper-connections, sinks, position biases, correction biases
+    and norms (layout_dsv4.py)."""
+    if cfg.dsv4 is not None:
+        from freetoken.checkpoint.layout_dsv4 import fp32_tensors_dsv4
+
+        return fp32_tensors_dsv4(cfg)
     if not cfg.is_mla:
         return set()
     from freetoken.checkpoint.layout_mla import router_tensors
 
     return router_tensors(cfg)
+
+
+def int_tensors(cfg: ModelConfig) -> set[str]:
+    """Disk names of integer tensors, loaded as stored whatever the model dtype (DeepSeek-V4's
+    hash-routing `tid2eid`, int64)."""
+    if cfg.dsv4 is None:
+        return set()
+    from freetoken.checkpoint.layout_dsv4 import int_tensors_dsv4
+
+    return int_tensors_dsv4(cfg)
+
+
+def disk_aliases(cfg: ModelConfig, names: list[str]) -> dict[str, str]:
+    """{name on disk: the name `expected_tensors` uses} for the names a family stores under
+    other spellings (DeepSeek-V4's released / `save_pretrained` namings); {} for the rest."""
+    if cfg.dsv4 is None:
+        return {}
+    from freetoken.checkpoint.layout_dsv4 import canonical_name
+
+    return {n: c for n in names if (c := canonical_name(n)) != n}
 
 
 def expert_bank_names(cfg: ModelConfig, layer: int, prefix: str | None = None) -> tuple[str, str]:

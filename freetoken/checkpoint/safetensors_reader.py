@@ -6,7 +6,9 @@ Contract of `load_checkpoint`:
   shape, else `CheckpointError` naming the tensor, the expected and found shape and the file.
   A layer's routed experts may be stored per expert (HF layout) or already fused as
   `mlp.experts.gate_up_proj` [E, 2I, H] / `mlp.experts.down_proj` [E, H, I]. Tensors the model
-  does not use (`model.visual.*`, `mtp.*`, ...) are skipped with one log line.
+  does not use (`model.visual.*`, `mtp.*`, ...) are skipped with one log line. DeepSeek-V4's
+  other namings (DeepSeek's released ones, `save_pretrained`'s) are read as transformers'
+  names (`layout.disk_aliases`); its `tid2eid` tables come back int64.
 * Returned names: the prefix normalised to `model.`, `lm_head.weight` top-level, experts as one
   bank per layer `model.layers.{i}.mlp.experts.gate_up_proj` [E, 2I, H] (rows 0..I-1 gate,
   I..2I-1 up) and `...down_proj` [E, H, I]; qwen3_next linear attention converted to the qwen3_5
@@ -33,10 +35,12 @@ from tqdm import tqdm
 from freetoken.checkpoint import fp8
 from freetoken.checkpoint.layout import (
     Shape,
+    disk_aliases,
     expected_tensors,
     expert_bank_names,
     fp32_tensors,
     fused_expert_tensors,
+    int_tensors,
     runtime_name,
 )
 from freetoken.checkpoint.split_fused import split_ba, split_qkvz
@@ -56,6 +60,7 @@ class CheckpointError(ValueError):
 class TensorInfo(NamedTuple):
     file: Path
     shape: Shape
+    key: str = ""  # the name in the file, when it is stored under another spelling
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -77,17 +82,23 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {d}")
 
 
-def scan_headers(files: list[Path]) -> dict[str, TensorInfo]:
-    """Name → (file, shape) from the safetensors headers only (no tensor data is read)."""
+def scan_headers(files: list[Path], cfg: ModelConfig | None = None) -> dict[str, TensorInfo]:
+    """Name → (file, shape) from the safetensors headers only (no tensor data is read). With
+    `cfg`, names a family spells otherwise on disk come back as `expected_tensors` names
+    (`layout.disk_aliases`: DeepSeek-V4), their stored name in `key`."""
     found: dict[str, TensorInfo] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as h:
-            for name in h.keys():  # noqa: SIM118 (safe_open is not iterable)
+            keys = list(h.keys())
+            alias = disk_aliases(cfg, keys) if cfg is not None else {}
+            for key in keys:
+                name = alias.get(key, key)
                 if name in found:
                     raise CheckpointError(
                         f"tensor {name} is stored twice: {found[name].file.name} and {f.name}"
-                    )
-                found[name] = TensorInfo(f, tuple(h.get_slice(name).get_shape()))
+                        + (f" (as {key})" if key != name else ""))
+                found[name] = TensorInfo(f, tuple(h.get_slice(key).get_shape()),
+                                         key if key != name else "")
     return found
 
 
@@ -158,7 +169,8 @@ class _Reader:
         self.done: set[str] = set()
 
     def raw(self, name: str) -> Tensor:
-        t = self.handles[self.found[name].file].get_tensor(name)
+        info = self.found[name]
+        t = self.handles[info.file].get_tensor(info.key or name)
         self.done.add(name)
         self.bar.update(1)
         return t
@@ -215,13 +227,14 @@ def load_checkpoint(
 
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
-    found = scan_headers(files)
+    found = scan_headers(files, cfg)
     expected = validate(cfg, found, model_dir)
     dev = torch.device(device)
     if cfg.model_type == "gpt_oss":
         return _load_gpt_oss(cfg, found, dtype, dev, progress)
     t0 = time.perf_counter()
     fp32 = fp32_tensors(cfg)  # kept in float32 whatever `dtype` is (deepseek's router)
+    ints = int_tensors(cfg)  # int64 as stored (deepseek_v4's tid2eid)
     fmt = cfg.expert_format
     block = fmt.block if isinstance(fmt, ExpertFormat) and fmt.name == "fp8" else 0
     try:
@@ -230,7 +243,7 @@ def load_checkpoint(
         raise CheckpointError(str(e)) from None
     # the float32 and FP8 ones take the converting path below, never an in-place read
     plan = InPlace(cfg, {n: found[n].file for n in expected if n not in fp32 and n not in q8},
-                   dict(expected), dtype)
+                   dict(expected), dtype, {i.key: n for n, i in found.items() if i.key})
     nbytes = sum(r.dest.numel() for r in plan.reads)
     with tqdm(total=nbytes, desc="reading weights", unit="B", unit_scale=True,
               disable=not progress or not nbytes, leave=False) as bar:
@@ -266,8 +279,8 @@ def load_checkpoint(
                 _load_fused_linear_attn(cfg, f"{cfg.weight_prefix}layers.{i}.linear_attn.", rd, out)
         for name in expected:
             if name not in rd.done:  # everything not converted above is renamed as is
-                out[runtime_name(cfg, name)] = rd.get(name, torch.float32 if name in fp32
-                                                      else None)
+                keep = torch.float32 if name in fp32 else torch.int64 if name in ints else None
+                out[runtime_name(cfg, name)] = rd.get(name, keep)
     t1 = time.perf_counter()
     if pin and dev.type == "cpu":
         plan.pin()

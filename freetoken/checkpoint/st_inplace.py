@@ -40,11 +40,15 @@ class InPlace:
     """The tensors of one checkpoint that can be read in place, and the arenas they go to."""
 
     def __init__(self, cfg: ModelConfig, files: dict[str, Path], shapes: dict[str, tuple],
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, aliases: dict[str, str] | None = None) -> None:
+        """`files`: name → file of the tensors to consider; `aliases`: {name in the file:
+        that name} for tensors stored under another spelling (scan_headers' `key`)."""
         ranges: dict[str, tuple[Path, int, int]] = {}
         ok: set[str] = set()
+        aliases = aliases or {}
         for f in set(files.values()):
-            for name, (dt, b, e) in data_ranges(f).items():
+            for key, (dt, b, e) in data_ranges(f).items():
+                name = aliases.get(key, key)
                 if name in files:
                     ranges[name] = (f, b, e)
                     if dt == dtype:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from freetoken.checkpoint.ftw_write import ftw_order
 from freetoken.checkpoint.host_buffer import HostArena, TensorSpec
-from freetoken.checkpoint.layout import expected_runtime
+from freetoken.checkpoint.layout import expected_runtime, int_tensors
 from freetoken.log import get_logger, kv
 from freetoken.types.model_config import ModelConfig
 
@@ -65,10 +65,32 @@ def mx_value(name: str, shape: tuple[int, ...], k: int) -> Tensor:
                          generator=g)
 
 
+def hash_table(shape: tuple[int, ...], experts: int, k: int) -> Tensor:
+    """A random DeepSeek-V4 `tid2eid` [vocab, top_k]: a token's top_k experts distinct, int64."""
+    g = torch.Generator().manual_seed(k)
+    first = torch.randint(0, experts, (shape[0], 1), generator=g)
+    return (first + torch.arange(shape[1])) % experts
+
+
+def dsv4_constant(name: str) -> float | None:
+    """DeepSeek-V4's hyper-connection biases / scales, sinks and compressor position biases
+    as transformers initialises them (None: not one of them)."""
+    if name.endswith(("_hc.base", "hc_head.hc_base", "position_bias", "self_attn.sinks")):
+        return 0.0
+    if name.endswith(("_hc.scale", "hc_head.hc_scale")):
+        return 1.0
+    return None
+
+
 def random_value(name: str, shape: tuple[int, ...], cfg: ModelConfig, block: RandomBlock, k: int,
            dtype: torch.dtype) -> Tensor:
     if is_mx_name(name):
         return mx_value(name, shape, k)
+    if name.endswith("tid2eid"):  # int64 whatever `dtype`
+        return hash_table(shape, cfg.num_experts, k)
+    fill = dsv4_constant(name)
+    if fill is not None:
+        return torch.full(shape, fill, dtype=dtype)
     if name.endswith("A_log"):
         return torch.empty(shape).uniform_(1, 16).log_().to(dtype)
     if name.endswith("dt_bias") or (name.endswith("norm.weight") and "linear_attn" in name):
@@ -99,8 +121,9 @@ def random_runtime_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch
     groups: dict[str, list[str]] = {"experts": [], "rest": []}
     for n in names:
         groups["experts" if ".mlp.experts." in n else "rest"].append(n)
-    arenas = {k: HostArena([TensorSpec(n, tuple(shapes[n]), dtype) for n in v], k)
-              for k, v in groups.items()}
+    ints = int_tensors(cfg)  # deepseek_v4's tid2eid: int64, as FTW stores it
+    arenas = {k: HostArena([TensorSpec(n, tuple(shapes[n]), torch.int64 if n in ints else dtype)
+                            for n in v], k) for k, v in groups.items()}
     where = {n: a for a in arenas.values() for n in a.tensors}
     total = sum(a.nbytes for a in arenas.values())
     with tqdm(total=total, desc="random weights", unit="B", unit_scale=True,

@@ -128,6 +128,44 @@ SHAPES["tiny-gpt-oss"] = dict(_GPT_OSS, vocab_size=151680, hidden_size=64,
                               num_key_value_heads=2, sliding_window=8, num_hidden_layers=4,
                               num_local_experts=8, num_experts_per_tok=2)
 
+# DeepSeek-V4-Flash (`deepseek_v4`): transformers 5.25's DeepseekV4Config defaults, which are
+# V4-Flash's (its docstring names deepseek-ai/DeepSeek-V4-Flash-Base): 43 layers of shared-KV
+# attention (64 heads of 512, one K=V head) with a 128-token window, compressed sparse (CSA,
+# 1 entry per 4 tokens, indexer top 512) or heavily compressed (HCA, 1 per 128) attention,
+# 4 hyper-connection streams; 256 experts top-6 of 3x4096x2048 and one shared expert, the
+# first 3 layers hash-routed. layer_types: transformers' default (2 HCA, then CSA / HCA
+# alternating; neither transformers nor MODEL_FACTS gives V4-Flash's own schedule). The
+# compress rope is plain (no YaRN: the default). 284.3B parameters without the MTP layer (the
+# published 284B), 277.0B of them routed experts (12.9 GB a layer in bf16); 13.8B active a
+# token, embeddings and head included (the published 13B).
+SHAPES["deepseek-v4-flash"] = {
+    "model_type": "deepseek_v4", "vocab_size": 129280, "hidden_size": 4096,
+    "num_hidden_layers": 43, "num_attention_heads": 64, "num_key_value_heads": 1,
+    "head_dim": 512, "q_lora_rank": 1024, "moe_intermediate_size": 2048,
+    "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 6,
+    "scoring_func": "sqrtsoftplus", "norm_topk_prob": True, "routed_scaling_factor": 1.5,
+    "partial_rotary_factor": 0.125, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    "num_hash_layers": 3, "sliding_window": 128, "o_groups": 8, "o_lora_rank": 1024,
+    "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "hc_mult": 4,
+    "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "swiglu_limit": 10.0,
+    "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "bos_token_id": 0,
+    "eos_token_id": 1, "tie_word_embeddings": False, "dtype": "bfloat16",
+}
+# V4's layout at a CPU test's size, over the Qwen3 vocab (and ids) the writer ships: a sliding,
+# a CSA, an HCA and a CSA layer, the first two hash-routed; rates 4 / 8 so a short prompt closes
+# windows, index_topk 4 below a 32-token prompt's 8 CSA entries; 8 experts top-2
+SHAPES["tiny-deepseek-v4"] = dict(
+    SHAPES["deepseek-v4-flash"], vocab_size=151680, hidden_size=64, num_hidden_layers=4,
+    num_attention_heads=4, head_dim=32, q_lora_rank=32, moe_intermediate_size=32,
+    n_routed_experts=8, num_experts_per_tok=2, partial_rotary_factor=0.25,
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    layer_types=["sliding_attention", "compressed_sparse_attention",
+                 "heavily_compressed_attention", "compressed_sparse_attention"],
+    num_hash_layers=2, sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=2,
+    index_head_dim=16, index_topk=4, max_position_embeddings=4096,
+    bos_token_id=151643, eos_token_id=151645)  # Qwen3's <|endoftext|>, <|im_end|>
+
 
 def preset_config(name: str, layers: int | None = None) -> ModelConfig:
     if name not in SHAPES:
