@@ -24,7 +24,7 @@ from freetoken.experts.fused import FusedExperts
 from freetoken.kernels.cpu.linear_ops import small_linear
 from freetoken.kernels.expert_act import ExpertAct
 from freetoken.layers import fast_ops
-from freetoken.layers.compressed_attention import CompressedAttention, V4Ropes, V4RMSNorm
+from freetoken.layers.compressed_attention import CompressedAttention, V4RMSNorm, V4Ropes
 from freetoken.layers.fp32 import KeepFp32
 from freetoken.layers.hyper_connection import HyperConnection, HyperHead
 from freetoken.layers.linear import Linear

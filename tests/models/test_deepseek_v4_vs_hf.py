@@ -59,7 +59,8 @@ def test_two_sequences_in_one_batch(pair) -> None:
     run(ours, c, x[:39], 0, sx[:39])
     run(ours, c, y[:10], 0, sy[:10])
     batch = ForwardBatch(
-        input_ids=torch.tensor([x[39]] + y[10:]), positions=torch.tensor([39] + list(range(10, 25))),
+        input_ids=torch.tensor([x[39]] + y[10:]),
+        positions=torch.tensor([39] + list(range(10, 25))),
         new_lens=[1, 15], prefix_lens=[39, 10], kv_slots=[sx, sy], state_slots=[],
         logits_rows=torch.arange(16))
     out = ours(batch, c)

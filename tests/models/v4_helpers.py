@@ -17,18 +17,18 @@ from freetoken.models.deepseek_v4 import DeepseekV4
 from freetoken.types.forward_batch import ForwardBatch
 from freetoken.types.model_config import config_from_dict
 
-V4_CONFIG: dict[str, Any] = dict(
-    vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
-    num_attention_heads=4, head_dim=32, q_lora_rank=16, partial_rotary_factor=0.25,
-    num_experts_per_tok=2, n_routed_experts=8,
-    layer_types=["heavily_compressed_attention", "compressed_sparse_attention",
+V4_CONFIG: dict[str, Any] = {
+    "vocab_size": 256, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "head_dim": 32, "q_lora_rank": 16, "partial_rotary_factor": 0.25,
+    "num_experts_per_tok": 2, "n_routed_experts": 8,
+    "layer_types": ["heavily_compressed_attention", "compressed_sparse_attention",
                  "sliding_attention", "compressed_sparse_attention"],
-    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
-    mlp_layer_types=["hash_moe", "moe", "moe", "moe"], sliding_window=8, o_groups=2,
-    o_lora_rank=8, index_n_heads=8, index_head_dim=16, index_topk=3, swiglu_limit=1.5,
-    hc_sinkhorn_iters=5, max_position_embeddings=256,
-    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                     "beta_fast": 32, "beta_slow": 1})
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"], "sliding_window": 8, "o_groups": 2,
+    "o_lora_rank": 8, "index_n_heads": 8, "index_head_dim": 16, "index_topk": 3, "swiglu_limit": 1.5,
+    "hc_sinkhorn_iters": 5, "max_position_embeddings": 256,
+    "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                     "beta_fast": 32, "beta_slow": 1}}
 
 
 def tiny_v4(seed: int = 1, **overrides: Any) -> tuple[torch.nn.Module, DeepseekV4]:
