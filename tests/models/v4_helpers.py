@@ -25,7 +25,8 @@ V4_CONFIG: dict[str, Any] = {
                  "sliding_attention", "compressed_sparse_attention"],
     "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
     "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"], "sliding_window": 8, "o_groups": 2,
-    "o_lora_rank": 8, "index_n_heads": 8, "index_head_dim": 16, "index_topk": 3, "swiglu_limit": 1.5,
+    "o_lora_rank": 8, "index_n_heads": 8, "index_head_dim": 16, "index_topk": 3,
+    "swiglu_limit": 1.5,
     "hc_sinkhorn_iters": 5, "max_position_embeddings": 256,
     "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                      "beta_fast": 32, "beta_slow": 1}}
