@@ -24,7 +24,7 @@ def expert_group_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
                          biases: tuple[Tensor | None, Tensor | None] = (None, None),
                          act: ExpertAct | None = None) -> torch.Tensor:
     """One expert on the tokens routed to it. x [n, H]; gate_up [2I, H]; down [H, I] -> [n, H].
-    `biases` (gate_up [2I], down [H]) and `act` for gpt-oss's experts
+    `biases` (gate_up [2I], down [H]) and `act` for gpt-oss's or DeepSeek-V4's experts
     (freetoken/kernels/expert_act.py)."""
     gu = F.linear(x, as_weight(gate_up, x.dtype), biases[0])  # [n, 2I]
     return F.linear(glu(gu, act), as_weight(down, x.dtype), biases[1])  # [n, H]
@@ -45,7 +45,9 @@ def gathered_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Ten
     flat = topk_ids.clamp(min=0).reshape(-1)  # [N]
     xs = x.repeat_interleave(K, dim=0)[:, :, None]  # [N, H, 1]
     gu = torch.bmm(as_weight(gate_up[flat], x.dtype), xs)[..., 0]  # [N, 2I]
-    le = None if act is None else act.entry_ids().clamp(min=0)  # [N] the biases' logical ids
+    le = None  # [N] the biases' logical ids ("oai"; "clamp" has no biases)
+    if act is not None and act.has_bias:
+        le = act.entry_ids().clamp(min=0)
     if le is not None:
         gu = gu + act.gate_up_bias[le].to(x.dtype)  # [N, 2I]
     a = glu(gu, act)[:, :, None]  # [N, I, 1]
@@ -65,7 +67,8 @@ def dispatch_experts(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Ten
     each expert's weights once for all its tokens. `bank_index` maps a logical expert id to its
     row in gate_up/down (slot ids for a slot cache); identity if None. `num_threads`: the C++
     kernel's threads for a decode row on the CPU (None: torch's thread count). `act`: gpt-oss's
-    biased, clamped SwiGLU, bound to the entries' logical ids (freetoken/kernels/expert_act.py)."""
+    biased, clamped SwiGLU, bound to the entries' logical ids, or DeepSeek-V4's clamped one
+    (freetoken/kernels/expert_act.py)."""
     if (x.is_cuda and bank_index is None and topk_ids.numel() <= GATHER_MAX_ENTRIES):
         return gathered_experts(x, topk_ids, gate_up, down, y, mask, act)
     if x.device.type == "cpu" and x.shape[0] == 1 and bank_index is None:
@@ -108,8 +111,10 @@ def run_experts(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down:
     `shared` = (gate_up [2I, H], down [H, I]) of the block's shared expert: the Triton decode
     path runs it in the routed experts' two launches when its I matches and returns its output
     [T, H]; otherwise the second value is None and the caller runs it. `act` (gpt-oss's
-    experts, bound to the logical ids): every Triton path takes it (biases by logical id,
-    clamped SwiGLU; dense and quantized banks); without Triton (the CPU) the torch paths."""
+    experts bound to the logical ids, or DeepSeek-V4's "clamp"): every Triton path takes it
+    (dense and quantized banks); without Triton (the CPU) the torch paths and the C++ kernel.
+    With an act the shared expert never rides the launches (the block runs it: its activation
+    is the block's to choose)."""
     T, K = ids.shape
     H = x.shape[-1]
     if act is not None:
@@ -150,7 +155,7 @@ def fused_moe(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor,
               act: ExpertAct | None = None) -> Tensor | None:
     """The Triton fused MoE (unweighted [T, K, H] into y, ids < 0 left untouched) on CUDA, or
     None when it is unavailable or the bank is quantized (the caller keeps its torch path).
-    `act` (gpt-oss, bound to the logical ids) rides the kernels' HAS_ACT epilogues."""
+    `act` (freetoken/kernels/expert_act.py) selects the kernels' ACT epilogue."""
     mod = None if isinstance(gate_up, QuantBank) else dispatch.triton_for(x, "fused_moe")
     if mod is None:
         return None

@@ -88,7 +88,7 @@ class MoERuntime:
         self.guard, self.streamer, self.cpu_layers = guard, streamer, cpu_layers
         self.device = torch.device(device)
         self.backends: list = []  # one per MoE layer, once installed
-        # per MoE layer: a host copy of its experts' ExpertAct (gpt-oss biases), or None; the
+        # per MoE layer: a host copy of its experts' ExpertAct (`host_act`), or None; the
         # CPU branch of a captured step reads it (the block passes its own to eager steps)
         self.acts: list[ExpertAct | None] = []
         self._bridges: list[CpuBridge] = []
@@ -190,10 +190,7 @@ class MoERuntime:
             on_cpu = i >= len(blocks) - self.cpu_layers
             b.experts = create_backend("cpu" if on_cpu else self.backend, i, self)
             self.backends.append(b.experts)
-            act = b.expert_act() if hasattr(b, "expert_act") else None
-            self.acts.append(None if act is None else ExpertAct(
-                act.alpha, act.limit, act.gate_up_bias.detach().to("cpu", copy=True),
-                act.down_bias.detach().to("cpu", copy=True)))
+            self.acts.append(host_act(b))
 
     def uninstall(self, host: MoEHost) -> None:
         """Give every MoE block an empty `fused` bank back (a benchmark frees this runtime's
@@ -362,6 +359,20 @@ class MoERuntime:
         if self.guard is not None:
             out["auto"] = self.guard.summary()
         return out
+
+
+def host_act(block) -> ExpertAct | None:
+    """An unbound host copy of a MoE block's `expert_act()` (None without one): an ExpertAct,
+    or any object with its fields (`kind` "oai" when it has none: gpt-oss's; "clamp" with
+    `gate_up_bias` / `down_bias` None for DeepSeek-V4's), copied so that the CPU branch of a
+    captured step reads no device tensor."""
+    act = block.expert_act() if hasattr(block, "expert_act") else None
+    if act is None:
+        return None
+    if not isinstance(act, ExpertAct):
+        act = ExpertAct(float(getattr(act, "alpha", 0.0)), float(act.limit), act.gate_up_bias,
+                        act.down_bias, kind=getattr(act, "kind", "oai"))
+    return act.host_copy()
 
 
 def _bank(p: Tensor | QuantBank) -> Tensor | QuantBank:

@@ -29,7 +29,8 @@ def expert_ffn_reference(x: Tensor, topk_ids: Tensor, gate_up: Tensor, down: Ten
     """y [T, K, H] float64: y[t, k] = down[e] · (silu(gate[e] · x[t]) ⊙ (up[e] · x[t])) with
     e = topk_ids[t, k], for entries with e >= 0 (and mask[t, k] when a mask is given); 0
     elsewhere. x [T, H]; gate_up [E, 2I, H] rows [gate | up]; down [E, H, I]. With `act`
-    (freetoken/kernels/expert_act.py, bound to the logical ids) gpt-oss's biased, clamped SwiGLU."""
+    (freetoken/kernels/expert_act.py, bound to the logical ids) gpt-oss's biased, clamped SwiGLU
+    ("oai"), or DeepSeek-V4's silu(min(g, limit)) ⊙ clamp(u, ±limit) without biases ("clamp")."""
     T, K = topk_ids.shape
     topk_ids = topk_ids.cpu()  # (read entry by entry: one copy, not one sync per entry)
     mask = mask.cpu() if mask is not None else None
@@ -44,6 +45,10 @@ def expert_ffn_reference(x: Tensor, topk_ids: Tensor, gate_up: Tensor, down: Ten
             w = _f64(gate_up[e])  # [2I, H]
             g, u = w[:inter] @ xd[t], w[inter:] @ xd[t]  # [I]
             if act is None:
+                out[t, k] = _f64(down[e]) @ (g * torch.sigmoid(g) * u)  # [H]
+                continue
+            if act.kind == "clamp":
+                g, u = g.clamp(max=act.limit), u.clamp(-act.limit, act.limit)
                 out[t, k] = _f64(down[e]) @ (g * torch.sigmoid(g) * u)  # [H]
                 continue
             le = int(act.ids[t, k]) if act.ids is not None else e  # the bias's logical id

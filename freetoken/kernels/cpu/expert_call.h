@@ -10,6 +10,20 @@
 
 namespace ft {
 
+// The experts' activation codes (freetoken/kernels/expert_act.py `act_code`): the plain SwiGLU,
+// gpt-oss's biased one (the quantized kernel only: it takes the biases), DeepSeek-V4's clamp.
+constexpr int kActPlain = 0, kActOai = 1, kActClamp = 2;
+
+// The activation of one (gate, up) pair without biases: silu(g) * u, under kActClamp
+// silu(min(g, limit)) * clamp(u, -limit, limit).
+inline float swiglu(float g, float u, int act, float limit) {
+  if (act == kActClamp) {
+    g = std::min(g, limit);
+    u = std::min(std::max(u, -limit), limit);
+  }
+  return g / (1.f + std::exp(-g)) * u;
+}
+
 struct Group {
   int64_t expert;
   int64_t begin;  // into the grouped entry order
@@ -20,6 +34,8 @@ struct Group {
 struct ExpertCall {
   int64_t T = 0, H = 0, K = 0, I = 0;
   int wdtype = 0;  // 0 fp32 weights, 1 bf16
+  int act_kind = 0;   // kAct* (the dense kernel: kActPlain or kActClamp)
+  float limit = 0.f;  // kActClamp's limit
   const void* gate_up = nullptr;  // [E, 2I, H]
   const void* down = nullptr;     // [E, H, I]
   float* out = nullptr;           // [T, K, H]
@@ -27,7 +43,7 @@ struct ExpertCall {
   std::vector<int64_t> entries;   // flat (t*K + k) entry per grouped position
   std::vector<const float*> xp;   // per grouped entry: its token's x row
   std::vector<const float*> ap;   // per grouped entry: its act row
-  std::vector<float> act;         // [n, I] silu(g) * u, grouped order
+  std::vector<float> act;         // [n, I] swiglu(g, u), grouped order
   std::vector<uint16_t> xb, ab;   // bf16 copies of x rows and act rows (dpbf16 groups)
   std::vector<const uint16_t*> xbp, abp;
   bool contig = false;  // every group takes the decode path (per-thread contiguous blocks)

@@ -1,4 +1,5 @@
 // CPU SwiGLU expert kernel: per (token, k) unweighted outputs, weights read once per call.
+// The activation is the plain SwiGLU or DeepSeek-V4's clamped one (expert_call.h `swiglu`).
 //
 // Shape legend: T tokens, K routed experts per token, E experts, H hidden, I intermediate,
 // n entries (t, k) routed to one expert.
@@ -161,7 +162,7 @@ void small_team(ExpertCall& c, int64_t tid, int64_t nt) {
       for (int64_t r = r0; r < r1; ++r)
         for (int t = 0; t < g.n; ++t) {
           const float gv = gres[(r - r0) * g.n + t], uv = ures[(r - r0) * g.n + t];
-          act[(g.begin + t) * I + r] = gv / (1.f + std::exp(-gv)) * uv;
+          act[(g.begin + t) * I + r] = swiglu(gv, uv, c.act_kind, c.limit);
         }
       done[gi].v.fetch_add(r1 - r0, std::memory_order_release);
     };
@@ -397,12 +398,15 @@ float ft_stream_sum(const float* p, int64_t n, int nthreads, int64_t pf_dist) {
   return total;
 }
 
-// Returns 0 on success, 1 if an expert id is out of [0, E), 2 on a bad dtype code.
-// wdtype: 0 = fp32 weights, 1 = bf16 weights. nthreads <= 0: OpenMP's default.
+// Returns 0 on success, 1 if an expert id is out of [0, E), 2 on a bad dtype or act code.
+// wdtype: 0 = fp32 weights, 1 = bf16 weights. nthreads <= 0: OpenMP's default. act: kActPlain
+// or kActClamp (with `limit`; expert_call.h).
 int ft_cpu_experts(const float* x, int64_t T, int64_t H, const int64_t* ids, int64_t K,
                    const uint8_t* mask, const void* gate_up, const void* down, int64_t E,
-                   int64_t I, int wdtype, float* out, int nthreads, int allow_dp) {
+                   int64_t I, int wdtype, float* out, int nthreads, int allow_dp, int act,
+                   float limit) {
   if (wdtype != 0 && wdtype != 1) return 2;
+  if (act != kActPlain && act != kActClamp) return 2;
   g_call_t0 = std::chrono::steady_clock::now();
   g_tm_threads = 0;
   const int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
@@ -410,6 +414,8 @@ int ft_cpu_experts(const float* x, int64_t T, int64_t H, const int64_t* ids, int
   const int rc = expert_prepare(c, x, T, H, ids, K, mask, gate_up, down, E, I, wdtype, out,
                                 nth, allow_dp, false);
   if (rc != 0 || c.groups.empty()) return rc;
+  c.act_kind = act;
+  c.limit = limit;
   c.timed = c.contig;
 #pragma omp parallel num_threads(nth)
   expert_team(c, omp_get_thread_num(), omp_get_num_threads());

@@ -16,6 +16,8 @@ Two implementations compute the same function, tested against the one expert ora
   cpu_experts_torch  grouped F.linear in the weights' dtype (torch's own bf16 path).
   cpu_experts        the C++ kernel (freetoken/kernels/cpu/expert_kernel.cpp) when it builds and the
                      dtypes are supported, else cpu_experts_torch.
+Both take an `act` (freetoken/kernels/expert_act.py): gpt-oss's biased SwiGLU (the dense C++
+kernel has no biases: the torch path then) or DeepSeek-V4's clamp (every path).
 
 Quantized banks (`freetoken.kernels.quant.QuantBank`: FP8 block-scaled, MXFP4) go to the C++ kernel
 freetoken/kernels/cpu/expert_quant.cpp, which reads them as stored and converts in registers (H and
@@ -27,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from freetoken.kernels.expert_act import ExpertAct, expert_bias_row, glu
+from freetoken.kernels.expert_act import ExpertAct, act_code, expert_bias_row, glu
 from freetoken.kernels.logs import get_logger
 from freetoken.kernels.quant import QuantBank, as_weight
 
@@ -91,8 +93,8 @@ def cpu_experts_torch(
     """Grouped F.linear in the weights' dtype: each routed expert's weights are used once for
     all tokens routed to it. Activations are cast to the weights' dtype (torch's bf16 path),
     so bf16 weights give bf16-operand accuracy. Returns `out` (float32 [T, K, H]). `act`:
-    gpt-oss's biases and clamped SwiGLU (freetoken/kernels/expert_act.py), bound to the logical
-    ids."""
+    gpt-oss's biases and clamped SwiGLU bound to the logical ids, or DeepSeek-V4's clamp
+    (freetoken/kernels/expert_act.py)."""
     t, k, e_count, h, _ = _check_shapes(x, topk_ids, gate_up, down, compute_mask)
     out = _prepare_out(out, t, k, h)
     out_flat = out.view(t * k, h)  # [T*K, H]
@@ -124,9 +126,9 @@ def cpu_experts(
     bf16 or fp32 (both banks the same dtype). Returns float32 [T, K, H]: `out` when given (only
     masked-in rows are written), else a new zero tensor. Uses the C++ kernel when it is
     available for this CPU and dtype, else grouped F.linear. The GIL is released while the
-    kernel runs, so a Python thread can drive the GPU copy stream meanwhile. `act` (gpt-oss,
-    bound to the logical ids): the quantized kernel applies it; dense banks then take the
-    torch path (the dense C++ kernel has no biases yet).
+    kernel runs, so a Python thread can drive the GPU copy stream meanwhile. `act`
+    (freetoken/kernels/expert_act.py): the quantized kernel applies either kind; the dense one
+    "clamp" (no biases), while dense banks with gpt-oss's biased act take the torch path.
     """
     from freetoken.kernels.cpu.ext import load_kernel
 
@@ -141,7 +143,7 @@ def cpu_experts(
         run_quant(kern, x, topk_ids, gate_up, down, compute_mask, out, num_threads, act)
         return out
     usable = (
-        act is None
+        (act is None or not act.has_bias)
         and kern is not None
         and gate_up.dtype in _KERNEL_WEIGHT_DTYPES
         and down.dtype == gate_up.dtype
@@ -151,7 +153,7 @@ def cpu_experts(
         return cpu_experts_torch(x, topk_ids, gate_up, down, compute_mask, out, act)
     assert kern is not None
     out = _prepare_out(out, t, k, h)
-    kern.run(x, topk_ids, gate_up, down, compute_mask, out, num_threads)
+    kern.run(x, topk_ids, gate_up, down, compute_mask, out, num_threads, act=act)
     return out
 
 
@@ -174,7 +176,8 @@ def run_quant(kern, x: Tensor, topk_ids: Tensor, gate_up: QuantBank, down: Quant
               act: ExpertAct | None = None) -> None:
     """Fill `out` [T, K, H] fp32 for masked-in entries from quantized banks through
     `ft_cpu_experts_q` (shapes checked by the caller, `_quant_usable` true); `act`: gpt-oss's
-    biases (fp32 in the kernel) and clamped SwiGLU, bound to the logical ids."""
+    biases (fp32 in the kernel) and clamped SwiGLU, bound to the logical ids, or DeepSeek-V4's
+    clamp (no biases)."""
     import ctypes
 
     fn = kern.lib.ft_cpu_experts_q
@@ -182,7 +185,7 @@ def run_quant(kern, x: Tensor, topk_ids: Tensor, gate_up: QuantBank, down: Quant
         p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         fn.restype = c_int
         fn.argtypes = [p, i64, i64, p, i64, p, p, p, p, p, i64, i64, c_int, i64, p, c_int,
-                       p, p, p, ctypes.c_float, ctypes.c_float]
+                       p, p, p, ctypes.c_float, ctypes.c_float, c_int]
     t, h = x.shape
     e, two_i, _ = gate_up.shape
     xs = x.detach().to(torch.float32).contiguous()  # [T, H]
@@ -190,8 +193,8 @@ def run_quant(kern, x: Tensor, topk_ids: Tensor, gate_up: QuantBank, down: Quant
     mask = None if compute_mask is None else compute_mask.to(torch.uint8).contiguous()
     gu, dn = gate_up.contiguous(), down.contiguous()
     nth = num_threads if num_threads is not None else torch.get_num_threads()
-    bias = (None, None, None, 1.0, 0.0)
-    if act is not None:  # (kept alive in `held` for the call)
+    bias = (None, None, None, 1.0, 0.0 if act is None else float(act.limit))
+    if act is not None and act.has_bias:  # (kept alive in `held` for the call)
         held = (act.gate_up_bias.detach().float().contiguous(),
                 act.down_bias.detach().float().contiguous(),
                 act.entry_ids().to(torch.int64).contiguous())
@@ -199,7 +202,8 @@ def run_quant(kern, x: Tensor, topk_ids: Tensor, gate_up: QuantBank, down: Quant
     rc = fn(xs.data_ptr(), t, h, ids.data_ptr(), topk_ids.shape[1],
             None if mask is None else mask.data_ptr(), gu.data.data_ptr(), gu.scale.data_ptr(),
             dn.data.data_ptr(), dn.scale.data_ptr(), e, two_i // 2,
-            0 if gate_up.fmt == "fp8" else 1, gate_up.block, out.data_ptr(), nth, *bias)
+            0 if gate_up.fmt == "fp8" else 1, gate_up.block, out.data_ptr(), nth, *bias,
+            act_code(act))
     if rc == 1:
         raise IndexError(f"expert id out of range [0, {e})")
     if rc != 0:

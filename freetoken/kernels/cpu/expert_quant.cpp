@@ -25,10 +25,12 @@
 // behind a prefetch cursor (simd.h Stream), and steals from the back of the others' runs when
 // done; larger groups: OpenMP dynamic loops. Every output element is one dot product, so
 // results do not depend on the thread count, the prefetch or the stealing.
-// gpt-oss's experts (freetoken/kernels/expert_act.py): with `gu_bias` the entry's gate_up bias row
-// (bias_ids[t * K + k], its logical expert: a slot bank's row is not its bias row) is added
-// before the clamped SwiGLU (u + 1) * g * sigmoid(alpha * g), g = min(gate, limit),
-// u = clamp(up, -limit, limit), and its down bias row after the down product.
+// The activation (freetoken/kernels/expert_act.py, `act` codes in expert_call.h): gpt-oss's
+// experts (kActOai): the entry's gate_up bias row `gu_bias` (bias_ids[t * K + k], its logical
+// expert: a slot bank's row is not its bias row) is added before the clamped SwiGLU
+// (u + 1) * g * sigmoid(alpha * g), g = min(gate, limit), u = clamp(up, -limit, limit), and its
+// down bias row after the down product; DeepSeek-V4's (kActClamp): no biases,
+// silu(min(gate, limit)) * clamp(up, -limit, limit); kActPlain: silu(gate) * up.
 #include "expert_call.h"
 #include "quant_simd.h"
 
@@ -150,9 +152,10 @@ struct QCall {
   const uint8_t *gu, *dn;
   const void *gus, *dns;
   int64_t block;
-  const float *gub = nullptr, *dnb = nullptr;  // [E', 2I], [E', H] biases (gpt-oss) or null
+  const float *gub = nullptr, *dnb = nullptr;  // [E', 2I], [E', H] biases (kActOai) or null
   const int64_t* bias_ids = nullptr;           // [T * K] logical id of each entry
   float alpha = 1.f, limit = 0.f;
+  int act = kActPlain;
 };
 
 inline float swiglu_oai(float g, float u, float alpha, float limit) {
@@ -224,7 +227,7 @@ void run_quant(ExpertCall& c, const QCall& q, int nth) {
           const float* b = q.gub + q.bias_ids[c.entries[g.begin + t]] * 2 * I;
           out = swiglu_oai(gres[t] + b[r], ures[t] + b[I + r], q.alpha, q.limit);
         } else {
-          out = gres[t] / (1.f + std::exp(-gres[t])) * ures[t];
+          out = swiglu(gres[t], ures[t], q.act, q.limit);
         }
       }
     }
@@ -311,13 +314,17 @@ extern "C" {
 // Returns 0 on success, 1 if an expert id is out of [0, E), 2 on a bad format code, 3 on a
 // shape the kernel does not take (H or I not a multiple of 32, an fp8 block not a multiple of
 // 32). fmt: 0 = fp8 (scales fp32 block grids, `block` their edge), 1 = mxfp4 (e8m0 scales).
-// gu_bias / dn_bias / bias_ids null: the plain SwiGLU; else gpt-oss's (see the top).
+// act: kActOai with gu_bias / dn_bias / bias_ids (gpt-oss's, see the top); kActPlain or
+// kActClamp with them null; 2 on any other combination.
 int ft_cpu_experts_q(const float* x, int64_t T, int64_t H, const int64_t* ids, int64_t K,
                      const uint8_t* mask, const uint8_t* gate_up, const void* gate_up_scale,
                      const uint8_t* down, const void* down_scale, int64_t E, int64_t I,
                      int fmt, int64_t block, float* out, int nthreads, const float* gu_bias,
-                     const float* dn_bias, const int64_t* bias_ids, float alpha, float limit) {
+                     const float* dn_bias, const int64_t* bias_ids, float alpha, float limit,
+                     int act) {
   if (fmt != 0 && fmt != 1) return 2;
+  if (act != kActPlain && act != kActOai && act != kActClamp) return 2;
+  if ((act == kActOai) != (gu_bias != nullptr)) return 2;
   if (H % kChunk || I % kChunk || (fmt == 0 && (block <= 0 || block % kChunk))) return 3;
   if (std::max(H, I) > kChunk * kMaxScales) return 3;
   const int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
@@ -327,7 +334,7 @@ int ft_cpu_experts_q(const float* x, int64_t T, int64_t H, const int64_t* ids, i
   if (rc != 0 || c.groups.empty()) return rc;
   if (gu_bias && (!dn_bias || !bias_ids)) return 2;
   const QCall q{gate_up, down, gate_up_scale, down_scale, block, gu_bias, dn_bias, bias_ids,
-                alpha, limit};
+                alpha, limit, act};
   if (fmt == 0) run_quant<0>(c, q, nth);
   else run_quant<1>(c, q, nth);
   return 0;

@@ -182,7 +182,7 @@ void tile_team(ExpertCall& c) {
       for (int q = 0; q < hr; ++q)
         for (int t = 0; t < g.n; ++t) {
           const float gv = res[q * g.n + t], uv = res[(hr + q) * g.n + t];
-          const float a = gv / (1.f + std::exp(-gv)) * uv;
+          const float a = swiglu(gv, uv, c.act_kind, c.limit);
           act[(g.begin + t) * I + r + q] = a;
           if (dp) ab[(g.begin + t) * I + r + q] = f32_to_bf16(a);
         }

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from freetoken.envs import FT_CPU_ISA
+from freetoken.kernels.expert_act import ACT_CODES, ExpertAct, act_code
 from freetoken.kernels.cpu.omp import openmp_runtimes, torch_openmp_ldflags
 from freetoken.kernels.logs import get_logger, kv
 
@@ -118,7 +119,7 @@ class CpuKernel:
         self._fn.restype = ctypes.c_int
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self._fn.argtypes = [p, i64, i64, p, i64, p, p, p, i64, i64, ctypes.c_int, p,
-                             ctypes.c_int, ctypes.c_int]
+                             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float]
         lib.ft_cpu_isa.restype = ctypes.c_char_p
         self.built_isa = lib.ft_cpu_isa().decode()
         self._lin = lib.ft_cpu_linear
@@ -220,9 +221,14 @@ class CpuKernel:
         out: Tensor,
         num_threads: int | None = None,
         allow_dpbf16: bool = True,
+        act: ExpertAct | None = None,
     ) -> None:
         """Fill `out` [T, K, H] fp32 for masked-in entries. Shapes are checked by the caller;
-        the weights must be contiguous bf16 or fp32 of one dtype."""
+        the weights must be contiguous bf16 or fp32 of one dtype. `act`: None (the plain
+        SwiGLU) or a "clamp" ExpertAct (DeepSeek-V4's; the dense kernel takes no biases)."""
+        code = act_code(act)
+        if code not in (0, ACT_CODES["clamp"]):
+            raise ValueError(f"the dense CPU kernel takes no {act.kind!r} act (biases)")
         t, h = x.shape
         k = topk_ids.shape[1]
         e, two_i, _ = gate_up.shape
@@ -237,7 +243,8 @@ class CpuKernel:
             xs.data_ptr(), t, h, ids.data_ptr(), k,
             None if mask is None else mask.data_ptr(),
             gate_up.data_ptr(), down.data_ptr(), e, two_i // 2, wcode,
-            out.data_ptr(), nth, int(allow_dpbf16),
+            out.data_ptr(), nth, int(allow_dpbf16), code,
+            0.0 if act is None else float(act.limit),
         )
         if rc == 1:
             raise IndexError(f"expert id out of range [0, {e})")

@@ -6,9 +6,10 @@ experts under `fused`), N = T*K (token, k) entries, entry n = t*K + k.
     fused_moe(x [T, H], ids [T, K], gate_up [S, 2I, H], down [S, H, I], y [T, K, H]) -> y
     y[t, k] = down[id] @ (silu(gate[id] @ x[t]) * (up[id] @ x[t])),  id = ids[t, k]
 
-With `act=` (gpt-oss, freetoken/kernels/expert_act.py) both paths add the biases of each entry's
-logical expert (act.ids, not the bank row) and use the clamped SwiGLU, in constexpr-gated (HAS_ACT)
-epilogues: the plain SwiGLU's compiled kernels are unchanged.
+With `act=` (freetoken/kernels/expert_act.py) both paths select the activation by a constexpr
+(ACT = `act_code(act)`): gpt-oss's "oai" (1) adds the biases of each entry's logical expert
+(act.ids, not the bank row) around its clamped SwiGLU; DeepSeek-V4's "clamp" (2) clamps gate
+and up, no biases. The plain SwiGLU's compiled kernels (ACT 0) are unchanged.
 
 The same contract as `freetoken.layers.moe.dispatch_experts` (unweighted outputs; entries with
 id < 0 are not computed and keep y's value, which the CPU branch of `hybrid` writes). The banks
@@ -41,7 +42,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from freetoken.kernels.expert_act import ExpertAct
+from freetoken.kernels.expert_act import ExpertAct, act_code
 from freetoken.kernels.triton.decode_fusions import moe_sum  # noqa: F401  (re-exported)
 from freetoken.kernels.triton.moe_common import _block, _glu, act_args, check_args, interpreting
 from freetoken.kernels.triton.tuned import lookup
@@ -84,12 +85,13 @@ def _decode_gate_up_kernel(
     H, I, TOPK, N, alpha, limit,
     stride_xt, stride_we, stride_wn, stride_swn, stride_an, stride_gub,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-    HAS_ACT: tl.constexpr,
+    ACT: tl.constexpr,
 ):
     """a[n, i] = silu(gate[id] @ x[t])[i] * (up[id] @ x[t])[i] for one entry n and BLOCK_N rows
-    i. Entries n >= N are the shared expert's (weights at sw_ptr) for token t = n - N. HAS_ACT
-    (routed entries only): gate/up += gate_up_bias[lid[n]] and gpt-oss's clamped SwiGLU
-    (`moe_common._glu`); the bias row is the entry's LOGICAL expert lid[n], not its bank row."""
+    i. Entries n >= N are the shared expert's (weights at sw_ptr) for token t = n - N. ACT
+    (routed entries only: no shared expert with an act) selects `moe_common._glu`; ACT 1
+    (gpt-oss): gate/up += gate_up_bias[lid[n]] first, the bias row the entry's LOGICAL expert
+    lid[n], not its bank row."""
     n = tl.program_id(0)
     pid_i = tl.program_id(1)
     routed = n < N
@@ -125,11 +127,11 @@ def _decode_gate_up_kernel(
         acc_u += u.to(tl.float32) * xv[None, :]
     gate = tl.sum(acc_g, axis=1)  # [BN]
     up = tl.sum(acc_u, axis=1)  # [BN]
-    if HAS_ACT:
+    if ACT == 1:  # gpt-oss: biases by logical id
         gb = gub_ptr + tl.load(lid_ptr + n).to(tl.int64) * stride_gub + i  # [BN]
         gate += tl.load(gb, mask=i < I, other=0.0).to(tl.float32)
         up += tl.load(gb + I, mask=i < I, other=0.0).to(tl.float32)
-    act = _glu(gate, up, alpha, limit, HAS_ACT)
+    act = _glu(gate, up, alpha, limit, ACT)
     tl.store(a_ptr + n.to(tl.int64) * stride_an + i, act, mask=i < I)
 
 
@@ -141,11 +143,11 @@ def _decode_down_kernel(
     stride_db,
     ZERO_MISSING: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-    HAS_ACT: tl.constexpr,
+    ACT: tl.constexpr,
 ):
     """y[t, k, h] = down[id][h] @ a[n] for one entry n = t*K + k < N and BLOCK_N rows h;
     so[t, h] = shared_down[h] @ a[n] for a shared entry n = N + t. An entry with id < 0 is
-    written with zeros under ZERO_MISSING, else left alone. HAS_ACT: + down_bias[lid[n]]."""
+    written with zeros under ZERO_MISSING, else left alone. ACT 1: + down_bias[lid[n]]."""
     n = tl.program_id(0)
     pid_h = tl.program_id(1)
     routed = n < N
@@ -180,7 +182,7 @@ def _decode_down_kernel(
             w = tl.load(w_ptrs + k0, mask=(h[:, None] < H) & (k0 + kk[None, :] < I), other=0.0)
         acc += w.to(tl.float32) * av[None, :]
     out = tl.sum(acc, axis=1)  # [BN]
-    if HAS_ACT:
+    if ACT == 1:  # gpt-oss: biases by logical id
         db = db_ptr + tl.load(lid_ptr + n).to(tl.int64) * stride_db + h  # [BN]
         out += tl.load(db, mask=h < H, other=0.0).to(tl.float32)
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=h < H)
@@ -194,10 +196,9 @@ def fused_moe_decode(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: T
     keys). `zero_missing`: entries with id < 0 get zeros (the caller need not clear y first).
     `shared` = (gate_up [2I, H], down [H, I], out [T, H]): a shared expert with the routed
     experts' I, run on every token in the same two launches (T more entries), its unweighted
-    output written to out. `act`: gpt-oss's biases and clamped SwiGLU
-    (freetoken/kernels/expert_act.py),
-    bound to the entries' logical ids [T, K] (ids are bank rows: slots under a slot cache);
-    not with `shared` (gpt-oss has no shared expert)."""
+    output written to out. `act` (freetoken/kernels/expert_act.py): gpt-oss's biases and
+    clamped SwiGLU, bound to the entries' logical ids [T, K] (ids are bank rows: slots under a
+    slot cache), or DeepSeek-V4's clamp; not with `shared` (the block runs its own)."""
     T, K, _, _ = check_args(x, ids, gate_up, down, y)
     if act is not None and shared is not None:
         raise ValueError("fused_moe_decode: act with a shared expert is not supported")
@@ -263,7 +264,7 @@ def _decode_launch(x: Tensor, flat: Tensor, K: int, gate_up: Tensor, down: Tenso
         x, flat, gate_up, sgu, a, lid, gub, H, I, K, N, alpha, limit,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), sgu.stride(0), a.stride(0), s_gub,
         BLOCK_N=bn, BLOCK_K=bk, EVEN_N=I % bn == 0, EVEN_K=H % bk == 0,
-        HAS_ACT=act is not None, num_warps=c.get("num_warps", 4),
+        ACT=act_code(act), num_warps=c.get("num_warps", 4),
     )
     c = cfg["down"]
     bn, bk = _block(c["BLOCK_N"], H), _block(c["BLOCK_K"], I)
@@ -273,7 +274,7 @@ def _decode_launch(x: Tensor, flat: Tensor, K: int, gate_up: Tensor, down: Tenso
         y.stride(0), y.stride(1), y.stride(2), so.stride(0), s_db,
         ZERO_MISSING=zero_missing,
         BLOCK_N=bn, BLOCK_K=bk, EVEN_N=H % bn == 0, EVEN_K=I % bk == 0,
-        HAS_ACT=act is not None, num_warps=c.get("num_warps", 4),
+        ACT=act_code(act), num_warps=c.get("num_warps", 4),
     )
 
 
@@ -287,7 +288,7 @@ def fused_moe(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: Tensor, 
     [gate | up]), down [S, H, I], y [T, K, H] preallocated (any strides). decode: True for the
     GEMV path, False for the grouped path, None to pick by T*K <= DECODE_MAX_ENTRIES.
     Ids must be < S: that is not checked, since checking would read them back to the host.
-    `act`: gpt-oss's experts (see `fused_moe_decode`), on both paths.
+    `act`: gpt-oss's or DeepSeek-V4's experts (see `fused_moe_decode`), on both paths.
     """
     if decode is None:
         decode = ids.numel() <= DECODE_MAX_ENTRIES

@@ -1,6 +1,6 @@
 """What the decode (fused_moe.py) and grouped (moe_grouped.py) MoE kernels share: argument
-checks, block sizing, whether the interpreter runs them, and gpt-oss's activation epilogue
-(`_glu`, `act_args`). One home, so neither imports the other's module for it."""
+checks, block sizing, whether the interpreter runs them, and the experts' activation epilogue
+(`_glu`, `act_args`: freetoken/kernels/expert_act.py). One home, so neither imports the other's module for it."""
 from __future__ import annotations
 
 import os
@@ -47,17 +47,23 @@ def _block(want: int, dim: int, least: int = 1) -> int:
     return max(least, min(want, triton.next_power_of_2(dim)))
 
 
-# -- gpt-oss's experts (freetoken/kernels/expert_act.py): biases by logical id, clamped SwiGLU
+# -- the experts' activation (freetoken/kernels/expert_act.py `act_code`): ACT 0 the plain
+# SwiGLU, 1 gpt-oss's (biases by logical id, clamped), 2 DeepSeek-V4's clamp (no biases)
 # ----------
 
 @triton.jit
-def _glu(gate, up, alpha, limit, HAS_ACT: tl.constexpr):
-    """The activation of fp32 gate/up rows (any shape, biases already added): silu(g) * u, or
-    under HAS_ACT gpt-oss's (clamp(u, ±limit) + 1) * g * σ(alpha * g) with g = min(g, limit)."""
-    if HAS_ACT:
+def _glu(gate, up, alpha, limit, ACT: tl.constexpr):
+    """The activation of fp32 gate/up rows (any shape, biases already added): ACT 0
+    silu(g) * u; 1 gpt-oss's (clamp(u, ±limit) + 1) * g * σ(alpha * g) with g = min(g, limit);
+    2 DeepSeek-V4's silu(min(g, limit)) * clamp(u, ±limit)."""
+    if ACT == 1:
         g = tl.minimum(gate, limit)
         u = tl.minimum(tl.maximum(up, -limit), limit)
         a = (u + 1.0) * g * tl.sigmoid(alpha * g)
+    elif ACT == 2:
+        g = tl.minimum(gate, limit)
+        u = tl.minimum(tl.maximum(up, -limit), limit)
+        a = g * tl.sigmoid(g) * u
     else:
         a = gate * tl.sigmoid(gate) * up
     return a
@@ -83,10 +89,13 @@ def _bias_down_2d(acc, lid_ptr, db_ptr, ent, ent_ok, h, h_ok, stride_db):
 
 def act_args(act, x: Tensor, N: int) -> tuple:
     """The kernels' act operands: (logical ids [N], gate_up bias [E, 2I], down bias [E, H],
-    alpha, limit, bias row strides) from a bound ExpertAct on x's device, or dummies (x) when
-    `act` is None (HAS_ACT False: never read). Checks the ids cover the N entries."""
+    alpha, limit, bias row strides) from a bound ExpertAct on x's device; dummies (x) in place
+    of what the kernels never read: everything when `act` is None (ACT 0), the ids and biases
+    under "clamp" (ACT 2). Checks the ids of a biased act cover the N entries."""
     if act is None:
         return x, x, x, 0.0, 0.0, 0, 0
+    if not act.has_bias:
+        return x, x, x, float(act.alpha), float(act.limit), 0, 0
     lid = act.entry_ids()
     if lid.numel() != N:
         raise ValueError(f"act bound to {lid.numel()} entries, the step has {N}")

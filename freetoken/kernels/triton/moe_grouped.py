@@ -14,8 +14,9 @@ grouped path (each distinct expert read once) for one extra launch instead of ~2
 
 The gate_up kernel computes the gate and the up columns of the same rows i in one program (two
 accumulators) so SiLU(gate)*up happens in its epilogue; vLLM writes [N, 2I] and runs a
-separate silu_and_mul (gpt-oss's biases and clamped SwiGLU, `act=`, in the same epilogue
-under HAS_ACT; its down bias in the down kernel's). The intermediate [N, I] is in the model
+separate silu_and_mul (`act=`, freetoken/kernels/expert_act.py, in the same epilogue under
+the ACT constexpr: gpt-oss's biases and clamped SwiGLU, its down bias in the down kernel's;
+DeepSeek-V4's clamp). The intermediate [N, I] is in the model
 dtype (bf16 tensor cores for the down GEMM, as vLLM); in fp32 it is fp32.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from freetoken.kernels.expert_act import ExpertAct
+from freetoken.kernels.expert_act import ExpertAct, act_code
 from freetoken.kernels.triton.moe_common import (
     _bias_down_2d,
     _bias_gu_2d,
@@ -174,10 +175,10 @@ def _grouped_gate_up_kernel(
     stride_xt, stride_we, stride_wn, stride_an, stride_gub,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_ACT: tl.constexpr,
+    ACT: tl.constexpr,
 ):
-    """a[ent, i] for a block of one bank row's entries; HAS_ACT: + gate_up_bias[lid[ent]]
-    (each entry's logical expert) and gpt-oss's clamped SwiGLU."""
+    """a[ent, i] for a block of one bank row's entries; ACT selects `_glu`, ACT 1 (gpt-oss)
+    adding gate_up_bias[lid[ent]] (each entry's logical expert) first."""
     pid_m, pid_n = _tile_ids(tl.program_id(0), P, I, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
         return
@@ -207,10 +208,10 @@ def _grouped_gate_up_kernel(
             xa, g, u = xa.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
         acc_g = tl.dot(xa, g, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(xa, u, acc_u, input_precision=PRECISION)
-    if HAS_ACT:
+    if ACT == 1:  # gpt-oss: biases by logical id
         acc_g, acc_u = _bias_gu_2d(acc_g, acc_u, lid_ptr, gub_ptr, ent, ent_ok, i, i_ok, I,
                                    stride_gub)
-    act = _glu(acc_g, acc_u, alpha, limit, HAS_ACT)  # [BM, BN]
+    act = _glu(acc_g, acc_u, alpha, limit, ACT)  # [BM, BN]
     a_ptrs = a_ptr + ent[:, None] * stride_an + i[None, :]
     tl.store(a_ptrs, act.to(a_ptr.dtype.element_ty), mask=ent_ok[:, None] & i_ok[None, :])
 
@@ -222,7 +223,7 @@ def _grouped_down_kernel(
     stride_an, stride_we, stride_wn, stride_yt, stride_yk, stride_yh, stride_db,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_ACT: tl.constexpr,
+    ACT: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(tl.program_id(0), P, H, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -247,7 +248,7 @@ def _grouped_down_kernel(
         if UPCAST:
             av, w = av.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(av, w, acc, input_precision=PRECISION)
-    if HAS_ACT:
+    if ACT == 1:  # gpt-oss: biases by logical id
         acc = _bias_down_2d(acc, lid_ptr, db_ptr, ent, ent_ok, h, h_ok, stride_db)
     tok = ent // TOPK
     k = ent % TOPK
@@ -289,7 +290,8 @@ def fused_moe_grouped(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: 
                       config: tuple[dict, dict] | None = None, *,
                       act: ExpertAct | None = None) -> Tensor:
     """The grouped path. `config` = (gate_up cfg, down cfg) overrides `grouped_config(T)`.
-    `act`: gpt-oss's biases (by the entries' logical ids) and clamped SwiGLU."""
+    `act`: gpt-oss's biases (by the entries' logical ids) and clamped SwiGLU, or
+    DeepSeek-V4's clamp."""
     T, K, H, I = check_args(x, ids, gate_up, down, y)
     N, S = T * K, gate_up.shape[0]
     if N == 0:
@@ -305,7 +307,7 @@ def fused_moe_grouped(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: 
         N, P, H, I, K, alpha, limit,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), a.stride(0), s_gub,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cu["GROUP_M"],
-        EVEN_K=H % bk == 0, UPCAST=upcast, PRECISION=prec, HAS_ACT=act is not None,
+        EVEN_K=H % bk == 0, UPCAST=upcast, PRECISION=prec, ACT=act_code(act),
         num_warps=cu["num_warps"], num_stages=cu["num_stages"],
     )
     bn, bk = _block(cd["BLOCK_N"], H, 16), _block(cd["BLOCK_K"], I, 16)
@@ -316,7 +318,7 @@ def fused_moe_grouped(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, y: 
         a.stride(0), down.stride(0), down.stride(1), y.stride(0), y.stride(1), y.stride(2),
         s_db,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cd["GROUP_M"],
-        EVEN_K=I % bk == 0, UPCAST=upcast, PRECISION=prec, HAS_ACT=act is not None,
+        EVEN_K=I % bk == 0, UPCAST=upcast, PRECISION=prec, ACT=act_code(act),
         num_warps=cd["num_warps"], num_stages=cd["num_stages"],
     )
     return y

@@ -15,7 +15,8 @@ registers, which the interpreter runs too) and its scales, and accumulates in fp
 weight-only dequant (H200 has no FP4 tensor cores); FP8 is dequantized the same way here (FP8
 dots are a later step). Larger batches take `fused_moe_quant_grouped`
 (freetoken/kernels/triton/moe_quant_grouped.py): the grouped tl.dot path over the same tiles. Both
-take gpt-oss's `act=` (biases by logical id, clamped SwiGLU) in HAS_ACT epilogues, as fused_moe.py.
+take `act=` (gpt-oss's biases by logical id and clamped SwiGLU, or DeepSeek-V4's clamp) in the
+ACT constexpr's epilogues, as fused_moe.py.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from freetoken.kernels.expert_act import ExpertAct
+from freetoken.kernels.expert_act import ExpertAct, act_code
 from freetoken.kernels.quant import MX_BLOCK, QuantBank
 from freetoken.kernels.triton.fused_moe import DECODE_CONFIG, DECODE_MAX_ENTRIES  # noqa: F401
 from freetoken.kernels.triton.moe_common import _block, _glu, act_args
@@ -64,10 +65,10 @@ def _q_gate_up_kernel(
     x_ptr, ids_ptr, w_ptr, s_ptr, a_ptr, lid_ptr, gub_ptr, H, I, TOPK, NB, alpha, limit,
     stride_xt, stride_we, stride_wr, stride_se, stride_sr, stride_an, stride_gub,
     FMT: tl.constexpr, QB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_ACT: tl.constexpr,
+    ACT: tl.constexpr,
 ):
     """a[n, i] = silu(gate[id] @ x[t])[i] * (up[id] @ x[t])[i], BLOCK_N rows i of entry n;
-    HAS_ACT: + gate_up_bias[lid[n]] (the logical expert) and gpt-oss's clamped SwiGLU."""
+    ACT selects `_glu`; ACT 1 (gpt-oss) adds gate_up_bias[lid[n]] (the logical expert) first."""
     n = tl.program_id(0)
     row = tl.load(ids_ptr + n).to(tl.int64)
     if row < 0:
@@ -89,11 +90,11 @@ def _q_gate_up_kernel(
         acc_u += u * xv[None, :]
     gate = tl.sum(acc_g, axis=1)
     up = tl.sum(acc_u, axis=1)
-    if HAS_ACT:
+    if ACT == 1:  # gpt-oss: biases by logical id
         gb = gub_ptr + tl.load(lid_ptr + n).to(tl.int64) * stride_gub + i  # [BN]
         gate += tl.load(gb, mask=ok, other=0.0).to(tl.float32)
         up += tl.load(gb + I, mask=ok, other=0.0).to(tl.float32)
-    tl.store(a_ptr + n.to(tl.int64) * stride_an + i, _glu(gate, up, alpha, limit, HAS_ACT),
+    tl.store(a_ptr + n.to(tl.int64) * stride_an + i, _glu(gate, up, alpha, limit, ACT),
              mask=ok)
 
 
@@ -103,9 +104,9 @@ def _q_down_kernel(
     stride_an, stride_we, stride_wr, stride_se, stride_sr, stride_yt, stride_yk, stride_yh,
     stride_db,
     ZERO_MISSING: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ACT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr,
 ):
-    """y[t, k, h] = down[id][h] @ a[n] (+ down_bias[lid[n]] under HAS_ACT) for entry
+    """y[t, k, h] = down[id][h] @ a[n] (+ down_bias[lid[n]] under ACT 1) for entry
     n = t*K + k and BLOCK_N rows h."""
     n = tl.program_id(0)
     row = tl.load(ids_ptr + n).to(tl.int64)
@@ -127,7 +128,7 @@ def _q_down_kernel(
         av = tl.load(a_row + k, mask=k < I, other=0.0)
         acc += _wtile(w, s, h, h // QB, k, ok, I, stride_wr, stride_sr, FMT, QB) * av[None, :]
     out = tl.sum(acc, axis=1)  # [BN]
-    if HAS_ACT:
+    if ACT == 1:  # gpt-oss: biases by logical id
         db = db_ptr + tl.load(lid_ptr + n).to(tl.int64) * stride_db + h  # [BN]
         out += tl.load(db, mask=ok, other=0.0).to(tl.float32)
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=ok)
@@ -161,7 +162,8 @@ def fused_moe_quant_decode(x: Tensor, ids: Tensor, gate_up: QuantBank, down: Qua
                            y: Tensor, config: dict | None = None, *,
                            zero_missing: bool = False, act: ExpertAct | None = None) -> Tensor:
     """See the module docstring. `config` overrides DECODE_CONFIG's tiles (same keys).
-    `act`: gpt-oss's biases (by the entries' logical ids) and clamped SwiGLU."""
+    `act`: gpt-oss's biases (by the entries' logical ids) and clamped SwiGLU, or
+    DeepSeek-V4's clamp."""
     T, K, H, I, fmt, qb = _check(x, ids, gate_up, down, y)
     flat = ids.reshape(T * K).contiguous()  # [N]
     N = flat.numel()
@@ -176,7 +178,7 @@ def fused_moe_quant_decode(x: Tensor, ids: Tensor, gate_up: QuantBank, down: Qua
     _q_gate_up_kernel[(N, triton.cdiv(I, bn))](
         x, flat, gd, gs, a, lid, gub, H, I, K, triton.cdiv(I, qb), alpha, limit,
         x.stride(0), gd.stride(0), gd.stride(1), gs.stride(0), gs.stride(1), a.stride(0), s_gub,
-        FMT=fmt, QB=qb, BLOCK_N=bn, BLOCK_K=bk, HAS_ACT=act is not None,
+        FMT=fmt, QB=qb, BLOCK_N=bn, BLOCK_K=bk, ACT=act_code(act),
         num_warps=c.get("num_warps", 4))
     c = cfg["down"]
     bn, bk = _block(c["BLOCK_N"], H), _block(c["BLOCK_K"], I)
@@ -185,5 +187,5 @@ def fused_moe_quant_decode(x: Tensor, ids: Tensor, gate_up: QuantBank, down: Qua
         a.stride(0), dd.stride(0), dd.stride(1), ds.stride(0), ds.stride(1),
         y.stride(0), y.stride(1), y.stride(2), s_db,
         ZERO_MISSING=zero_missing, FMT=fmt, QB=qb, BLOCK_N=bn, BLOCK_K=bk,
-        HAS_ACT=act is not None, num_warps=c.get("num_warps", 4))
+        ACT=act_code(act), num_warps=c.get("num_warps", 4))
     return y

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from freetoken.kernels.expert_act import ExpertAct
+from freetoken.kernels.expert_act import ExpertAct, act_code
 from freetoken.kernels.quant import QuantBank
 from freetoken.kernels.triton.moe_common import _bias_down_2d, _bias_gu_2d, _block, _glu, act_args
 from freetoken.kernels.triton.moe_grouped import _tile_ids, grouped_setup
@@ -30,7 +30,7 @@ def _qg_gate_up_kernel(
     stride_xt, stride_we, stride_wr, stride_se, stride_sr, stride_an, stride_gub,
     FMT: tl.constexpr, QB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_ACT: tl.constexpr,
+    PRECISION: tl.constexpr, ACT: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(tl.program_id(0), P, I, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -56,10 +56,10 @@ def _qg_gate_up_kernel(
         u = _wtile(w, s, I + i, NB + i // QB, k, i_ok, H, stride_wr, stride_sr, FMT, QB)
         acc_g = tl.dot(xa, tl.trans(g).to(xa.dtype), acc_g, input_precision=PRECISION)
         acc_u = tl.dot(xa, tl.trans(u).to(xa.dtype), acc_u, input_precision=PRECISION)
-    if HAS_ACT:
+    if ACT == 1:  # gpt-oss: biases by logical id
         acc_g, acc_u = _bias_gu_2d(acc_g, acc_u, lid_ptr, gub_ptr, ent, ent_ok, i, i_ok, I,
                                    stride_gub)
-    act = _glu(acc_g, acc_u, alpha, limit, HAS_ACT)  # [BM, BN]
+    act = _glu(acc_g, acc_u, alpha, limit, ACT)  # [BM, BN]
     tl.store(a_ptr + ent[:, None] * stride_an + i[None, :], act.to(a_ptr.dtype.element_ty),
              mask=ent_ok[:, None] & i_ok[None, :])
 
@@ -72,7 +72,7 @@ def _qg_down_kernel(
     stride_db,
     FMT: tl.constexpr, QB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_ACT: tl.constexpr,
+    PRECISION: tl.constexpr, ACT: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(tl.program_id(0), P, H, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -94,7 +94,7 @@ def _qg_down_kernel(
             av = av.to(tl.float32)
         wt = _wtile(w, s, h, h // QB, k, h_ok, I, stride_wr, stride_sr, FMT, QB)  # [BN, BK]
         acc = tl.dot(av, tl.trans(wt).to(av.dtype), acc, input_precision=PRECISION)
-    if HAS_ACT:
+    if ACT == 1:  # gpt-oss: biases by logical id
         acc = _bias_down_2d(acc, lid_ptr, db_ptr, ent, ent_ok, h, h_ok, stride_db)
     y_ptrs = (y_ptr + (ent // TOPK)[:, None] * stride_yt + (ent % TOPK)[:, None] * stride_yk
               + h[None, :] * stride_yh)
@@ -105,7 +105,8 @@ def fused_moe_quant_grouped(x: Tensor, ids: Tensor, gate_up: QuantBank, down: Qu
                             y: Tensor, config: tuple[dict, dict] | None = None, *,
                             act: ExpertAct | None = None) -> Tensor:
     """See the module docstring. `config` = (gate_up cfg, down cfg) as moe_grouped's.
-    `act`: gpt-oss's biases (by the entries' logical ids) and clamped SwiGLU."""
+    `act`: gpt-oss's biases (by the entries' logical ids) and clamped SwiGLU, or
+    DeepSeek-V4's clamp."""
     T, K, H, I, fmt, qb = _check(x, ids, gate_up, down, y)
     N, S = T * K, gate_up.shape[0]
     if N == 0:
@@ -121,7 +122,7 @@ def fused_moe_quant_grouped(x: Tensor, ids: Tensor, gate_up: QuantBank, down: Qu
         triton.cdiv(I, qb), alpha, limit,
         x.stride(0), gd.stride(0), gd.stride(1), gs.stride(0), gs.stride(1), a.stride(0), s_gub,
         FMT=fmt, QB=qb, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cu["GROUP_M"],
-        UPCAST=upcast, PRECISION=prec, HAS_ACT=act is not None,
+        UPCAST=upcast, PRECISION=prec, ACT=act_code(act),
         num_warps=cu["num_warps"], num_stages=cu["num_stages"])
     bn, bk = _block(cd["BLOCK_N"], H, 16), _block(cd["BLOCK_K"], I, 16)
     _qg_down_kernel[(triton.cdiv(P, bm) * triton.cdiv(H, bn),)](
@@ -129,6 +130,6 @@ def fused_moe_quant_grouped(x: Tensor, ids: Tensor, gate_up: QuantBank, down: Qu
         a.stride(0), dd.stride(0), dd.stride(1), ds.stride(0), ds.stride(1),
         y.stride(0), y.stride(1), y.stride(2), s_db,
         FMT=fmt, QB=qb, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cd["GROUP_M"],
-        UPCAST=upcast, PRECISION=prec, HAS_ACT=act is not None,
+        UPCAST=upcast, PRECISION=prec, ACT=act_code(act),
         num_warps=cd["num_warps"], num_stages=cd["num_stages"])
     return y

@@ -1,5 +1,5 @@
 """On the GPU: the Triton fused MoE with gpt-oss's experts (biases by logical id, clamped
-SwiGLU: the HAS_ACT epilogues) at the gpt-oss-20b expert shape (bf16 banks, H = I = 2880,
+SwiGLU: the ACT 1 epilogues) at the gpt-oss-20b expert shape (bf16 banks, H = I = 2880,
 32 experts, top-4) against the float64 oracle, CUDA-graph capture of the decode path with an
 act, and the tiny gpt-oss model's greedy tokens through the Triton path equal to the torch
 path's. The CPU runs the same kernels interpreted in tests/kernels/triton/moe/
