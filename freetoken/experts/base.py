@@ -37,8 +37,9 @@ class ExpertBackend(nn.Module):
       - `act`: the experts' activation (freetoken/kernels/expert_act.py): gpt-oss's biases and
         clamped SwiGLU ("oai") or DeepSeek-V4's clamped SwiGLU without biases ("clamp"), bound
         to topk_ids (the biases follow the logical ids, whatever slot computes an entry);
-        None: the plain SwiGLU below. With an act the shared expert is the block's to run. The CPU branch of a captured step reads the host copy
-        the runtime took at install (`MoERuntime.acts`).
+        None: the plain SwiGLU below. With an act the shared expert is the block's to run.
+        The CPU branch of a captured step reads the host copy the runtime took at install
+        (`MoERuntime.acts`).
       - returns `y [T, K, H]` in x's dtype: the UNWEIGHTED output of expert topk_ids[t, k] on
         x[t] (down · (silu(gate · x) ⊙ up · x)); the block applies the routing weights itself,
         in one fixed order, so partial results computed on different devices merge exactly;

@@ -255,7 +255,8 @@ class MoERuntime:
 
         # (timed for re-profiling when that is on: experts/bw_track.py)
         branch = timed_branch(compute, self.counters, store.expert_bytes)
-        # the native step loop has no expert biases: layers with an act take the Python loop
+        # the native step loop has the plain SwiGLU only: with any act (gpt-oss's biases,
+        # DeepSeek-V4's clamp) the layers take the Python loop (cpu_branch with the host act)
         bridge = CpuBridge(L, max_batch, k, store.hidden, store.dtype, self.device, branch,
                            banks=None if any(a is not None for a in acts) else banks,
                            threads=threads,

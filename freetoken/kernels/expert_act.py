@@ -33,7 +33,6 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-
 KINDS = ("oai", "clamp")
 ACT_CODES = {"oai": 1, "clamp": 2}  # the kernels' activation codes (0: the plain SwiGLU)
 

@@ -105,8 +105,8 @@ def test_clamp_runner_equals_eager(tiny_hf, clamp_blocks, backend: str) -> None:
     """Captured decode steps: the CPU share runs on the bridge's worker from `rt.acts` (the
     host copy install took), the Python step loop (the native loop has no act)."""
     from freetoken.engine.core import EngineCore
-    from tests.engine.test_decode_runner import _prompt, _run
     from freetoken.types.api import GenerateRequest, SamplingParams
+    from tests.engine.test_decode_runner import _prompt, _run
 
     d = tiny_hf(KIND)
 

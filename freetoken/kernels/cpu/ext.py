@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 
 from freetoken.envs import FT_CPU_ISA
-from freetoken.kernels.expert_act import ACT_CODES, ExpertAct, act_code
 from freetoken.kernels.cpu.omp import openmp_runtimes, torch_openmp_ldflags
+from freetoken.kernels.expert_act import ACT_CODES, ExpertAct, act_code
 from freetoken.kernels.logs import get_logger, kv
 
 log = get_logger("experts")

@@ -1,6 +1,7 @@
 """What the decode (fused_moe.py) and grouped (moe_grouped.py) MoE kernels share: argument
 checks, block sizing, whether the interpreter runs them, and the experts' activation epilogue
-(`_glu`, `act_args`: freetoken/kernels/expert_act.py). One home, so neither imports the other's module for it."""
+(`_glu`, `act_args`: freetoken/kernels/expert_act.py). One home, so neither imports the
+other's module for it."""
 from __future__ import annotations
 
 import os
