@@ -43,3 +43,21 @@ def check_sampled(y: Tensor, x: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
     assert rel < rel_tol and worst < worst_tol, (
         f"tokens {tok.tolist()}: rel {rel:.2e}, worst entry {worst:.2e}")
     return tok
+
+
+def act_reference(x: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, act,
+                  y0: Tensor) -> Tensor:
+    """The oracle with an activation (`ExpertAct`: gpt-oss's "oai" or DeepSeek-V4's "clamp")
+    over every entry [T, K, H] float64; entries with ids < 0 keep y0 (the kernel leaves them)."""
+    want = expert_ffn_reference(x, ids, gate_up, down, act=act)
+    return torch.where((ids >= 0)[..., None], want, y0.double())
+
+
+def check_entries(y: Tensor, want: Tensor, ids: Tensor, tol: float = 1e-5) -> None:
+    """y [T, K, H] (any device) against `act_reference`'s want: entries with ids < 0 still
+    NaN, the worst written entry's relative error < tol."""
+    keep = ids >= 0
+    assert torch.isnan(y[~keep]).all(), "an entry with id < 0 was written"
+    got, w = y[keep].double().cpu(), want[keep]
+    per = (got - w).norm(dim=-1) / w.norm(dim=-1).clamp_min(1e-30)
+    assert per.max() < tol, f"worst entry relative error {per.max():.2e}"

@@ -21,6 +21,7 @@ from freetoken.kernels.expert_act import ExpertAct
 from freetoken.kernels.reference import expert_ffn_reference
 from freetoken.kernels.triton.fused_moe import fused_moe, fused_moe_decode
 from freetoken.kernels.triton.moe_grouped import fused_moe_grouped, tile
+from tests.kernels.triton.moe.oracle import act_reference, check_entries
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, I, S, E = 64, 32, 8, 12  # hidden, intermediate, bank rows, logical experts
@@ -41,19 +42,6 @@ def make(T, K, seed, neg=0.25):
     return x, ids, gate_up, down, act
 
 
-def ref(x, ids, gate_up, down, act, y0):
-    want = expert_ffn_reference(x, ids, gate_up, down, act=act)  # [T, K, H] float64
-    return torch.where((ids >= 0)[..., None], want, y0.double())
-
-
-def check(y, want, ids, tol=1e-5):
-    keep = ids >= 0
-    assert torch.isnan(y[~keep]).all(), "an entry with id < 0 was written"
-    got, w = y[keep].double().cpu(), want[keep]
-    per = (got - w).norm(dim=-1) / w.norm(dim=-1).clamp_min(1e-30)
-    assert per.max() < tol, f"worst entry relative error {per.max():.2e}"
-
-
 def on_dev(*ts):
     return [t.to(DEVICE) for t in ts]
 
@@ -62,20 +50,20 @@ def on_dev(*ts):
 def test_decode_act_matches_reference(T, K, seed):
     x, ids, gu, dn, act = make(T, K, seed)
     y0 = torch.full((T, K, H), float("nan"))
-    want = ref(x, ids, gu, dn, act, y0)
+    want = act_reference(x, ids, gu, dn, act, y0)
     xd, idd, gud, dnd, y = on_dev(x, ids, gu, dn, y0)
     fused_moe_decode(xd, idd, gud, dnd, y, DECODE_SMALL, act=act.to(DEVICE))
-    check(y, want, ids)
+    check_entries(y, want, ids)
 
 
 @pytest.mark.parametrize("T,K,seed", [(6, 4, 3), (17, 2, 4)])
 def test_grouped_act_matches_reference(T, K, seed):
     x, ids, gu, dn, act = make(T, K, seed)
     y0 = torch.full((T, K, H), float("nan"))
-    want = ref(x, ids, gu, dn, act, y0)
+    want = act_reference(x, ids, gu, dn, act, y0)
     xd, idd, gud, dnd, y = on_dev(x, ids, gu, dn, y0)
     fused_moe_grouped(xd, idd, gud, dnd, y, GROUPED_SMALL, act=act.to(DEVICE))
-    check(y, want, ids)
+    check_entries(y, want, ids)
 
 
 def test_act_is_not_the_plain_swiglu_and_clamps_bind():
@@ -125,11 +113,11 @@ def test_quant_act_matches_reference(fmt, block, T, decode):
     x, ids, gu, dn, act = make(T, 4, 10 + T)
     qgu, qdn = quantize_bank(gu, fmt, block, 2), quantize_bank(dn, fmt, block, 1)
     y0 = torch.full((T, 4, H), float("nan"))
-    want = ref(x, ids, qgu, qdn, act, y0)
+    want = act_reference(x, ids, qgu, qdn, act, y0)
     xd, idd, y = on_dev(x, ids, y0)
     qgu, qdn, a = qgu.to(DEVICE), qdn.to(DEVICE), act.to(DEVICE)
     if decode:
         fused_moe_quant_decode(xd, idd, qgu, qdn, y, DECODE_SMALL, act=a)
     else:
         fused_moe_quant_grouped(xd, idd, qgu, qdn, y, GROUPED_SMALL, act=a)
-    check(y, want, ids)
+    check_entries(y, want, ids)

@@ -23,6 +23,7 @@ from freetoken.kernels.expert_act import ExpertAct
 from freetoken.kernels.reference import expert_ffn_reference
 from freetoken.kernels.triton.fused_moe import fused_moe, fused_moe_decode
 from freetoken.kernels.triton.moe_grouped import fused_moe_grouped, tile
+from tests.kernels.triton.moe.oracle import act_reference, check_entries
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, I, S = 64, 32, 8  # hidden, intermediate, bank rows
@@ -49,19 +50,6 @@ def pre_acts(x, ids, gate_up):
     xs = x.double()[keep.nonzero()[:, 0]]  # [n, H]
     gu = torch.einsum("nrh,nh->nr", w, xs)
     return gu[:, :I], gu[:, I:]
-
-
-def ref(x, ids, gate_up, down, y0):
-    want = expert_ffn_reference(x, ids, gate_up, down, act=CLAMP)  # [T, K, H] float64
-    return torch.where((ids >= 0)[..., None], want, y0.double())
-
-
-def check(y, want, ids, tol=1e-5):
-    keep = ids >= 0
-    assert torch.isnan(y[~keep]).all(), "an entry with id < 0 was written"
-    got, w = y[keep].double().cpu(), want[keep]
-    per = (got - w).norm(dim=-1) / w.norm(dim=-1).clamp_min(1e-30)
-    assert per.max() < tol, f"worst entry relative error {per.max():.2e}"
 
 
 def on_dev(*ts):
@@ -96,22 +84,22 @@ def test_oracle_sees_every_clamp():
 def test_decode_clamp_matches_reference(T, K, seed):
     x, ids, gu, dn = make(T, K, seed)
     y0 = torch.full((T, K, H), float("nan"))
-    want = ref(x, ids, gu, dn, y0)
+    want = act_reference(x, ids, gu, dn, CLAMP, y0)
     xd, idd, gud, dnd, y = on_dev(x, ids, gu, dn, y0)
     fused_moe_decode(xd, idd, gud, dnd, y, DECODE_SMALL, act=CLAMP)
-    check(y, want, ids)
+    check_entries(y, want, ids)
 
 
 @pytest.mark.parametrize("T,K,seed", [(6, 4, 3), (17, 2, 4)])
 def test_grouped_clamp_matches_reference(T, K, seed):
     x, ids, gu, dn = make(T, K, seed)
     y0 = torch.full((T, K, H), float("nan"))
-    want = ref(x, ids, gu, dn, y0)
+    want = act_reference(x, ids, gu, dn, CLAMP, y0)
     xd, idd, gud, dnd, y = on_dev(x, ids, gu, dn, y0)
     # bound to some ids (as a block passes it): "clamp" reads none of them
     act = CLAMP.bind(torch.zeros(1, 1, dtype=torch.int64, device=DEVICE))
     fused_moe_grouped(xd, idd, gud, dnd, y, GROUPED_SMALL, act=act)
-    check(y, want, ids)
+    check_entries(y, want, ids)
 
 
 def test_zero_missing_both_paths():
@@ -146,11 +134,11 @@ def test_quant_clamp_matches_reference(fmt, block, T, decode):
     assert ((g > LIMIT).any() and (u > LIMIT).any() and (u < -LIMIT).any()
             and (g < -LIMIT).any())
     y0 = torch.full((T, 4, H), float("nan"))
-    want = ref(x, ids, qgu, qdn, y0)
+    want = act_reference(x, ids, qgu, qdn, CLAMP, y0)
     xd, idd, y = on_dev(x, ids, y0)
     qgu, qdn = qgu.to(DEVICE), qdn.to(DEVICE)
     if decode:
         fused_moe_quant_decode(xd, idd, qgu, qdn, y, DECODE_SMALL, act=CLAMP)
     else:
         fused_moe_quant_grouped(xd, idd, qgu, qdn, y, GROUPED_SMALL, act=CLAMP)
-    check(y, want, ids)
+    check_entries(y, want, ids)
