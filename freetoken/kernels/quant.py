@@ -192,7 +192,7 @@ def quantize_mxfp4(w: Tensor, halves: int = 1) -> QuantBank:
     e = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp(min=2.0 ** -126))) - 2.0,
                     torch.full_like(amax, -127.0)).clamp(-127.0, 127.0)
     v = (g / torch.exp2(e)[..., None]).clamp(-6.0, 6.0)  # [.., R, C/32, 32]
-    grid = torch.tensor(E2M1_VALUES[:8])
+    grid = torch.tensor(E2M1_VALUES[:8], device=v.device)
     mag = (v.abs()[..., None] - grid).abs().argmin(dim=-1)  # nearest magnitude code
     codes = (mag + 8 * (v < 0).long()).to(torch.uint8).reshape(*lead, rows, cols)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)

@@ -125,3 +125,17 @@ def test_torch_paths_read_quantized_banks(fmt):
     assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-6)
     y2 = gathered_experts(x, ids, gu, dn, torch.zeros(5, 2, 64))
     assert torch.allclose(y2.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_quantize_stays_on_the_banks_device(fmt):
+    """Quantizing makes nothing on the CPU beside banks on another device (the H200's clamp
+    test quantized CUDA banks and met a CPU code grid, session 19): on the meta device every
+    output stays there and the shapes are those of a CPU quantization."""
+    w = torch.randn(2, 256, 256)
+    block = 32 if fmt == "mxfp4" else 128
+    want = quantize_bank(w, fmt, block, 2)
+    got = quantize_bank(w.to("meta"), fmt, block, 2)
+    assert got.data.device.type == "meta" and got.scale.device.type == "meta"
+    assert got.data.shape == want.data.shape and got.scale.shape == want.scale.shape
+    assert got.data.dtype == want.data.dtype and got.scale.dtype == want.scale.dtype

@@ -23,8 +23,9 @@ CLAMP = ExpertAct.clamp(LIMIT)
 @pytest.fixture(scope="module")
 def experts():
     g = torch.Generator(device="cuda").manual_seed(0)
-    # gate / up pre-activations std ~12 on unit x: about 40% past each side of ±10
-    gate_up = (torch.randn(S, 2 * I, H, device="cuda", generator=g) * (12.0 / H**0.5)).bfloat16()
+    # gate / up pre-activations std ~16 on unit x: about 27% past each side of ±10 (std 12
+    # gave 20%, which the 0.2 floor below missed by a hair on the H200, session 19)
+    gate_up = (torch.randn(S, 2 * I, H, device="cuda", generator=g) * (16.0 / H**0.5)).bfloat16()
     down = (torch.randn(S, H, I, device="cuda", generator=g) / I**0.5).bfloat16()
     return gate_up, down
 

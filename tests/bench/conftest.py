@@ -1,0 +1,1 @@
+from tests.models.conftest import tiny_hf  # noqa: F401  (shared session fixture)
