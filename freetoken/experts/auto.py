@@ -2,11 +2,12 @@
 
 `AutoGuard` times every backend the layer can run with one captured graph — `offload` (fetch
 every miss), `hybrid` (the runtime's q* rule, when a bandwidth profile measured it) and `cpu`
-(fetch none) — one after the other over the same number of decode steps, the profile's choice
-first, and settles on the fastest; steps that still compile or capture kernels are left
-untimed. `AutoExperts` is the layer: a `CpuSplitExperts` whose fetch rule is the guard's (the
-candidate it times now, then the one it settled on), so one captured graph serves every phase:
-the device table the decision reads is rewritten in place when the phase changes.
+(fetch none) — over the same number of decode steps, in short turns that take the candidates
+in a serpentine order (the profile's choice first), and settles on the fastest; steps that
+still compile or capture kernels are left untimed. `AutoExperts` is the layer: a
+`CpuSplitExperts` whose fetch rule is the guard's (the candidate it times now, then the one it
+settled on), so one captured graph serves every phase: the device table the decision reads is
+rewritten in place when the phase changes.
 """
 from __future__ import annotations
 
@@ -55,10 +56,19 @@ class AutoGuard:
     (an idle server, the warm-up before the first request, the host's handling of the tokens)
     is not the backend's.
 
-    Each candidate (`phase`) runs until `window` of its decode steps are timed; then the next
-    one runs. Kernels still warming up are not the backend's (issue #20 item 4: the choice,
+    Each candidate (`phase`) runs for a turn of `turn` timed decode steps, then the next one,
+    round after round, until every candidate has `window` timed steps; a round takes the
+    candidates in order, the next one in reverse (A B C C B A A B C ...), so a drift that
+    every candidate meets alike cancels. The workload's own warm-up is such a drift: the
+    expert cache fills toward the decode's hot set over the first tens of steps (`cpu` fills
+    nothing, `offload` fills every miss), and timed one after the other for a whole window
+    each (turn = window), the last candidate met the warmest cache: on the H200's replayed
+    router at batch 4 the guard timed offload (second) at 6.33 ms/step and hybrid (third)
+    at 3.84 and kept hybrid, which then decoded at 654 tok/s against offload's 1022
+    (session 19). Kernels still warming up are not the backend's (issue #20 item 4: the choice,
     timed first, paid every JIT compile and graph capture and lost to offload): in each phase
-    the first `discard` decode steps of every width go untimed, and so does any step that
+    the first `discard` decode steps of every width of each candidate go untimed, and so does
+    any step that
     captured a graph (`discard_step`, called by the decode runner). The candidates are compared
     width by width over the widths every one of them timed, weighted by the first phase's step
     counts (a phase of 4-row steps is not compared with one of 1-row steps); with no width in
@@ -66,12 +76,14 @@ class AutoGuard:
     first). `choice` is the profile's choice until the guard settles, then the fastest."""
 
     def __init__(self, candidates: dict[str, Callable[[int], int]], window: int = 32,
-                 discard: int = 2):
+                 discard: int = 2, turn: int = 8):
         if not candidates:
             raise ValueError("auto needs at least one candidate backend")
+        if window < 1 or turn < 1:
+            raise ValueError(f"auto's window and turn must be >= 1, got {window}, {turn}")
         self.rules = dict(candidates)
         self.order = list(self.rules)
-        self.window, self.discard = window, discard
+        self.window, self.discard, self.turn = window, discard, min(turn, window)
         self._width = 1
         self.discarded = 0
         self.decode_steps = 0  # decode steps marked while timing, untimed ones included
@@ -84,9 +96,13 @@ class AutoGuard:
     def _start_timing(self) -> None:
         """Every candidate untimed, the first one running (at start, and on `retime`)."""
         self.choice = self.phase = self.order[0]
-        self.steps, self.elapsed = 0, 0.0  # timed steps of the current phase and their seconds
+        self.steps = 0  # timed steps of the current turn
         self._start: float | None = None  # start of the current decode step, if timed
-        self._seen: dict[int, int] = {}  # decode steps per width in this phase, untimed included
+        # per candidate: decode steps per width, untimed included (the first `discard` of each
+        # width warm kernels), and its timed steps and their seconds over all its turns
+        self._seen: dict[str, dict[int, int]] = {n: {} for n in self.order}
+        self._timed: dict[str, list] = {n: [0.0, 0] for n in self.order}
+        self._turns = self._schedule()
         # per candidate and width: [seconds, steps] of the timed steps
         self.by_width: dict[str, dict[int, list]] = {n: {} for n in self.order}
         self.times: dict[str, float] = {}  # per candidate timed: mean seconds per step
@@ -121,13 +137,22 @@ class AutoGuard:
     def num_fetch(self, misses: int) -> int:
         return self.rules[self.running](misses)
 
+    def _schedule(self) -> list[str]:
+        """The candidate of every turn after the first: serpentine rounds until each has
+        `window` timed steps (a candidate's last turn may be shorter)."""
+        rounds = -(-self.window // self.turn)
+        out = [n for r in range(rounds)
+               for n in (self.order if r % 2 == 0 else self.order[::-1])]
+        return out[1:]
+
     def on_step(self, decode: bool, width: int = 1) -> None:
         self._start = None
         if not decode or self.settled:
             return
         self.decode_steps += 1
-        n = self._seen.get(width, 0)
-        self._seen[width] = n + 1
+        seen = self._seen[self.phase]
+        n = seen.get(width, 0)
+        seen[width] = n + 1
         if n < self.discard:  # this width's first steps in the phase: kernels may still warm
             self.discarded += 1
             return
@@ -147,18 +172,29 @@ class AutoGuard:
         acc = self.by_width[self.phase].setdefault(self._width, [0.0, 0])
         acc[0] += dt
         acc[1] += 1
-        self.elapsed += dt
+        tot = self._timed[self.phase]
+        tot[0] += dt
+        tot[1] += 1
         self.steps += 1
-        if self.steps < self.window:
+        if tot[1] >= self.window:
+            self.times[self.phase] = tot[0] / tot[1]
+        elif self.steps < self.turn:
             return
-        self.times[self.phase] = self.elapsed / self.steps
-        self.steps, self.elapsed, self._seen = 0, 0.0, {}
-        i = self.order.index(self.phase)
-        if i + 1 < len(self.order):
-            self.phase = self.order[i + 1]
+        self._next_turn()
+
+    def _next_turn(self) -> None:
+        """The next turn's candidate (one with steps still to time), or settle."""
+        self.steps = 0
+        was = self.phase
+        while self._turns:
+            n = self._turns.pop(0)
+            if self._timed[n][1] < self.window:
+                self.phase = n
+                break
         else:
             self._settle()
-        self._changed()
+        if self.phase != was:  # (a serpentine round's end: the same candidate again)
+            self._changed()
 
     def _settle(self) -> None:
         per, self.widths = self._compare()
@@ -174,7 +210,7 @@ class AutoGuard:
         say = log.info if best == first else log.warning
         say(kv("auto_settled", chosen=best, profile_choice=first, **ms,
                widths=",".join(map(str, self.widths)) or "none", steps=self.decode_steps,
-               discarded=self.discarded))
+               discarded=self.discarded, turn=self.turn))
 
     def _compare(self) -> tuple[dict[str, float], list[int]]:
         """Seconds per step of every candidate over the widths all of them timed (weighted by

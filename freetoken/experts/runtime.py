@@ -155,7 +155,7 @@ class MoERuntime:
             measured = profile is not None and profile.b_p is not None
             guard = AutoGuard(candidate_rules(choice, q_rule if measured else None))
             log.info(kv("auto_candidates", order=",".join(guard.order), window=guard.window,
-                        discard=guard.discard))
+                        turn=guard.turn, discard=guard.discard))
         if backend == "hybrid" and profile is None:
             log.warning(kv("no_bw_profile", using=f"B_P={FALLBACK_BP} B_H={FALLBACK_BH}",
                            hint="run `ft bench bw`"))

@@ -139,7 +139,7 @@ def test_the_settled_line_names_every_candidate(clock: Clock, caplog) -> None:
                                             "hybrid": 0.006}[running])
     lines = [r.message for r in caplog.records if r.message.startswith("auto_settled")]
     assert lines == [("auto_settled chosen=hybrid profile_choice=cpu cpu_ms=16.00 "
-                      "offload_ms=13.00 hybrid_ms=6.00 widths=1 steps=12 discarded=0")]
+                      "offload_ms=13.00 hybrid_ms=6.00 widths=1 steps=12 discarded=0 turn=4")]
     assert g.summary() == {"phase": "settled", "running": "hybrid",
                            "candidates": ["cpu", "offload", "hybrid"],
                            "ms_per_step": {"cpu": 16.0, "offload": 13.0, "hybrid": 6.0},
@@ -252,3 +252,57 @@ def test_the_prefill_stream_follows_what_auto_settles_on(tiny_hf, monkeypatch,
     cost = {"cpu": 0.03, "offload": 0.02, "hybrid": 0.01}
     drive(g, clock, lambda i, running: cost[running])
     assert g.choice == "hybrid" and st.seed is True and st.threshold == want["hybrid"]
+
+
+def _warming_cost(base: dict[str, float]):
+    """Step i's seconds under `running`: its steady cost plus a warm-up every candidate meets
+    alike, 4 ms at step 0 falling linearly to 0 at step 80 (the expert cache filling toward
+    the decode's hot set)."""
+    return lambda i, running: base[running] + 0.004 * max(0.0, 1 - i / 80)
+
+
+def test_turns_cancel_a_warm_up_that_favours_the_last_candidate(clock: Clock) -> None:
+    """Session 19 on the H200 (replayed router, batch 4): timed one after the other, the last
+    candidate met the warmest cache and won although offload was the faster in steady state.
+    Here offload's steady 4.0 ms beats hybrid's 5.2: a whole window each (turn = window)
+    keeps hybrid, the serpentine turns keep offload, and charge every candidate about the
+    same share of the warm-up."""
+    base = {"cpu": 0.010, "offload": 0.0040, "hybrid": 0.0052}
+    seq = _guard(("cpu", "offload", "hybrid"), window=32, discard=2)
+    seq.turn = 32
+    drive(seq, clock, _warming_cost(base))
+    assert seq.choice == "hybrid"  # the bias this guards against
+    g = AutoGuard({n: RULES[n] for n in ("cpu", "offload", "hybrid")}, window=32, discard=2,
+                  turn=8)
+    ran = drive(g, clock, _warming_cost(base))
+    assert g.choice == "offload"
+    # serpentine: cpu offload hybrid | hybrid offload cpu | ... in turns of 8 timed steps
+    # (each candidate's first turn also runs its 2 untimed warm steps)
+    turns = [k for k, _ in itertools.groupby(ran)]
+    assert turns == ["cpu", "offload", "hybrid", "offload", "cpu", "offload", "hybrid",
+                     "offload", "cpu"]
+    assert all(ran.count(n) == 34 for n in base) and g.settled_after == len(ran) == 102
+    # the warm-up each candidate was charged: spread over 3 ms timed a window each, under
+    # 0.3 ms in turns (exact for a linear drift; this one stops falling at step 80)
+    def spread(guard):
+        warm = [guard.compared[n] - base[n] for n in base]
+        return max(warm) - min(warm)
+    assert spread(seq) > 3e-3 and spread(g) < 3e-4
+
+
+def test_turns_fire_listeners_only_when_the_candidate_changes(clock: Clock) -> None:
+    """At a serpentine round's end the same candidate runs on: no listener call (a captured
+    layer rewrites its device table only when the rule changes)."""
+    g = AutoGuard({n: RULES[n] for n in ("hybrid", "offload")}, window=4, discard=0, turn=2)
+    seen: list[str] = []
+    g.listeners.append(lambda: seen.append(g.phase))
+    ran = drive(g, clock, lambda i, running: {"hybrid": 0.01, "offload": 0.02}[running])
+    assert ran == ["hybrid"] * 2 + ["offload"] * 4 + ["hybrid"] * 2
+    assert seen == ["offload", "hybrid", "settled"] and g.choice == "hybrid"
+
+
+def test_bad_window_or_turn_is_refused() -> None:
+    with pytest.raises(ValueError, match="window and turn"):
+        AutoGuard({"offload": RULES["offload"]}, window=0)
+    with pytest.raises(ValueError, match="window and turn"):
+        AutoGuard({"offload": RULES["offload"]}, turn=0)
