@@ -17,6 +17,7 @@ import torch
 from freetoken.bench.link_meter import LinkMeter, nvml_rx_reader
 from freetoken.bench.route_trace import TraceRouter, install_trace, uniform_trace  # noqa: F401
 from freetoken.engine.generate import generate, private_runner
+from freetoken.experts.auto import CANDIDATES, DISCARD, WINDOW
 from freetoken.experts.runtime import MoERuntime, find_profile
 from freetoken.experts.store import ExpertStore
 from freetoken.models.qwen import QwenMoE
@@ -167,21 +168,22 @@ def bench_profile(model: QwenMoE, store: ExpertStore):
 
 def warm_up(model: QwenMoE, rt: MoERuntime, prompt: list[int],
             prompts: list[list[int]] | None, cuda_graph: bool) -> int:
-    """The untimed decode before a backend's timed window: 8 tokens of `prompt` through
-    `generate`, and under `auto` as many decode steps as its guard needs to time every
-    candidate and settle (its steady state is what the window measures), at the timed run's
-    width: through the engine with `prompts` when given (a batch), else `generate`. At most
-    AUTO_WARM_ROUNDS rounds of at most AUTO_WARM_MAX_STEPS (steps that capture graphs go
-    untimed and need more). Returns the
-    decode steps `auto`'s guard saw by the end of it (0 without a guard)."""
+    """The untimed decode before a backend's timed window, at the timed run's width: through
+    the engine with `prompts` when given (a batch), else `generate`. Every backend gets the
+    decode steps `auto`'s guard needs to time each candidate and settle (its steady state is
+    what the window measures), so that every row's window starts from the same state: the
+    expert cache filled toward the decode's hot set, the replayed trace as far along, the
+    bucket's graph captured. (Session 19 on the H200, replayed router: after 8 warm-up tokens
+    hybrid decoded at 176 tok/s, after auto's 102 steps the same hybrid at 331.) Under `auto`
+    at most AUTO_WARM_ROUNDS rounds of at most AUTO_WARM_MAX_STEPS until it settles (steps
+    that capture graphs go untimed and need more). Returns the decode steps `auto`'s guard
+    saw by the end of it (0 without a guard)."""
     guard = rt.guard
-    if guard is None:
-        generate(model, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
-                 [], cuda_graph=cuda_graph, moe=rt)
-        return 0
-    need = min(AUTO_WARM_MAX_STEPS, len(guard.order) * (guard.discard + guard.window) + 8)
-    for _ in range(AUTO_WARM_ROUNDS):
-        if guard.settled:
+    n, window, discard = ((len(guard.order), guard.window, guard.discard) if guard is not None
+                          else (len(CANDIDATES), WINDOW, DISCARD))
+    need = min(AUTO_WARM_MAX_STEPS, n * (discard + window) + 8)
+    for _ in range(AUTO_WARM_ROUNDS if guard is not None else 1):
+        if guard is not None and guard.settled:
             break
         if prompts is not None:
             decode_batch(model, prompts, need, cuda_graph, moe=rt)
@@ -189,7 +191,7 @@ def warm_up(model: QwenMoE, rt: MoERuntime, prompt: list[int],
             generate(model, prompt, SamplingParams(max_tokens=need, temperature=0.0,
                                                    ignore_eos=True), [],
                      cuda_graph=cuda_graph, moe=rt)
-    return guard.decode_steps
+    return guard.decode_steps if guard is not None else 0
 
 
 def auto_note(guard, warm_steps: int) -> str:

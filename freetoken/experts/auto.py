@@ -26,6 +26,8 @@ log = get_logger("experts")
 
 # the backends `auto` may settle on, in the order it times those after the profile's choice
 CANDIDATES = ("offload", "hybrid", "cpu")
+# timed decode steps per candidate, untimed warm steps per width, timed steps a turn (AutoGuard)
+WINDOW, DISCARD, TURN = 32, 2, 8
 
 
 def candidate_rules(choice: str, q_rule: FetchRule | None) -> dict[str, FetchRule]:
@@ -75,8 +77,8 @@ class AutoGuard:
     common, by their overall means. A tie keeps the earlier candidate (the profile's choice
     first). `choice` is the profile's choice until the guard settles, then the fastest."""
 
-    def __init__(self, candidates: dict[str, Callable[[int], int]], window: int = 32,
-                 discard: int = 2, turn: int = 8):
+    def __init__(self, candidates: dict[str, Callable[[int], int]], window: int = WINDOW,
+                 discard: int = DISCARD, turn: int = TURN):
         if not candidates:
             raise ValueError("auto needs at least one candidate backend")
         if window < 1 or turn < 1:

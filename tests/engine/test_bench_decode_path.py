@@ -29,10 +29,12 @@ def test_engine_path_takes_batch_one_through_the_engine(tiny_hf, monkeypatch) ->
     prompt = list(range(3, 19))
     r = bench_moe.run_backend(model, store, "offload", MoEConfig(cache_size=4), cpu, prompt, 8,
                               cuda_graph=False, batch=1, engine=True)
-    assert calls == [1] and r.tok_s > 0 and 0.0 <= r.hit_rate <= 1.0 and r.fetch_bytes_tok > 0
+    # the warm-up and the timed run, both through the engine
+    assert calls == [1, 1] and r.tok_s > 0 and 0.0 <= r.hit_rate <= 1.0
+    assert r.fetch_bytes_tok > 0
     r = bench_moe.run_backend(model, store, "offload", MoEConfig(cache_size=4), cpu, prompt, 8,
                               cuda_graph=False, batch=1)
-    assert calls == [1] and r.tok_s > 0  # the default batch-1 path is generate
+    assert calls == [1, 1] and r.tok_s > 0  # the default batch-1 path is generate
 
 
 PROFILE = BandwidthProfile(key={}, b_h=60.0, b_p=50.0, b_p_overlap=45.0, b_h_overlap=50.0,
@@ -99,3 +101,40 @@ def test_auto_batch_warms_up_at_the_timed_width(tiny_hf, monkeypatch) -> None:
     r, guard, calls = _auto_bench(tiny_hf, monkeypatch, batch=2)
     assert calls == [] and guard.settled and guard.widths == [2]
     assert f"auto: settled on {guard.choice} after " in r.note
+
+
+def test_every_backend_warms_up_as_long_as_auto(tiny_hf, monkeypatch) -> None:
+    """Every row's timed window starts after the same untimed decode: auto's guard needs
+    3 x (2 + 32) steps to settle, and a fixed backend gets as many, at the timed width.
+    Bug caught (H200, session 19, replayed router): fixed backends warmed up for 8 tokens,
+    so their windows held the expert cache's fill toward the decode's hot set and auto's did
+    not (the same hybrid: 176 tok/s as itself, 331 settled under auto)."""
+    model = load_model(tiny_hf("qwen3_5_moe"), dtype=torch.float32, progress=False)
+    blocks = model.moe_blocks()
+    store = ExpertStore([b.experts.gate_up_proj.data for b in blocks],
+                        [b.experts.down_proj.data for b in blocks], pin=False)
+    monkeypatch.setattr("freetoken.experts.runtime.find_profile", lambda model, dtype: PROFILE)
+    runs: list[tuple[int, int]] = []  # (width, tokens) of every decode run, in order
+    real_gen, real_batch = bench_moe.generate, bench_moe.decode_batch
+
+    def gen(model, prompt, sp, *a, **k):
+        runs.append((1, sp.max_tokens))
+        return real_gen(model, prompt, sp, *a, **k)
+
+    def batch(model, prompts, n_tokens, *a, **k):
+        runs.append((len(prompts), n_tokens))
+        return real_batch(model, prompts, n_tokens, *a, **k)
+
+    monkeypatch.setattr(bench_moe, "generate", gen)
+    monkeypatch.setattr(bench_moe, "decode_batch", batch)
+    warm = {}
+    for width in (1, 2):
+        for backend in ("offload", "cpu", "auto"):
+            runs.clear()
+            bench_moe.run_backend(model, store, backend, MoEConfig(cache_size=4),
+                                  torch.device("cpu"), list(range(3, 19)), 12,
+                                  cuda_graph=False, batch=width)
+            assert runs[-1] == (width, 12)  # the timed run
+            warm[backend, width] = runs[:-1]
+        assert warm["offload", width] == warm["cpu", width] == warm["auto", width] \
+            == [(width, 3 * (2 + 32) + 8)]
