@@ -210,9 +210,12 @@ class AutoGuard:
         ms = {f"{n}_ms": f"{per[n] * 1e3:.2f}" for n in self.order}
         # warning when the live workload overrules the profile (its figures may be stale)
         say = log.info if best == first else log.warning
+        # how far the runner-up is behind: a near-tie (a few %) is within a step's noise
+        rest = [per[n] for n in self.order if n != best]
+        margin = (min(rest) / per[best] - 1) * 100 if rest and per[best] > 0 else 0.0
         say(kv("auto_settled", chosen=best, profile_choice=first, **ms,
-               widths=",".join(map(str, self.widths)) or "none", steps=self.decode_steps,
-               discarded=self.discarded, turn=self.turn))
+               margin_pct=f"{margin:.1f}", widths=",".join(map(str, self.widths)) or "none",
+               steps=self.decode_steps, discarded=self.discarded, turn=self.turn))
 
     def _compare(self) -> tuple[dict[str, float], list[int]]:
         """Seconds per step of every candidate over the widths all of them timed (weighted by

@@ -139,7 +139,8 @@ def test_the_settled_line_names_every_candidate(clock: Clock, caplog) -> None:
                                             "hybrid": 0.006}[running])
     lines = [r.message for r in caplog.records if r.message.startswith("auto_settled")]
     assert lines == [("auto_settled chosen=hybrid profile_choice=cpu cpu_ms=16.00 "
-                      "offload_ms=13.00 hybrid_ms=6.00 widths=1 steps=12 discarded=0 turn=4")]
+                      "offload_ms=13.00 hybrid_ms=6.00 margin_pct=116.7 widths=1 steps=12 "
+                      "discarded=0 turn=4")]
     assert g.summary() == {"phase": "settled", "running": "hybrid",
                            "candidates": ["cpu", "offload", "hybrid"],
                            "ms_per_step": {"cpu": 16.0, "offload": 13.0, "hybrid": 6.0},
